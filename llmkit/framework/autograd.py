@@ -1,0 +1,239 @@
+"""Reverse-mode autodiff on a tape of op applications.
+
+Every differentiable op application made while gradients are enabled records a :class:`Node`
+(its op spec, input tensors, attributes and outputs). ``backward`` walks the nodes in reverse
+topological order and calls each op's ``vjp`` rule. Rules are written with ops, so the same walk
+builds the backward program when the tensors are tracer values (program autodiff), and builds a
+differentiable graph when ``create_graph`` is set (higher-order gradients).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .ops.spec import ops as O
+
+if TYPE_CHECKING:
+    from .tensor import Tensor
+
+_state = threading.local()
+
+
+def is_grad_enabled() -> bool:
+    return getattr(_state, "enabled", True)
+
+
+class set_grad_enabled(contextlib.ContextDecorator):
+    """Context manager (and decorator) that turns gradient recording on or off."""
+
+    def __init__(self, mode: bool) -> None:
+        self.mode = mode
+
+    def __enter__(self) -> None:
+        self.prev = is_grad_enabled()
+        _state.enabled = self.mode
+
+    def __exit__(self, *exc: Any) -> None:
+        _state.enabled = self.prev
+
+
+def no_grad() -> set_grad_enabled:
+    """Ops inside record nothing and their outputs do not require grad."""
+    return set_grad_enabled(False)
+
+
+def enable_grad() -> set_grad_enabled:
+    return set_grad_enabled(True)
+
+
+class Node:
+    """One recorded op application: the tape entry that ``backward`` differentiates."""
+
+    __slots__ = ("attrs", "freed", "inputs", "outputs", "spec")
+
+    def __init__(self, spec, inputs: tuple, attrs: dict, outputs: tuple) -> None:
+        self.spec = spec
+        self.inputs = inputs  # Tensors (constants lifted to Tensors)
+        self.attrs = attrs
+        self.outputs = outputs  # detached stand-ins of the outputs: what the vjp rule calls `out`
+        self.freed = False
+
+    def free(self) -> None:
+        self.inputs = self.outputs = ()
+        self.freed = True
+
+    def __repr__(self) -> str:
+        return f"<Node {self.spec.name}>"
+
+
+def sum_to(g: Tensor, shape: Sequence) -> Tensor:
+    """Sum a broadcast gradient back to ``shape`` (the adjoint of broadcasting)."""
+    gshape = tuple(g.shape)
+    shape = tuple(shape)
+    if gshape == shape:
+        return g
+    lead = len(gshape) - len(shape)
+    axes = list(range(lead)) + [i + lead for i, d in enumerate(shape) if d == 1 and gshape[i + lead] != 1]
+    if axes:
+        g = O.sum(g, axis=axes, keepdim=True)
+    return O.reshape(g, shape) if tuple(g.shape) != shape else g
+
+
+def _topo(roots: Iterable[Tensor]) -> list[Node]:
+    """Nodes reachable from the roots, each after every node that consumes its outputs."""
+    order: list[Node] = []
+    seen: set[int] = set()
+    stack: list[tuple[Node, bool]] = [(r._node, False) for r in roots if r._node is not None]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        for x in node.inputs:
+            n = x._node
+            if n is not None and id(n) not in seen:
+                stack.append((n, False))
+    order.reverse()
+    return order
+
+
+def run_backward(
+    roots: Sequence[Tensor],
+    root_grads: Sequence[Tensor],
+    *,
+    retain_graph: bool = False,
+    create_graph: bool = False,
+    capture: Sequence[Tensor] | None = None,
+) -> list[Tensor | None] | None:
+    """Propagate ``root_grads`` from ``roots`` to every tensor that requires grad.
+
+    Without ``capture``, gradients accumulate into the ``.grad`` of leaf tensors. With it, the
+    gradients of exactly those tensors (leaves or not) are returned and no ``.grad`` changes.
+    """
+    from .tensor import Tensor
+
+    # Gradients waiting for a node: node id -> [grad per output].
+    pending: dict[int, list[Any]] = {}
+    want: dict[int, int] = {}  # capture: id(tensor) or (node id, out index) -> result slot
+    got: list[Tensor | None] = [None] * len(capture or ())
+    for i, t in enumerate(capture or ()):
+        want[id(t) if t._node is None else (id(t._node), t._out_idx)] = i
+
+    def accumulate(t: Tensor, g: Tensor) -> None:
+        if t._node is None:
+            if capture is not None:
+                slot = want.get(id(t))
+                if slot is not None:
+                    got[slot] = g if got[slot] is None else got[slot] + g
+            elif t.requires_grad:
+                g = g if create_graph else g.detach()
+                t.grad = g if t.grad is None else (t.grad + g if create_graph else (t.grad + g).detach())
+            return
+        slots = pending.setdefault(id(t._node), [None] * max(1, len(t._node.outputs)))
+        idx = t._out_idx
+        slots[idx] = g if slots[idx] is None else slots[idx] + g
+
+    for r, g in zip(roots, root_grads):
+        if not r.requires_grad:
+            raise RuntimeError(
+                "backward: a tensor does not require grad and has no grad_fn; "
+                "did you compute it under no_grad() or from tensors with requires_grad=False?"
+            )
+        accumulate(r, g)
+
+    with set_grad_enabled(create_graph):
+        for node in _topo(roots):
+            gs = pending.pop(id(node), None)
+            if gs is None:
+                continue
+            if node.freed:
+                raise RuntimeError(
+                    f"backward through {node.spec.name} a second time: its saved tensors were freed. "
+                    "Pass retain_graph=True to the first backward if you need to go through the graph twice."
+                )
+            for idx, g in enumerate(gs):
+                slot = want.get((id(node), idx))
+                if slot is not None and g is not None:
+                    got[slot] = g
+            spec = node.spec
+            if spec.multi_output:
+                g = tuple(gi if gi is not None else O.zeros_like(o) for gi, o in zip(gs, node.outputs))
+                out: Any = node.outputs
+            else:
+                g, out = gs[0], node.outputs[0]
+            grads = spec.vjp(g, out, *node.inputs, **node.attrs)
+            if len(grads) < len(node.inputs):  # rules may list omitted optional inputs too
+                raise RuntimeError(
+                    f"vjp rule of {spec.name} returned {len(grads)} gradients for {len(node.inputs)} inputs"
+                )
+            for i, (x, gx) in enumerate(zip(node.inputs, grads)):
+                if gx is None or i in spec.nondiff or not x.requires_grad:
+                    continue
+                if not isinstance(gx, Tensor):
+                    gx = gx()  # a thunk: computed only for inputs that need it
+                if gx.dtype != x.dtype:
+                    raise RuntimeError(
+                        f"vjp rule of {spec.name} gave a {gx.dtype} gradient for a {x.dtype} input {i}"
+                    )
+                accumulate(x, sum_to(gx, x.shape))
+            if not retain_graph:
+                node.free()
+    return got if capture is not None else None
+
+
+def backward(tensor: Tensor, grad: Tensor | None = None, retain_graph: bool = False,
+             create_graph: bool = False) -> None:
+    """Accumulate d(tensor)/d(leaf) into every leaf's ``.grad``; ``grad`` defaults to 1 for scalars."""
+    run_backward([tensor], [_seed_grad(tensor, grad)], retain_graph=retain_graph, create_graph=create_graph)
+
+
+def grad(
+    outputs: Tensor | Sequence[Tensor],
+    inputs: Tensor | Sequence[Tensor],
+    grad_outputs: Tensor | Sequence[Tensor | None] | None = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    allow_unused: bool = False,
+) -> tuple[Tensor | None, ...]:
+    """Gradients of ``outputs`` with respect to ``inputs`` (functional; ``.grad`` is untouched).
+
+    An input that the outputs do not depend on raises unless ``allow_unused`` (then it gets None).
+    """
+    from .tensor import Tensor
+
+    outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
+    ins = [inputs] if isinstance(inputs, Tensor) else list(inputs)
+    if grad_outputs is None or isinstance(grad_outputs, Tensor):
+        gos: list[Any] = [grad_outputs] * len(outs) if grad_outputs is None else [grad_outputs]
+    else:
+        gos = list(grad_outputs)
+    seeds = [_seed_grad(o, g) for o, g in zip(outs, gos)]
+    got = run_backward(outs, seeds, retain_graph=create_graph if retain_graph is None else retain_graph,
+                       create_graph=create_graph, capture=ins)
+    assert got is not None
+    for i, g in enumerate(got):
+        if g is None and not allow_unused:
+            raise RuntimeError(
+                f"grad: input {i} was not used to compute the outputs; pass allow_unused=True to get None"
+            )
+    return tuple(got)
+
+
+def _seed_grad(t: Tensor, g: Tensor | None) -> Tensor:
+    if g is not None:
+        if tuple(g.shape) != tuple(t.shape):
+            raise ValueError(f"backward: grad shape {list(g.shape)} does not match tensor shape {list(t.shape)}")
+        return g
+    if any(d != 1 for d in t.shape):
+        raise RuntimeError(
+            f"backward: grad can be created implicitly only for scalar outputs, got shape {list(t.shape)}; "
+            "pass grad=..."
+        )
+    return O.ones_like(t)

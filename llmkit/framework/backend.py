@@ -1,0 +1,200 @@
+"""Array backends and dtypes.
+
+A device name picks an array module: ``"cpu"`` is numpy, ``"gpu"`` is cupy. Kernels receive that
+module as ``xp`` and are written once for both. Dtypes are numpy dtype objects everywhere
+(bfloat16 comes from ml_dtypes); :func:`dtype` turns names into them and rejects anything else.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+# ---------------------------------------------------------------------------------------- dtypes
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+
+DTYPES: dict[str, np.dtype] = {
+    "float64": np.dtype(np.float64),
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": bfloat16,
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "bool": np.dtype(np.bool_),
+}
+_BY_DTYPE = {v: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = frozenset(DTYPES[n] for n in ("float64", "float32", "float16", "bfloat16"))
+INT_DTYPES = frozenset(DTYPES[n] for n in ("int8", "uint8", "int16", "int32", "int64"))
+
+
+def dtype(x: Any) -> np.dtype:
+    """Normalize a dtype given as a name, numpy dtype or scalar type; reject unsupported ones."""
+    if isinstance(x, np.dtype) and x in _BY_DTYPE:
+        return x
+    if isinstance(x, str):
+        d = DTYPES.get(x)
+        if d is not None:
+            return d
+    else:
+        try:
+            d = np.dtype(x)
+        except TypeError:
+            d = None
+        if d is not None and d in _BY_DTYPE:
+            return d
+    raise TypeError(f"unsupported dtype {x!r}; expected one of {', '.join(DTYPES)}")
+
+
+def dtype_name(d: Any) -> str:
+    """The canonical name of a supported dtype (``"float32"``, ``"bfloat16"``...)."""
+    return _BY_DTYPE[dtype(d)]
+
+
+def is_floating(d: Any) -> bool:
+    return dtype(d) in FLOAT_DTYPES
+
+
+def is_integer(d: Any) -> bool:
+    return dtype(d) in INT_DTYPES
+
+
+_state = threading.local()
+
+
+def get_default_dtype() -> np.dtype:
+    """The dtype of new floating tensors (float32 unless changed)."""
+    return getattr(_state, "default_dtype", DTYPES["float32"])
+
+
+def set_default_dtype(d: Any) -> None:
+    d = dtype(d)
+    if d not in FLOAT_DTYPES:
+        raise TypeError(f"default dtype must be floating, got {dtype_name(d)}")
+    _state.default_dtype = d
+
+
+# --------------------------------------------------------------------------------------- devices
+
+DEVICES = ("cpu", "gpu")
+_cupy: Any = None
+
+
+def _load_cupy() -> Any:
+    global _cupy
+    if _cupy is None:
+        try:
+            import cupy
+        except ImportError as e:
+            raise RuntimeError(
+                "device 'gpu' needs cupy: install llmkit with the gpu extra (pip install 'llmkit[gpu]')"
+            ) from e
+        try:
+            n = cupy.cuda.runtime.getDeviceCount()
+        except Exception as e:  # cupy imports fine on machines without a driver
+            raise RuntimeError(f"device 'gpu': cupy found no usable CUDA device ({e})") from e
+        if n < 1:
+            raise RuntimeError("device 'gpu': cupy found no CUDA device")
+        _cupy = cupy
+    return _cupy
+
+
+def gpu_available() -> bool:
+    try:
+        _load_cupy()
+    except RuntimeError:
+        return False
+    return True
+
+
+def check_device(device: str) -> str:
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)}")
+    return device
+
+
+def xp_for(device: str) -> Any:
+    """The array module of a device: numpy for "cpu", cupy for "gpu"."""
+    if device == "cpu":
+        return np
+    check_device(device)
+    return _load_cupy()
+
+
+def is_array(x: Any) -> bool:
+    """True for a numpy or cupy array (concrete values, not a tracer)."""
+    return isinstance(x, np.ndarray) or (_cupy is not None and isinstance(x, _cupy.ndarray))
+
+
+def device_of(array: Any) -> str:
+    """Which device an array lives on."""
+    return "cpu" if isinstance(array, (np.ndarray, np.generic)) else "gpu"
+
+
+def xp_of(array: Any) -> Any:
+    return np if isinstance(array, (np.ndarray, np.generic)) else _load_cupy()
+
+
+def get_device() -> str:
+    """The device new tensors are created on."""
+    return getattr(_state, "device", "cpu")
+
+
+def set_device(device: str) -> None:
+    xp_for(check_device(device))  # fail now, not at the first tensor
+    _state.device = device
+
+
+def to_numpy(array: Any) -> np.ndarray:
+    return array if isinstance(array, np.ndarray) else np.asarray(array.get() if hasattr(array, "get") else array)
+
+
+def to_device(array: Any, device: str) -> Any:
+    if device_of(array) == device:
+        return array
+    return to_numpy(array) if device == "cpu" else xp_for(device).asarray(array)
+
+
+# ------------------------------------------------------------------------------------ randomness
+
+_generators: dict[str, Any] = {}
+_seed_value = 0
+
+
+def seed(n: int) -> None:
+    """Seed every device's generator; runs with the same seed draw the same numbers."""
+    global _seed_value
+    _seed_value = int(n)
+    _generators.clear()
+
+
+def generator(device: str | None = None) -> Any:
+    """The seeded random generator of a device (numpy ``Generator`` or cupy's)."""
+    device = device or get_device()
+    g = _generators.get(device)
+    if g is None:
+        xp = xp_for(device)
+        g = xp.random.default_rng(_seed_value if device == "cpu" else _seed_value + 1)
+        _generators[device] = g
+    return g
+
+
+def get_rng_state() -> dict:
+    """JSON-serializable state of the CPU generator (for checkpoints)."""
+    return {"seed": _seed_value, "cpu": generator("cpu").bit_generator.state}
+
+
+def set_rng_state(state: dict) -> None:
+    seed(state["seed"])
+    generator("cpu").bit_generator.state = state["cpu"]
+
+
+def random_seed() -> int:
+    """Draw a fresh 63-bit seed from the CPU generator (ops such as dropout carry it as an attribute)."""
+    return int(generator("cpu").integers(0, 2**63 - 1))

@@ -1,0 +1,185 @@
+"""``apply(op, *inputs, **attrs)``: the one path from an op call to its computation.
+
+The inputs decide the *world* the op runs in:
+
+- plain arrays (the default): the eager world runs the op's reference kernel;
+- tracer values (inside ``to_static``): the tracing world appends an operation to a PIR block;
+- distributed values (auto-parallel): that world applies the op's SPMD rule, reshards, runs locally.
+
+This module imports neither the tracer nor the distributed layer: each registers its payload type
+with :func:`register_world` (so imports keep pointing down). Whatever the world, ``apply`` wraps
+the results in Tensors and records the autograd node, so eager autograd and program autodiff are
+the same code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import numpy as np
+
+from . import backend as B
+from .autograd import Node, is_grad_enabled
+from .ops.spec import OpError, OpSpec, get
+from .tensor import Tensor
+
+
+class World:
+    """How ops run on one kind of payload."""
+
+    name = "world"
+
+    def run(self, spec: OpSpec, payloads: list[Any], attrs: dict[str, Any]) -> Any:
+        """Compute (or record) the op; return one payload, or a tuple for multi-output ops."""
+        raise NotImplementedError
+
+    def constant(self, value: Any, dtype: np.dtype) -> Any:
+        """Lift a Python scalar or an array into this world's payload."""
+        raise NotImplementedError
+
+
+class EagerWorld(World):
+    """Runs reference kernels on numpy/cupy arrays right away."""
+
+    name = "eager"
+
+    def run(self, spec: OpSpec, arrays: list[Any], attrs: dict[str, Any]) -> Any:
+        # infer_meta validates the call: one clear error naming the op and the shapes.
+        spec.infer_meta(*arrays, **attrs)
+        xp = np
+        for a in arrays:
+            if a is not None and type(a) is not np.ndarray:
+                xp = B.xp_of(a)
+                break
+        try:
+            out = spec.kernel(xp, *arrays, **attrs)
+        except OpError:
+            raise
+        except Exception as e:
+            shown = ", ".join(_describe(a) for a in arrays)
+            raise OpError(f"{spec.name}: kernel failed on ({shown}): {e}") from e
+        # numpy reductions and 0-d arithmetic return numpy scalars; payloads are always arrays.
+        if spec.multi_output:
+            return tuple(o if type(o) is np.ndarray else xp.asarray(o) for o in out)
+        return out if type(out) is np.ndarray else xp.asarray(out)
+
+    def constant(self, value: Any, dtype: np.dtype) -> Any:
+        return B.xp_for(B.get_device()).asarray(value, dtype=dtype)
+
+
+def _describe(a: Any) -> str:
+    from .ops.spec import describe
+
+    return describe(a)
+
+
+EAGER = EagerWorld()
+_WORLDS: dict[type, World] = {}
+_local = threading.local()
+
+
+def register_world(payload_type: type, world: World) -> None:
+    """Route ops whose inputs carry ``payload_type`` payloads to ``world``."""
+    _WORLDS[payload_type] = world
+
+
+def world_of(payload: Any) -> World:
+    return _WORLDS.get(type(payload), EAGER)
+
+
+@contextlib.contextmanager
+def ambient(world: World):
+    """Ops with no world-specific inputs (constants, creation ops) run in ``world`` inside."""
+    stack = _local.__dict__.setdefault("stack", [])
+    stack.append(world)
+    try:
+        yield world
+    finally:
+        stack.pop()
+
+
+def current_world() -> World:
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else EAGER
+
+
+def _scalar_dtype(spec: OpSpec, value: Any, ref: Any) -> np.dtype:
+    """The dtype a Python scalar takes: the dtype of the op's first non-bool tensor input."""
+    if isinstance(value, (bool, np.bool_)):
+        return B.DTYPES["bool"]
+    if ref is None:
+        return B.DTYPES["int64"] if isinstance(value, (int, np.integer)) else B.get_default_dtype()
+    if isinstance(value, (float, np.floating)) and not B.is_floating(ref) and not float(value).is_integer():
+        raise OpError(f"{spec.name}: cannot combine a {B.dtype_name(ref)} tensor with the float {value!r}; cast first")
+    return ref
+
+
+def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
+    """Apply an op to tensors (or Python scalars / arrays, lifted to constants) and return Tensors."""
+    spec = op if type(op) is OpSpec else get(op)  # type: ignore[arg-type]
+    attrs = spec.bind(attrs)
+    n = len(inputs)
+    while n > spec.min_inputs and inputs[n - 1] is None:  # omitted trailing optional inputs
+        n -= 1
+    if n != len(inputs):
+        inputs = inputs[:n]
+    spec.check_arity(n)
+
+    world: World | None = None
+    ref = None
+    for x in inputs:
+        if type(x) is Tensor or isinstance(x, Tensor):
+            w = _WORLDS.get(type(x._data))
+            if w is not None:
+                if world is not None and w is not world:
+                    raise OpError(f"{spec.name}: cannot mix {world.name} and {w.name} tensors in one op")
+                world = w
+            if ref is None and x._data.dtype != np.bool_:
+                ref = x._data.dtype
+    if world is None:
+        world = current_world()
+
+    payloads: list[Any] = []
+    lifted = False
+    for x in inputs:
+        if isinstance(x, Tensor):
+            payloads.append(x._data)
+        elif x is None:
+            raise OpError(f"{spec.name}: only trailing optional inputs may be None")
+        else:
+            lifted = True
+            if isinstance(x, (list, tuple)) or B.is_array(x):
+                arr = np.asarray(x) if isinstance(x, (list, tuple)) else x
+                payloads.append(world.constant(arr, B.dtype(arr.dtype)))
+            else:
+                payloads.append(world.constant(x, _scalar_dtype(spec, x, ref)))
+
+    outs = world.run(spec, payloads, attrs)
+
+    if spec.multi_output:
+        result: Any = tuple(Tensor._wrap(o) for o in outs)
+        wrapped = result
+    else:
+        result = Tensor._wrap(outs)
+        wrapped = (result,)
+
+    if spec.vjp is not None and is_grad_enabled():
+        nondiff = spec.nondiff
+        needs = False
+        for i, x in enumerate(inputs):
+            if isinstance(x, Tensor) and x.requires_grad and i not in nondiff:
+                needs = True
+                break
+        if needs:
+            node_inputs = tuple(
+                x if isinstance(x, Tensor) else Tensor._wrap(p) for x, p in zip(inputs, payloads)
+            ) if lifted else inputs
+            node = Node(spec, node_inputs, attrs, tuple(Tensor._wrap(t._data) for t in wrapped))
+            for i, t in enumerate(wrapped):
+                if B.is_floating(t._data.dtype):
+                    t.requires_grad = True
+                    t._node = node
+                    t._out_idx = i
+    return result

@@ -1,0 +1,96 @@
+"""Contractions: matmul (and linear = matmul + bias), which stay with BLAS / cuBLAS."""
+
+from __future__ import annotations
+
+from .. import backend as B
+from .. import symbolic as sym
+from .spec import A, Kind, Meta, OpError, attr, broadcast_shapes, defop, same_dtype
+from .spec import ops as O
+
+
+def _mm_dims(name, x, y, tx, ty):
+    if x.ndim < 2 or y.ndim < 2:
+        raise OpError(f"{name}: both inputs need at least 2 dims (use reshape/unsqueeze)", x, y)
+    same_dtype(name, x, y)
+    if x.dtype == B.DTYPES["bool"]:
+        raise OpError(f"{name}: expects numeric tensors", x, y)
+    m, k = (x.shape[-1], x.shape[-2]) if tx else (x.shape[-2], x.shape[-1])
+    k2, n = (y.shape[-1], y.shape[-2]) if ty else (y.shape[-2], y.shape[-1])
+    if sym.canonical(k) != sym.canonical(k2):
+        raise OpError(
+            f"{name}: inner dims differ ({k} vs {k2}"
+            f"{', transpose_x' if tx else ''}{', transpose_y' if ty else ''})", x, y)
+    batch = broadcast_shapes(name, Meta(x.shape[:-2], x.dtype), Meta(y.shape[:-2], y.dtype))
+    return batch, m, n
+
+
+def _matmul_meta(x, y, transpose_x=False, transpose_y=False):
+    batch, m, n = _mm_dims("matmul", x, y, transpose_x, transpose_y)
+    return Meta(batch + (m, n), x.dtype)
+
+
+def _matmul_kernel(xp, x, y, transpose_x=False, transpose_y=False):
+    if transpose_x:
+        x = xp.swapaxes(x, -1, -2)
+    if transpose_y:
+        y = xp.swapaxes(y, -1, -2)
+    return xp.matmul(x, y)
+
+
+def _flat(t):
+    """[..., d] -> [N, d], so a weight's gradient is one GEMM instead of a batch then a sum."""
+    return O.reshape(t, [-1, t.shape[-1]])
+
+
+def _matmul_vjp(g, out, x, y, transpose_x=False, transpose_y=False):
+    tx, ty = transpose_x, transpose_y
+
+    def dx():
+        return O.matmul(y, g, transpose_x=ty, transpose_y=True) if tx else O.matmul(g, y, transpose_y=not ty)
+
+    def dy():
+        if y.ndim == 2 and x.ndim > 2 and not tx:
+            x2, g2 = _flat(x), _flat(g)
+            return O.matmul(g2, x2, transpose_x=True) if ty else O.matmul(x2, g2, transpose_x=True)
+        return O.matmul(g, x, transpose_x=True, transpose_y=tx) if ty else O.matmul(x, g, transpose_x=not tx)
+
+    return dx, dy
+
+
+defop("matmul", Kind.CONTRACTION, inputs=("x", "y"),
+      attrs=[attr("transpose_x", A.BOOL, False), attr("transpose_y", A.BOOL, False)],
+      infer_meta=_matmul_meta, kernel=_matmul_kernel, vjp=_matmul_vjp,
+      doc="Batched matrix product with numpy broadcasting of the leading dims; "
+          "transpose_x/transpose_y swap the last two dims of an input first.")
+
+
+def _linear_meta(x, weight, bias=None):
+    batch, m, n = _mm_dims("linear", x, Meta(weight.shape, weight.dtype), False, True)
+    if weight.ndim != 2:
+        raise OpError("linear: weight must be [out_features, in_features]", x, weight)
+    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != x.dtype):
+        raise OpError(f"linear: bias must be [{weight.shape[0]}] {B.dtype_name(x.dtype)}", x, weight, bias)
+    return Meta(batch + (m, n), x.dtype)
+
+
+def _linear_kernel(xp, x, weight, bias=None):
+    out = xp.matmul(x, weight.T)
+    if bias is not None:
+        out += bias
+    return out
+
+
+def _linear_vjp(g, out, x, weight, bias=None):
+    return (lambda: O.matmul(g, weight), lambda: O.matmul(_flat(g), _flat(x), transpose_x=True),
+            None if bias is None else g)
+
+
+def _linear_decompose(x, weight, bias=None):
+    y = O.matmul(x, weight, transpose_y=True)
+    return y if bias is None else y + bias
+
+
+defop("linear", Kind.CONTRACTION, inputs=("x", "weight", "bias?"), infer_meta=_linear_meta,
+      kernel=_linear_kernel, vjp=_linear_vjp, decompose=_linear_decompose,
+      doc="x @ weight.T + bias with weight [out_features, in_features] (the Hugging Face layout).")
+

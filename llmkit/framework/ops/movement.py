@@ -1,0 +1,465 @@
+"""Movement ops: reshape, permute, broadcast, slice, join, split, gather and scatter.
+
+They compute nothing, so their gradients are other movement ops (the inverse move, or a scatter of
+the gathered elements). Sizes may be symbolic: shape arithmetic goes through ``symbolic``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .. import backend as B
+from .. import symbolic as sym
+from .spec import A, AttrType, Kind, Meta, OpError, attr, defop, describe, norm_axes, norm_axis, optional
+from .spec import ops as O
+
+END = 2**63 - 1  # a slice end meaning "to the end of the axis"
+
+
+def _int_index(name: str, x) -> None:
+    if not B.is_integer(x.dtype):
+        raise OpError(f"{name}: indices must be an integer tensor, got {describe(x)}")
+
+
+# ---- reshape / transpose / expand / squeeze / unsqueeze -----------------------------------------
+
+
+def _reshape_meta(x, shape):
+    numel = sym.product(x.shape)
+    if sum(1 for d in shape if d == -1) > 1:
+        raise OpError(f"reshape: at most one -1 in shape {list(shape)}")
+    if any(isinstance(d, int) and d < -1 for d in shape):
+        raise OpError(f"reshape: negative size in shape {list(shape)}")
+    if -1 in shape:
+        known = sym.product(d for d in shape if d != -1)
+        try:
+            rest = sym.div(numel, known)
+        except (sym.DimError, ZeroDivisionError):
+            raise OpError(f"reshape: cannot reshape {describe(x)} into {list(shape)}") from None
+        shape = tuple(rest if d == -1 else d for d in shape)
+    if sym.canonical(sym.product(shape)) != sym.canonical(numel):
+        raise OpError(f"reshape: cannot reshape {describe(x)} into {list(shape)} (sizes differ)")
+    return Meta(shape, x.dtype)
+
+
+defop("reshape", Kind.MOVEMENT, attrs=[attr("shape", A.SHAPE)], infer_meta=_reshape_meta,
+      kernel=lambda xp, x, shape: xp.reshape(x, shape),
+      vjp=lambda g, out, x, shape: (O.reshape(g, x.shape),),
+      doc="Same elements, new shape (row-major); one entry may be -1.")
+
+
+def _transpose_meta(x, perm):
+    if sorted(perm) != list(range(x.ndim)):
+        raise OpError(f"transpose: perm {list(perm)} is not a permutation of the {x.ndim} axes of {describe(x)}")
+    return Meta(tuple(x.shape[p] for p in perm), x.dtype)
+
+
+defop("transpose", Kind.MOVEMENT, attrs=[attr("perm", A.INTS)], infer_meta=_transpose_meta,
+      kernel=lambda xp, x, perm: xp.transpose(x, perm),
+      vjp=lambda g, out, x, perm: (O.transpose(g, tuple(int(i) for i in np.argsort(perm))),),
+      doc="Permute axes: out.shape[i] = x.shape[perm[i]].")
+
+
+def _expand_meta(x, shape):
+    if len(shape) < x.ndim:
+        raise OpError(f"expand: target shape {list(shape)} has fewer dims than {describe(x)}")
+    lead = len(shape) - x.ndim
+    out = list(shape[:lead])
+    for d, t in zip(x.shape, shape[lead:]):
+        if t == -1 or t == d:
+            out.append(d)
+        elif d == 1:
+            out.append(t)
+        else:
+            raise OpError(f"expand: cannot broadcast {describe(x)} to {list(shape)}")
+    return Meta(out, x.dtype)
+
+
+def _expand_kernel(xp, x, shape):
+    return xp.broadcast_to(x, _expand_meta(x, shape).shape)
+
+
+defop("expand", Kind.MOVEMENT, attrs=[attr("shape", A.SHAPE)], infer_meta=_expand_meta, kernel=_expand_kernel,
+      vjp=lambda g, out, x, shape: (g,),  # autograd sums the gradient back to x's shape
+      doc="Broadcast to a larger shape (numpy broadcast_to); -1 keeps a dim.")
+
+
+def _squeeze_meta(x, axis=None):
+    if axis is None:
+        return Meta([d for d in x.shape if d != 1], x.dtype)
+    axes = norm_axes("squeeze", axis, x.ndim)
+    for a in axes:
+        if x.shape[a] != 1:
+            raise OpError(f"squeeze: axis {a} has size {x.shape[a]}, not 1 (input {describe(x)})")
+    return Meta([d for i, d in enumerate(x.shape) if i not in axes], x.dtype)
+
+
+defop("squeeze", Kind.MOVEMENT, attrs=[attr("axis", A.AXES, None)], infer_meta=_squeeze_meta,
+      kernel=lambda xp, x, axis=None: xp.reshape(x, _squeeze_meta(x, axis).shape),
+      vjp=lambda g, out, x, axis: (O.reshape(g, x.shape),), doc="Drop size-1 axes.")
+
+
+def _unsqueeze_meta(x, axis):
+    nd = x.ndim + len(axis)
+    axes = norm_axes("unsqueeze", axis, nd)
+    it = iter(x.shape)
+    return Meta([1 if i in axes else next(it) for i in range(nd)], x.dtype)
+
+
+defop("unsqueeze", Kind.MOVEMENT, attrs=[attr("axis", A.INTS)], infer_meta=_unsqueeze_meta,
+      kernel=lambda xp, x, axis: xp.reshape(x, _unsqueeze_meta(x, axis).shape),
+      vjp=lambda g, out, x, axis: (O.reshape(g, x.shape),), doc="Insert size-1 axes at the given output positions.")
+
+
+# ---- slice / slice_scatter ---------------------------------------------------------------------
+
+
+def _slice_dim(name, d, start, end, step):
+    if step == 0:
+        raise OpError(f"{name}: step must not be 0")
+    if isinstance(d, int):
+        return len(range(*slice(start, None if end == END else end, step).indices(d)))
+    if step != 1:
+        raise OpError(f"{name}: a step other than 1 needs a static size, but the axis is {d!r}")
+    lo = sym.add(d, start) if start < 0 else start
+    hi = d if end == END else (sym.add(d, end) if end < 0 else end)
+    return sym.sub(hi, lo)
+
+
+def _slice_norm(name, x, axes, starts, ends, steps):
+    steps = steps or (1,) * len(axes)
+    if not len(axes) == len(starts) == len(ends) == len(steps):
+        raise OpError(f"{name}: axes, starts, ends and steps must have the same length")
+    axes = tuple(norm_axis(name, a, x.ndim) for a in axes)
+    if len(set(axes)) != len(axes):
+        raise OpError(f"{name}: repeated axis in {axes}")
+    return axes, steps
+
+
+def _slice_meta(x, axes, starts, ends, steps=None):
+    axes, steps = _slice_norm("slice", x, axes, starts, ends, steps)
+    shape = list(x.shape)
+    for a, s, e, st in zip(axes, starts, ends, steps):
+        shape[a] = _slice_dim("slice", shape[a], s, e, st)
+    return Meta(shape, x.dtype)
+
+
+def _slices(ndim, axes, starts, ends, steps):
+    idx = [slice(None)] * ndim
+    for a, s, e, st in zip(axes, starts, ends, steps or (1,) * len(axes)):
+        idx[a % ndim] = slice(s, None if e == END else e, st)
+    return tuple(idx)
+
+
+def _slice_kernel(xp, x, axes, starts, ends, steps=None):
+    return x[_slices(x.ndim, axes, starts, ends, steps)]
+
+
+_SLICE_ATTRS = [attr("axes", A.INTS), attr("starts", A.INTS), attr("ends", A.INTS), attr("steps", A.AXES, None)]
+
+defop("slice", Kind.MOVEMENT, attrs=_SLICE_ATTRS, infer_meta=_slice_meta, kernel=_slice_kernel,
+      vjp=lambda g, out, x, **a: (O.slice_scatter(O.zeros_like(x), g, **a),),
+      doc=f"Python slicing start:end:step along the given axes; end {END} means to the end.")
+
+
+def _slice_scatter_meta(base, src, axes, starts, ends, steps=None):
+    want = _slice_meta(base, axes, starts, ends, steps)
+    if src.dtype != base.dtype or (
+        all(isinstance(d, int) for d in src.shape + want.shape) and tuple(src.shape) != tuple(want.shape)
+    ):
+        raise OpError(f"slice_scatter: src must be {describe(want)} to fill the slice", base, src)
+    return Meta(base.shape, base.dtype)
+
+
+def _slice_scatter_kernel(xp, base, src, axes, starts, ends, steps=None):
+    out = base.copy()
+    out[_slices(base.ndim, axes, starts, ends, steps)] = src
+    return out
+
+
+defop("slice_scatter", Kind.MOVEMENT, inputs=("x", "src"), attrs=_SLICE_ATTRS, infer_meta=_slice_scatter_meta,
+      kernel=_slice_scatter_kernel,
+      vjp=lambda g, out, base, src, **a: (O.slice_scatter(g, O.zeros_like(src), **a), O.slice(g, **a)),
+      doc="x with the slice replaced by src (the functional form of x[slice] = src).")
+
+
+# ---- concat / stack / split --------------------------------------------------------------------
+
+
+def _concat_meta(*xs, axis=0):
+    if not xs:
+        raise OpError("concat: needs at least one tensor")
+    ax = norm_axis("concat", axis, xs[0].ndim)
+    total = 0
+    for x in xs:
+        if x.ndim != xs[0].ndim or x.dtype != xs[0].dtype or any(
+            i != ax and a != b for i, (a, b) in enumerate(zip(x.shape, xs[0].shape))
+        ):
+            raise OpError(f"concat: tensors must match except along axis {axis}", *xs)
+        total = sym.add(total, x.shape[ax])
+    shape = list(xs[0].shape)
+    shape[ax] = total
+    return Meta(shape, xs[0].dtype)
+
+
+def _concat_vjp(g, out, *xs, axis=0):
+    ax = norm_axis("concat", axis, g.ndim)
+    if len(xs) == 1:
+        return (g,)
+    return O.split(g, tuple(x.shape[ax] for x in xs), axis=ax)
+
+
+defop("concat", Kind.MOVEMENT, inputs=("*xs",), attrs=[attr("axis", A.INT, 0)], infer_meta=_concat_meta,
+      kernel=lambda xp, *xs, axis=0: xp.concatenate(xs, axis=axis), vjp=_concat_vjp,
+      doc="Join tensors along an existing axis.")
+
+
+def _stack_meta(*xs, axis=0):
+    if not xs:
+        raise OpError("stack: needs at least one tensor")
+    for x in xs:
+        if tuple(x.shape) != tuple(xs[0].shape) or x.dtype != xs[0].dtype:
+            raise OpError("stack: tensors must all have the same shape and dtype", *xs)
+    ax = norm_axis("stack", axis, xs[0].ndim + 1)
+    shape = list(xs[0].shape)
+    shape.insert(ax, len(xs))
+    return Meta(shape, xs[0].dtype)
+
+
+def _stack_vjp(g, out, *xs, axis=0):
+    parts = O.split(g, len(xs), axis=axis) if len(xs) > 1 else (g,)
+    return tuple(O.reshape(p, x.shape) for p, x in zip(parts, xs))
+
+
+defop("stack", Kind.MOVEMENT, inputs=("*xs",), attrs=[attr("axis", A.INT, 0)], infer_meta=_stack_meta,
+      kernel=lambda xp, *xs, axis=0: xp.stack(xs, axis=axis), vjp=_stack_vjp,
+      doc="Join same-shaped tensors along a new axis.")
+
+
+def _num_or_sections(v):
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        if v < 1:
+            raise TypeError("a positive number of parts or a list of sizes")
+        return int(v)
+    try:
+        return A.SHAPE.normalize(v)
+    except TypeError:
+        raise TypeError("a number of parts or a list of sizes") from None
+
+
+NUM_OR_SECTIONS = AttrType("num_or_sections", _num_or_sections)
+
+
+def _split_sizes(x, sections, axis):
+    ax = norm_axis("split", axis, x.ndim)
+    d = x.shape[ax]
+    if isinstance(sections, int):
+        try:
+            part = sym.div(d, sections)
+        except sym.DimError:
+            raise OpError(f"split: axis {axis} of {describe(x)} does not split into {sections} equal parts") from None
+        return ax, (part,) * sections
+    if sym.canonical(sum_dims(sections)) != sym.canonical(d):
+        raise OpError(f"split: sizes {list(sections)} do not add up to axis {axis} of {describe(x)}")
+    return ax, tuple(sections)
+
+
+def sum_dims(dims: Sequence) -> sym.Dim:
+    total: sym.Dim = 0
+    for d in dims:
+        total = sym.add(total, d)
+    return total
+
+
+def _split_meta(x, sections, axis=0):
+    ax, sizes = _split_sizes(x, sections, axis)
+    return tuple(Meta(x.shape[:ax] + (s,) + x.shape[ax + 1 :], x.dtype) for s in sizes)
+
+
+def _split_kernel(xp, x, sections, axis=0):
+    ax, sizes = _split_sizes(x, sections, axis)
+    return tuple(xp.split(x, np.cumsum(sizes[:-1]).tolist(), axis=ax))
+
+
+def _split_vjp(gs, outs, x, sections, axis=0):
+    return (O.concat([g if g is not None else O.zeros_like(o) for g, o in zip(gs, outs)], axis=axis),)
+
+
+defop("split", Kind.MOVEMENT, attrs=[attr("sections", NUM_OR_SECTIONS), attr("axis", A.INT, 0)],
+      infer_meta=_split_meta, kernel=_split_kernel, vjp=_split_vjp, multi_output=True,
+      doc="Split along axis into a number of equal parts or into parts of the given sizes.")
+
+
+# ---- gather / scatter --------------------------------------------------------------------------
+
+
+def _index_select_meta(x, index, axis=0):
+    _int_index("index_select", index)
+    if index.ndim != 1:
+        raise OpError(f"index_select: index must be 1-D, got {describe(index)}")
+    ax = norm_axis("index_select", axis, x.ndim)
+    return Meta(x.shape[:ax] + (index.shape[0],) + x.shape[ax + 1 :], x.dtype)
+
+
+defop("index_select", Kind.MOVEMENT, inputs=("x", "index"), attrs=[attr("axis", A.INT, 0)],
+      infer_meta=_index_select_meta, kernel=lambda xp, x, index, axis=0: xp.take(x, index, axis=axis),
+      nondiff={1}, vjp=lambda g, out, x, index, axis: (O.index_add(O.zeros_like(x), index, g, axis=axis), None),
+      doc="out = x.take(index, axis): whole slices picked by a 1-D index.")
+
+
+def _add_at(xp, out, idx, src):
+    if xp is np:
+        np.add.at(out, idx, src)
+    else:
+        import cupyx
+
+        cupyx.scatter_add(out, idx, src)
+    return out
+
+
+def _index_add_meta(x, index, src, axis=0):
+    want = _index_select_meta(x, index, axis)
+    if src.dtype != x.dtype or (
+        all(isinstance(d, int) for d in src.shape + want.shape) and tuple(src.shape) != tuple(want.shape)
+    ):
+        raise OpError(f"index_add: src must be {describe(want)}", x, index, src)
+    return Meta(x.shape, x.dtype)
+
+
+def _index_add_kernel(xp, x, index, src, axis=0):
+    ax = axis % x.ndim
+    return _add_at(xp, x.copy(), (slice(None),) * ax + (index,), src)
+
+
+defop("index_add", Kind.MOVEMENT, inputs=("x", "index", "src"), attrs=[attr("axis", A.INT, 0)],
+      infer_meta=_index_add_meta, kernel=_index_add_kernel, nondiff={1},
+      vjp=lambda g, out, x, index, src, axis: (g, None, O.index_select(g, index, axis=axis)),
+      doc="x with src's slices added at index along axis (repeated indices accumulate).")
+
+
+def _gather_meta(x, index, axis=0):
+    _int_index("gather", index)
+    norm_axis("gather", axis, x.ndim)
+    if index.ndim != x.ndim:
+        raise OpError("gather: index must have the same rank as x", x, index)
+    return Meta(index.shape, x.dtype)
+
+
+defop("gather", Kind.MOVEMENT, inputs=("x", "index"), attrs=[attr("axis", A.INT, 0)], infer_meta=_gather_meta,
+      kernel=lambda xp, x, index, axis=0: xp.take_along_axis(x, index, axis=axis), nondiff={1},
+      vjp=lambda g, out, x, index, axis: (O.scatter_add(O.zeros_like(x), index, g, axis=axis), None),
+      doc="out[..., i, ...] = x[..., index[..., i, ...], ...] along axis (numpy take_along_axis).")
+
+
+def _scatter_add_meta(x, index, src, axis=0):
+    _gather_meta(x, index, axis)
+    if src.dtype != x.dtype or tuple(src.shape) != tuple(index.shape):
+        raise OpError("scatter_add: src must have index's shape and x's dtype", x, index, src)
+    return Meta(x.shape, x.dtype)
+
+
+def _scatter_add_kernel(xp, x, index, src, axis=0):
+    ax = axis % x.ndim
+    idx = list(xp.indices(index.shape, sparse=True))
+    idx[ax] = index
+    return _add_at(xp, x.copy(), tuple(idx), src)
+
+
+defop("scatter_add", Kind.MOVEMENT, inputs=("x", "index", "src"), attrs=[attr("axis", A.INT, 0)],
+      infer_meta=_scatter_add_meta, kernel=_scatter_add_kernel, nondiff={1},
+      vjp=lambda g, out, x, index, src, axis: (g, None, O.gather(g, index, axis=axis)),
+      doc="x plus src added at positions index along axis (the adjoint of gather).")
+
+
+def _embedding_meta(ids, weight):
+    _int_index("embedding", ids)
+    if weight.ndim != 2:
+        raise OpError("embedding: weight must be [num_embeddings, dim]", ids, weight)
+    return Meta(tuple(ids.shape) + (weight.shape[1],), weight.dtype)
+
+
+def _embedding_vjp(g, out, ids, weight):
+    flat = O.reshape(ids, [-1])
+    return (None, lambda: O.index_add(O.zeros_like(weight), flat, O.reshape(g, [-1, weight.shape[1]]), axis=0))
+
+
+defop("embedding", Kind.MOVEMENT, inputs=("ids", "weight"), infer_meta=_embedding_meta,
+      kernel=lambda xp, ids, weight: xp.take(weight, ids, axis=0), nondiff={0}, vjp=_embedding_vjp,
+      decompose=lambda ids, weight: O.reshape(
+          O.index_select(weight, O.reshape(ids, [-1]), axis=0), tuple(ids.shape) + (weight.shape[1],)),
+      doc="Rows of weight picked by integer ids: out[..., :] = weight[ids[...], :].")
+
+
+# ---- masks, one-hot, top-k, ranges -------------------------------------------------------------
+
+
+def _tri_meta(name):
+    def infer(x, diagonal=0):
+        if x.ndim < 2:
+            raise OpError(f"{name}: expects at least 2 dims, got {describe(x)}")
+        return Meta(x.shape, x.dtype)
+
+    return infer
+
+
+defop("tril", Kind.OPAQUE, attrs=[attr("diagonal", A.INT, 0)], infer_meta=_tri_meta("tril"),
+      kernel=lambda xp, x, diagonal=0: xp.tril(x, diagonal),
+      vjp=lambda g, out, x, diagonal: (O.tril(g, diagonal=diagonal),),
+      doc="Keep the lower triangle of the last two dims (j <= i + diagonal), zero the rest.")
+defop("triu", Kind.OPAQUE, attrs=[attr("diagonal", A.INT, 0)], infer_meta=_tri_meta("triu"),
+      kernel=lambda xp, x, diagonal=0: xp.triu(x, diagonal),
+      vjp=lambda g, out, x, diagonal: (O.triu(g, diagonal=diagonal),),
+      doc="Keep the upper triangle of the last two dims (j >= i + diagonal), zero the rest.")
+
+
+def _one_hot_meta(x, num_classes, dtype="float32"):
+    _int_index("one_hot", x)
+    return Meta(tuple(x.shape) + (num_classes,), dtype)
+
+
+defop("one_hot", Kind.OPAQUE, attrs=[attr("num_classes", A.INT, check=lambda v: None if v > 0 else "must be > 0"),
+      attr("dtype", A.DTYPE, "float32")], infer_meta=_one_hot_meta,
+      kernel=lambda xp, x, num_classes, dtype="float32": (x[..., None] == xp.arange(num_classes)).astype(dtype),
+      doc="out[..., c] = 1 where x[...] == c (labels outside [0, num_classes) give all zeros).")
+
+
+def _topk_meta(x, k, axis=-1, largest=True):
+    ax = norm_axis("topk", axis, x.ndim)
+    if x.dtype == B.DTYPES["bool"] or x.dtype == B.DTYPES["uint8"]:
+        raise OpError(f"topk: expects a signed numeric tensor, got {describe(x)}")
+    if isinstance(x.shape[ax], int) and not 0 < k <= x.shape[ax]:
+        raise OpError(f"topk: k={k} is out of range for axis {axis} of {describe(x)}")
+    shape = x.shape[:ax] + (k,) + x.shape[ax + 1 :]
+    return Meta(shape, x.dtype), Meta(shape, "int64")
+
+
+def _topk_kernel(xp, x, k, axis=-1, largest=True):
+    order = xp.argsort(-x if largest else x, axis=axis, kind="stable")
+    idx = xp.take(order, xp.arange(k), axis=axis).astype("int64", copy=False)
+    return xp.take_along_axis(x, idx, axis=axis), idx
+
+
+defop("topk", Kind.OPAQUE, attrs=[attr("k", A.INT), attr("axis", A.INT, -1), attr("largest", A.BOOL, True)],
+      infer_meta=_topk_meta, kernel=_topk_kernel, multi_output=True,
+      vjp=lambda gs, outs, x, k, axis, largest: (O.scatter_add(O.zeros_like(x), outs[1], gs[0], axis=axis),),
+      doc="The k largest (or smallest) values along axis, sorted, and their int64 indices (first wins ties).")
+
+
+def _arange_meta(start=0, end=None, step=1, dtype="int64"):
+    if end is None:
+        raise OpError("arange: 'end' is required")
+    if isinstance(start, int) and isinstance(end, int):
+        n = max(0, len(range(start, end, step)))
+    elif step == 1:
+        n = sym.sub(end, start)
+    else:
+        raise OpError(f"arange: a step other than 1 needs static bounds, got {start}..{end}")
+    return Meta((n,), dtype)
+
+
+defop("arange", Kind.OPAQUE, inputs=(), attrs=[attr("start", A.DIM, 0), attr("end", optional(A.DIM), None),
+      attr("step", A.INT, 1, check=lambda v: None if v != 0 else "must not be 0"), attr("dtype", A.DTYPE, "int64")],
+      infer_meta=_arange_meta, kernel=lambda xp, start=0, end=None, step=1, dtype="int64": xp.arange(
+          start, end, step, dtype=dtype), doc="start, start+step, ... below end (bounds may be symbolic).")

@@ -1,0 +1,358 @@
+"""Composite neural-network ops: softmax, normalization, losses, rotary embeddings, attention.
+
+Each has a fast reference kernel and a ``decompose`` into primitives (what the compiler fuses);
+their gradients are written with primitives too, so they trace, shard and compile like the rest.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .. import backend as B
+from .. import symbolic as sym
+from .spec import A, Kind, Meta, OpError, attr, broadcast_shapes, defop, describe, norm_axis, optional, same_dtype
+from .spec import ops as O
+
+
+def _floating(name, *xs):
+    for x in xs:
+        if not B.is_floating(x.dtype):
+            raise OpError(f"{name}: expects floating tensors, got {describe(x)}")
+
+
+# ---- softmax family ----------------------------------------------------------------------------
+
+
+def _same_meta(name):
+    def infer(x, axis=-1):
+        _floating(name, x)
+        norm_axis(name, axis, x.ndim)
+        return Meta(x.shape, x.dtype)
+
+    return infer
+
+
+def _softmax_kernel(xp, x, axis=-1):
+    e = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
+    return e / xp.sum(e, axis=axis, keepdims=True)
+
+
+def _softmax_decompose(x, axis=-1):
+    e = O.exp(x - O.max(x, axis=axis, keepdim=True))
+    return e / O.sum(e, axis=axis, keepdim=True)
+
+
+defop("softmax", Kind.OPAQUE, attrs=[attr("axis", A.INT, -1)], infer_meta=_same_meta("softmax"),
+      kernel=_softmax_kernel, decompose=_softmax_decompose,
+      vjp=lambda g, out, x, axis: (out * (g - O.sum(g * out, axis=axis, keepdim=True)),),
+      doc="exp(x - max) / sum(exp(x - max)) along axis.")
+
+
+def _log_softmax_kernel(xp, x, axis=-1):
+    s = x - xp.max(x, axis=axis, keepdims=True)
+    return s - xp.log(xp.sum(xp.exp(s), axis=axis, keepdims=True))
+
+
+def _log_softmax_decompose(x, axis=-1):
+    s = x - O.max(x, axis=axis, keepdim=True)
+    return s - O.log(O.sum(O.exp(s), axis=axis, keepdim=True))
+
+
+defop("log_softmax", Kind.OPAQUE, attrs=[attr("axis", A.INT, -1)], infer_meta=_same_meta("log_softmax"),
+      kernel=_log_softmax_kernel, decompose=_log_softmax_decompose,
+      vjp=lambda g, out, x, axis: (g - O.exp(out) * O.sum(g, axis=axis, keepdim=True),),
+      doc="x - logsumexp(x) along axis.")
+
+
+# ---- rms_norm ----------------------------------------------------------------------------------
+
+
+def _rms_norm_meta(x, weight, eps=1e-6):
+    _floating("rms_norm", x, weight)
+    if weight.ndim != 1 or sym.canonical(weight.shape[0]) != sym.canonical(x.shape[-1]):
+        raise OpError("rms_norm: weight must be 1-D with x's last dim", x, weight)
+    same_dtype("rms_norm", x, weight)
+    return Meta(x.shape, x.dtype)
+
+
+def _rms_norm_kernel(xp, x, weight, eps=1e-6):
+    # Half-precision inputs are normalized in float32, as Hugging Face Llama does.
+    xf = x.astype("float32") if x.dtype.itemsize < 4 else x
+    r = 1.0 / xp.sqrt(xp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * r).astype(x.dtype, copy=False) * weight
+
+
+def _rms_norm_decompose(x, weight, eps=1e-6):
+    return x * O.rsqrt(O.mean(x * x, axis=-1, keepdim=True) + eps) * weight
+
+
+def _rms_norm_vjp(g, out, x, weight, eps=1e-6):
+    r = O.rsqrt(O.mean(x * x, axis=-1, keepdim=True) + eps)
+    y = x * r
+    gw = g * weight
+    return (lambda: r * (gw - y * O.mean(gw * y, axis=-1, keepdim=True)), lambda: g * y)
+
+
+defop("rms_norm", Kind.OPAQUE, inputs=("x", "weight"),
+      attrs=[attr("eps", A.FLOAT, 1e-6, lambda v: None if v >= 0 else "must be >= 0")],
+      infer_meta=_rms_norm_meta, kernel=_rms_norm_kernel, decompose=_rms_norm_decompose, vjp=_rms_norm_vjp,
+      doc="x / sqrt(mean(x^2, last axis) + eps) * weight.")
+
+
+# ---- cross entropy -----------------------------------------------------------------------------
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _ce_meta(logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
+    _floating("cross_entropy", logits)
+    if not B.is_integer(labels.dtype):
+        raise OpError("cross_entropy: labels must be integers", logits, labels)
+    if logits.ndim < 1 or tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise OpError("cross_entropy: expects logits [..., C] and labels [...]", logits, labels)
+    return Meta(labels.shape if reduction == "none" else (), logits.dtype)
+
+
+def _ce_kernel(xp, logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
+    valid = labels != ignore_index
+    safe = xp.where(valid, labels, 0)
+    m = xp.max(logits, axis=-1, keepdims=True)
+    lse = xp.log(xp.sum(xp.exp(logits - m), axis=-1, keepdims=True)) + m
+    picked = xp.take_along_axis(logits, safe[..., None], axis=-1)
+    nll = (lse - picked)[..., 0]
+    if label_smoothing:
+        smooth = (lse[..., 0] - xp.mean(logits, axis=-1))
+        nll = (1.0 - label_smoothing) * nll + label_smoothing * smooth
+    nll = xp.where(valid, nll, 0).astype(logits.dtype, copy=False)
+    if reduction == "none":
+        return nll
+    total = xp.sum(nll, dtype=logits.dtype)
+    if reduction == "sum":
+        return total
+    return (total / xp.asarray(xp.sum(valid), dtype=logits.dtype)).astype(logits.dtype)
+
+
+def _ce_parts(logits, labels, ignore_index, label_smoothing):
+    valid = O.not_equal(labels, ignore_index)
+    safe = O.where(valid, labels, 0)
+    c = logits.shape[-1]
+    target = O.one_hot(safe, num_classes=c, dtype=logits.dtype)
+    if label_smoothing:
+        target = target * (1.0 - label_smoothing) + label_smoothing / c
+    return O.cast(valid, logits.dtype), target
+
+
+def _ce_scale(g, validf, reduction):
+    if reduction == "none":
+        return g * validf
+    if reduction == "sum":
+        return validf * g
+    return validf * (g / O.sum(validf))
+
+
+def _ce_vjp(g, out, logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
+    validf, target = _ce_parts(logits, labels, ignore_index, label_smoothing)
+    scale = O.unsqueeze(_ce_scale(g, validf, reduction), axis=-1)
+    return ((O.softmax(logits, axis=-1) - target) * scale, None)
+
+
+def _ce_decompose(logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
+    validf, target = _ce_parts(logits, labels, ignore_index, label_smoothing)
+    nll = -O.sum(O.log_softmax(logits, axis=-1) * target, axis=-1) * validf
+    if reduction == "none":
+        return nll
+    return O.sum(nll) if reduction == "sum" else O.sum(nll) / O.sum(validf)
+
+
+defop("cross_entropy", Kind.OPAQUE, inputs=("logits", "labels"), nondiff={1},
+      attrs=[attr("ignore_index", A.INT, -100),
+             attr("label_smoothing", A.FLOAT, 0.0, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
+             attr("reduction", A.STR, "mean", lambda v: None if v in _REDUCTIONS else f"use one of {_REDUCTIONS}")],
+      infer_meta=_ce_meta, kernel=_ce_kernel, vjp=_ce_vjp, decompose=_ce_decompose,
+      doc="Softmax cross entropy of logits [..., C] against integer labels [...]; labels equal to "
+          "ignore_index count for nothing and 'mean' divides by the number of the others. "
+          "label_smoothing mixes the target with the uniform distribution.")
+
+
+# ---- rotary embedding --------------------------------------------------------------------------
+
+
+def _rope_tables(cos, sin, position_ids):
+    """cos/sin as they multiply x: gathered by position ids [B, S] -> [B, 1, S, D] when given."""
+    if position_ids is None:
+        return cos, sin
+    return (O.unsqueeze(O.embedding(position_ids, cos), axis=1),
+            O.unsqueeze(O.embedding(position_ids, sin), axis=1))
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    x1 = O.slice(x, axes=[-1], starts=[0], ends=[h])
+    x2 = O.slice(x, axes=[-1], starts=[h], ends=[2 * h])
+    return O.concat([-x2, x1], axis=-1)
+
+
+def _rope_meta(x, cos, sin, position_ids=None):
+    _floating("rotary_embedding", x, cos, sin)
+    d = x.shape[-1]
+    if not isinstance(d, int) or d % 2:
+        raise OpError("rotary_embedding: the head dim must be a static even size", x)
+    if position_ids is None:
+        broadcast_shapes("rotary_embedding", x, cos, sin)
+        if tuple(broadcast_shapes("rotary_embedding", x, cos)) != tuple(x.shape):
+            raise OpError("rotary_embedding: cos/sin must broadcast to x's shape", x, cos, sin)
+    else:
+        if not B.is_integer(position_ids.dtype) or position_ids.ndim != 2 or x.ndim != 4:
+            raise OpError("rotary_embedding: with position_ids [B, S], x must be [B, H, S, D]", x, position_ids)
+        if cos.ndim != 2 or tuple(cos.shape) != tuple(sin.shape) or cos.shape[-1] != d:
+            raise OpError("rotary_embedding: with position_ids, cos/sin must be tables [positions, D]", cos, sin)
+    same_dtype("rotary_embedding", x, cos, sin)
+    return Meta(x.shape, x.dtype)
+
+
+def _rope_kernel(xp, x, cos, sin, position_ids=None):
+    if position_ids is not None:
+        cos, sin = cos[position_ids][:, None], sin[position_ids][:, None]
+    h = x.shape[-1] // 2
+    rot = xp.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+    return x * cos + rot * sin
+
+
+def _rope_decompose(x, cos, sin, position_ids=None):
+    cos, sin = _rope_tables(cos, sin, position_ids)
+    return x * cos + _rotate_half(x) * sin
+
+
+def _rope_vjp(g, out, x, cos, sin, position_ids=None):
+    # out = x*c + R(x)*s with R^T = -R, so dx = g*c - R(g*s).
+    cos, sin = _rope_tables(cos, sin, position_ids)
+    return (g * cos - _rotate_half(g * sin), None, None, None)
+
+
+defop("rotary_embedding", Kind.OPAQUE, inputs=("x", "cos", "sin", "position_ids?"), nondiff={1, 2, 3},
+      infer_meta=_rope_meta, kernel=_rope_kernel, decompose=_rope_decompose, vjp=_rope_vjp,
+      doc="Rotary position embedding, Hugging Face rotate_half convention: x*cos + rotate_half(x)*sin. "
+          "With position_ids [B, S], cos/sin are tables [positions, D] and x is [B, H, S, D].")
+
+
+# ---- scaled dot-product attention --------------------------------------------------------------
+
+
+def _sdpa_meta(q, k, v, attn_mask=None, is_causal=False, scale=None):
+    _floating("scaled_dot_product_attention", q, k, v)
+    same_dtype("scaled_dot_product_attention", q, k, v)
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise OpError("scaled_dot_product_attention: q, k, v must be [batch, heads, seq, head_dim]", q, k, v)
+    hq, hk = q.shape[1], k.shape[1]
+    if not (isinstance(hq, int) and isinstance(hk, int)) or hq % hk or k.shape[1] != v.shape[1]:
+        raise OpError("scaled_dot_product_attention: q heads must be a multiple of k/v heads", q, k, v)
+    if q.shape[-1] != k.shape[-1] or k.shape[2] != v.shape[2] or q.shape[0] != k.shape[0]:
+        raise OpError("scaled_dot_product_attention: q/k head dims or k/v lengths differ", q, k, v)
+    out_shape = (q.shape[0], hq, q.shape[2], v.shape[3])
+    if attn_mask is not None:
+        scores = Meta((q.shape[0], hq, q.shape[2], k.shape[2]), q.dtype)
+        if attn_mask.dtype != B.DTYPES["bool"] and attn_mask.dtype != q.dtype:
+            raise OpError("scaled_dot_product_attention: attn_mask must be bool or q's dtype", q, attn_mask)
+        if tuple(broadcast_shapes("scaled_dot_product_attention", scores, attn_mask)) != scores.shape:
+            raise OpError("scaled_dot_product_attention: attn_mask must broadcast to [B, Hq, S, T]", q, k, attn_mask)
+    return Meta(out_shape, q.dtype)
+
+
+def _sdpa_scale(q, scale):
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def _sdpa_kernel(xp, q, k, v, attn_mask=None, is_causal=False, scale=None):
+    b, hq, s, d = q.shape
+    hk, t = k.shape[1], k.shape[2]
+    grp = hq // hk
+    qg = q.reshape(b, hk, grp, s, d)
+    scores = xp.matmul(qg, xp.swapaxes(k, -1, -2)[:, :, None]).reshape(b, hq, s, t)
+    scores *= _sdpa_scale(q, scale)
+    if attn_mask is not None:
+        scores = xp.where(attn_mask, scores, -xp.inf) if attn_mask.dtype == bool else scores + attn_mask
+    if is_causal:  # aligned to the bottom right: query i sees keys j <= i + (t - s)
+        scores = xp.where(xp.tri(s, t, t - s, dtype=bool), scores, -xp.inf)
+    p = _softmax_kernel(xp, scores, -1).astype(q.dtype, copy=False)
+    return xp.matmul(p.reshape(b, hk, grp, s, t), v[:, :, None]).reshape(b, hq, s, v.shape[-1])
+
+
+def _group(t, hk, grp):
+    """[B, Hq, S, X] -> [B, Hkv, G, S, X]: query heads grouped by the kv head they share."""
+    return O.reshape(t, [t.shape[0], hk, grp, t.shape[2], t.shape[3]])
+
+
+def _sdpa_probs(q, k, attn_mask, is_causal, scale):
+    hk = k.shape[1]
+    grp = q.shape[1] // hk
+    scores = O.matmul(_group(q, hk, grp), O.unsqueeze(k, axis=2), transpose_y=True) * _sdpa_scale(q, scale)
+    scores = O.reshape(scores, [q.shape[0], q.shape[1], q.shape[2], k.shape[2]])
+    if attn_mask is not None:
+        neg = O.full([], float("-inf"), dtype=q.dtype)
+        scores = O.where(attn_mask, scores, neg) if attn_mask.dtype == B.DTYPES["bool"] else scores + attn_mask
+    if is_causal:
+        s, t = q.shape[2], k.shape[2]
+        rows = O.unsqueeze(O.arange(sym.sub(t, s), t), axis=1)  # i + (t - s)
+        cols = O.unsqueeze(O.arange(0, t), axis=0)
+        scores = O.where(cols <= rows, scores, O.full([], float("-inf"), dtype=q.dtype))
+    return O.softmax(scores, axis=-1)
+
+
+def _sdpa_decompose(q, k, v, attn_mask=None, is_causal=False, scale=None):
+    hk = k.shape[1]
+    grp = q.shape[1] // hk
+    p = _group(_sdpa_probs(q, k, attn_mask, is_causal, scale), hk, grp)
+    out = O.matmul(p, O.unsqueeze(v, axis=2))
+    return O.reshape(out, [q.shape[0], q.shape[1], q.shape[2], v.shape[3]])
+
+
+def _sdpa_vjp(g, out, q, k, v, attn_mask=None, is_causal=False, scale=None):
+    # Recompute the probabilities (as flash attention does) rather than keeping them alive.
+    hk = k.shape[1]
+    grp = q.shape[1] // hk
+    sc = _sdpa_scale(q, scale)
+    p = _group(_sdpa_probs(q, k, attn_mask, is_causal, scale), hk, grp)  # [B, Hkv, G, S, T]
+    gg = _group(g, hk, grp)  # [B, Hkv, G, S, Dv]
+    dp = O.matmul(gg, O.unsqueeze(v, axis=2), transpose_y=True)  # [B, Hkv, G, S, T]
+    ds = p * (dp - O.sum(dp * p, axis=-1, keepdim=True)) * sc
+
+    def dq():
+        return O.reshape(O.matmul(ds, O.unsqueeze(k, axis=2)), q.shape)
+
+    def dk():
+        return O.sum(O.matmul(ds, _group(q, hk, grp), transpose_x=True), axis=2)
+
+    def dv():
+        return O.sum(O.matmul(p, gg, transpose_x=True), axis=2)
+
+    return dq, dk, dv, None
+
+
+defop("scaled_dot_product_attention", Kind.OPAQUE, inputs=("q", "k", "v", "attn_mask?"), nondiff={3},
+      attrs=[attr("is_causal", A.BOOL, False), attr("scale", optional(A.FLOAT), None)],
+      infer_meta=_sdpa_meta, kernel=_sdpa_kernel, decompose=_sdpa_decompose, vjp=_sdpa_vjp,
+      doc="softmax(q k^T * scale + mask) v on [batch, heads, seq, head_dim], with grouped-query attention "
+          "(q heads a multiple of k/v heads). attn_mask is additive (q's dtype) or bool (True = attend); "
+          "is_causal aligns the causal mask to the bottom right, so a query block after a cache works.")
+
+
+# ---- dropout -----------------------------------------------------------------------------------
+
+
+def _dropout_kernel(xp, x, p=0.5, seed=0):
+    if p == 0.0:
+        return x.copy()
+    keep = xp.random.default_rng(seed).random(x.shape) >= p
+    return (x * keep / (1.0 - p)).astype(x.dtype, copy=False)
+
+
+def _dropout_meta(x, p=0.5, seed=0):
+    _floating("dropout", x)
+    return Meta(x.shape, x.dtype)
+
+
+defop("dropout", Kind.OPAQUE, attrs=[attr("p", A.FLOAT, 0.5, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
+      attr("seed", A.INT, 0)], infer_meta=_dropout_meta, kernel=_dropout_kernel,
+      vjp=lambda g, out, x, p, seed: (O.dropout(g, p=p, seed=seed),),  # the same mask: linear in x
+      doc="Zero each element with probability p and scale the rest by 1/(1-p); the mask is a "
+          "function of (seed, shape), so the gradient reuses it exactly.")

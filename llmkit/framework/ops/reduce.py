@@ -1,0 +1,123 @@
+"""Reductions: fold the axes in ``axis`` (all when None), optionally keeping them as size 1."""
+
+from __future__ import annotations
+
+from math import prod
+
+from .. import backend as B
+from .spec import A, Kind, Meta, OpError, attr, defop, describe, norm_axes, norm_axis, optional, reduce_shape
+from .spec import ops as O
+
+
+def _keep(g, x, axis, keepdim):
+    """Reshape a reduced gradient so it broadcasts against x."""
+    return g if keepdim else O.reshape(g, reduce_shape("reduce", x.shape, axis, True))
+
+
+def reduction(name, kernel, vjp=None, *, floating=False, numeric=True, out_dtype=None, **kw):
+    def infer(x, axis=None, keepdim=False):
+        if floating and not B.is_floating(x.dtype):
+            raise OpError(f"{name}: expects a floating tensor, got {describe(x)}")
+        if numeric and x.dtype == B.DTYPES["bool"]:
+            raise OpError(f"{name}: expects a numeric tensor, got {describe(x)}; cast it first")
+        return Meta(reduce_shape(name, x.shape, axis, keepdim), out_dtype or x.dtype)
+
+    attrs = [attr("axis", A.AXES, None), attr("keepdim", A.BOOL, False)]
+    return defop(name, Kind.REDUCE, attrs=attrs, kernel=kernel, infer_meta=infer, vjp=vjp, **kw)
+
+
+def _sum_vjp(g, out, x, axis, keepdim):
+    return (O.expand(_keep(g, x, axis, keepdim), x.shape),)
+
+
+def _mean_vjp(g, out, x, axis, keepdim):
+    return (O.expand(_keep(g, x, axis, keepdim), x.shape) / O.numel(x, axis=axis),)
+
+
+def _extreme_vjp(g, out, x, axis, keepdim):
+    # The gradient is shared equally between tied extreme elements.
+    hit = O.cast(O.equal(x, _keep(out, x, axis, keepdim)), x.dtype)
+    return (_keep(g, x, axis, keepdim) * hit / O.sum(hit, axis=axis, keepdim=True),)
+
+
+def _sum_kernel(xp, x, axis=None, keepdim=False):
+    return xp.sum(x, axis=axis, keepdims=keepdim, dtype=x.dtype)
+
+
+def _mean_kernel(xp, x, axis=None, keepdim=False):
+    return xp.mean(x, axis=axis, keepdims=keepdim, dtype=x.dtype)
+
+
+reduction("sum", _sum_kernel, _sum_vjp, reducer="sum")
+reduction("mean", _mean_kernel, _mean_vjp, floating=True, reducer="mean")
+reduction("max", lambda xp, x, axis=None, keepdim=False: xp.max(x, axis=axis, keepdims=keepdim),
+          _extreme_vjp, reducer="max")
+reduction("min", lambda xp, x, axis=None, keepdim=False: xp.min(x, axis=axis, keepdims=keepdim),
+          _extreme_vjp, reducer="min")
+
+
+def _logsumexp_kernel(xp, x, axis=None, keepdim=False):
+    m = xp.max(x, axis=axis, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, 0)  # all -inf rows give -inf, not nan
+    out = xp.log(xp.sum(xp.exp(x - m), axis=axis, keepdims=True)) + m
+    return out if keepdim else xp.squeeze(out, axis=axis)
+
+
+def _logsumexp_decompose(x, axis=None, keepdim=False):
+    m = O.max(x, axis=axis, keepdim=True)
+    m = O.where(O.abs(m) < float("inf"), m, 0.0)
+    out = O.log(O.sum(O.exp(x - m), axis=axis, keepdim=True)) + m
+    return out if keepdim else O.reshape(out, reduce_shape("logsumexp", x.shape, axis, False))
+
+
+reduction("logsumexp", _logsumexp_kernel, floating=True, decompose=_logsumexp_decompose,
+          vjp=lambda g, out, x, axis, keepdim: (
+              _keep(g, x, axis, keepdim) * O.exp(x - _keep(out, x, axis, keepdim)),))
+
+
+def _argmax_meta(x, axis=None, keepdim=False):
+    if axis is None:
+        return Meta((1,) * x.ndim if keepdim else (), "int64")
+    return Meta(reduce_shape("argmax", x.shape, (axis,), keepdim), "int64")
+
+
+def _argmax_kernel(xp, x, axis=None, keepdim=False):
+    return xp.argmax(x, axis=axis, keepdims=keepdim).astype("int64", copy=False)
+
+
+defop("argmax", Kind.REDUCE, attrs=[attr("axis", optional(A.INT), None), attr("keepdim", A.BOOL, False)],
+      kernel=_argmax_kernel, infer_meta=_argmax_meta,
+      doc="Index of the first maximum along axis (of the flattened tensor when axis is None).")
+
+
+def _numel_meta(x, axis=None):
+    norm_axes("numel", axis, x.ndim)
+    return Meta((), x.dtype)
+
+
+def _numel_kernel(xp, x, axis=None):
+    axes = norm_axes("numel", axis, x.ndim)
+    return xp.asarray(prod(x.shape[a] for a in axes), dtype=x.dtype)
+
+
+defop("numel", Kind.OPAQUE, attrs=[attr("axis", A.AXES, None)], kernel=_numel_kernel, infer_meta=_numel_meta,
+      doc="Number of elements in the given axes as a 0-d tensor of x's dtype (sizes may be symbolic).")
+
+
+def _cumsum_meta(x, axis, reverse=False):
+    norm_axis("cumsum", axis, x.ndim)
+    if x.dtype == B.DTYPES["bool"]:
+        raise OpError(f"cumsum: expects a numeric tensor, got {describe(x)}")
+    return Meta(x.shape, x.dtype)
+
+
+def _cumsum_kernel(xp, x, axis, reverse=False):
+    if reverse:
+        return xp.flip(xp.cumsum(xp.flip(x, axis), axis=axis, dtype=x.dtype), axis)
+    return xp.cumsum(x, axis=axis, dtype=x.dtype)
+
+
+defop("cumsum", Kind.OPAQUE, attrs=[attr("axis", A.INT, -1), attr("reverse", A.BOOL, False)],
+      kernel=_cumsum_kernel, infer_meta=_cumsum_meta,
+      vjp=lambda g, out, x, axis, reverse: (O.cumsum(g, axis=axis, reverse=not reverse),),
+      doc="Inclusive running sum along axis (from the end when reverse).")

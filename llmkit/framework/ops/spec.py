@@ -1,0 +1,428 @@
+"""The op spec: one declaration per operator, read by every subsystem.
+
+An :class:`OpSpec` is data plus small functions: the signature (inputs, typed attributes with
+defaults), ``infer_meta`` (shapes and dtypes, symbolic dims allowed), ``kernel(xp, ...)`` (the
+reference kernel, the same code for numpy and cupy), ``vjp`` (written with other ops, so it runs
+eagerly and under tracing alike), ``kind`` (the fusion class, which also supplies default shape
+rules), an optional ``decompose`` into primitives, a C expression template for elementwise
+primitives, and an ``spmd`` slot for auto-parallel. :func:`defop` registers a spec in the one
+table; nothing else lists ops.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from .. import backend as B
+from .. import symbolic as sym
+from ..symbolic import Dim
+
+# --------------------------------------------------------------------------------- fusion kinds
+
+
+class Kind:
+    """Fusion classes. A kind also supplies an op's default shape rule."""
+
+    ELEMENTWISE = "elementwise"  # out[i] = f(in[i]...) with broadcasting
+    REDUCE = "reduce"  # folds some axes
+    MOVEMENT = "movement"  # moves or selects elements, computes nothing
+    CONTRACTION = "contraction"  # matmul-like, stays with BLAS
+    OPAQUE = "opaque"  # anything else: runs its own kernel
+    COLLECTIVE = "collective"  # communication between ranks
+
+    ALL = (ELEMENTWISE, REDUCE, MOVEMENT, CONTRACTION, OPAQUE, COLLECTIVE)
+
+
+class OpError(ValueError):
+    """Bad input to an op: the message names the op and the offending shapes, dtypes or attribute.
+
+    ``OpError(msg, *inputs)`` appends the inputs' shapes and dtypes to the message.
+    """
+
+    def __init__(self, msg: str, *inputs: Any) -> None:
+        if inputs:
+            msg = f"{msg} (inputs: {', '.join(describe(x) for x in inputs)})"
+        super().__init__(msg)
+
+
+# ------------------------------------------------------------------------------------ metadata
+
+
+class Meta:
+    """Shape and dtype of a value, without data. Dims are ints or symbols (see ``symbolic``)."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, shape: Sequence[Dim], dtype: Any) -> None:
+        self.shape = tuple(shape)
+        self.dtype = B.dtype(dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Meta) and self.shape == other.shape and self.dtype == other.dtype
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"Meta({list(self.shape)}, {B.dtype_name(self.dtype)})"
+
+
+def describe(x: Any) -> str:
+    """``[2, 3] float32`` for anything with shape and dtype; repr otherwise."""
+    if x is None:
+        return "None"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        try:
+            dt = B.dtype_name(x.dtype)
+        except TypeError:
+            dt = str(x.dtype)
+        return f"[{', '.join(str(d) for d in x.shape)}] {dt}"
+    return repr(x)
+
+
+# ---------------------------------------------------------------------------------- attributes
+
+
+class Required:
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+REQUIRED = Required()
+
+
+@dataclass(frozen=True)
+class AttrType:
+    """A named attribute type; ``normalize`` returns the canonical (immutable) value or raises."""
+
+    name: str
+    normalize: Callable[[Any], Any]
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError("an integer")
+    return int(v)
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError("a number")
+    return float(v)
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError("a bool")
+    return bool(v)
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError("a string")
+    return v
+
+
+def _dtype(v: Any) -> np.dtype:
+    try:
+        return B.dtype(v)
+    except TypeError:
+        raise TypeError(f"a dtype ({', '.join(B.DTYPES)})") from None
+
+
+def _dim(v: Any) -> Dim:
+    if isinstance(v, str):
+        try:
+            return sym.canonical(v)
+        except sym.DimError:
+            raise TypeError("a dimension (int or symbol)") from None
+    return _int(v)
+
+
+def _shape(v: Any) -> tuple:
+    if isinstance(v, (str, bytes)) or not isinstance(v, (Sequence, np.ndarray)):
+        raise TypeError("a shape (a list of ints or symbols)")
+    return tuple(_dim(d) for d in v)
+
+
+def _ints(v: Any) -> tuple:
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        return (int(v),)
+    if isinstance(v, (str, bytes)) or not isinstance(v, (Sequence, np.ndarray)):
+        raise TypeError("a list of integers")
+    return tuple(_int(d) for d in v)
+
+
+def _axes(v: Any) -> tuple | None:
+    return None if v is None else _ints(v)
+
+
+def optional(t: AttrType) -> AttrType:
+    return AttrType(f"{t.name}?", lambda v: None if v is None else t.normalize(v))
+
+
+def choice(*options: str) -> AttrType:
+    def norm(v: Any) -> str:
+        if v not in options:
+            raise TypeError(f"one of {', '.join(map(repr, options))}")
+        return v
+
+    return AttrType("choice(" + ",".join(options) + ")", norm)
+
+
+class A:
+    """The attribute types ops declare."""
+
+    INT = AttrType("int", _int)
+    FLOAT = AttrType("float", _float)
+    BOOL = AttrType("bool", _bool)
+    STR = AttrType("str", _str)
+    DTYPE = AttrType("dtype", _dtype)
+    DIM = AttrType("dim", _dim)  # an int or a symbolic dim
+    SHAPE = AttrType("shape", _shape)
+    INTS = AttrType("ints", _ints)
+    AXES = AttrType("axes", _axes)  # None (all axes) or a tuple of ints
+
+
+@dataclass(frozen=True)
+class AttrSpec:
+    name: str
+    type: AttrType
+    default: Any = REQUIRED
+    check: Callable[[Any], str | None] | None = None  # returns an error text, or None when valid
+
+
+def attr(name: str, type: AttrType, default: Any = REQUIRED, check=None) -> AttrSpec:
+    return AttrSpec(name, type, default, check)
+
+
+# -------------------------------------------------------------------------------------- the spec
+
+
+@dataclass(eq=False)
+class OpSpec:
+    """One operator. See the module docstring for what each field is used by."""
+
+    name: str
+    kind: str
+    inputs: tuple[str, ...]  # names; "name?" optional (trailing), "*name" variadic (only input)
+    attrs: tuple[AttrSpec, ...]
+    infer_meta: Callable[..., Any]  # (*metas, **attrs) -> Meta | tuple[Meta, ...]
+    kernel: Callable[..., Any]  # (xp, *arrays, **attrs) -> array | tuple[array, ...]
+    vjp: Callable[..., Sequence[Any]] | None = None  # (g, out, *inputs, **attrs) -> grad per input
+    decompose: Callable[..., Any] | None = None  # (*inputs, **attrs) -> outputs, with other ops
+    spmd: Callable[..., Any] | None = None  # filled by the auto-parallel layer
+    c: str | None = None  # C/CUDA expression template for elementwise primitives: "({0}+{1})"
+    reducer: str | None = None  # for reductions the compiler lowers: "sum", "mean", "max" or "min"
+    traits: frozenset[str] = frozenset()
+    nondiff: frozenset[int] = frozenset()  # input positions that never get a gradient
+    multi_output: bool = False
+    doc: str = ""
+    _attr_index: dict[str, AttrSpec] = field(default_factory=dict, repr=False)
+    _defaults: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._attr_index = {a.name: a for a in self.attrs}
+        self._defaults = {a.name: a.default for a in self.attrs if a.default is not REQUIRED}
+        self.variadic = bool(self.inputs) and self.inputs[0].startswith("*")
+        self.min_inputs = sum(1 for n in self.inputs if not n.endswith("?") and not n.startswith("*"))
+        self.max_inputs = None if self.variadic else len(self.inputs)
+
+    @property
+    def differentiable(self) -> bool:
+        return self.vjp is not None
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(n.strip("*?") for n in self.inputs)
+
+    def bind(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """Validate attributes and fill defaults; one clear error for anything wrong."""
+        out = dict(self._defaults)
+        index = self._attr_index
+        for k, v in attrs.items():
+            a = index.get(k)
+            if a is None:
+                known = ", ".join(index) or "none"
+                hint = difflib.get_close_matches(k, index, 1)
+                raise OpError(
+                    f"{self.name}: unknown attribute {k!r}"
+                    + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                    + f"; its attributes are: {known}"
+                )
+            try:
+                v = a.type.normalize(v)
+            except TypeError as e:
+                raise OpError(f"{self.name}: attribute {k!r} expects {e}, got {v!r}") from None
+            if a.check is not None and v is not None:
+                problem = a.check(v)
+                if problem:
+                    raise OpError(f"{self.name}: attribute {k!r}={v!r} is invalid: {problem}")
+            out[k] = v
+        if len(out) != len(index):
+            missing = [a.name for a in self.attrs if a.name not in out]
+            raise OpError(f"{self.name}: missing required attribute(s) {', '.join(missing)}")
+        return out
+
+    def check_arity(self, n: int) -> None:
+        if n < self.min_inputs or (self.max_inputs is not None and n > self.max_inputs):
+            want = f"{self.min_inputs}" if self.max_inputs == self.min_inputs else (
+                f"{self.min_inputs} or more" if self.max_inputs is None else f"{self.min_inputs}-{self.max_inputs}"
+            )
+            raise OpError(f"{self.name}: expects {want} tensor inputs ({', '.join(self.inputs)}), got {n}")
+
+    def __repr__(self) -> str:
+        return f"<op {self.name} ({self.kind})>"
+
+
+_TABLE: dict[str, OpSpec] = {}
+
+
+def defop(
+    name: str,
+    kind: str,
+    *,
+    kernel: Callable[..., Any],
+    inputs: Sequence[str] = ("x",),
+    attrs: Sequence[AttrSpec] = (),
+    infer_meta: Callable[..., Any],
+    vjp: Callable[..., Any] | None = None,
+    decompose: Callable[..., Any] | None = None,
+    c: str | None = None,
+    reducer: str | None = None,
+    traits: Sequence[str] = (),
+    nondiff: Sequence[int] = (),
+    multi_output: bool = False,
+    doc: str = "",
+) -> OpSpec:
+    """Declare an op and add it to the table.
+
+    Families (``unary``, ``binary``, ``reduction``...) call this with their kind's shape rule, so
+    most ops only state their kernel and gradient.
+    """
+    if name in _TABLE:
+        raise ValueError(f"op {name!r} is declared twice")
+    if kind not in Kind.ALL:
+        raise ValueError(f"op {name!r}: unknown kind {kind!r}")
+    spec = OpSpec(
+        name=name,
+        kind=kind,
+        inputs=tuple(inputs),
+        attrs=tuple(attrs),
+        infer_meta=infer_meta,
+        kernel=kernel,
+        vjp=vjp,
+        decompose=decompose,
+        c=c,
+        reducer=reducer,
+        traits=frozenset(traits),
+        nondiff=frozenset(nondiff),
+        multi_output=multi_output,
+        doc=doc,
+    )
+    _TABLE[name] = spec
+    return spec
+
+
+def table() -> MappingProxyType:
+    """Every op, by name (read-only)."""
+    return MappingProxyType(_TABLE)
+
+
+def get(name: str) -> OpSpec:
+    spec = _TABLE.get(name)
+    if spec is None:
+        hint = difflib.get_close_matches(name, _TABLE, 1)
+        raise OpError(f"unknown op {name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+    return spec
+
+
+# ---------------------------------------------------------------------- shared shape/dtype rules
+
+
+def norm_axis(spec_name: str, axis: int, ndim: int) -> int:
+    if not -ndim <= axis < max(ndim, 1):
+        raise OpError(f"{spec_name}: axis {axis} is out of range for a rank-{ndim} tensor")
+    return axis % max(ndim, 1)
+
+
+def norm_axes(spec_name: str, axes: tuple | None, ndim: int) -> tuple[int, ...]:
+    if axes is None:
+        return tuple(range(ndim))
+    out = tuple(sorted({norm_axis(spec_name, a, ndim) for a in axes}))
+    if len(out) != len(axes):
+        raise OpError(f"{spec_name}: repeated axis in {axes}")
+    return out
+
+
+def broadcast_shapes(name: str, *metas: Any) -> tuple:
+    shapes = [m.shape for m in metas]
+    first = shapes[0]
+    if all(s == first for s in shapes):
+        return tuple(first)
+    nd = max(len(s) for s in shapes)
+    out: list[Dim] = []
+    for i in range(nd):
+        d: Dim = 1
+        for s in shapes:
+            j = i - (nd - len(s))
+            if j < 0:
+                continue
+            b = sym.broadcast(d, s[j])
+            if b is None:
+                raise OpError(
+                    f"{name}: shapes cannot be broadcast together (dim {s[j]} vs {d})"
+                    f" (inputs: {', '.join(describe(m) for m in metas)})"
+                )
+            d = b
+        out.append(d)
+    return tuple(out)
+
+
+def same_dtype(name: str, *metas: Any) -> np.dtype:
+    dt = metas[0].dtype
+    for m in metas[1:]:
+        if m.dtype != dt:
+            raise OpError(
+                f"{name}: dtype mismatch ({', '.join(describe(m) for m in metas)}); cast one input first"
+            )
+    return dt
+
+
+def elementwise_meta(name: str, *metas: Any, floating: bool = False, out_dtype: Any = None) -> Meta:
+    dt = same_dtype(name, *metas)
+    if floating and dt not in B.FLOAT_DTYPES:
+        raise OpError(f"{name}: expects floating tensors, got {describe(metas[0])}")
+    return Meta(broadcast_shapes(name, *metas), dt if out_dtype is None else out_dtype)
+
+
+def reduce_shape(name: str, shape: tuple, axis: tuple | None, keepdim: bool) -> tuple:
+    axes = norm_axes(name, axis, len(shape))
+    if keepdim:
+        return tuple(1 if i in axes else d for i, d in enumerate(shape))
+    return tuple(d for i, d in enumerate(shape) if i not in axes)
+
+
+class _LateOps:
+    """``ops.<name>`` resolved when called, so rules written in op modules can call other ops."""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        from . import public
+
+        return public(get(name))
+
+
+ops = _LateOps()

@@ -1,0 +1,594 @@
+"""The registry walk: every op in the table is checked here, or the suite fails.
+
+For each op and each sample: (a) a central finite-difference gradient check in float64 for every
+differentiable input, (b) ``infer_meta`` equals the kernel's real output shape and dtype (also with
+the input dims made symbolic), (c) ``decompose`` computes the kernel's values, and (d) forward
+values equal an independent numpy float64 formula written below (and float32 runs stay close).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+import llmkit.framework as lf
+from llmkit.framework import symbolic as sym
+from llmkit.framework.ops.spec import Meta, table
+
+O = lf.ops
+END = 2**63 - 1
+
+
+@dataclass
+class S:
+    """One sample: inputs (numpy arrays, None for omitted optional inputs) and attributes."""
+
+    inputs: list
+    attrs: dict = field(default_factory=dict)
+    fd: bool = True  # run the finite-difference check
+    sym: bool = True  # also check infer_meta with symbolic input dims
+    keep: tuple = ()  # (input, axis) pairs that stay static in the symbolic check (head dims...)
+
+
+@dataclass
+class Case:
+    samples: Callable[[np.random.Generator], list[S]]
+    ref: Callable[..., Any]
+    rtol: float = 1e-10
+    atol: float = 1e-12
+
+
+CASES: dict[str, Case] = {}
+
+
+def case(name, samples, ref, **kw):
+    CASES[name] = Case(samples, ref, **kw)
+
+
+def r(rng, *shape):
+    return np.asarray(rng.standard_normal(shape))
+
+
+def pos(rng, *shape):
+    return np.asarray(rng.uniform(0.5, 2.0, shape))
+
+
+def away(rng, *shape):  # magnitudes in [0.2, 1], random signs: no kinks near 0 for FD
+    return np.asarray(rng.uniform(0.2, 1.0, shape) * rng.choice([-1.0, 1.0], shape))
+
+
+def ints(rng, high, *shape):
+    return rng.integers(0, high, shape).astype(np.int64)
+
+
+def bshapes(rng, gen=r):
+    return [S([gen(rng, 3, 4), gen(rng, 3, 4)]), S([gen(rng, 2, 3, 4), gen(rng, 4)]),
+            S([gen(rng, 3, 1), gen(rng, 1, 4)])]
+
+
+def ushapes(rng, gen=r):
+    return [S([gen(rng, 3, 4)]), S([gen(rng, 2, 1, 5)]), S([gen(rng)])]
+
+
+# ---- elementwise --------------------------------------------------------------------------------
+
+case("add", bshapes, lambda a, b: a + b)
+case("sub", bshapes, lambda a, b: a - b)
+case("mul", bshapes, lambda a, b: a * b)
+case("div", lambda rng: [S([r(rng, 3, 4), pos(rng, 3, 4)]), S([r(rng, 2, 3), pos(rng, 3)])], lambda a, b: a / b)
+case("pow", lambda rng: [S([pos(rng, 3, 4), r(rng, 3, 4)]), S([pos(rng, 2, 3), r(rng, 1, 3)])],
+     lambda a, b: np.exp(b * np.log(a)))
+case("maximum", bshapes, lambda a, b: np.where(a > b, a, b))
+case("minimum", bshapes, lambda a, b: np.where(a < b, a, b))
+case("swiglu", bshapes, lambda a, b: a / (1 + np.exp(-a)) * b)
+case("neg", ushapes, lambda x: 0.0 - x)
+case("abs", lambda rng: ushapes(rng, away), lambda x: np.sqrt(x * x))
+case("sign", lambda rng: ushapes(rng, away), lambda x: np.where(x > 0, 1.0, np.where(x < 0, -1.0, 0.0)))
+case("exp", ushapes, lambda x: np.e**x)
+case("log", lambda rng: ushapes(rng, pos), lambda x: np.log2(x) * np.log(2.0))
+case("sqrt", lambda rng: ushapes(rng, pos), lambda x: x**0.5)
+case("rsqrt", lambda rng: ushapes(rng, pos), lambda x: x**-0.5)
+case("sin", ushapes, np.sin)
+case("cos", ushapes, np.cos)
+case("tanh", ushapes, lambda x: (np.exp(2 * x) - 1) / (np.exp(2 * x) + 1))
+case("sigmoid", ushapes, lambda x: 1 / (1 + np.exp(-x)))
+case("relu", lambda rng: ushapes(rng, away), lambda x: x * (x > 0))
+case("silu", ushapes, lambda x: x / (1 + np.exp(-x)))
+
+
+def _erf_ref(x):
+    # Independent of math.erf: Simpson's rule on 2/sqrt(pi) * exp(-t^2) over [0, x].
+    t = np.linspace(0.0, 1.0, 2001)
+    w = np.ones_like(t)
+    w[1:-1:2], w[2:-1:2] = 4, 2
+    flat = np.asarray(x, np.float64).reshape(-1)
+    vals = [(xi / 6000.0) * np.sum(w * np.exp(-((t * xi) ** 2))) * 2 / np.sqrt(np.pi) for xi in flat]
+    return np.array(vals).reshape(np.shape(x))
+
+
+case("erf", ushapes, _erf_ref, rtol=1e-9, atol=1e-12)
+
+
+def _gelu_ref(x, approximate="none"):
+    if approximate == "tanh":
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1 + _erf_ref(x / np.sqrt(2)))
+
+
+case("gelu", lambda rng: [S([r(rng, 3, 4)]), S([r(rng, 2, 5)], {"approximate": "tanh"})], _gelu_ref, rtol=1e-9)
+
+
+def compares(rng):
+    a = ints(rng, 4, 3, 4).astype(np.float64)
+    return [S([a, ints(rng, 4, 3, 4).astype(np.float64)]), S([a, ints(rng, 4, 4).astype(np.float64)]),
+            S([ints(rng, 5, 2, 3), ints(rng, 5, 3)])]
+
+
+case("equal", compares, lambda a, b: np.asarray([x == y for x, y in np.broadcast(a, b)]).reshape(np.broadcast(a, b).shape))
+case("not_equal", compares, lambda a, b: ~(np.broadcast_to(a, np.broadcast(a, b).shape) == b))
+case("less", compares, lambda a, b: (b - a) > 0)
+case("less_equal", compares, lambda a, b: (b - a) >= 0)
+case("greater", compares, lambda a, b: (a - b) > 0)
+case("greater_equal", compares, lambda a, b: (a - b) >= 0)
+
+
+def bools(rng):
+    return [S([rng.random((3, 4)) > 0.5, rng.random((3, 4)) > 0.5]), S([rng.random((2, 4)) > 0.5, rng.random(4) > 0.5])]
+
+
+case("logical_and", bools, lambda a, b: (a.astype(int) + b.astype(int)) == 2)
+case("logical_or", bools, lambda a, b: (a.astype(int) + b.astype(int)) >= 1)
+case("logical_not", lambda rng: [S([rng.random((3, 4)) > 0.5])], lambda a: a == 0)
+case("where", lambda rng: [S([rng.random((3, 4)) > 0.5, r(rng, 3, 4), r(rng, 3, 4)]),
+                           S([rng.random((3, 1)) > 0.5, r(rng, 4), r(rng, 3, 4)])],
+     lambda c, a, b: c * a + (1 - c) * b)
+case("cast", lambda rng: [S([r(rng, 3, 4)], {"dtype": "float64"}), S([r(rng, 3, 4)], {"dtype": "float32"}, fd=False),
+                          S([r(rng, 3, 4) * 5], {"dtype": "int32"}, fd=False)],
+     lambda x, dtype: np.trunc(x) if dtype == "int32" else x, rtol=1e-6, atol=1e-7)
+case("zeros_like", lambda rng: [S([r(rng, 3, 4)]), S([ints(rng, 3, 2, 2)], {"dtype": "float32"})],
+     lambda x, dtype=None: x * 0)
+case("ones_like", lambda rng: [S([r(rng, 3, 4)]), S([ints(rng, 3, 2, 2)], {"dtype": "float32"})],
+     lambda x, dtype=None: x * 0 + 1)
+case("full", lambda rng: [S([], {"shape": [2, 3], "value": 1.5, "dtype": "float64"}),
+                          S([], {"shape": [], "value": -2.0, "dtype": "float32"})],
+     lambda shape, value, dtype: np.ones(shape) * value)
+
+# ---- reductions ---------------------------------------------------------------------------------
+
+
+def red(rng, gen=r):
+    return [S([gen(rng, 3, 4)]), S([gen(rng, 2, 3, 4)], {"axis": 1}), S([gen(rng, 2, 3, 4)], {"axis": [0, 2], "keepdim": True}),
+            S([gen(rng, 3, 4)], {"axis": -1, "keepdim": True})]
+
+
+def _np_reduce(f):
+    def ref(x, axis=None, keepdim=False):
+        ax = None if axis is None else tuple(a % x.ndim for a in np.atleast_1d(axis))
+        return f(x, axis=ax, keepdims=keepdim)
+
+    return ref
+
+
+case("sum", red, _np_reduce(lambda x, axis, keepdims: np.add.reduce(x, axis=axis, keepdims=keepdims)))
+case("mean", red, _np_reduce(lambda x, axis, keepdims: np.add.reduce(x, axis=axis, keepdims=keepdims)
+                             * np.add.reduce(x, axis=axis, keepdims=keepdims).size / x.size))
+case("max", red, _np_reduce(lambda x, axis, keepdims: np.maximum.reduce(x, axis=axis, keepdims=keepdims)))
+case("min", red, _np_reduce(lambda x, axis, keepdims: np.minimum.reduce(x, axis=axis, keepdims=keepdims)))
+case("logsumexp", red, _np_reduce(lambda x, axis, keepdims: np.log(np.add.reduce(np.exp(x), axis=axis, keepdims=keepdims))))
+case("argmax", lambda rng: [S([r(rng, 3, 4)]), S([r(rng, 2, 3, 4)], {"axis": 1}), S([r(rng, 3, 4)], {"axis": -1, "keepdim": True})],
+     lambda x, axis=None, keepdim=False: np.array([int(np.flatnonzero(x.ravel() == x.max())[0])]).reshape(())
+     if axis is None else np.apply_along_axis(lambda v: np.flatnonzero(v == v.max())[0], axis, x)
+     .reshape([1 if i == axis % x.ndim else d for i, d in enumerate(x.shape)] if keepdim else
+              [d for i, d in enumerate(x.shape) if i != axis % x.ndim]))
+case("numel", lambda rng: [S([r(rng, 3, 4)]), S([r(rng, 2, 3, 4)], {"axis": [0, 2]})],
+     lambda x, axis=None: np.asarray(float(np.prod([x.shape[a] for a in (axis or range(x.ndim))]))))
+case("cumsum", lambda rng: [S([r(rng, 3, 4)], {"axis": 1}), S([r(rng, 3, 4)], {"axis": 0, "reverse": True})],
+     lambda x, axis, reverse=False: np.stack([np.add.reduce(np.take(x, range(i, x.shape[axis]) if reverse else range(i + 1),
+                                                                      axis=axis), axis=axis) for i in range(x.shape[axis])],
+                                             axis=axis))
+
+# ---- movement -----------------------------------------------------------------------------------
+
+case("reshape", lambda rng: [S([r(rng, 3, 4)], {"shape": [2, 6]}, sym=False),
+                            S([r(rng, 2, 3, 4)], {"shape": [-1, 4]}, keep=((0, 2),))],
+     lambda x, shape: np.array(x.ravel().tolist()).reshape(shape))
+case("transpose", lambda rng: [S([r(rng, 3, 4)], {"perm": [1, 0]}), S([r(rng, 2, 3, 4)], {"perm": [2, 0, 1]})],
+     lambda x, perm: np.einsum(x, list(range(x.ndim)), list(perm)))
+case("expand", lambda rng: [S([r(rng, 3, 1)], {"shape": [3, 4]}, sym=False), S([r(rng, 4)], {"shape": [2, 3, 4]}, sym=False),
+                            S([r(rng, 1, 4)], {"shape": [5, -1]}, sym=False)],
+     lambda x, shape: x + np.zeros([d if d != -1 else x.shape[i - len(shape) + x.ndim] for i, d in enumerate(shape)]))
+case("squeeze", lambda rng: [S([r(rng, 3, 1, 4)], {"axis": [1]}), S([r(rng, 1, 3, 1)])],
+     lambda x, axis=None: x.reshape([d for d in x.shape if d != 1]))
+case("unsqueeze", lambda rng: [S([r(rng, 3, 4)], {"axis": [0]}), S([r(rng, 3, 4)], {"axis": [1, -1]})],
+     lambda x, axis: x.reshape({(0,): (1, 3, 4), (1, -1): (3, 1, 4, 1)}[tuple(axis)]))
+
+
+def _slice_ref(x, axes, starts, ends, steps=None):
+    idx = [slice(None)] * x.ndim
+    for a, s, e, st in zip(axes, starts, ends, steps or [1] * len(axes)):
+        idx[a] = slice(s, None if e == END else e, st)
+    return np.array(x[tuple(idx)])
+
+
+case("slice", lambda rng: [S([r(rng, 5, 6)], {"axes": [0, 1], "starts": [1, 0], "ends": [4, END], "steps": [1, 2]}, sym=False),
+                           S([r(rng, 4, 6)], {"axes": [1], "starts": [-3], "ends": [END]}),
+                           S([r(rng, 4, 6)], {"axes": [0], "starts": [1], "ends": [3]})],
+     _slice_ref)
+
+
+def _slice_scatter_ref(x, src, axes, starts, ends, steps=None):
+    out = x.copy()
+    idx = [slice(None)] * x.ndim
+    for a, s, e, st in zip(axes, starts, ends, steps or [1] * len(axes)):
+        idx[a] = slice(s, None if e == END else e, st)
+    out[tuple(idx)] = src
+    return out
+
+
+case("slice_scatter", lambda rng: [S([r(rng, 5, 6), r(rng, 3, 3)], {"axes": [0, 1], "starts": [1, 0], "ends": [4, END],
+                                                                     "steps": [1, 2]}, sym=False),
+                                   S([r(rng, 4, 6), r(rng, 4, 2)], {"axes": [1], "starts": [2], "ends": [4]}, sym=False)],
+     _slice_scatter_ref)
+case("concat", lambda rng: [S([r(rng, 2, 3), r(rng, 4, 3)], {"axis": 0}), S([r(rng, 2, 3), r(rng, 2, 1), r(rng, 2, 2)], {"axis": -1}),
+                            S([r(rng, 3)])],
+     lambda *xs, axis=0: np.concatenate(xs, axis=axis))
+case("stack", lambda rng: [S([r(rng, 2, 3), r(rng, 2, 3)], {"axis": 0}), S([r(rng, 2, 3), r(rng, 2, 3), r(rng, 2, 3)], {"axis": -1})],
+     lambda *xs, axis=0: np.moveaxis(np.array([x.tolist() for x in xs]), 0, axis))
+case("split", lambda rng: [S([r(rng, 6, 3)], {"sections": 3}, keep=((0, 0),)), S([r(rng, 2, 7)], {"sections": [2, 5], "axis": 1}, sym=False)],
+     lambda x, sections, axis=0: tuple(np.array_split(x, sections, axis) if isinstance(sections, int) else
+                                       np.split(x, np.cumsum(sections)[:-1], axis)))
+case("index_select", lambda rng: [S([r(rng, 5, 3), np.array([4, 0, 4, 2])]), S([r(rng, 2, 5), np.array([1, 3])], {"axis": 1})],
+     lambda x, i, axis=0: np.moveaxis(np.array([np.moveaxis(x, axis, 0)[k] for k in i]), 0, axis))
+
+
+def _index_add_ref(x, i, src, axis=0):
+    out = np.moveaxis(x.copy(), axis, 0)
+    s = np.moveaxis(src, axis, 0)
+    for n, k in enumerate(i):
+        out[k] += s[n]
+    return np.moveaxis(out, 0, axis)
+
+
+case("index_add", lambda rng: [S([r(rng, 5, 3), np.array([4, 0, 4]), r(rng, 3, 3)]),
+                               S([r(rng, 2, 5), np.array([1, 1]), r(rng, 2, 2)], {"axis": 1})], _index_add_ref)
+
+
+def _gather_ref(x, i, axis=0):
+    out = np.empty(i.shape)
+    for idx in np.ndindex(*i.shape):
+        src = list(idx)
+        src[axis] = i[idx]
+        out[idx] = x[tuple(src)]
+    return out
+
+
+def _scatter_add_ref(x, i, src, axis=0):
+    out = x.copy()
+    for idx in np.ndindex(*i.shape):
+        dst = list(idx)
+        dst[axis] = i[idx]
+        out[tuple(dst)] += src[idx]
+    return out
+
+
+case("gather", lambda rng: [S([r(rng, 4, 3), ints(rng, 4, 2, 3)]), S([r(rng, 3, 5), ints(rng, 5, 3, 2)], {"axis": 1})],
+     _gather_ref)
+case("scatter_add", lambda rng: [S([r(rng, 4, 3), ints(rng, 4, 2, 3), r(rng, 2, 3)]),
+                                 S([r(rng, 3, 5), ints(rng, 5, 3, 2), r(rng, 3, 2)], {"axis": 1})], _scatter_add_ref)
+case("embedding", lambda rng: [S([ints(rng, 5, 2, 3), r(rng, 5, 4)]), S([np.array([1, 1, 0]), r(rng, 3, 2)])],
+     lambda ids, w: np.array([[w[k] for k in row] for row in ids.reshape(-1, ids.shape[-1])]).reshape(ids.shape + (w.shape[1],)))
+case("tril", lambda rng: [S([r(rng, 4, 4)]), S([r(rng, 2, 3, 5)], {"diagonal": 1})],
+     lambda x, diagonal=0: x * (np.arange(x.shape[-1])[None, :] <= np.arange(x.shape[-2])[:, None] + diagonal))
+case("triu", lambda rng: [S([r(rng, 4, 4)]), S([r(rng, 2, 3, 5)], {"diagonal": -1})],
+     lambda x, diagonal=0: x * (np.arange(x.shape[-1])[None, :] >= np.arange(x.shape[-2])[:, None] + diagonal))
+case("one_hot", lambda rng: [S([ints(rng, 4, 3)], {"num_classes": 4}), S([ints(rng, 3, 2, 2)], {"num_classes": 5, "dtype": "float64"})],
+     lambda x, num_classes, dtype="float32": np.eye(num_classes)[x])
+
+
+def _topk_ref(x, k, axis=-1, largest=True):
+    xs = np.moveaxis(x, axis, -1)
+    idx = np.array([sorted(range(v.shape[0]), key=lambda j: -v[j] if largest else v[j])[:k] for v in xs.reshape(-1, xs.shape[-1])])
+    idx = idx.reshape(xs.shape[:-1] + (k,))
+    vals = np.take_along_axis(xs, idx, -1)
+    return np.moveaxis(vals, -1, axis), np.moveaxis(idx, -1, axis)
+
+
+case("topk", lambda rng: [S([r(rng, 3, 6)], {"k": 2}), S([r(rng, 5, 3)], {"k": 3, "axis": 0, "largest": False}, sym=False)],
+     _topk_ref)
+case("arange", lambda rng: [S([], {"end": 5}), S([], {"start": 2, "end": 11, "step": 3, "dtype": "float64"})],
+     lambda start=0, end=None, step=1, dtype="int64": np.array(list(range(start, end, step))))
+
+# ---- contraction --------------------------------------------------------------------------------
+
+
+def _mm_ref(x, y, transpose_x=False, transpose_y=False):
+    if transpose_x:
+        x = np.swapaxes(x, -1, -2)
+    if transpose_y:
+        y = np.swapaxes(y, -1, -2)
+    return np.einsum("...ik,...kj->...ij", x, y)
+
+
+case("matmul", lambda rng: [S([r(rng, 3, 4), r(rng, 4, 2)]), S([r(rng, 2, 3, 4), r(rng, 4, 5)]),
+                            S([r(rng, 2, 4, 3), r(rng, 1, 5, 4)], {"transpose_x": True, "transpose_y": True})], _mm_ref)
+case("linear", lambda rng: [S([r(rng, 2, 3, 4), r(rng, 5, 4), r(rng, 5)], keep=((1, 0), (2, 0))), S([r(rng, 3, 4), r(rng, 2, 4)])],
+     lambda x, w, b=None: np.einsum("...i,oi->...o", x, w) + (0 if b is None else b))
+
+# ---- composite neural ops -----------------------------------------------------------------------
+
+
+def _softmax_ref(x, axis=-1):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+case("softmax", lambda rng: [S([r(rng, 3, 5)]), S([r(rng, 2, 3, 4)], {"axis": 1})], _softmax_ref)
+case("log_softmax", lambda rng: [S([r(rng, 3, 5)]), S([r(rng, 2, 3, 4)], {"axis": 0})],
+     lambda x, axis=-1: np.log(_softmax_ref(x, axis)), rtol=1e-9)
+case("rms_norm", lambda rng: [S([r(rng, 3, 6), r(rng, 6)]), S([r(rng, 2, 2, 4), r(rng, 4)], {"eps": 1e-3})],
+     lambda x, w, eps=1e-6: x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w)
+
+
+def _ce_ref(logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
+    c = logits.shape[-1]
+    flat, lab = logits.reshape(-1, c), labels.reshape(-1)
+    losses = []
+    for row, y in zip(flat, lab):
+        if y == ignore_index:
+            losses.append(0.0)
+            continue
+        logp = row - np.log(np.sum(np.exp(row)))
+        q = np.full(c, label_smoothing / c)
+        q[y] += 1 - label_smoothing
+        losses.append(-np.sum(q * logp))
+    losses = np.array(losses).reshape(labels.shape)
+    n = np.sum(lab != ignore_index)
+    return {"none": losses, "sum": losses.sum(), "mean": losses.sum() / n}[reduction]
+
+
+case("cross_entropy", lambda rng: [S([r(rng, 5, 4), np.array([0, 3, -100, 1, 3])]),
+                                   S([r(rng, 2, 3, 4), ints(rng, 4, 2, 3)], {"label_smoothing": 0.1}),
+                                   S([r(rng, 4, 3), np.array([2, -1, 0, -1])], {"ignore_index": -1, "reduction": "sum"}),
+                                   S([r(rng, 4, 3), np.array([2, 1, 0, 1])], {"reduction": "none"})], _ce_ref)
+
+
+def _rope_tables(rng, positions, d):
+    ang = np.arange(positions)[:, None] * rng.uniform(0.1, 1.0, d // 2)[None, :]
+    ang = np.concatenate([ang, ang], -1)
+    return np.cos(ang), np.sin(ang)
+
+
+def _rope_samples(rng):
+    c, s = _rope_tables(rng, 7, 4)
+    d = ((0, 3), (1, 1), (2, 1))  # the head dim is static
+    return [S([r(rng, 2, 3, 5, 4), c[:5], s[:5]], keep=d),
+            S([r(rng, 2, 3, 4, 4), c, s, np.array([[0, 1, 2, 3], [3, 4, 5, 6]])], keep=d)]
+
+
+def _rope_ref(x, cos, sin, pos=None):
+    h = x.shape[-1] // 2
+    out = np.empty_like(x)
+    for idx in np.ndindex(*x.shape[:-1]):
+        p = idx[-1] if pos is None else pos[idx[0], idx[-1]]
+        v = x[idx]
+        rot = np.concatenate([-v[h:], v[:h]])
+        out[idx] = v * cos[p] + rot * sin[p]
+    return out
+
+
+case("rotary_embedding", _rope_samples, _rope_ref)
+
+
+def _sdpa_samples(rng):
+    mask = np.where(rng.random((1, 1, 3, 5)) > 0.3, 0.0, -1e9)
+    mask[..., 0] = 0.0
+    heads = ((0, 1), (1, 1), (2, 1), (0, 3), (1, 3), (2, 3))  # head counts and head dims are static
+    return [S([r(rng, 2, 4, 3, 2), r(rng, 2, 2, 3, 2), r(rng, 2, 2, 3, 3)], {"is_causal": True}, keep=heads),
+            S([r(rng, 1, 2, 3, 2), r(rng, 1, 2, 5, 2), r(rng, 1, 2, 5, 2), mask], {"scale": 0.7}, keep=heads),
+            S([r(rng, 1, 2, 2, 2), r(rng, 1, 1, 4, 2), r(rng, 1, 1, 4, 2)], {"is_causal": True}, keep=heads)]
+
+
+def _sdpa_ref(q, k, v, mask=None, is_causal=False, scale=None):
+    b, hq, s, d = q.shape
+    hk, t = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    out = np.zeros((b, hq, s, v.shape[-1]))
+    for bi in range(b):
+        for h in range(hq):
+            kh = h // (hq // hk)
+            for i in range(s):
+                sc = np.array([q[bi, h, i] @ k[bi, kh, j] * scale for j in range(t)])
+                if mask is not None:
+                    sc = sc + np.broadcast_to(mask, (b, hq, s, t))[bi, h, i]
+                if is_causal:
+                    sc = np.where(np.arange(t) <= i + t - s, sc, -np.inf)
+                p = np.exp(sc - sc.max())
+                out[bi, h, i] = (p / p.sum()) @ v[bi, kh]
+    return out
+
+
+case("scaled_dot_product_attention", _sdpa_samples, _sdpa_ref)
+
+
+def _dropout_ref(x, p=0.5, seed=0):
+    # Independent check: every output is either 0 or x / (1 - p); compared value-wise below.
+    return None
+
+
+case("dropout", lambda rng: [S([r(rng, 4, 5)], {"p": 0.3, "seed": 7}), S([r(rng, 3)], {"p": 0.0, "seed": 1})], _dropout_ref)
+
+
+# ---- the walk -----------------------------------------------------------------------------------
+
+
+def test_every_op_has_a_case():
+    missing = sorted(set(table()) - set(CASES))
+    stale = sorted(set(CASES) - set(table()))
+    assert not missing, f"ops without checks in test_op_table.py: {missing}"
+    assert not stale, f"cases for ops that no longer exist: {stale}"
+
+
+def _tensor(a, grad=False):
+    if a is None:
+        return None
+    return lf.tensor(a, dtype=a.dtype, requires_grad=grad)
+
+
+def _call(name, inputs, attrs, grad=False):
+    spec = table()[name]
+    ts = [_tensor(a, grad and a is not None and np.issubdtype(a.dtype, np.floating)) for a in inputs]
+    return lf.ops.public(spec)(ts, **attrs) if spec.variadic else lf.ops.public(spec)(*ts, **attrs), ts
+
+
+def _outs(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _samples(name):
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    return CASES[name].samples(rng)
+
+
+OPS = sorted(table())
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_forward_matches_numpy_float64(name):
+    c = CASES[name]
+    for s in _samples(name):
+        out, _ = _call(name, s.inputs, s.attrs)
+        ref = c.ref(*s.inputs, **s.attrs)
+        if name == "dropout":
+            x, p = s.inputs[0], s.attrs["p"]
+            y = out.numpy()
+            kept = y != 0
+            np.testing.assert_allclose(y[kept], (x / (1 - p))[kept], rtol=1e-12)
+            assert p == 0 or 0 < kept.mean() < 1
+            continue
+        for o, e in zip(_outs(out), ref if isinstance(ref, tuple) else (ref,)):
+            np.testing.assert_allclose(o.numpy().astype(np.float64), np.asarray(e, np.float64), rtol=c.rtol, atol=c.atol,
+                                       err_msg=f"{name} {s.attrs}")
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_forward_float32_close_to_float64(name):
+    c = CASES[name]
+    for s in _samples(name):
+        ins32 = [a.astype(np.float32) if a is not None and a.dtype == np.float64 else a for a in s.inputs]
+        attrs = dict(s.attrs)
+        if name in ("full", "one_hot", "arange") and attrs.get("dtype") == "float64":
+            attrs["dtype"] = "float32"
+        if name == "cast" and attrs["dtype"] == "float64":
+            continue
+        out, _ = _call(name, ins32, attrs)
+        out64, _ = _call(name, s.inputs, s.attrs)
+        for o, e in zip(_outs(out), _outs(out64)):
+            if o.dtype != np.float32:
+                continue
+            np.testing.assert_allclose(o.numpy(), e.numpy(), rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_infer_meta_matches_kernel(name):
+    spec = table()[name]
+    for s in _samples(name):
+        for ins in (s.inputs, [a.astype(np.float32) if a is not None and a.dtype == np.float64 else a for a in s.inputs]):
+            attrs = spec.bind(s.attrs)
+            metas = [Meta(a.shape, a.dtype) for a in ins if a is not None]
+            arrays = [a for a in ins if a is not None]
+            want = spec.infer_meta(*metas, **attrs)
+            got = spec.kernel(np, *arrays, **attrs)
+            for m, g in zip(want if spec.multi_output else (want,), got if spec.multi_output else (got,)):
+                g = np.asarray(g)
+                assert tuple(m.shape) == g.shape, f"{name}: infer_meta {m} vs kernel {g.shape}"
+                assert m.dtype == g.dtype, f"{name}: infer_meta {m} vs kernel {g.dtype}"
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_infer_meta_with_symbolic_dims(name):
+    """Rename every static dim > 1 to a symbol: the inferred shape must evaluate to the real one."""
+    spec = table()[name]
+    for s in _samples(name):
+        if not s.sym:
+            continue
+        arrays = [a for a in s.inputs if a is not None]
+        if not arrays:
+            continue
+        attrs = spec.bind(s.attrs)
+        names = {d: f"d{d}" for a in arrays for d in a.shape if d > 1}
+        env = {v: k for k, v in names.items()}
+        metas = [Meta([d if (i, ax) in s.keep else names.get(d, d) for ax, d in enumerate(a.shape)], a.dtype)
+                 for i, a in enumerate(arrays)]
+        want = spec.infer_meta(*metas, **attrs)
+        real = spec.infer_meta(*[Meta(a.shape, a.dtype) for a in arrays], **attrs)
+        for m, g in zip(want if spec.multi_output else (want,), real if spec.multi_output else (real,)):
+            assert [sym.evaluate(d, env) for d in m.shape] == list(g.shape), f"{name}: {m} vs {g}"
+            assert m.dtype == g.dtype
+
+
+@pytest.mark.parametrize("name", sorted(n for n, s in table().items() if s.decompose is not None))
+def test_decompose_matches_kernel(name):
+    spec = table()[name]
+    for s in _samples(name):
+        out, ts = _call(name, s.inputs, s.attrs)
+        dec = spec.decompose(*[t for t in ts if t is not None], **spec.bind(s.attrs))
+        for o, d in zip(_outs(out), _outs(dec)):
+            np.testing.assert_allclose(d.numpy(), o.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def _diff_inputs(spec, inputs):
+    if spec.vjp is None:
+        return []
+    return [i for i, a in enumerate(inputs)
+            if a is not None and i not in spec.nondiff and np.issubdtype(a.dtype, np.floating)]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_gradient_matches_finite_differences(name):
+    spec = table()[name]
+    for s in _samples(name):
+        if not s.fd:
+            continue
+        diff = _diff_inputs(spec, s.inputs)
+        if not diff:
+            continue
+        rng = np.random.default_rng(0)
+        out, ts = _call(name, s.inputs, s.attrs, grad=True)
+        outs = [o for o in _outs(out) if np.issubdtype(o.dtype, np.floating)]
+        weights = [rng.standard_normal(o.shape) for o in outs]
+
+        def loss_np(inputs):
+            with lf.no_grad():
+                o2, _ = _call(name, inputs, s.attrs)
+            fl = [o for o in _outs(o2) if np.issubdtype(o.dtype, np.floating)]
+            return sum(float(np.sum(o.numpy() * w)) for o, w in zip(fl, weights))
+
+        loss = None
+        for o, w in zip(outs, weights):
+            term = (o * lf.tensor(w)).sum()
+            loss = term if loss is None else loss + term
+        grads = lf.grad(loss, [ts[i] for i in diff], allow_unused=True)
+        eps = 1e-6
+        for i, g in zip(diff, grads):
+            num = np.zeros_like(s.inputs[i])
+            for j in np.ndindex(*s.inputs[i].shape):
+                plus = [a.copy() if a is not None else None for a in s.inputs]
+                minus = [a.copy() if a is not None else None for a in s.inputs]
+                plus[i][j] += eps
+                minus[i][j] -= eps
+                num[j] = (loss_np(plus) - loss_np(minus)) / (2 * eps)
+            got = np.zeros_like(num) if g is None else g.numpy()
+            np.testing.assert_allclose(got, num, rtol=1e-5, atol=1e-6, err_msg=f"{name} input {i} {s.attrs}")
+
+
+@pytest.mark.parametrize("name", sorted(n for n, s in table().items() if s.vjp is None))
+def test_ops_without_gradient_stop_it(name):
+    """Ops with no vjp (comparisons, argmax, creation...) give outputs that do not require grad."""
+    for s in _samples(name):
+        out, _ = _call(name, s.inputs, s.attrs, grad=True)
+        for o in _outs(out):
+            assert not o.requires_grad
