@@ -76,6 +76,7 @@ def _describe(a: Any) -> str:
 
 
 EAGER = EagerWorld()
+_BOOL = np.dtype(np.bool_)
 _WORLDS: dict[type, World] = {}
 _local = threading.local()
 
@@ -101,7 +102,7 @@ def ambient(world: World):
 
 
 def current_world() -> World:
-    stack = getattr(_local, "stack", None)
+    stack = _local.__dict__.get("stack")
     return stack[-1] if stack else EAGER
 
 
@@ -130,14 +131,16 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
     world: World | None = None
     ref = None
     for x in inputs:
-        if type(x) is Tensor or isinstance(x, Tensor):
-            w = _WORLDS.get(type(x._data))
-            if w is not None:
-                if world is not None and w is not world:
-                    raise OpError(f"{spec.name}: cannot mix {world.name} and {w.name} tensors in one op")
-                world = w
-            if ref is None and x._data.dtype != np.bool_:
-                ref = x._data.dtype
+        if isinstance(x, Tensor):
+            d = x._data
+            if type(d) is not np.ndarray:
+                w = _WORLDS.get(type(d))
+                if w is not None:
+                    if world is not None and w is not world:
+                        raise OpError(f"{spec.name}: cannot mix {world.name} and {w.name} tensors in one op")
+                    world = w
+            if ref is None and d.dtype != _BOOL:
+                ref = d.dtype
     if world is None:
         world = current_world()
 
@@ -178,7 +181,7 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
             ) if lifted else inputs
             node = Node(spec, node_inputs, attrs, tuple(Tensor._wrap(t._data) for t in wrapped))
             for i, t in enumerate(wrapped):
-                if B.is_floating(t._data.dtype):
+                if t._data.dtype in B.FLOAT_DTYPES:
                     t.requires_grad = True
                     t._node = node
                     t._out_idx = i

@@ -156,8 +156,11 @@ class Tensor:
             return f"Tensor({body}, dtype={dt}{grad})"
         return f"Tensor({self._data!r}, shape={list(self.shape)}, dtype={dt}{grad})"
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # identity, as __eq__ is elementwise
         return id(self)
+
+    def __pos__(self) -> Tensor:
+        return self
 
     # ---- autograd ----------------------------------------------------------------------------
     def backward(self, grad: Tensor | None = None, retain_graph: bool = False, create_graph: bool = False) -> None:
@@ -212,31 +215,7 @@ class Tensor:
     def cpu(self) -> Tensor:
         return self.to("cpu")
 
-    # ---- Python operators --------------------------------------------------------------------
-    def __add__(self, o): return _ops().add(self, o)
-    def __radd__(self, o): return _ops().add(o, self)
-    def __sub__(self, o): return _ops().sub(self, o)
-    def __rsub__(self, o): return _ops().sub(o, self)
-    def __mul__(self, o): return _ops().mul(self, o)
-    def __rmul__(self, o): return _ops().mul(o, self)
-    def __truediv__(self, o): return _ops().div(self, o)
-    def __rtruediv__(self, o): return _ops().div(o, self)
-    def __pow__(self, o): return _ops().pow(self, o)
-    def __rpow__(self, o): return _ops().pow(o, self)
-    def __matmul__(self, o): return _ops().matmul(self, o)
-    def __rmatmul__(self, o): return _ops().matmul(o, self)
-    def __neg__(self): return _ops().neg(self)
-    def __pos__(self): return self
-    def __abs__(self): return _ops().abs(self)
-    def __lt__(self, o): return _ops().less(self, o)
-    def __le__(self, o): return _ops().less_equal(self, o)
-    def __gt__(self, o): return _ops().greater(self, o)
-    def __ge__(self, o): return _ops().greater_equal(self, o)
-    def __eq__(self, o): return _ops().equal(self, o)  # type: ignore[override]
-    def __ne__(self, o): return _ops().not_equal(self, o)  # type: ignore[override]
-    def __and__(self, o): return _ops().logical_and(self, o)
-    def __or__(self, o): return _ops().logical_or(self, o)
-    def __invert__(self): return _ops().logical_not(self)
+    # Python operators (__add__, __radd__, ...) are installed from _OPERATORS below.
 
     # ---- conveniences over table ops ---------------------------------------------------------
     def reshape(self, *shape: Any) -> Tensor:
@@ -317,11 +296,34 @@ def _ops():
     return ops
 
 
-def _install_methods() -> None:
-    """Give Tensor a method per op whose first input is a tensor (unless written out above)."""
-    from .ops import public
-    from .ops.spec import table
+# operator -> (op name, reflected?)
+_OPERATORS = {
+    "__add__": ("add", False), "__radd__": ("add", True), "__sub__": ("sub", False), "__rsub__": ("sub", True),
+    "__mul__": ("mul", False), "__rmul__": ("mul", True), "__truediv__": ("div", False),
+    "__rtruediv__": ("div", True), "__pow__": ("pow", False), "__rpow__": ("pow", True),
+    "__matmul__": ("matmul", False), "__rmatmul__": ("matmul", True), "__lt__": ("less", False),
+    "__le__": ("less_equal", False), "__gt__": ("greater", False), "__ge__": ("greater_equal", False),
+    "__eq__": ("equal", False), "__ne__": ("not_equal", False), "__and__": ("logical_and", False),
+    "__or__": ("logical_or", False),
+}
+_UNARY = {"__neg__": "neg", "__abs__": "abs", "__invert__": "logical_not"}
 
+
+def _install_methods() -> None:
+    """Install operators, and a method per op whose first input is a tensor (unless written above)."""
+    from .dispatch import apply
+    from .ops import public
+    from .ops.spec import get, table
+
+    def binary(spec, reflected):
+        if reflected:
+            return lambda self, other: apply(spec, other, self)
+        return lambda self, other: apply(spec, self, other)
+
+    for dunder, (name, reflected) in _OPERATORS.items():
+        setattr(Tensor, dunder, binary(get(name), reflected))
+    for dunder, name in _UNARY.items():
+        setattr(Tensor, dunder, (lambda spec: lambda self: apply(spec, self))(get(name)))
     for name, spec in table().items():
         if not spec.inputs or spec.variadic or hasattr(Tensor, name):
             continue

@@ -61,7 +61,7 @@ class Meta:
 
     def __init__(self, shape: Sequence[Dim], dtype: Any) -> None:
         self.shape = tuple(shape)
-        self.dtype = B.dtype(dtype)
+        self.dtype = dtype if isinstance(dtype, np.dtype) else B.dtype(dtype)
 
     @property
     def ndim(self) -> int:
@@ -395,7 +395,7 @@ def broadcast_shapes(name: str, *metas: Any) -> tuple:
 def same_dtype(name: str, *metas: Any) -> np.dtype:
     dt = metas[0].dtype
     for m in metas[1:]:
-        if m.dtype != dt:
+        if m.dtype is not dt and m.dtype != dt:
             raise OpError(
                 f"{name}: dtype mismatch ({', '.join(describe(m) for m in metas)}); cast one input first"
             )
@@ -403,10 +403,17 @@ def same_dtype(name: str, *metas: Any) -> np.dtype:
 
 
 def elementwise_meta(name: str, *metas: Any, floating: bool = False, out_dtype: Any = None) -> Meta:
-    dt = same_dtype(name, *metas)
+    first = metas[0]
+    dt, shape = first.dtype, first.shape
+    same_shape = True
+    for m in metas[1:]:
+        if m.dtype is not dt and m.dtype != dt:
+            same_dtype(name, *metas)
+        if same_shape and m.shape != shape:
+            same_shape = False
     if floating and dt not in B.FLOAT_DTYPES:
-        raise OpError(f"{name}: expects floating tensors, got {describe(metas[0])}")
-    return Meta(broadcast_shapes(name, *metas), dt if out_dtype is None else out_dtype)
+        raise OpError(f"{name}: expects floating tensors, got {describe(first)}")
+    return Meta(shape if same_shape else broadcast_shapes(name, *metas), dt if out_dtype is None else out_dtype)
 
 
 def reduce_shape(name: str, shape: tuple, axis: tuple | None, keepdim: bool) -> tuple:

@@ -1,0 +1,38 @@
+"""Shared helpers for benchmarks: timing with medians and one JSON line per figure."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def median_time(fn: Callable[[], Any], repeat: int = 7, warmup: int = 2, number: int = 1) -> float:
+    """Median wall time of ``fn`` in seconds (each sample averages ``number`` calls)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - t0) / number)
+    return statistics.median(samples)
+
+
+def emit(benchmark: str, metric: str, value: float, unit: str, **extra: Any) -> None:
+    """Print one figure as a JSON line."""
+    row = {"benchmark": benchmark, "metric": metric, "value": round(value, 6), "unit": unit, **extra}
+    print(json.dumps(row), flush=True)
+
+
+def machine() -> dict[str, Any]:
+    return {"python": platform.python_version(), "cpus": os.cpu_count(),
+            "blas_env_unset": "OPENBLAS_CORETYPE" not in os.environ}
