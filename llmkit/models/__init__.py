@@ -1,0 +1,1 @@
+"""Model families: each package holds its config, layers, checkpoint io and tokenizer."""

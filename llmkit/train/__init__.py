@@ -1,0 +1,1 @@
+"""Training: run config, data pipeline, trainer, checkpoints, metrics."""

@@ -1,0 +1,386 @@
+"""The training-run config: one typed schema, read from YAML plus `section.key=value` overrides.
+
+    cfg = load_config("configs/tiny.yaml", ["train.steps=100", "optim.lr=1e-3"])
+
+Every section rejects unknown keys and wrong types; a bad config raises `ConfigError` with one line
+naming the dotted key, the value and what was expected:
+
+    config error: train.steps: expected an integer, got 'ten'
+    config error: unknown key optim.learning_rate (did you mean optim.lr?)
+
+Values (in files and overrides) are YAML, read as YAML 1.2 reads numbers, so `1e-3` is a float
+(PyYAML's YAML 1.1 would read it as a string).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from llmkit.models.llama.config import PRESETS, LlamaConfig, atomic_write
+
+
+class ConfigError(ValueError):
+    """A bad run config; the message is one line starting with "config error:"."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"config error: {message}")
+
+
+class _Section(BaseModel):
+    # strict: no silent coercions (true -> 1, "10" -> 10); YAML already gives ints, floats and bools.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _ModelSectionBase(_Section):
+    preset: str | None = None  # a name in llmkit.models.llama.config.PRESETS
+    init_from: str | None = None  # a Hugging Face checkpoint directory (config.json + weights)
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, name: str | None) -> str | None:
+        if name is not None and name not in PRESETS:
+            close = _suggest(name, list(PRESETS))
+            hint = f"did you mean {close!r}? " if close else ""
+            raise ValueError(f"unknown preset {name!r} ({hint}known: {', '.join(PRESETS)})")
+        return name
+
+    @model_validator(mode="after")
+    def _one_source(self) -> _ModelSectionBase:
+        if (self.preset is None) == (self.init_from is None):
+            raise ValueError(
+                "set exactly one of model.preset and model.init_from "
+                "(to start from a checkpoint, also set model.preset=null)"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _only_set_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Unset overrides are None placeholders, not values: leave them out so dumps load back.
+        data = handler(self)
+        return {k: v for k, v in data.items() if k in ("preset", "init_from") or k in self.model_fields_set}
+
+    def overrides(self) -> dict[str, Any]:
+        """The LlamaConfig fields this section sets explicitly (an explicit null counts)."""
+        fields = type(self).model_fields  # in declaration order, for stable output
+        return {k: getattr(self, k) for k in fields if k in self.model_fields_set - {"preset", "init_from"}}
+
+
+# `model` takes any LlamaConfig field as an override; the fields are generated from the dataclass
+# so that the two never drift apart.
+_LLAMA_HINTS = typing.get_type_hints(LlamaConfig)
+ModelSection = create_model(
+    "ModelSection",
+    __base__=_ModelSectionBase,
+    __doc__="The model: a preset or a checkpoint directory, plus overrides of any LlamaConfig field.",
+    **{f.name: (_LLAMA_HINTS[f.name], None) for f in dataclasses.fields(LlamaConfig) if f.name != "extra"},
+)
+
+
+class TokenizerSection(_Section):
+    path: str = "builtin"  # "builtin" (trained on the built-in corpus) or a dir with tokenizer.model
+    vocab_size: int = Field(4096, gt=259)  # builtin only: 3 specials + 256 bytes + merges
+
+    @model_validator(mode="after")
+    def _vocab_only_for_builtin(self) -> TokenizerSection:
+        if self.path != "builtin" and "vocab_size" in self.model_fields_set:
+            raise ValueError(f"tokenizer.vocab_size only applies to path: builtin, not {self.path!r}")
+        return self
+
+
+class DataSection(_Section):
+    sources: list[str] = ["builtin"]  # "builtin", files or globs; .jsonl files use their "text" field
+    val_fraction: float = Field(0.05, ge=0, lt=1)  # the last part of the packed stream (see data.py)
+    cache_dir: str | None = None  # token cache; null = $LLMKIT_CACHE_DIR or ~/.cache/llmkit
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _one_source_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+
+class OptimSection(_Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(3e-4, gt=0)  # peak learning rate (after warmup)
+    betas: tuple[float, float] = Field((0.9, 0.95), strict=False)  # adamw; strict=False: YAML lists
+    eps: float = Field(1e-8, gt=0)  # adamw
+    weight_decay: float = Field(0.1, ge=0)  # decoupled (AdamW-style)
+    grad_clip: float | None = Field(1.0, gt=0)  # max global gradient norm; null = no clipping
+    momentum: float = Field(0.9, ge=0, lt=1)  # sgd
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
+        return betas
+
+
+class ScheduleSection(_Section):
+    name: Literal["constant", "cosine", "linear"] = "cosine"  # decay after warmup
+    warmup_steps: int = Field(0, ge=0)  # linear warmup from 0 to optim.lr
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine/linear end at min_lr_ratio * optim.lr
+
+
+class TrainSection(_Section):
+    steps: int = Field(1000, gt=0)  # optimizer steps
+    batch_size: int = Field(8, gt=0)  # sequences per micro-batch
+    grad_accum: int = Field(1, gt=0)  # micro-batches per optimizer step
+    seq_len: int = Field(256, gt=0)  # tokens per sequence
+    eval_every: int = Field(100, ge=0)  # steps between val-loss evaluations; 0 = never
+    eval_steps: int = Field(10, gt=0)  # val batches per evaluation
+    log_every: int = Field(10, gt=0)  # steps between log lines
+    save_every: int = Field(0, ge=0)  # steps between checkpoints; 0 = only at the end
+    keep_last: int = Field(2, gt=0)  # checkpoints kept on disk, newest first
+    seed: int = Field(0, ge=0)  # init and data order
+    mode: Literal["eager", "static"] = "eager"  # static: the whole step as one compiled program
+    compiler: Literal["cinn", "none"] = "none"  # fusion compiler for static programs
+    recompute: bool = False  # recompute activations in backward (less memory, more compute)
+    device: Literal["cpu", "gpu"] = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
+
+    @model_validator(mode="after")
+    def _cinn_needs_static(self) -> TrainSection:
+        if self.compiler == "cinn" and self.mode != "static":
+            raise ValueError("train.compiler=cinn compiles static programs; set train.mode=static")
+        return self
+
+
+class ParallelSection(_Section):
+    """Placeholder for the parallelism issue: degrees only, checked for range."""
+
+    dp: int = Field(1, gt=0)  # data parallel
+    tp: int = Field(1, gt=0)  # tensor parallel
+    pp: int = Field(1, gt=0)  # pipeline stages
+    sharding_stage: int = Field(0, ge=0, le=3)  # ZeRO stage; 0 = off
+    nproc: int = Field(1, gt=0)  # processes to launch
+
+
+class TrainConfig(_Section):
+    """A whole training run."""
+
+    model: ModelSection  # type: ignore[valid-type]  (a class generated above)
+    tokenizer: TokenizerSection = TokenizerSection()
+    data: DataSection = DataSection()
+    optim: OptimSection = OptimSection()
+    schedule: ScheduleSection = ScheduleSection()
+    train: TrainSection = TrainSection()
+    parallel: ParallelSection = ParallelSection()
+    out_dir: str  # checkpoints, logs and the resolved config go here
+
+    @model_validator(mode="after")
+    def _warmup_within_run(self) -> TrainConfig:
+        if self.schedule.warmup_steps > self.train.steps:
+            raise ValueError(
+                f"schedule.warmup_steps ({self.schedule.warmup_steps}) exceeds "
+                f"train.steps ({self.train.steps})"
+            )
+        return self
+
+
+# ---- reading and writing ------------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads YAML 1.2 floats: `1e-3` and `1E5` are numbers, not strings."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_config(path: str | os.PathLike[str], overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Read a YAML run config and apply `section.key=value` overrides (values are YAML)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} not found") from None
+    try:
+        raw = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        where = ""
+        if getattr(e, "problem_mark", None) is not None:
+            where = f" at line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}"
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
+    for override in overrides:
+        _apply_override(raw, override)
+    return parse_config(raw)
+
+
+def parse_config(raw: dict[str, Any]) -> TrainConfig:
+    """Validate a config dict; raise ConfigError with the first problem."""
+    try:
+        return TrainConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_describe(e.errors()[0])) from None
+
+
+def dump_config(cfg: TrainConfig, path: str | os.PathLike[str]) -> None:
+    """Write the resolved config as YAML, atomically; `load_config` reads it back equal."""
+    atomic_write(path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def resolve_model_config(cfg: TrainConfig, tokenizer_vocab_size: int) -> LlamaConfig:
+    """The LlamaConfig of the run: preset (or checkpoint config.json) plus model.* overrides.
+
+    A preset takes the tokenizer's vocab_size unless model.vocab_size is set; the embedding must
+    have a row for every token id either way.
+    """
+    overrides = cfg.model.overrides()
+    try:
+        if cfg.model.init_from is not None:
+            config_json = Path(cfg.model.init_from) / "config.json"
+            try:
+                hf = json.loads(config_json.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as e:
+                raise ConfigError(f"model.init_from: cannot read {config_json}: {e}") from None
+            llama = LlamaConfig.from_dict({**hf, **overrides})
+        else:
+            overrides = {"vocab_size": tokenizer_vocab_size, **overrides}
+            llama = LlamaConfig.from_preset(cfg.model.preset, **overrides)
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"model: {e}") from None
+    if llama.vocab_size < tokenizer_vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({llama.vocab_size}) is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab_size})"
+        )
+    return llama
+
+
+def validate_against_model(cfg: TrainConfig, llama: LlamaConfig) -> None:
+    """Checks that need the resolved model: the sequence length fits its position range."""
+    if cfg.train.seq_len > llama.max_position_embeddings:
+        raise ConfigError(
+            f"train.seq_len ({cfg.train.seq_len}) exceeds model.max_position_embeddings "
+            f"({llama.max_position_embeddings})"
+        )
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    """Set `a.b.c=value` in the nested dict `raw`, creating sections as needed."""
+    key, sep, text = override.removeprefix("--").partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    try:
+        value = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError:
+        raise ConfigError(f"override {override!r}: {text!r} is not a valid YAML value") from None
+    *sections, name = key.split(".")
+    node = raw
+    for i, section in enumerate(sections):
+        node = node.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(sections[: i + 1])} is not a section")
+    node[name] = value
+
+
+_EXPECTED = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "string_type": "a string",
+    "list_type": "a list",
+    "tuple_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping (a config section)",
+}
+_BOUNDS = {
+    "greater_than": ("gt", ">"),
+    "greater_than_equal": ("ge", ">="),
+    "less_than": ("lt", "<"),
+    "less_than_equal": ("le", "<="),
+}
+
+
+def _describe(error: dict[str, Any]) -> str:
+    """One line for a pydantic error: dotted key, what was expected, what was given."""
+    loc = error["loc"]
+    path, owner, section = _dotted(loc)
+    kind, got = error["type"], error.get("input")
+    ctx = error.get("ctx") or {}
+    if kind == "extra_forbidden":
+        name = str(loc[-1])
+        close = _suggest(name, list(owner.model_fields)) if owner else None
+        prefix = path[: -len(name)]
+        return f"unknown key {path}" + (f" (did you mean {prefix}{close}?)" if close else "")
+    if kind == "missing" and isinstance(loc[-1], int):  # a too-short tuple reports its first gap
+        return f"{path.rsplit('[', 1)[0]}: too few items, got {got!r}"
+    if kind == "missing":
+        return f"{path}: required key is missing"
+    if kind in _EXPECTED:
+        expected = _EXPECTED[kind]
+    elif kind in _BOUNDS:
+        bound, op = _BOUNDS[kind]
+        limit = ctx[bound]
+        expected = f"a value {op} {limit:g}" if isinstance(limit, float) else f"a value {op} {limit}"
+    elif kind == "literal_error":
+        expected = ctx["expected"]
+    elif kind in ("too_short", "too_long") and "max_length" in ctx:
+        expected = f"a list of {ctx['max_length']} items"
+    else:  # our validators: the message is the explanation; a section's names its own keys
+        message = error["msg"].removeprefix("Value error, ")
+        return message if section or not path else f"{path}: {message}"
+    return f"{path}: expected {expected}, got {got!r}"
+
+
+def _dotted(loc: tuple[str | int, ...]) -> tuple[str, type[BaseModel] | None, bool]:
+    """`("optim", "betas", 0)` -> ("optim.betas[0]", OptimSection, False): the dotted key, the
+    section class holding its last name, and whether the key is itself a section.
+
+    Parts that are not field names (pydantic's union-member tags) are skipped.
+    """
+    path, owner, cls = "", None, TrainConfig
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif cls is not None and (part in cls.model_fields or part == loc[-1]):
+            path += f".{part}" if path else part
+            owner = cls
+            annotation = cls.model_fields[part].annotation if part in cls.model_fields else None
+            cls = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return path, owner, cls is not None and bool(loc)
+
+
+def _suggest(name: str, candidates: list[str]) -> str | None:
+    """The candidate `name` was probably meant as: same initials (learning_rate -> lr) or similar."""
+    initials = "".join(word[0] for word in name.split("_") if word)
+    for candidate in candidates:
+        if candidate == initials or name == "".join(w[0] for w in candidate.split("_") if w):
+            return candidate
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return close[0] if close else None

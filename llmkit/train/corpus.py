@@ -1,0 +1,143 @@
+"""The built-in corpus: English text that every CPython install carries, so training needs no download.
+
+Two parts, each a list of documents in a fixed order:
+- the reference-manual topics behind `help("with")` etc. (`pydoc_data.topics`, ~0.5 MB);
+- the docstrings of a fixed list of standard-library modules (~1 MB): each module's own docstring
+  and those of its public classes, functions and methods, dedented, one document per module.
+
+The text depends on the Python version (and, slightly, the platform), never on the run: the corpus
+sha256 keys every cache built from it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import sentencepiece as spm
+
+from llmkit.models.llama.tokenizer import TRAINER_SETTINGS, LlamaTokenizer, train_tokenizer
+
+# Pure-Python or always-built modules present on CPython 3.10+ on every platform, whose import has
+# no side effects. Left out: modules that need optional C libraries (bz2, lzma, sqlite3, ssl,
+# zlib, ...), platform-specific ones (os, socket, multiprocessing, ...) and deprecated ones.
+STDLIB_MODULES: tuple[str, ...] = tuple(
+    sorted(
+        """
+        _pydecimal abc argparse ast asyncio.base_events asyncio.events asyncio.locks
+        asyncio.protocols asyncio.queues asyncio.streams asyncio.tasks asyncio.transports base64 bdb
+        bisect builtins calendar cmd code codecs codeop collections collections.abc colorsys
+        compileall concurrent.futures._base configparser contextlib copy csv dataclasses datetime
+        difflib dis doctest email.charset email.feedparser email.generator email.header
+        email.headerregistry email.message email.parser email.policy email.utils enum filecmp
+        fileinput fnmatch fractions ftplib functools getopt gettext glob graphlib heapq hmac html
+        html.parser http.client http.cookiejar http.server imaplib importlib.abc importlib.metadata
+        importlib.util inspect io ipaddress itertools json json.decoder json.encoder keyword
+        linecache logging logging.handlers mailbox math mimetypes modulefinder numbers operator
+        optparse pathlib pdb pickle pickletools pkgutil plistlib poplib pprint profile pstats pydoc
+        queue quopri random re runpy sched secrets shelve shlex shutil smtplib socketserver
+        statistics string struct symtable tabnanny tarfile tempfile textwrap threading timeit
+        tokenize trace traceback types typing unittest.case unittest.loader unittest.mock
+        unittest.result urllib.parse urllib.request urllib.robotparser uuid warnings wave weakref
+        wsgiref.handlers wsgiref.headers wsgiref.util wsgiref.validate xml.dom.minidom
+        xml.etree.ElementTree xml.sax.handler xml.sax.xmlreader xmlrpc.client xmlrpc.server zipfile
+        zipimport
+        """.split()  # noqa: SIM905 (a word list reads better than 150 quoted strings)
+    )
+)
+
+# Everything the builtin tokenizer depends on besides the corpus text and vocab size.
+_TOKENIZER_KEY_SETTINGS = {
+    "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+    "sentencepiece": spm.__version__,
+    "trainer": TRAINER_SETTINGS,
+}
+
+
+def default_cache_dir() -> Path:
+    """`$LLMKIT_CACHE_DIR` if set, else `~/.cache/llmkit`."""
+    return Path(os.environ.get("LLMKIT_CACHE_DIR") or Path.home() / ".cache" / "llmkit")
+
+
+@functools.lru_cache(maxsize=2)
+def builtin_documents(include_docstrings: bool = True) -> tuple[str, ...]:
+    """The corpus as documents: pydoc topics sorted by name, then one per module; no empties, no repeats."""
+    from pydoc_data.topics import topics
+
+    docs = [topics[name].strip("\n") for name in sorted(topics)]
+    if include_docstrings:
+        seen: set[str] = set()  # inherited and re-exported docstrings appear once
+        docs += [_module_document(name, seen) for name in STDLIB_MODULES]
+    # Some topics are aliases with the same text; keep the first of each.
+    return tuple(dict.fromkeys(doc for doc in docs if doc))
+
+
+def builtin_corpus(include_docstrings: bool = True) -> str:
+    """The built-in corpus as one string: `builtin_documents` separated by blank lines."""
+    return "\n\n".join(builtin_documents(include_docstrings))
+
+
+def builtin_corpus_sha256(include_docstrings: bool = True) -> str:
+    return hashlib.sha256(builtin_corpus(include_docstrings).encode("utf-8")).hexdigest()
+
+
+def builtin_tokenizer(
+    vocab_size: int = 4096, cache_dir: str | os.PathLike[str] | None = None
+) -> LlamaTokenizer:
+    """A BPE tokenizer trained on the built-in corpus, cached on disk after the first call.
+
+    The cache entry `<cache_dir>/tokenizers/builtin-<key>/tokenizer.model` is keyed by the Python
+    version, the corpus sha256, vocab_size, the sentencepiece version and the trainer settings.
+    """
+    key = hashlib.sha256(
+        json.dumps(
+            {**_TOKENIZER_KEY_SETTINGS, "corpus": builtin_corpus_sha256(), "vocab_size": vocab_size},
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()[:16]
+    directory = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"builtin-{key}"
+    if (directory / "tokenizer.model").is_file():
+        return LlamaTokenizer.from_pretrained(directory)
+    return train_tokenizer(builtin_documents(), vocab_size, directory)
+
+
+def _module_document(name: str, seen: set[str]) -> str:
+    """Docstrings of module `name` and of its public classes, functions and methods, in name order."""
+    with warnings.catch_warnings():  # deprecated modules and attributes (typing.io) warn on access
+        warnings.simplefilter("ignore")
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # a stripped-down Python build; the corpus hash records the difference
+            return ""
+        # Only objects defined here (by __module__), so re-exports are not walked twice.
+        owner = module.__name__
+        objects = [module]
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or getattr(obj, "__module__", None) != owner:
+                continue
+            if inspect.isclass(obj):
+                objects.append(obj)
+                objects += [m for a, m in sorted(vars(obj).items()) if _is_public_method(a, m)]
+            elif inspect.isroutine(obj):
+                objects.append(obj)
+        docs = []
+        for obj in objects:
+            doc = getattr(obj, "__doc__", None)
+            doc = inspect.cleandoc(doc) if isinstance(doc, str) else ""
+            if doc and doc not in seen:
+                seen.add(doc)
+                docs.append(doc)
+    return "\n\n".join(docs)
+
+
+def _is_public_method(name: str, member: object) -> bool:
+    if name.startswith("_") and name != "__init__":
+        return False
+    return inspect.isroutine(member) or isinstance(member, (property, classmethod, staticmethod))

@@ -1,0 +1,258 @@
+"""Training data: sources -> documents -> one packed, cached token stream -> seeded batches.
+
+A source is "builtin" (the built-in corpus, see corpus.py), a path, or a glob. A `.jsonl` file holds
+one document per line in its "text" field; any other file is one document of UTF-8 text.
+
+Every document is tokenized once as `<s> doc </s>` and the results are concatenated into one token
+stream, stored as raw uint16 (uint32 for vocabularies over 65536) in the cache directory under a key
+that hashes the source bytes, the tokenizer model and the packing settings, and read back with
+np.memmap. Documents are packed in the order of their sha256 (a fixed pseudo-random order), so that
+the validation split, the last `val_fraction` of the stream, is a sample of whole documents (plus
+the tail of one) rather than whichever source came last.
+
+Batches are windows of seq_len + 1 tokens at uniformly random offsets: inputs are the first
+seq_len, labels the last seq_len. Batch k depends only on (seed, k), so resuming from a step
+counter replays exactly the batches of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from llmkit.models.llama.tokenizer import LlamaTokenizer, train_tokenizer
+from llmkit.train.corpus import builtin_corpus, builtin_documents, default_cache_dir
+
+BUILTIN = "builtin"
+# Bump when the packing below changes, so stale caches are not reused.
+_PACKING = {"format": 1, "bos": True, "eos": True, "order": "sha256"}
+_ENCODE_CHUNK = 256  # documents per encode_batch call
+
+
+class DataError(ValueError):
+    """Bad data input: a missing source, malformed JSONL, or too little text."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype holding every id below `vocab_size`."""
+    if vocab_size <= 2**16:
+        return np.dtype(np.uint16)
+    if vocab_size <= 2**32:
+        return np.dtype(np.uint32)
+    raise DataError(f"vocab_size {vocab_size} does not fit the uint32 token file format")
+
+
+def resolve_sources(sources: Sequence[str]) -> list[str]:
+    """Expand globs (sorted, recursive `**`) and check that every path exists; keep "builtin"."""
+    if isinstance(sources, str):
+        sources = [sources]
+    if not sources:
+        raise DataError("no data sources given")
+    resolved: list[str] = []
+    for source in sources:
+        if source == BUILTIN:
+            resolved.append(source)
+        elif any(c in source for c in "*?["):
+            matches = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
+            if not matches:
+                raise DataError(f"data source glob {source!r} matched no files")
+            resolved += matches
+        elif os.path.isdir(source):
+            raise DataError(f"data source {source!r} is a directory; pass a glob such as '{source}/*.txt'")
+        elif not os.path.isfile(source):
+            raise DataError(f"data source {source!r} does not exist")
+        else:
+            resolved.append(source)
+    return resolved
+
+
+def read_documents(sources: Sequence[str]) -> list[str]:
+    """The documents of `sources` (see the module docstring), in source order, empty ones dropped."""
+    docs: list[str] = []
+    for source in resolve_sources(sources):
+        if source == BUILTIN:
+            docs += builtin_documents()
+        elif source.endswith(".jsonl"):
+            docs += _read_jsonl(source)
+        else:
+            docs.append(_read_text(source))
+    return [doc for doc in docs if doc]
+
+
+def tokenizer_train(input: list[str], vocab_size: int, out: str) -> None:
+    """`llmkit tokenizer train`: train a BPE tokenizer on data sources, write `out/tokenizer.model`."""
+    train_tokenizer(read_documents(input), vocab_size, out)
+
+
+@dataclass(frozen=True)
+class TokenData:
+    """A packed token stream and its train/val split (the last `val_fraction` of the stream)."""
+
+    tokens: np.ndarray  # (N,) uint16 or uint32, memory-mapped read-only
+    val_fraction: float
+    path: Path  # the cache file
+
+    @property
+    def num_val(self) -> int:
+        return int(len(self.tokens) * self.val_fraction)
+
+    @property
+    def train(self) -> np.ndarray:
+        return self.tokens[: len(self.tokens) - self.num_val]
+
+    @property
+    def val(self) -> np.ndarray:
+        return self.tokens[len(self.tokens) - self.num_val :]
+
+
+def load_token_data(
+    sources: Sequence[str],
+    tokenizer: LlamaTokenizer,
+    val_fraction: float = 0.05,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> TokenData:
+    """Tokenize `sources` into the token cache (first time only) and memory-map the stream."""
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    dtype = token_dtype(tokenizer.vocab_size)
+    resolved = resolve_sources(sources)
+    key = _cache_key(resolved, tokenizer)
+    path = Path(cache_dir or default_cache_dir()) / "tokens" / f"{key}.{dtype.name}.bin"
+    if not path.is_file():
+        _pack(resolved, tokenizer, dtype, path)
+    return TokenData(np.memmap(path, dtype=dtype, mode="r"), val_fraction, path)
+
+
+class BatchSampler:
+    """Seeded random windows from a token stream: `next(sampler)` -> (input_ids, labels).
+
+    Both are int64 arrays of shape (batch_size, seq_len), labels[:, t] == input_ids[:, t + 1] of the
+    same window. Batch k is a pure function of (seed, k); the state is just the step counter.
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0) -> None:
+        if batch_size <= 0 or seq_len <= 0:
+            raise DataError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+        if seed < 0:
+            raise DataError(f"seed must be non-negative, got {seed}")
+        _check_length(tokens, seq_len, "train split")
+        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.seed, self.step = seed, 0
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The batch drawn at `step`, without moving the sampler."""
+        rng = np.random.default_rng([self.seed, step])
+        starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+        return _windows(self.tokens, starts, self.seq_len)
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        batch = self.batch(self.step)
+        self.step += 1
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed, self.step = int(state["seed"]), int(state["step"])
+
+
+def eval_batches(
+    tokens: np.ndarray, n: int, batch_size: int, seq_len: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """`n` fixed batches spanning `tokens` (the val split) with evenly spaced windows, no RNG."""
+    _check_length(tokens, seq_len, "val split")
+    starts = np.linspace(0, len(tokens) - seq_len - 1, n * batch_size).round().astype(np.int64)
+    for batch_starts in starts.reshape(n, batch_size):
+        yield _windows(tokens, batch_starts, seq_len)
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    window = np.array(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int64)  # (B, S + 1)
+    return window[:, :-1], window[:, 1:]
+
+
+def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
+    if len(tokens) < seq_len + 1:
+        raise DataError(
+            f"the {what} has {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+            "use more data, a shorter seq_len, or a different data.val_fraction"
+        )
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", newline="") as f:  # newline="": keep "\r\n" as written
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def _read_jsonl(path: str) -> list[str]:
+    docs = []
+    for lineno, line in enumerate(_read_text(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: invalid JSON: {e}") from None
+        if not isinstance(record, dict) or "text" not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise DataError(f'{path}:{lineno}: no "text" field (got {keys})')
+        if not isinstance(record["text"], str):
+            raise DataError(f'{path}:{lineno}: "text" must be a string, got {type(record["text"]).__name__}')
+        docs.append(record["text"])
+    return docs
+
+
+def _cache_key(sources: list[str], tokenizer: LlamaTokenizer) -> str:
+    """sha256 over the packing settings, the tokenizer model and each source's kind and bytes."""
+    h = hashlib.sha256(json.dumps(_PACKING, sort_keys=True).encode())
+    h.update(tokenizer.sha256.encode())
+    for source in sources:
+        h.update(b"\0source\0")
+        if source == BUILTIN:
+            h.update(b"builtin\0" + builtin_corpus().encode("utf-8"))
+            continue
+        h.update(b"jsonl\0" if source.endswith(".jsonl") else b"text\0")
+        with open(source, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:32]
+
+
+def _pack(sources: list[str], tokenizer: LlamaTokenizer, dtype: np.dtype, path: Path) -> None:
+    """Tokenize the documents of `sources` into `path`: streamed to a temp file, then renamed."""
+    docs = read_documents(sources)
+    if not docs:
+        raise DataError(f"the data sources {sources} contain no text")
+    docs.sort(key=lambda doc: hashlib.sha256(doc.encode("utf-8")).digest())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        bar = tqdm(total=len(docs), unit="doc", desc="tokenizing", disable=None)  # silent off a terminal
+        with os.fdopen(fd, "wb") as f, bar:
+            for i in range(0, len(docs), _ENCODE_CHUNK):
+                chunk = tokenizer.encode_batch(docs[i : i + _ENCODE_CHUNK], add_bos=True, add_eos=True)
+                f.write(np.concatenate([np.asarray(ids, dtype=dtype) for ids in chunk]).tobytes())
+                bar.update(len(chunk))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
