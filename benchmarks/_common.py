@@ -34,5 +34,8 @@ def emit(benchmark: str, metric: str, value: float, unit: str, **extra: Any) -> 
 
 
 def machine() -> dict[str, Any]:
-    return {"python": platform.python_version(), "cpus": os.cpu_count(),
-            "blas_env_unset": "OPENBLAS_CORETYPE" not in os.environ}
+    return {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "blas_env_unset": "OPENBLAS_CORETYPE" not in os.environ,
+    }

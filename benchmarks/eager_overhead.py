@@ -78,10 +78,26 @@ def mlp(d: int, batch: int, layers: int) -> None:
     t_np = median_time(numpy_step, repeat=9)
     t_lf = median_time(lf_step, repeat=9)
     flops = 3 * 2 * batch * d * d * layers
-    emit("eager_overhead", "mlp_numpy_ms", t_np * 1e3, "ms", d=d, batch=batch, layers=layers,
-         gflops=round(flops / t_np / 1e9, 1))
-    emit("eager_overhead", "mlp_llmkit_ms", t_lf * 1e3, "ms", d=d, batch=batch, layers=layers,
-         gflops=round(flops / t_lf / 1e9, 1))
+    emit(
+        "eager_overhead",
+        "mlp_numpy_ms",
+        t_np * 1e3,
+        "ms",
+        d=d,
+        batch=batch,
+        layers=layers,
+        gflops=round(flops / t_np / 1e9, 1),
+    )
+    emit(
+        "eager_overhead",
+        "mlp_llmkit_ms",
+        t_lf * 1e3,
+        "ms",
+        d=d,
+        batch=batch,
+        layers=layers,
+        gflops=round(flops / t_lf / 1e9, 1),
+    )
     emit("eager_overhead", "mlp_ratio_llmkit_over_numpy", t_lf / t_np, "x", target="<= 1.2", **machine())
 
 

@@ -8,7 +8,20 @@ from __future__ import annotations
 from . import backend, ops
 from .autograd import enable_grad, grad, is_grad_enabled, no_grad, set_grad_enabled
 from .backend import bfloat16, get_default_dtype, get_device, seed, set_default_dtype, set_device
-from .creation import arange, empty, full, full_like, ones, ones_like, rand, randint, randn, tensor, zeros, zeros_like
+from .creation import (
+    arange,
+    empty,
+    full,
+    full_like,
+    ones,
+    ones_like,
+    rand,
+    randint,
+    randn,
+    tensor,
+    zeros,
+    zeros_like,
+)
 from .ops.spec import OpError
 from .tensor import Parameter, Tensor, _install_methods
 
@@ -18,8 +31,36 @@ from . import nn, optim  # noqa: E402  (they build on the names above)
 from .io import load, save  # noqa: E402
 
 __all__ = [
-    "OpError", "Parameter", "Tensor", "arange", "backend", "bfloat16", "empty", "enable_grad", "full",
-    "full_like", "get_default_dtype", "get_device", "grad", "is_grad_enabled", "load", "nn", "no_grad", "ones",
-    "ones_like", "ops", "optim", "rand", "randint", "randn", "save", "seed", "set_default_dtype",
-    "set_device", "set_grad_enabled", "tensor", "zeros", "zeros_like",
+    "OpError",
+    "Parameter",
+    "Tensor",
+    "arange",
+    "backend",
+    "bfloat16",
+    "empty",
+    "enable_grad",
+    "full",
+    "full_like",
+    "get_default_dtype",
+    "get_device",
+    "grad",
+    "is_grad_enabled",
+    "load",
+    "nn",
+    "no_grad",
+    "ones",
+    "ones_like",
+    "ops",
+    "optim",
+    "rand",
+    "randint",
+    "randn",
+    "save",
+    "seed",
+    "set_default_dtype",
+    "set_device",
+    "set_grad_enabled",
+    "tensor",
+    "zeros",
+    "zeros_like",
 ]

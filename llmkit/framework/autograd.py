@@ -188,8 +188,9 @@ def run_backward(
     return got if capture is not None else None
 
 
-def backward(tensor: Tensor, grad: Tensor | None = None, retain_graph: bool = False,
-             create_graph: bool = False) -> None:
+def backward(
+    tensor: Tensor, grad: Tensor | None = None, retain_graph: bool = False, create_graph: bool = False
+) -> None:
     """Accumulate d(tensor)/d(leaf) into every leaf's ``.grad``; ``grad`` defaults to 1 for scalars."""
     run_backward([tensor], [_seed_grad(tensor, grad)], retain_graph=retain_graph, create_graph=create_graph)
 
@@ -215,8 +216,13 @@ def grad(
     else:
         gos = list(grad_outputs)
     seeds = [_seed_grad(o, g) for o, g in zip(outs, gos)]
-    got = run_backward(outs, seeds, retain_graph=create_graph if retain_graph is None else retain_graph,
-                       create_graph=create_graph, capture=ins)
+    got = run_backward(
+        outs,
+        seeds,
+        retain_graph=create_graph if retain_graph is None else retain_graph,
+        create_graph=create_graph,
+        capture=ins,
+    )
     assert got is not None
     for i, g in enumerate(got):
         if g is None and not allow_unused:
@@ -229,7 +235,9 @@ def grad(
 def _seed_grad(t: Tensor, g: Tensor | None) -> Tensor:
     if g is not None:
         if tuple(g.shape) != tuple(t.shape):
-            raise ValueError(f"backward: grad shape {list(g.shape)} does not match tensor shape {list(t.shape)}")
+            raise ValueError(
+                f"backward: grad shape {list(g.shape)} does not match tensor shape {list(t.shape)}"
+            )
         return g
     if any(d != 1 for d in t.shape):
         raise RuntimeError(

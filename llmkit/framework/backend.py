@@ -152,7 +152,11 @@ def set_device(device: str) -> None:
 
 
 def to_numpy(array: Any) -> np.ndarray:
-    return array if isinstance(array, np.ndarray) else np.asarray(array.get() if hasattr(array, "get") else array)
+    return (
+        array
+        if isinstance(array, np.ndarray)
+        else np.asarray(array.get() if hasattr(array, "get") else array)
+    )
 
 
 def to_device(array: Any, device: str) -> Any:

@@ -42,8 +42,13 @@ def tensor(data: Any, dtype: Any = None, requires_grad: bool = False, device: st
     return Tensor(arr, requires_grad=requires_grad)
 
 
-def full(shape: Sequence[int], value: Any, dtype: Any = None, requires_grad: bool = False,
-         device: str | None = None) -> Tensor:
+def full(
+    shape: Sequence[int],
+    value: Any,
+    dtype: Any = None,
+    requires_grad: bool = False,
+    device: str | None = None,
+) -> Tensor:
     xp = B.xp_for(device or B.get_device())
     return Tensor(xp.full(tuple(shape), value, dtype=_dt(dtype)), requires_grad=requires_grad)
 
@@ -73,8 +78,13 @@ def ones_like(x: Tensor, dtype: Any = None, requires_grad: bool = False) -> Tens
     return full_like(x, 1, dtype, requires_grad)
 
 
-def arange(start: int | float, end: int | float | None = None, step: int | float = 1, dtype: Any = None,
-           device: str | None = None) -> Tensor:
+def arange(
+    start: int | float,
+    end: int | float | None = None,
+    step: int | float = 1,
+    dtype: Any = None,
+    device: str | None = None,
+) -> Tensor:
     """``arange(n)`` or ``arange(start, end, step)``; int64 for integer bounds, else the default dtype."""
     if end is None:
         start, end = 0, start
@@ -100,6 +110,8 @@ def rand(*shape: Any, dtype: Any = None, requires_grad: bool = False, device: st
     return Tensor(a.astype(dt, copy=False), requires_grad=requires_grad)
 
 
-def randint(low: int, high: int, shape: Sequence[int], dtype: Any = "int64", device: str | None = None) -> Tensor:
+def randint(
+    low: int, high: int, shape: Sequence[int], dtype: Any = "int64", device: str | None = None
+) -> Tensor:
     device = device or B.get_device()
     return Tensor(B.generator(device).integers(low, high, size=tuple(shape)).astype(B.dtype(dtype)))

@@ -113,7 +113,9 @@ def _scalar_dtype(spec: OpSpec, value: Any, ref: Any) -> np.dtype:
     if ref is None:
         return B.DTYPES["int64"] if isinstance(value, (int, np.integer)) else B.get_default_dtype()
     if isinstance(value, (float, np.floating)) and not B.is_floating(ref) and not float(value).is_integer():
-        raise OpError(f"{spec.name}: cannot combine a {B.dtype_name(ref)} tensor with the float {value!r}; cast first")
+        raise OpError(
+            f"{spec.name}: cannot combine a {B.dtype_name(ref)} tensor with the float {value!r}; cast first"
+        )
     return ref
 
 
@@ -176,9 +178,11 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
                 needs = True
                 break
         if needs:
-            node_inputs = tuple(
-                x if isinstance(x, Tensor) else Tensor._wrap(p) for x, p in zip(inputs, payloads)
-            ) if lifted else inputs
+            node_inputs = (
+                tuple(x if isinstance(x, Tensor) else Tensor._wrap(p) for x, p in zip(inputs, payloads))
+                if lifted
+                else inputs
+            )
             node = Node(spec, node_inputs, attrs, tuple(Tensor._wrap(t._data) for t in wrapped))
             for i, t in enumerate(wrapped):
                 if t._data.dtype in B.FLOAT_DTYPES:

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import backend as B
 
+
 class Tensor:
     """An n-dimensional array that records the ops applied to it when it requires grad."""
 
@@ -133,7 +134,9 @@ class Tensor:
     def __bool__(self) -> bool:
         a = self._concrete("Python control flow on a tensor value (if/while/and/or/bool())")
         if a.size != 1:
-            raise ValueError(f"the truth value of a tensor with {a.size} elements is ambiguous; use .any() or .all()")
+            raise ValueError(
+                f"the truth value of a tensor with {a.size} elements is ambiguous; use .any() or .all()"
+            )
         return bool(a.reshape(()).item())
 
     def __len__(self) -> int:
@@ -163,7 +166,9 @@ class Tensor:
         return self
 
     # ---- autograd ----------------------------------------------------------------------------
-    def backward(self, grad: Tensor | None = None, retain_graph: bool = False, create_graph: bool = False) -> None:
+    def backward(
+        self, grad: Tensor | None = None, retain_graph: bool = False, create_graph: bool = False
+    ) -> None:
         """Accumulate gradients of this tensor into the ``.grad`` of every leaf that requires grad."""
         from .autograd import backward
 
@@ -199,7 +204,9 @@ class Tensor:
         if isinstance(target, str) and target in B.DEVICES:
             if self.device == target:
                 return self
-            t = Tensor(B.to_device(self._concrete("Tensor.to(device)"), target), requires_grad=self.requires_grad)
+            t = Tensor(
+                B.to_device(self._concrete("Tensor.to(device)"), target), requires_grad=self.requires_grad
+            )
             return t
         return self.astype(target)
 
@@ -287,7 +294,7 @@ class Parameter(Tensor):
         return self.requires_grad
 
     def __repr__(self) -> str:
-        return "Parameter" + super().__repr__()[len("Tensor"):]
+        return "Parameter" + super().__repr__()[len("Tensor") :]
 
 
 def _ops():
@@ -298,12 +305,25 @@ def _ops():
 
 # operator -> (op name, reflected?)
 _OPERATORS = {
-    "__add__": ("add", False), "__radd__": ("add", True), "__sub__": ("sub", False), "__rsub__": ("sub", True),
-    "__mul__": ("mul", False), "__rmul__": ("mul", True), "__truediv__": ("div", False),
-    "__rtruediv__": ("div", True), "__pow__": ("pow", False), "__rpow__": ("pow", True),
-    "__matmul__": ("matmul", False), "__rmatmul__": ("matmul", True), "__lt__": ("less", False),
-    "__le__": ("less_equal", False), "__gt__": ("greater", False), "__ge__": ("greater_equal", False),
-    "__eq__": ("equal", False), "__ne__": ("not_equal", False), "__and__": ("logical_and", False),
+    "__add__": ("add", False),
+    "__radd__": ("add", True),
+    "__sub__": ("sub", False),
+    "__rsub__": ("sub", True),
+    "__mul__": ("mul", False),
+    "__rmul__": ("mul", True),
+    "__truediv__": ("div", False),
+    "__rtruediv__": ("div", True),
+    "__pow__": ("pow", False),
+    "__rpow__": ("pow", True),
+    "__matmul__": ("matmul", False),
+    "__rmatmul__": ("matmul", True),
+    "__lt__": ("less", False),
+    "__le__": ("less_equal", False),
+    "__gt__": ("greater", False),
+    "__ge__": ("greater_equal", False),
+    "__eq__": ("equal", False),
+    "__ne__": ("not_equal", False),
+    "__and__": ("logical_and", False),
     "__or__": ("logical_or", False),
 }
 _UNARY = {"__neg__": "neg", "__abs__": "abs", "__invert__": "logical_not"}

@@ -36,7 +36,8 @@ from pydantic import (
     model_validator,
 )
 
-from llmkit.models.llama.config import PRESETS, LlamaConfig, atomic_write
+from llmkit.fsutil import atomic_write
+from llmkit.models.llama.config import PRESETS, LlamaConfig
 
 
 class ConfigError(ValueError):

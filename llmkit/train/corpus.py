@@ -11,9 +11,11 @@ sha256 keys every cache built from it.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -109,32 +111,62 @@ def builtin_tokenizer(
 
 
 def _module_document(name: str, seen: set[str]) -> str:
-    """Docstrings of module `name` and of its public classes, functions and methods, in name order."""
-    with warnings.catch_warnings():  # deprecated modules and attributes (typing.io) warn on access
+    """Docstrings of module `name` and of its public classes, functions and methods, in name order.
+
+    Pure-Python modules are read from their source with `ast`, so the text cannot depend on what the
+    running process imported or patched (libraries do wrap stdlib functions); modules built in C
+    have no source and are read from their live objects.
+    """
+    spec = importlib.util.find_spec(name)
+    if spec is None:  # a stripped-down Python build; the corpus hash records the difference
+        return ""
+    if spec.origin and spec.origin.endswith(".py"):
+        docs = _source_docstrings(Path(spec.origin).read_text(encoding="utf-8"))
+    else:
+        docs = _live_docstrings(name)
+    kept = []
+    for doc in docs:
+        if doc and doc not in seen:
+            seen.add(doc)
+            kept.append(doc)
+    return "\n\n".join(kept)
+
+
+def _source_docstrings(source: str) -> list[str]:
+    tree = ast.parse(source)
+    docs = [ast.get_docstring(tree) or ""]
+    defs = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in sorted((n for n in tree.body if isinstance(n, defs)), key=lambda n: n.name):
+        if node.name.startswith("_"):
+            continue
+        docs.append(ast.get_docstring(node) or "")
+        if isinstance(node, ast.ClassDef):
+            methods = [m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            for m in sorted(methods, key=lambda m: m.name):
+                if not m.name.startswith("_") or m.name == "__init__":
+                    docs.append(ast.get_docstring(m) or "")
+    return docs
+
+
+def _live_docstrings(name: str) -> list[str]:
+    with warnings.catch_warnings():  # deprecated modules and attributes warn on access
         warnings.simplefilter("ignore")
-        try:
-            module = importlib.import_module(name)
-        except ImportError:  # a stripped-down Python build; the corpus hash records the difference
-            return ""
+        module = importlib.import_module(name)
         # Only objects defined here (by __module__), so re-exports are not walked twice.
-        owner = module.__name__
-        objects = [module]
+        objects: list[object] = [module]
         for attr, obj in sorted(vars(module).items()):
-            if attr.startswith("_") or getattr(obj, "__module__", None) != owner:
+            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
                 continue
             if inspect.isclass(obj):
                 objects.append(obj)
                 objects += [m for a, m in sorted(vars(obj).items()) if _is_public_method(a, m)]
             elif inspect.isroutine(obj):
                 objects.append(obj)
-        docs = []
-        for obj in objects:
-            doc = getattr(obj, "__doc__", None)
-            doc = inspect.cleandoc(doc) if isinstance(doc, str) else ""
-            if doc and doc not in seen:
-                seen.add(doc)
-                docs.append(doc)
-    return "\n\n".join(docs)
+    docs = []
+    for obj in objects:
+        doc = getattr(obj, "__doc__", None)
+        docs.append(inspect.cleandoc(doc) if isinstance(doc, str) else "")
+    return docs
 
 
 def _is_public_method(name: str, member: object) -> bool:

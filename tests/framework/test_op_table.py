@@ -9,8 +9,9 @@ values equal an independent numpy float64 formula written below (and float32 run
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -66,8 +67,11 @@ def ints(rng, high, *shape):
 
 
 def bshapes(rng, gen=r):
-    return [S([gen(rng, 3, 4), gen(rng, 3, 4)]), S([gen(rng, 2, 3, 4), gen(rng, 4)]),
-            S([gen(rng, 3, 1), gen(rng, 1, 4)])]
+    return [
+        S([gen(rng, 3, 4), gen(rng, 3, 4)]),
+        S([gen(rng, 2, 3, 4), gen(rng, 4)]),
+        S([gen(rng, 3, 1), gen(rng, 1, 4)]),
+    ]
 
 
 def ushapes(rng, gen=r):
@@ -79,9 +83,14 @@ def ushapes(rng, gen=r):
 case("add", bshapes, lambda a, b: a + b)
 case("sub", bshapes, lambda a, b: a - b)
 case("mul", bshapes, lambda a, b: a * b)
-case("div", lambda rng: [S([r(rng, 3, 4), pos(rng, 3, 4)]), S([r(rng, 2, 3), pos(rng, 3)])], lambda a, b: a / b)
-case("pow", lambda rng: [S([pos(rng, 3, 4), r(rng, 3, 4)]), S([pos(rng, 2, 3), r(rng, 1, 3)])],
-     lambda a, b: np.exp(b * np.log(a)))
+case(
+    "div", lambda rng: [S([r(rng, 3, 4), pos(rng, 3, 4)]), S([r(rng, 2, 3), pos(rng, 3)])], lambda a, b: a / b
+)
+case(
+    "pow",
+    lambda rng: [S([pos(rng, 3, 4), r(rng, 3, 4)]), S([pos(rng, 2, 3), r(rng, 1, 3)])],
+    lambda a, b: np.exp(b * np.log(a)),
+)
 case("maximum", bshapes, lambda a, b: np.where(a > b, a, b))
 case("minimum", bshapes, lambda a, b: np.where(a < b, a, b))
 case("swiglu", bshapes, lambda a, b: a / (1 + np.exp(-a)) * b)
@@ -119,16 +128,25 @@ def _gelu_ref(x, approximate="none"):
     return 0.5 * x * (1 + _erf_ref(x / np.sqrt(2)))
 
 
-case("gelu", lambda rng: [S([r(rng, 3, 4)]), S([r(rng, 2, 5)], {"approximate": "tanh"})], _gelu_ref, rtol=1e-9)
+case(
+    "gelu", lambda rng: [S([r(rng, 3, 4)]), S([r(rng, 2, 5)], {"approximate": "tanh"})], _gelu_ref, rtol=1e-9
+)
 
 
 def compares(rng):
     a = ints(rng, 4, 3, 4).astype(np.float64)
-    return [S([a, ints(rng, 4, 3, 4).astype(np.float64)]), S([a, ints(rng, 4, 4).astype(np.float64)]),
-            S([ints(rng, 5, 2, 3), ints(rng, 5, 3)])]
+    return [
+        S([a, ints(rng, 4, 3, 4).astype(np.float64)]),
+        S([a, ints(rng, 4, 4).astype(np.float64)]),
+        S([ints(rng, 5, 2, 3), ints(rng, 5, 3)]),
+    ]
 
 
-case("equal", compares, lambda a, b: np.asarray([x == y for x, y in np.broadcast(a, b)]).reshape(np.broadcast(a, b).shape))
+case(
+    "equal",
+    compares,
+    lambda a, b: np.asarray([x == y for x, y in np.broadcast(a, b)]).reshape(np.broadcast(a, b).shape),
+)
 case("not_equal", compares, lambda a, b: ~(np.broadcast_to(a, np.broadcast(a, b).shape) == b))
 case("less", compares, lambda a, b: (b - a) > 0)
 case("less_equal", compares, lambda a, b: (b - a) >= 0)
@@ -137,32 +155,63 @@ case("greater_equal", compares, lambda a, b: (a - b) >= 0)
 
 
 def bools(rng):
-    return [S([rng.random((3, 4)) > 0.5, rng.random((3, 4)) > 0.5]), S([rng.random((2, 4)) > 0.5, rng.random(4) > 0.5])]
+    return [
+        S([rng.random((3, 4)) > 0.5, rng.random((3, 4)) > 0.5]),
+        S([rng.random((2, 4)) > 0.5, rng.random(4) > 0.5]),
+    ]
 
 
 case("logical_and", bools, lambda a, b: (a.astype(int) + b.astype(int)) == 2)
 case("logical_or", bools, lambda a, b: (a.astype(int) + b.astype(int)) >= 1)
 case("logical_not", lambda rng: [S([rng.random((3, 4)) > 0.5])], lambda a: a == 0)
-case("where", lambda rng: [S([rng.random((3, 4)) > 0.5, r(rng, 3, 4), r(rng, 3, 4)]),
-                           S([rng.random((3, 1)) > 0.5, r(rng, 4), r(rng, 3, 4)])],
-     lambda c, a, b: c * a + (1 - c) * b)
-case("cast", lambda rng: [S([r(rng, 3, 4)], {"dtype": "float64"}), S([r(rng, 3, 4)], {"dtype": "float32"}, fd=False),
-                          S([r(rng, 3, 4) * 5], {"dtype": "int32"}, fd=False)],
-     lambda x, dtype: np.trunc(x) if dtype == "int32" else x, rtol=1e-6, atol=1e-7)
-case("zeros_like", lambda rng: [S([r(rng, 3, 4)]), S([ints(rng, 3, 2, 2)], {"dtype": "float32"})],
-     lambda x, dtype=None: x * 0)
-case("ones_like", lambda rng: [S([r(rng, 3, 4)]), S([ints(rng, 3, 2, 2)], {"dtype": "float32"})],
-     lambda x, dtype=None: x * 0 + 1)
-case("full", lambda rng: [S([], {"shape": [2, 3], "value": 1.5, "dtype": "float64"}),
-                          S([], {"shape": [], "value": -2.0, "dtype": "float32"})],
-     lambda shape, value, dtype: np.ones(shape) * value)
+case(
+    "where",
+    lambda rng: [
+        S([rng.random((3, 4)) > 0.5, r(rng, 3, 4), r(rng, 3, 4)]),
+        S([rng.random((3, 1)) > 0.5, r(rng, 4), r(rng, 3, 4)]),
+    ],
+    lambda c, a, b: c * a + (1 - c) * b,
+)
+case(
+    "cast",
+    lambda rng: [
+        S([r(rng, 3, 4)], {"dtype": "float64"}),
+        S([r(rng, 3, 4)], {"dtype": "float32"}, fd=False),
+        S([r(rng, 3, 4) * 5], {"dtype": "int32"}, fd=False),
+    ],
+    lambda x, dtype: np.trunc(x) if dtype == "int32" else x,
+    rtol=1e-6,
+    atol=1e-7,
+)
+case(
+    "zeros_like",
+    lambda rng: [S([r(rng, 3, 4)]), S([ints(rng, 3, 2, 2)], {"dtype": "float32"})],
+    lambda x, dtype=None: x * 0,
+)
+case(
+    "ones_like",
+    lambda rng: [S([r(rng, 3, 4)]), S([ints(rng, 3, 2, 2)], {"dtype": "float32"})],
+    lambda x, dtype=None: x * 0 + 1,
+)
+case(
+    "full",
+    lambda rng: [
+        S([], {"shape": [2, 3], "value": 1.5, "dtype": "float64"}),
+        S([], {"shape": [], "value": -2.0, "dtype": "float32"}),
+    ],
+    lambda shape, value, dtype: np.ones(shape) * value,
+)
 
 # ---- reductions ---------------------------------------------------------------------------------
 
 
 def red(rng, gen=r):
-    return [S([gen(rng, 3, 4)]), S([gen(rng, 2, 3, 4)], {"axis": 1}), S([gen(rng, 2, 3, 4)], {"axis": [0, 2], "keepdim": True}),
-            S([gen(rng, 3, 4)], {"axis": -1, "keepdim": True})]
+    return [
+        S([gen(rng, 3, 4)]),
+        S([gen(rng, 2, 3, 4)], {"axis": 1}),
+        S([gen(rng, 2, 3, 4)], {"axis": [0, 2], "keepdim": True}),
+        S([gen(rng, 3, 4)], {"axis": -1, "keepdim": True}),
+    ]
 
 
 def _np_reduce(f):
@@ -174,37 +223,96 @@ def _np_reduce(f):
 
 
 case("sum", red, _np_reduce(lambda x, axis, keepdims: np.add.reduce(x, axis=axis, keepdims=keepdims)))
-case("mean", red, _np_reduce(lambda x, axis, keepdims: np.add.reduce(x, axis=axis, keepdims=keepdims)
-                             * np.add.reduce(x, axis=axis, keepdims=keepdims).size / x.size))
+case(
+    "mean",
+    red,
+    _np_reduce(
+        lambda x, axis, keepdims: (
+            np.add.reduce(x, axis=axis, keepdims=keepdims)
+            * np.add.reduce(x, axis=axis, keepdims=keepdims).size
+            / x.size
+        )
+    ),
+)
 case("max", red, _np_reduce(lambda x, axis, keepdims: np.maximum.reduce(x, axis=axis, keepdims=keepdims)))
 case("min", red, _np_reduce(lambda x, axis, keepdims: np.minimum.reduce(x, axis=axis, keepdims=keepdims)))
-case("logsumexp", red, _np_reduce(lambda x, axis, keepdims: np.log(np.add.reduce(np.exp(x), axis=axis, keepdims=keepdims))))
-case("argmax", lambda rng: [S([r(rng, 3, 4)]), S([r(rng, 2, 3, 4)], {"axis": 1}), S([r(rng, 3, 4)], {"axis": -1, "keepdim": True})],
-     lambda x, axis=None, keepdim=False: np.array([int(np.flatnonzero(x.ravel() == x.max())[0])]).reshape(())
-     if axis is None else np.apply_along_axis(lambda v: np.flatnonzero(v == v.max())[0], axis, x)
-     .reshape([1 if i == axis % x.ndim else d for i, d in enumerate(x.shape)] if keepdim else
-              [d for i, d in enumerate(x.shape) if i != axis % x.ndim]))
-case("numel", lambda rng: [S([r(rng, 3, 4)]), S([r(rng, 2, 3, 4)], {"axis": [0, 2]})],
-     lambda x, axis=None: np.asarray(float(np.prod([x.shape[a] for a in (axis or range(x.ndim))]))))
-case("cumsum", lambda rng: [S([r(rng, 3, 4)], {"axis": 1}), S([r(rng, 3, 4)], {"axis": 0, "reverse": True})],
-     lambda x, axis, reverse=False: np.stack([np.add.reduce(np.take(x, range(i, x.shape[axis]) if reverse else range(i + 1),
-                                                                      axis=axis), axis=axis) for i in range(x.shape[axis])],
-                                             axis=axis))
+case(
+    "logsumexp",
+    red,
+    _np_reduce(lambda x, axis, keepdims: np.log(np.add.reduce(np.exp(x), axis=axis, keepdims=keepdims))),
+)
+case(
+    "argmax",
+    lambda rng: [
+        S([r(rng, 3, 4)]),
+        S([r(rng, 2, 3, 4)], {"axis": 1}),
+        S([r(rng, 3, 4)], {"axis": -1, "keepdim": True}),
+    ],
+    lambda x, axis=None, keepdim=False: (
+        np.array([int(np.flatnonzero(x.ravel() == x.max())[0])]).reshape(())
+        if axis is None
+        else np.apply_along_axis(lambda v: np.flatnonzero(v == v.max())[0], axis, x).reshape(
+            [1 if i == axis % x.ndim else d for i, d in enumerate(x.shape)]
+            if keepdim
+            else [d for i, d in enumerate(x.shape) if i != axis % x.ndim]
+        )
+    ),
+)
+case(
+    "numel",
+    lambda rng: [S([r(rng, 3, 4)]), S([r(rng, 2, 3, 4)], {"axis": [0, 2]})],
+    lambda x, axis=None: np.asarray(float(np.prod([x.shape[a] for a in (axis or range(x.ndim))]))),
+)
+case(
+    "cumsum",
+    lambda rng: [S([r(rng, 3, 4)], {"axis": 1}), S([r(rng, 3, 4)], {"axis": 0, "reverse": True})],
+    lambda x, axis, reverse=False: np.stack(
+        [
+            np.add.reduce(
+                np.take(x, range(i, x.shape[axis]) if reverse else range(i + 1), axis=axis), axis=axis
+            )
+            for i in range(x.shape[axis])
+        ],
+        axis=axis,
+    ),
+)
 
 # ---- movement -----------------------------------------------------------------------------------
 
-case("reshape", lambda rng: [S([r(rng, 3, 4)], {"shape": [2, 6]}, sym=False),
-                            S([r(rng, 2, 3, 4)], {"shape": [-1, 4]}, keep=((0, 2),))],
-     lambda x, shape: np.array(x.ravel().tolist()).reshape(shape))
-case("transpose", lambda rng: [S([r(rng, 3, 4)], {"perm": [1, 0]}), S([r(rng, 2, 3, 4)], {"perm": [2, 0, 1]})],
-     lambda x, perm: np.einsum(x, list(range(x.ndim)), list(perm)))
-case("expand", lambda rng: [S([r(rng, 3, 1)], {"shape": [3, 4]}, sym=False), S([r(rng, 4)], {"shape": [2, 3, 4]}, sym=False),
-                            S([r(rng, 1, 4)], {"shape": [5, -1]}, sym=False)],
-     lambda x, shape: x + np.zeros([d if d != -1 else x.shape[i - len(shape) + x.ndim] for i, d in enumerate(shape)]))
-case("squeeze", lambda rng: [S([r(rng, 3, 1, 4)], {"axis": [1]}), S([r(rng, 1, 3, 1)])],
-     lambda x, axis=None: x.reshape([d for d in x.shape if d != 1]))
-case("unsqueeze", lambda rng: [S([r(rng, 3, 4)], {"axis": [0]}), S([r(rng, 3, 4)], {"axis": [1, -1]})],
-     lambda x, axis: x.reshape({(0,): (1, 3, 4), (1, -1): (3, 1, 4, 1)}[tuple(axis)]))
+case(
+    "reshape",
+    lambda rng: [
+        S([r(rng, 3, 4)], {"shape": [2, 6]}, sym=False),
+        S([r(rng, 2, 3, 4)], {"shape": [-1, 4]}, keep=((0, 2),)),
+    ],
+    lambda x, shape: np.array(x.ravel().tolist()).reshape(shape),
+)
+case(
+    "transpose",
+    lambda rng: [S([r(rng, 3, 4)], {"perm": [1, 0]}), S([r(rng, 2, 3, 4)], {"perm": [2, 0, 1]})],
+    lambda x, perm: np.einsum(x, list(range(x.ndim)), list(perm)),
+)
+case(
+    "expand",
+    lambda rng: [
+        S([r(rng, 3, 1)], {"shape": [3, 4]}, sym=False),
+        S([r(rng, 4)], {"shape": [2, 3, 4]}, sym=False),
+        S([r(rng, 1, 4)], {"shape": [5, -1]}, sym=False),
+    ],
+    lambda x, shape: (
+        x + np.zeros([d if d != -1 else x.shape[i - len(shape) + x.ndim] for i, d in enumerate(shape)])
+    ),
+)
+case(
+    "squeeze",
+    lambda rng: [S([r(rng, 3, 1, 4)], {"axis": [1]}), S([r(rng, 1, 3, 1)])],
+    lambda x, axis=None: x.reshape([d for d in x.shape if d != 1]),
+)
+case(
+    "unsqueeze",
+    lambda rng: [S([r(rng, 3, 4)], {"axis": [0]}), S([r(rng, 3, 4)], {"axis": [1, -1]})],
+    lambda x, axis: x.reshape({(0,): (1, 3, 4), (1, -1): (3, 1, 4, 1)}[tuple(axis)]),
+)
 
 
 def _slice_ref(x, axes, starts, ends, steps=None):
@@ -214,10 +322,15 @@ def _slice_ref(x, axes, starts, ends, steps=None):
     return np.array(x[tuple(idx)])
 
 
-case("slice", lambda rng: [S([r(rng, 5, 6)], {"axes": [0, 1], "starts": [1, 0], "ends": [4, END], "steps": [1, 2]}, sym=False),
-                           S([r(rng, 4, 6)], {"axes": [1], "starts": [-3], "ends": [END]}),
-                           S([r(rng, 4, 6)], {"axes": [0], "starts": [1], "ends": [3]})],
-     _slice_ref)
+case(
+    "slice",
+    lambda rng: [
+        S([r(rng, 5, 6)], {"axes": [0, 1], "starts": [1, 0], "ends": [4, END], "steps": [1, 2]}, sym=False),
+        S([r(rng, 4, 6)], {"axes": [1], "starts": [-3], "ends": [END]}),
+        S([r(rng, 4, 6)], {"axes": [0], "starts": [1], "ends": [3]}),
+    ],
+    _slice_ref,
+)
 
 
 def _slice_scatter_ref(x, src, axes, starts, ends, steps=None):
@@ -229,20 +342,52 @@ def _slice_scatter_ref(x, src, axes, starts, ends, steps=None):
     return out
 
 
-case("slice_scatter", lambda rng: [S([r(rng, 5, 6), r(rng, 3, 3)], {"axes": [0, 1], "starts": [1, 0], "ends": [4, END],
-                                                                     "steps": [1, 2]}, sym=False),
-                                   S([r(rng, 4, 6), r(rng, 4, 2)], {"axes": [1], "starts": [2], "ends": [4]}, sym=False)],
-     _slice_scatter_ref)
-case("concat", lambda rng: [S([r(rng, 2, 3), r(rng, 4, 3)], {"axis": 0}), S([r(rng, 2, 3), r(rng, 2, 1), r(rng, 2, 2)], {"axis": -1}),
-                            S([r(rng, 3)])],
-     lambda *xs, axis=0: np.concatenate(xs, axis=axis))
-case("stack", lambda rng: [S([r(rng, 2, 3), r(rng, 2, 3)], {"axis": 0}), S([r(rng, 2, 3), r(rng, 2, 3), r(rng, 2, 3)], {"axis": -1})],
-     lambda *xs, axis=0: np.moveaxis(np.array([x.tolist() for x in xs]), 0, axis))
-case("split", lambda rng: [S([r(rng, 6, 3)], {"sections": 3}, keep=((0, 0),)), S([r(rng, 2, 7)], {"sections": [2, 5], "axis": 1}, sym=False)],
-     lambda x, sections, axis=0: tuple(np.array_split(x, sections, axis) if isinstance(sections, int) else
-                                       np.split(x, np.cumsum(sections)[:-1], axis)))
-case("index_select", lambda rng: [S([r(rng, 5, 3), np.array([4, 0, 4, 2])]), S([r(rng, 2, 5), np.array([1, 3])], {"axis": 1})],
-     lambda x, i, axis=0: np.moveaxis(np.array([np.moveaxis(x, axis, 0)[k] for k in i]), 0, axis))
+case(
+    "slice_scatter",
+    lambda rng: [
+        S(
+            [r(rng, 5, 6), r(rng, 3, 3)],
+            {"axes": [0, 1], "starts": [1, 0], "ends": [4, END], "steps": [1, 2]},
+            sym=False,
+        ),
+        S([r(rng, 4, 6), r(rng, 4, 2)], {"axes": [1], "starts": [2], "ends": [4]}, sym=False),
+    ],
+    _slice_scatter_ref,
+)
+case(
+    "concat",
+    lambda rng: [
+        S([r(rng, 2, 3), r(rng, 4, 3)], {"axis": 0}),
+        S([r(rng, 2, 3), r(rng, 2, 1), r(rng, 2, 2)], {"axis": -1}),
+        S([r(rng, 3)]),
+    ],
+    lambda *xs, axis=0: np.concatenate(xs, axis=axis),
+)
+case(
+    "stack",
+    lambda rng: [
+        S([r(rng, 2, 3), r(rng, 2, 3)], {"axis": 0}),
+        S([r(rng, 2, 3), r(rng, 2, 3), r(rng, 2, 3)], {"axis": -1}),
+    ],
+    lambda *xs, axis=0: np.moveaxis(np.array([x.tolist() for x in xs]), 0, axis),
+)
+case(
+    "split",
+    lambda rng: [
+        S([r(rng, 6, 3)], {"sections": 3}, keep=((0, 0),)),
+        S([r(rng, 2, 7)], {"sections": [2, 5], "axis": 1}, sym=False),
+    ],
+    lambda x, sections, axis=0: tuple(
+        np.array_split(x, sections, axis)
+        if isinstance(sections, int)
+        else np.split(x, np.cumsum(sections)[:-1], axis)
+    ),
+)
+case(
+    "index_select",
+    lambda rng: [S([r(rng, 5, 3), np.array([4, 0, 4, 2])]), S([r(rng, 2, 5), np.array([1, 3])], {"axis": 1})],
+    lambda x, i, axis=0: np.moveaxis(np.array([np.moveaxis(x, axis, 0)[k] for k in i]), 0, axis),
+)
 
 
 def _index_add_ref(x, i, src, axis=0):
@@ -253,8 +398,14 @@ def _index_add_ref(x, i, src, axis=0):
     return np.moveaxis(out, 0, axis)
 
 
-case("index_add", lambda rng: [S([r(rng, 5, 3), np.array([4, 0, 4]), r(rng, 3, 3)]),
-                               S([r(rng, 2, 5), np.array([1, 1]), r(rng, 2, 2)], {"axis": 1})], _index_add_ref)
+case(
+    "index_add",
+    lambda rng: [
+        S([r(rng, 5, 3), np.array([4, 0, 4]), r(rng, 3, 3)]),
+        S([r(rng, 2, 5), np.array([1, 1]), r(rng, 2, 2)], {"axis": 1}),
+    ],
+    _index_add_ref,
+)
 
 
 def _gather_ref(x, i, axis=0):
@@ -275,32 +426,72 @@ def _scatter_add_ref(x, i, src, axis=0):
     return out
 
 
-case("gather", lambda rng: [S([r(rng, 4, 3), ints(rng, 4, 2, 3)]), S([r(rng, 3, 5), ints(rng, 5, 3, 2)], {"axis": 1})],
-     _gather_ref)
-case("scatter_add", lambda rng: [S([r(rng, 4, 3), ints(rng, 4, 2, 3), r(rng, 2, 3)]),
-                                 S([r(rng, 3, 5), ints(rng, 5, 3, 2), r(rng, 3, 2)], {"axis": 1})], _scatter_add_ref)
-case("embedding", lambda rng: [S([ints(rng, 5, 2, 3), r(rng, 5, 4)]), S([np.array([1, 1, 0]), r(rng, 3, 2)])],
-     lambda ids, w: np.array([[w[k] for k in row] for row in ids.reshape(-1, ids.shape[-1])]).reshape(ids.shape + (w.shape[1],)))
-case("tril", lambda rng: [S([r(rng, 4, 4)]), S([r(rng, 2, 3, 5)], {"diagonal": 1})],
-     lambda x, diagonal=0: x * (np.arange(x.shape[-1])[None, :] <= np.arange(x.shape[-2])[:, None] + diagonal))
-case("triu", lambda rng: [S([r(rng, 4, 4)]), S([r(rng, 2, 3, 5)], {"diagonal": -1})],
-     lambda x, diagonal=0: x * (np.arange(x.shape[-1])[None, :] >= np.arange(x.shape[-2])[:, None] + diagonal))
-case("one_hot", lambda rng: [S([ints(rng, 4, 3)], {"num_classes": 4}), S([ints(rng, 3, 2, 2)], {"num_classes": 5, "dtype": "float64"})],
-     lambda x, num_classes, dtype="float32": np.eye(num_classes)[x])
+case(
+    "gather",
+    lambda rng: [S([r(rng, 4, 3), ints(rng, 4, 2, 3)]), S([r(rng, 3, 5), ints(rng, 5, 3, 2)], {"axis": 1})],
+    _gather_ref,
+)
+case(
+    "scatter_add",
+    lambda rng: [
+        S([r(rng, 4, 3), ints(rng, 4, 2, 3), r(rng, 2, 3)]),
+        S([r(rng, 3, 5), ints(rng, 5, 3, 2), r(rng, 3, 2)], {"axis": 1}),
+    ],
+    _scatter_add_ref,
+)
+case(
+    "embedding",
+    lambda rng: [S([ints(rng, 5, 2, 3), r(rng, 5, 4)]), S([np.array([1, 1, 0]), r(rng, 3, 2)])],
+    lambda ids, w: np.array([[w[k] for k in row] for row in ids.reshape(-1, ids.shape[-1])]).reshape(
+        ids.shape + (w.shape[1],)
+    ),
+)
+case(
+    "tril",
+    lambda rng: [S([r(rng, 4, 4)]), S([r(rng, 2, 3, 5)], {"diagonal": 1})],
+    lambda x, diagonal=0: x * (np.arange(x.shape[-1])[None, :] <= np.arange(x.shape[-2])[:, None] + diagonal),
+)
+case(
+    "triu",
+    lambda rng: [S([r(rng, 4, 4)]), S([r(rng, 2, 3, 5)], {"diagonal": -1})],
+    lambda x, diagonal=0: x * (np.arange(x.shape[-1])[None, :] >= np.arange(x.shape[-2])[:, None] + diagonal),
+)
+case(
+    "one_hot",
+    lambda rng: [
+        S([ints(rng, 4, 3)], {"num_classes": 4}),
+        S([ints(rng, 3, 2, 2)], {"num_classes": 5, "dtype": "float64"}),
+    ],
+    lambda x, num_classes, dtype="float32": np.eye(num_classes)[x],
+)
 
 
 def _topk_ref(x, k, axis=-1, largest=True):
     xs = np.moveaxis(x, axis, -1)
-    idx = np.array([sorted(range(v.shape[0]), key=lambda j: -v[j] if largest else v[j])[:k] for v in xs.reshape(-1, xs.shape[-1])])
+    idx = np.array(
+        [
+            sorted(range(v.shape[0]), key=lambda j: -v[j] if largest else v[j])[:k]
+            for v in xs.reshape(-1, xs.shape[-1])
+        ]
+    )
     idx = idx.reshape(xs.shape[:-1] + (k,))
     vals = np.take_along_axis(xs, idx, -1)
     return np.moveaxis(vals, -1, axis), np.moveaxis(idx, -1, axis)
 
 
-case("topk", lambda rng: [S([r(rng, 3, 6)], {"k": 2}), S([r(rng, 5, 3)], {"k": 3, "axis": 0, "largest": False}, sym=False)],
-     _topk_ref)
-case("arange", lambda rng: [S([], {"end": 5}), S([], {"start": 2, "end": 11, "step": 3, "dtype": "float64"})],
-     lambda start=0, end=None, step=1, dtype="int64": np.array(list(range(start, end, step))))
+case(
+    "topk",
+    lambda rng: [
+        S([r(rng, 3, 6)], {"k": 2}),
+        S([r(rng, 5, 3)], {"k": 3, "axis": 0, "largest": False}, sym=False),
+    ],
+    _topk_ref,
+)
+case(
+    "arange",
+    lambda rng: [S([], {"end": 5}), S([], {"start": 2, "end": 11, "step": 3, "dtype": "float64"})],
+    lambda start=0, end=None, step=1, dtype="int64": np.array(list(range(start, end, step))),
+)
 
 # ---- contraction --------------------------------------------------------------------------------
 
@@ -313,10 +504,23 @@ def _mm_ref(x, y, transpose_x=False, transpose_y=False):
     return np.einsum("...ik,...kj->...ij", x, y)
 
 
-case("matmul", lambda rng: [S([r(rng, 3, 4), r(rng, 4, 2)]), S([r(rng, 2, 3, 4), r(rng, 4, 5)]),
-                            S([r(rng, 2, 4, 3), r(rng, 1, 5, 4)], {"transpose_x": True, "transpose_y": True})], _mm_ref)
-case("linear", lambda rng: [S([r(rng, 2, 3, 4), r(rng, 5, 4), r(rng, 5)], keep=((1, 0), (2, 0))), S([r(rng, 3, 4), r(rng, 2, 4)])],
-     lambda x, w, b=None: np.einsum("...i,oi->...o", x, w) + (0 if b is None else b))
+case(
+    "matmul",
+    lambda rng: [
+        S([r(rng, 3, 4), r(rng, 4, 2)]),
+        S([r(rng, 2, 3, 4), r(rng, 4, 5)]),
+        S([r(rng, 2, 4, 3), r(rng, 1, 5, 4)], {"transpose_x": True, "transpose_y": True}),
+    ],
+    _mm_ref,
+)
+case(
+    "linear",
+    lambda rng: [
+        S([r(rng, 2, 3, 4), r(rng, 5, 4), r(rng, 5)], keep=((1, 0), (2, 0))),
+        S([r(rng, 3, 4), r(rng, 2, 4)]),
+    ],
+    lambda x, w, b=None: np.einsum("...i,oi->...o", x, w) + (0 if b is None else b),
+)
 
 # ---- composite neural ops -----------------------------------------------------------------------
 
@@ -327,10 +531,17 @@ def _softmax_ref(x, axis=-1):
 
 
 case("softmax", lambda rng: [S([r(rng, 3, 5)]), S([r(rng, 2, 3, 4)], {"axis": 1})], _softmax_ref)
-case("log_softmax", lambda rng: [S([r(rng, 3, 5)]), S([r(rng, 2, 3, 4)], {"axis": 0})],
-     lambda x, axis=-1: np.log(_softmax_ref(x, axis)), rtol=1e-9)
-case("rms_norm", lambda rng: [S([r(rng, 3, 6), r(rng, 6)]), S([r(rng, 2, 2, 4), r(rng, 4)], {"eps": 1e-3})],
-     lambda x, w, eps=1e-6: x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w)
+case(
+    "log_softmax",
+    lambda rng: [S([r(rng, 3, 5)]), S([r(rng, 2, 3, 4)], {"axis": 0})],
+    lambda x, axis=-1: np.log(_softmax_ref(x, axis)),
+    rtol=1e-9,
+)
+case(
+    "rms_norm",
+    lambda rng: [S([r(rng, 3, 6), r(rng, 6)]), S([r(rng, 2, 2, 4), r(rng, 4)], {"eps": 1e-3})],
+    lambda x, w, eps=1e-6: x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w,
+)
 
 
 def _ce_ref(logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
@@ -350,10 +561,16 @@ def _ce_ref(logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="m
     return {"none": losses, "sum": losses.sum(), "mean": losses.sum() / n}[reduction]
 
 
-case("cross_entropy", lambda rng: [S([r(rng, 5, 4), np.array([0, 3, -100, 1, 3])]),
-                                   S([r(rng, 2, 3, 4), ints(rng, 4, 2, 3)], {"label_smoothing": 0.1}),
-                                   S([r(rng, 4, 3), np.array([2, -1, 0, -1])], {"ignore_index": -1, "reduction": "sum"}),
-                                   S([r(rng, 4, 3), np.array([2, 1, 0, 1])], {"reduction": "none"})], _ce_ref)
+case(
+    "cross_entropy",
+    lambda rng: [
+        S([r(rng, 5, 4), np.array([0, 3, -100, 1, 3])]),
+        S([r(rng, 2, 3, 4), ints(rng, 4, 2, 3)], {"label_smoothing": 0.1}),
+        S([r(rng, 4, 3), np.array([2, -1, 0, -1])], {"ignore_index": -1, "reduction": "sum"}),
+        S([r(rng, 4, 3), np.array([2, 1, 0, 1])], {"reduction": "none"}),
+    ],
+    _ce_ref,
+)
 
 
 def _rope_tables(rng, positions, d):
@@ -365,8 +582,10 @@ def _rope_tables(rng, positions, d):
 def _rope_samples(rng):
     c, s = _rope_tables(rng, 7, 4)
     d = ((0, 3), (1, 1), (2, 1))  # the head dim is static
-    return [S([r(rng, 2, 3, 5, 4), c[:5], s[:5]], keep=d),
-            S([r(rng, 2, 3, 4, 4), c, s, np.array([[0, 1, 2, 3], [3, 4, 5, 6]])], keep=d)]
+    return [
+        S([r(rng, 2, 3, 5, 4), c[:5], s[:5]], keep=d),
+        S([r(rng, 2, 3, 4, 4), c, s, np.array([[0, 1, 2, 3], [3, 4, 5, 6]])], keep=d),
+    ]
 
 
 def _rope_ref(x, cos, sin, pos=None):
@@ -387,9 +606,11 @@ def _sdpa_samples(rng):
     mask = np.where(rng.random((1, 1, 3, 5)) > 0.3, 0.0, -1e9)
     mask[..., 0] = 0.0
     heads = ((0, 1), (1, 1), (2, 1), (0, 3), (1, 3), (2, 3))  # head counts and head dims are static
-    return [S([r(rng, 2, 4, 3, 2), r(rng, 2, 2, 3, 2), r(rng, 2, 2, 3, 3)], {"is_causal": True}, keep=heads),
-            S([r(rng, 1, 2, 3, 2), r(rng, 1, 2, 5, 2), r(rng, 1, 2, 5, 2), mask], {"scale": 0.7}, keep=heads),
-            S([r(rng, 1, 2, 2, 2), r(rng, 1, 1, 4, 2), r(rng, 1, 1, 4, 2)], {"is_causal": True}, keep=heads)]
+    return [
+        S([r(rng, 2, 4, 3, 2), r(rng, 2, 2, 3, 2), r(rng, 2, 2, 3, 3)], {"is_causal": True}, keep=heads),
+        S([r(rng, 1, 2, 3, 2), r(rng, 1, 2, 5, 2), r(rng, 1, 2, 5, 2), mask], {"scale": 0.7}, keep=heads),
+        S([r(rng, 1, 2, 2, 2), r(rng, 1, 1, 4, 2), r(rng, 1, 1, 4, 2)], {"is_causal": True}, keep=heads),
+    ]
 
 
 def _sdpa_ref(q, k, v, mask=None, is_causal=False, scale=None):
@@ -419,7 +640,11 @@ def _dropout_ref(x, p=0.5, seed=0):
     return None
 
 
-case("dropout", lambda rng: [S([r(rng, 4, 5)], {"p": 0.3, "seed": 7}), S([r(rng, 3)], {"p": 0.0, "seed": 1})], _dropout_ref)
+case(
+    "dropout",
+    lambda rng: [S([r(rng, 4, 5)], {"p": 0.3, "seed": 7}), S([r(rng, 3)], {"p": 0.0, "seed": 1})],
+    _dropout_ref,
+)
 
 
 # ---- the walk -----------------------------------------------------------------------------------
@@ -470,13 +695,17 @@ def test_forward_matches_numpy_float64(name):
             assert p == 0 or 0 < kept.mean() < 1
             continue
         for o, e in zip(_outs(out), ref if isinstance(ref, tuple) else (ref,)):
-            np.testing.assert_allclose(o.numpy().astype(np.float64), np.asarray(e, np.float64), rtol=c.rtol, atol=c.atol,
-                                       err_msg=f"{name} {s.attrs}")
+            np.testing.assert_allclose(
+                o.numpy().astype(np.float64),
+                np.asarray(e, np.float64),
+                rtol=c.rtol,
+                atol=c.atol,
+                err_msg=f"{name} {s.attrs}",
+            )
 
 
 @pytest.mark.parametrize("name", OPS)
 def test_forward_float32_close_to_float64(name):
-    c = CASES[name]
     for s in _samples(name):
         ins32 = [a.astype(np.float32) if a is not None and a.dtype == np.float64 else a for a in s.inputs]
         attrs = dict(s.attrs)
@@ -496,7 +725,10 @@ def test_forward_float32_close_to_float64(name):
 def test_infer_meta_matches_kernel(name):
     spec = table()[name]
     for s in _samples(name):
-        for ins in (s.inputs, [a.astype(np.float32) if a is not None and a.dtype == np.float64 else a for a in s.inputs]):
+        for ins in (
+            s.inputs,
+            [a.astype(np.float32) if a is not None and a.dtype == np.float64 else a for a in s.inputs],
+        ):
             attrs = spec.bind(s.attrs)
             metas = [Meta(a.shape, a.dtype) for a in ins if a is not None]
             arrays = [a for a in ins if a is not None]
@@ -521,8 +753,10 @@ def test_infer_meta_with_symbolic_dims(name):
         attrs = spec.bind(s.attrs)
         names = {d: f"d{d}" for a in arrays for d in a.shape if d > 1}
         env = {v: k for k, v in names.items()}
-        metas = [Meta([d if (i, ax) in s.keep else names.get(d, d) for ax, d in enumerate(a.shape)], a.dtype)
-                 for i, a in enumerate(arrays)]
+        metas = [
+            Meta([d if (i, ax) in s.keep else names.get(d, d) for ax, d in enumerate(a.shape)], a.dtype)
+            for i, a in enumerate(arrays)
+        ]
         want = spec.infer_meta(*metas, **attrs)
         real = spec.infer_meta(*[Meta(a.shape, a.dtype) for a in arrays], **attrs)
         for m, g in zip(want if spec.multi_output else (want,), real if spec.multi_output else (real,)):
@@ -543,8 +777,11 @@ def test_decompose_matches_kernel(name):
 def _diff_inputs(spec, inputs):
     if spec.vjp is None:
         return []
-    return [i for i, a in enumerate(inputs)
-            if a is not None and i not in spec.nondiff and np.issubdtype(a.dtype, np.floating)]
+    return [
+        i
+        for i, a in enumerate(inputs)
+        if a is not None and i not in spec.nondiff and np.issubdtype(a.dtype, np.floating)
+    ]
 
 
 @pytest.mark.parametrize("name", OPS)

@@ -61,7 +61,9 @@ def test_broadcast_mismatch_names_op_and_shapes():
 
 
 def test_matmul_mismatch_names_shapes():
-    with pytest.raises(OpError, match=r"matmul: inner dims differ \(3 vs 4\).*\[2, 3\] float32, \[4, 5\] float32"):
+    with pytest.raises(
+        OpError, match=r"matmul: inner dims differ \(3 vs 4\).*\[2, 3\] float32, \[4, 5\] float32"
+    ):
         lf.zeros(2, 3) @ lf.zeros(4, 5)
 
 
@@ -103,7 +105,9 @@ def test_method_per_op_and_conveniences():
     x = lf.tensor([[1.0, 2.0], [3.0, 4.0]])
     assert x.sum().item() == 10
     np.testing.assert_allclose(x.mean(axis=0).numpy(), [2, 3])
-    assert x.reshape(4).shape == (4,) and x.reshape(1, -1).shape == (1, 4) and x.reshape((4, 1)).shape == (4, 1)
+    assert (
+        x.reshape(4).shape == (4,) and x.reshape(1, -1).shape == (1, 4) and x.reshape((4, 1)).shape == (4, 1)
+    )
     np.testing.assert_allclose(x.T.numpy(), [[1, 3], [2, 4]])
     assert lf.randn(2, 3, 4).transpose(0, 2).shape == (4, 3, 2)
     assert lf.randn(2, 3, 4).mT.shape == (2, 4, 3)
@@ -114,9 +118,22 @@ def test_method_per_op_and_conveniences():
 
 @pytest.mark.parametrize(
     "index",
-    [0, -1, (1, 2), slice(1, 3), (slice(None), slice(0, 4, 2)), (Ellipsis, 1), (None, 1), (1, None, slice(2)),
-     [2, 0, 2], (slice(None), [1, 3]), (0, [1, 1], None), np.array([[0, 1], [2, 0]]), (Ellipsis, None),
-     (slice(None, None, 3), 2)],
+    [
+        0,
+        -1,
+        (1, 2),
+        slice(1, 3),
+        (slice(None), slice(0, 4, 2)),
+        (Ellipsis, 1),
+        (None, 1),
+        (1, None, slice(2)),
+        [2, 0, 2],
+        (slice(None), [1, 3]),
+        (0, [1, 1], None),
+        np.array([[0, 1], [2, 0]]),
+        (Ellipsis, None),
+        (slice(None, None, 3), 2),
+    ],
 )
 def test_indexing_matches_numpy(index):
     a = np.arange(60, dtype=np.float32).reshape(3, 4, 5)

@@ -45,7 +45,7 @@ def _make_public(spec: OpSpec) -> Callable[..., Any]:
             args = args[:n_in]
         inputs = list(args)
         if len(inputs) < n_in:
-            for nm in names[len(inputs):]:
+            for nm in names[len(inputs) :]:
                 if nm in kw:
                     inputs.append(kw.pop(nm))
                 else:
@@ -69,7 +69,9 @@ def _make_public(spec: OpSpec) -> Callable[..., Any]:
         params.append(inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default))
     fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     fn.__name__ = fn.__qualname__ = spec.name
-    fn.__doc__ = f"{spec.doc}\n\nop {spec.name!r} ({spec.kind})" if spec.doc else f"op {spec.name!r} ({spec.kind})"
+    fn.__doc__ = (
+        f"{spec.doc}\n\nop {spec.name!r} ({spec.kind})" if spec.doc else f"op {spec.name!r} ({spec.kind})"
+    )
     fn.spec = spec  # type: ignore[attr-defined]
     return fn
 

@@ -19,7 +19,10 @@ def _mm_dims(name, x, y, tx, ty):
     if sym.canonical(k) != sym.canonical(k2):
         raise OpError(
             f"{name}: inner dims differ ({k} vs {k2}"
-            f"{', transpose_x' if tx else ''}{', transpose_y' if ty else ''})", x, y)
+            f"{', transpose_x' if tx else ''}{', transpose_y' if ty else ''})",
+            x,
+            y,
+        )
     batch = broadcast_shapes(name, Meta(x.shape[:-2], x.dtype), Meta(y.shape[:-2], y.dtype))
     return batch, m, n
 
@@ -30,10 +33,14 @@ def _matmul_meta(x, y, transpose_x=False, transpose_y=False):
 
 
 def _matmul_kernel(xp, x, y, transpose_x=False, transpose_y=False):
-    if transpose_x:
-        x = xp.swapaxes(x, -1, -2)
     if transpose_y:
         y = xp.swapaxes(y, -1, -2)
+    if y.ndim == 2 and x.ndim > 2 and not transpose_x:
+        # [..., K] @ [K, N] as one GEMM: numpy would otherwise loop over the batch in small GEMMs.
+        out = xp.matmul(x.reshape(-1, x.shape[-1]), y)
+        return out.reshape(x.shape[:-1] + (y.shape[-1],))
+    if transpose_x:
+        x = xp.swapaxes(x, -1, -2)
     return xp.matmul(x, y)
 
 
@@ -57,11 +64,17 @@ def _matmul_vjp(g, out, x, y, transpose_x=False, transpose_y=False):
     return dx, dy
 
 
-defop("matmul", Kind.CONTRACTION, inputs=("x", "y"),
-      attrs=[attr("transpose_x", A.BOOL, False), attr("transpose_y", A.BOOL, False)],
-      infer_meta=_matmul_meta, kernel=_matmul_kernel, vjp=_matmul_vjp,
-      doc="Batched matrix product with numpy broadcasting of the leading dims; "
-          "transpose_x/transpose_y swap the last two dims of an input first.")
+defop(
+    "matmul",
+    Kind.CONTRACTION,
+    inputs=("x", "y"),
+    attrs=[attr("transpose_x", A.BOOL, False), attr("transpose_y", A.BOOL, False)],
+    infer_meta=_matmul_meta,
+    kernel=_matmul_kernel,
+    vjp=_matmul_vjp,
+    doc="Batched matrix product with numpy broadcasting of the leading dims; "
+    "transpose_x/transpose_y swap the last two dims of an input first.",
+)
 
 
 def _linear_meta(x, weight, bias=None):
@@ -74,15 +87,18 @@ def _linear_meta(x, weight, bias=None):
 
 
 def _linear_kernel(xp, x, weight, bias=None):
-    out = xp.matmul(x, weight.T)
+    out = _matmul_kernel(xp, x, weight, transpose_y=True)
     if bias is not None:
         out += bias
     return out
 
 
 def _linear_vjp(g, out, x, weight, bias=None):
-    return (lambda: O.matmul(g, weight), lambda: O.matmul(_flat(g), _flat(x), transpose_x=True),
-            None if bias is None else g)
+    return (
+        lambda: O.matmul(g, weight),
+        lambda: O.matmul(_flat(g), _flat(x), transpose_x=True),
+        None if bias is None else g,
+    )
 
 
 def _linear_decompose(x, weight, bias=None):
@@ -90,7 +106,13 @@ def _linear_decompose(x, weight, bias=None):
     return y if bias is None else y + bias
 
 
-defop("linear", Kind.CONTRACTION, inputs=("x", "weight", "bias?"), infer_meta=_linear_meta,
-      kernel=_linear_kernel, vjp=_linear_vjp, decompose=_linear_decompose,
-      doc="x @ weight.T + bias with weight [out_features, in_features] (the Hugging Face layout).")
-
+defop(
+    "linear",
+    Kind.CONTRACTION,
+    inputs=("x", "weight", "bias?"),
+    infer_meta=_linear_meta,
+    kernel=_linear_kernel,
+    vjp=_linear_vjp,
+    decompose=_linear_decompose,
+    doc="x @ weight.T + bias with weight [out_features, in_features] (the Hugging Face layout).",
+)

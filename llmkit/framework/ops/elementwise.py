@@ -28,7 +28,9 @@ def binary(name, kernel, vjp=None, *, c=None, floating=False, **kw):
     def infer(a, b, **attrs):
         return elementwise_meta(name, a, b, floating=floating)
 
-    return defop(name, Kind.ELEMENTWISE, inputs=("x", "y"), kernel=kernel, infer_meta=infer, vjp=vjp, c=c, **kw)
+    return defop(
+        name, Kind.ELEMENTWISE, inputs=("x", "y"), kernel=kernel, infer_meta=infer, vjp=vjp, c=c, **kw
+    )
 
 
 def compare(name, kernel, c):
@@ -45,39 +47,82 @@ def _nan_first(expr: str) -> str:
 
 # ---- arithmetic ---------------------------------------------------------------------------------
 
-binary("add", lambda xp, a, b: a + b, lambda g, out, a, b: (g, g), c="({0}+{1})",
-       traits={"commutative", "associative"})
+binary(
+    "add",
+    lambda xp, a, b: a + b,
+    lambda g, out, a, b: (g, g),
+    c="({0}+{1})",
+    traits={"commutative", "associative"},
+)
 binary("sub", lambda xp, a, b: a - b, lambda g, out, a, b: (g, -g), c="({0}-{1})")
-binary("mul", lambda xp, a, b: a * b, lambda g, out, a, b: (g * b, g * a), c="({0}*{1})",
-       traits={"commutative", "associative"})
-binary("div", lambda xp, a, b: a / b, lambda g, out, a, b: (g / b, lambda: -(g * out) / b), c="({0}/{1})",
-       floating=True)
-binary("pow", lambda xp, a, b: xp.power(a, b),
-       lambda g, out, a, b: (lambda: g * b * a ** (b - 1.0), lambda: g * out * O.log(a)),
-       c="pow({0},{1})", floating=True)
-binary("maximum", lambda xp, a, b: xp.maximum(a, b),
-       lambda g, out, a, b: (O.where(a >= b, g, 0.0), O.where(a >= b, 0.0, g)),
-       c=_nan_first("(({0}>={1})?{0}:{1})"), traits={"commutative", "associative", "idempotent"})
-binary("minimum", lambda xp, a, b: xp.minimum(a, b),
-       lambda g, out, a, b: (O.where(a <= b, g, 0.0), O.where(a <= b, 0.0, g)),
-       c=_nan_first("(({0}<={1})?{0}:{1})"), traits={"commutative", "associative", "idempotent"})
+binary(
+    "mul",
+    lambda xp, a, b: a * b,
+    lambda g, out, a, b: (g * b, g * a),
+    c="({0}*{1})",
+    traits={"commutative", "associative"},
+)
+binary(
+    "div",
+    lambda xp, a, b: a / b,
+    lambda g, out, a, b: (g / b, lambda: -(g * out) / b),
+    c="({0}/{1})",
+    floating=True,
+)
+binary(
+    "pow",
+    lambda xp, a, b: xp.power(a, b),
+    lambda g, out, a, b: (lambda: g * b * a ** (b - 1.0), lambda: g * out * O.log(a)),
+    c="pow({0},{1})",
+    floating=True,
+)
+binary(
+    "maximum",
+    lambda xp, a, b: xp.maximum(a, b),
+    lambda g, out, a, b: (O.where(a >= b, g, 0.0), O.where(a >= b, 0.0, g)),
+    c=_nan_first("(({0}>={1})?{0}:{1})"),
+    traits={"commutative", "associative", "idempotent"},
+)
+binary(
+    "minimum",
+    lambda xp, a, b: xp.minimum(a, b),
+    lambda g, out, a, b: (O.where(a <= b, g, 0.0), O.where(a <= b, 0.0, g)),
+    c=_nan_first("(({0}<={1})?{0}:{1})"),
+    traits={"commutative", "associative", "idempotent"},
+)
 
 unary("neg", lambda xp, x: -x, lambda g, out, x: (-g,), c="(-{0})", floating=False)
 unary("abs", lambda xp, x: xp.abs(x), lambda g, out, x: (g * O.sign(x),), c="fabs({0})", floating=False)
-unary("sign", lambda xp, x: xp.sign(x), None, c="(({0}!={0})?{0}:(({0}>0)-({0}<0)))", floating=False,
-      doc="sign(x) in {-1, 0, 1}; its derivative is zero almost everywhere, so it stops gradients.")
+unary(
+    "sign",
+    lambda xp, x: xp.sign(x),
+    None,
+    c="(({0}!={0})?{0}:(({0}>0)-({0}<0)))",
+    floating=False,
+    doc="sign(x) in {-1, 0, 1}; its derivative is zero almost everywhere, so it stops gradients.",
+)
 unary("exp", lambda xp, x: xp.exp(x), lambda g, out, x: (g * out,), c="exp({0})")
 unary("log", lambda xp, x: xp.log(x), lambda g, out, x: (g / x,), c="log({0})")
 unary("sqrt", lambda xp, x: xp.sqrt(x), lambda g, out, x: (g / (out * 2.0),), c="sqrt({0})")
-unary("rsqrt", lambda xp, x: 1 / xp.sqrt(x), lambda g, out, x: (g * out * out * out * -0.5,),
-      c="(1/sqrt({0}))")
+unary(
+    "rsqrt", lambda xp, x: 1 / xp.sqrt(x), lambda g, out, x: (g * out * out * out * -0.5,), c="(1/sqrt({0}))"
+)
 unary("sin", lambda xp, x: xp.sin(x), lambda g, out, x: (g * O.cos(x),), c="sin({0})")
 unary("cos", lambda xp, x: xp.cos(x), lambda g, out, x: (-(g * O.sin(x)),), c="cos({0})")
 unary("tanh", lambda xp, x: xp.tanh(x), lambda g, out, x: (g * (1.0 - out * out),), c="tanh({0})")
-unary("sigmoid", lambda xp, x: 0.5 * xp.tanh(0.5 * x) + 0.5, lambda g, out, x: (g * out * (1.0 - out),),
-      c="(1/(1+exp(-{0})))")
-unary("relu", lambda xp, x: xp.maximum(x, 0), lambda g, out, x: (O.where(out > 0.0, g, 0.0),),
-      c="((({0})>0||({0})!=({0}))?({0}):0)", floating=False)
+unary(
+    "sigmoid",
+    lambda xp, x: 0.5 * xp.tanh(0.5 * x) + 0.5,
+    lambda g, out, x: (g * out * (1.0 - out),),
+    c="(1/(1+exp(-{0})))",
+)
+unary(
+    "relu",
+    lambda xp, x: xp.maximum(x, 0),
+    lambda g, out, x: (O.where(out > 0.0, g, 0.0),),
+    c="((({0})>0||({0})!=({0}))?({0}):0)",
+    floating=False,
+)
 
 
 def _erf_kernel(xp, x):
@@ -132,9 +177,18 @@ def _gelu_vjp(g, out, x, approximate="none"):
     return (g * (0.5 * (1.0 + O.erf(x * _INV_SQRT2)) + x * O.exp(x * x * -0.5) * _INV_SQRT_2PI),)
 
 
-unary("gelu", _gelu_kernel, _gelu_vjp, decompose=_gelu_decompose,
-      attrs=[attr("approximate", A.STR, "none", lambda v: None if v in ("none", "tanh") else "use 'none' or 'tanh'")],
-      doc="Gaussian error linear unit; approximate='tanh' is the tanh approximation.")
+unary(
+    "gelu",
+    _gelu_kernel,
+    _gelu_vjp,
+    decompose=_gelu_decompose,
+    attrs=[
+        attr(
+            "approximate", A.STR, "none", lambda v: None if v in ("none", "tanh") else "use 'none' or 'tanh'"
+        )
+    ],
+    doc="Gaussian error linear unit; approximate='tanh' is the tanh approximation.",
+)
 
 
 def _swiglu_vjp(g, out, a, b):
@@ -142,8 +196,14 @@ def _swiglu_vjp(g, out, a, b):
     return (g * b * s * (1.0 + a * (1.0 - s)), g * a * s)
 
 
-binary("swiglu", lambda xp, a, b: _silu_kernel(xp, a) * b, _swiglu_vjp, floating=True,
-       decompose=lambda a, b: O.silu(a) * b, doc="silu(x) * y: the gated MLP activation of Llama.")
+binary(
+    "swiglu",
+    lambda xp, a, b: _silu_kernel(xp, a) * b,
+    _swiglu_vjp,
+    floating=True,
+    decompose=lambda a, b: O.silu(a) * b,
+    doc="silu(x) * y: the gated MLP activation of Llama.",
+)
 
 # ---- comparisons and logic (no gradients) -------------------------------------------------------
 
@@ -165,12 +225,27 @@ def _bool_meta(name):
     return infer
 
 
-defop("logical_and", Kind.ELEMENTWISE, inputs=("x", "y"), kernel=lambda xp, a, b: a & b,
-      infer_meta=_bool_meta("logical_and"), c="({0}&&{1})", traits={"commutative", "associative"})
-defop("logical_or", Kind.ELEMENTWISE, inputs=("x", "y"), kernel=lambda xp, a, b: a | b,
-      infer_meta=_bool_meta("logical_or"), c="({0}||{1})", traits={"commutative", "associative"})
-defop("logical_not", Kind.ELEMENTWISE, kernel=lambda xp, x: ~x, infer_meta=_bool_meta("logical_not"),
-      c="(!{0})")
+defop(
+    "logical_and",
+    Kind.ELEMENTWISE,
+    inputs=("x", "y"),
+    kernel=lambda xp, a, b: a & b,
+    infer_meta=_bool_meta("logical_and"),
+    c="({0}&&{1})",
+    traits={"commutative", "associative"},
+)
+defop(
+    "logical_or",
+    Kind.ELEMENTWISE,
+    inputs=("x", "y"),
+    kernel=lambda xp, a, b: a | b,
+    infer_meta=_bool_meta("logical_or"),
+    c="({0}||{1})",
+    traits={"commutative", "associative"},
+)
+defop(
+    "logical_not", Kind.ELEMENTWISE, kernel=lambda xp, x: ~x, infer_meta=_bool_meta("logical_not"), c="(!{0})"
+)
 
 
 def _where_meta(cond, x, y):
@@ -180,9 +255,16 @@ def _where_meta(cond, x, y):
     return Meta(elementwise_meta("where", cond, Meta(x.shape, "bool"), Meta(y.shape, "bool")).shape, dt)
 
 
-defop("where", Kind.ELEMENTWISE, inputs=("condition", "x", "y"), kernel=lambda xp, c, a, b: xp.where(c, a, b),
-      infer_meta=_where_meta, nondiff={0}, c="({0}?{1}:{2})",
-      vjp=lambda g, out, c, a, b: (None, O.where(c, g, 0.0), O.where(c, 0.0, g)))
+defop(
+    "where",
+    Kind.ELEMENTWISE,
+    inputs=("condition", "x", "y"),
+    kernel=lambda xp, c, a, b: xp.where(c, a, b),
+    infer_meta=_where_meta,
+    nondiff={0},
+    c="({0}?{1}:{2})",
+    vjp=lambda g, out, c, a, b: (None, O.where(c, g, 0.0), O.where(c, 0.0, g)),
+)
 
 
 # ---- dtype conversion and constants -------------------------------------------------------------
@@ -192,9 +274,15 @@ def _cast_vjp(g, out, x, dtype):
     return (O.cast(g, x.dtype) if B.is_floating(x.dtype) else None,)
 
 
-defop("cast", Kind.ELEMENTWISE, attrs=[attr("dtype", A.DTYPE)],
-      kernel=lambda xp, x, dtype: x.astype(dtype, copy=False),
-      infer_meta=lambda x, dtype: Meta(x.shape, dtype), vjp=_cast_vjp, c="(({ctype}){0})")
+defop(
+    "cast",
+    Kind.ELEMENTWISE,
+    attrs=[attr("dtype", A.DTYPE)],
+    kernel=lambda xp, x, dtype: x.astype(dtype, copy=False),
+    infer_meta=lambda x, dtype: Meta(x.shape, dtype),
+    vjp=_cast_vjp,
+    c="(({ctype}){0})",
+)
 
 
 def _like_meta(x, dtype=None):
@@ -202,9 +290,15 @@ def _like_meta(x, dtype=None):
 
 
 def _like(name, value):
-    defop(name, Kind.ELEMENTWISE, attrs=[attr("dtype", optional(A.DTYPE), None)], infer_meta=_like_meta,
-          kernel=lambda xp, x, dtype=None: xp.full(x.shape, value, x.dtype if dtype is None else dtype),
-          c=str(value), doc=f"A tensor of {value}s shaped like x; gradients stop here.")
+    defop(
+        name,
+        Kind.ELEMENTWISE,
+        attrs=[attr("dtype", optional(A.DTYPE), None)],
+        infer_meta=_like_meta,
+        kernel=lambda xp, x, dtype=None: xp.full(x.shape, value, x.dtype if dtype is None else dtype),
+        c=str(value),
+        doc=f"A tensor of {value}s shaped like x; gradients stop here.",
+    )
 
 
 _like("zeros_like", 0)
@@ -219,6 +313,13 @@ def _full_kernel(xp, shape, value, dtype):
     return xp.full(shape, value, dtype)
 
 
-defop("full", Kind.ELEMENTWISE, inputs=(), attrs=[attr("shape", A.SHAPE), attr("value", A.FLOAT),
-      attr("dtype", A.DTYPE, "float32")], kernel=_full_kernel, infer_meta=_full_meta, c="{value}",
-      doc="A tensor of one value; the shape may hold symbolic dims.")
+defop(
+    "full",
+    Kind.ELEMENTWISE,
+    inputs=(),
+    attrs=[attr("shape", A.SHAPE), attr("value", A.FLOAT), attr("dtype", A.DTYPE, "float32")],
+    kernel=_full_kernel,
+    infer_meta=_full_meta,
+    c="{value}",
+    doc="A tensor of one value; the shape may hold symbolic dims.",
+)

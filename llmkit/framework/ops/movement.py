@@ -44,22 +44,34 @@ def _reshape_meta(x, shape):
     return Meta(shape, x.dtype)
 
 
-defop("reshape", Kind.MOVEMENT, attrs=[attr("shape", A.SHAPE)], infer_meta=_reshape_meta,
-      kernel=lambda xp, x, shape: xp.reshape(x, shape),
-      vjp=lambda g, out, x, shape: (O.reshape(g, x.shape),),
-      doc="Same elements, new shape (row-major); one entry may be -1.")
+defop(
+    "reshape",
+    Kind.MOVEMENT,
+    attrs=[attr("shape", A.SHAPE)],
+    infer_meta=_reshape_meta,
+    kernel=lambda xp, x, shape: xp.reshape(x, shape),
+    vjp=lambda g, out, x, shape: (O.reshape(g, x.shape),),
+    doc="Same elements, new shape (row-major); one entry may be -1.",
+)
 
 
 def _transpose_meta(x, perm):
     if sorted(perm) != list(range(x.ndim)):
-        raise OpError(f"transpose: perm {list(perm)} is not a permutation of the {x.ndim} axes of {describe(x)}")
+        raise OpError(
+            f"transpose: perm {list(perm)} is not a permutation of the {x.ndim} axes of {describe(x)}"
+        )
     return Meta(tuple(x.shape[p] for p in perm), x.dtype)
 
 
-defop("transpose", Kind.MOVEMENT, attrs=[attr("perm", A.INTS)], infer_meta=_transpose_meta,
-      kernel=lambda xp, x, perm: xp.transpose(x, perm),
-      vjp=lambda g, out, x, perm: (O.transpose(g, tuple(int(i) for i in np.argsort(perm))),),
-      doc="Permute axes: out.shape[i] = x.shape[perm[i]].")
+defop(
+    "transpose",
+    Kind.MOVEMENT,
+    attrs=[attr("perm", A.INTS)],
+    infer_meta=_transpose_meta,
+    kernel=lambda xp, x, perm: xp.transpose(x, perm),
+    vjp=lambda g, out, x, perm: (O.transpose(g, tuple(int(i) for i in np.argsort(perm))),),
+    doc="Permute axes: out.shape[i] = x.shape[perm[i]].",
+)
 
 
 def _expand_meta(x, shape):
@@ -81,9 +93,15 @@ def _expand_kernel(xp, x, shape):
     return xp.broadcast_to(x, _expand_meta(x, shape).shape)
 
 
-defop("expand", Kind.MOVEMENT, attrs=[attr("shape", A.SHAPE)], infer_meta=_expand_meta, kernel=_expand_kernel,
-      vjp=lambda g, out, x, shape: (g,),  # autograd sums the gradient back to x's shape
-      doc="Broadcast to a larger shape (numpy broadcast_to); -1 keeps a dim.")
+defop(
+    "expand",
+    Kind.MOVEMENT,
+    attrs=[attr("shape", A.SHAPE)],
+    infer_meta=_expand_meta,
+    kernel=_expand_kernel,
+    vjp=lambda g, out, x, shape: (g,),  # autograd sums the gradient back to x's shape
+    doc="Broadcast to a larger shape (numpy broadcast_to); -1 keeps a dim.",
+)
 
 
 def _squeeze_meta(x, axis=None):
@@ -96,9 +114,15 @@ def _squeeze_meta(x, axis=None):
     return Meta([d for i, d in enumerate(x.shape) if i not in axes], x.dtype)
 
 
-defop("squeeze", Kind.MOVEMENT, attrs=[attr("axis", A.AXES, None)], infer_meta=_squeeze_meta,
-      kernel=lambda xp, x, axis=None: xp.reshape(x, _squeeze_meta(x, axis).shape),
-      vjp=lambda g, out, x, axis: (O.reshape(g, x.shape),), doc="Drop size-1 axes.")
+defop(
+    "squeeze",
+    Kind.MOVEMENT,
+    attrs=[attr("axis", A.AXES, None)],
+    infer_meta=_squeeze_meta,
+    kernel=lambda xp, x, axis=None: xp.reshape(x, _squeeze_meta(x, axis).shape),
+    vjp=lambda g, out, x, axis: (O.reshape(g, x.shape),),
+    doc="Drop size-1 axes.",
+)
 
 
 def _unsqueeze_meta(x, axis):
@@ -108,9 +132,15 @@ def _unsqueeze_meta(x, axis):
     return Meta([1 if i in axes else next(it) for i in range(nd)], x.dtype)
 
 
-defop("unsqueeze", Kind.MOVEMENT, attrs=[attr("axis", A.INTS)], infer_meta=_unsqueeze_meta,
-      kernel=lambda xp, x, axis: xp.reshape(x, _unsqueeze_meta(x, axis).shape),
-      vjp=lambda g, out, x, axis: (O.reshape(g, x.shape),), doc="Insert size-1 axes at the given output positions.")
+defop(
+    "unsqueeze",
+    Kind.MOVEMENT,
+    attrs=[attr("axis", A.INTS)],
+    infer_meta=_unsqueeze_meta,
+    kernel=lambda xp, x, axis: xp.reshape(x, _unsqueeze_meta(x, axis).shape),
+    vjp=lambda g, out, x, axis: (O.reshape(g, x.shape),),
+    doc="Insert size-1 axes at the given output positions.",
+)
 
 
 # ---- slice / slice_scatter ---------------------------------------------------------------------
@@ -157,11 +187,22 @@ def _slice_kernel(xp, x, axes, starts, ends, steps=None):
     return x[_slices(x.ndim, axes, starts, ends, steps)]
 
 
-_SLICE_ATTRS = [attr("axes", A.INTS), attr("starts", A.INTS), attr("ends", A.INTS), attr("steps", A.AXES, None)]
+_SLICE_ATTRS = [
+    attr("axes", A.INTS),
+    attr("starts", A.INTS),
+    attr("ends", A.INTS),
+    attr("steps", A.AXES, None),
+]
 
-defop("slice", Kind.MOVEMENT, attrs=_SLICE_ATTRS, infer_meta=_slice_meta, kernel=_slice_kernel,
-      vjp=lambda g, out, x, **a: (O.slice_scatter(O.zeros_like(x), g, **a),),
-      doc=f"Python slicing start:end:step along the given axes; end {END} means to the end.")
+defop(
+    "slice",
+    Kind.MOVEMENT,
+    attrs=_SLICE_ATTRS,
+    infer_meta=_slice_meta,
+    kernel=_slice_kernel,
+    vjp=lambda g, out, x, **a: (O.slice_scatter(O.zeros_like(x), g, **a),),
+    doc=f"Python slicing start:end:step along the given axes; end {END} means to the end.",
+)
 
 
 def _slice_scatter_meta(base, src, axes, starts, ends, steps=None):
@@ -179,10 +220,16 @@ def _slice_scatter_kernel(xp, base, src, axes, starts, ends, steps=None):
     return out
 
 
-defop("slice_scatter", Kind.MOVEMENT, inputs=("x", "src"), attrs=_SLICE_ATTRS, infer_meta=_slice_scatter_meta,
-      kernel=_slice_scatter_kernel,
-      vjp=lambda g, out, base, src, **a: (O.slice_scatter(g, O.zeros_like(src), **a), O.slice(g, **a)),
-      doc="x with the slice replaced by src (the functional form of x[slice] = src).")
+defop(
+    "slice_scatter",
+    Kind.MOVEMENT,
+    inputs=("x", "src"),
+    attrs=_SLICE_ATTRS,
+    infer_meta=_slice_scatter_meta,
+    kernel=_slice_scatter_kernel,
+    vjp=lambda g, out, base, src, **a: (O.slice_scatter(g, O.zeros_like(src), **a), O.slice(g, **a)),
+    doc="x with the slice replaced by src (the functional form of x[slice] = src).",
+)
 
 
 # ---- concat / stack / split --------------------------------------------------------------------
@@ -194,8 +241,10 @@ def _concat_meta(*xs, axis=0):
     ax = norm_axis("concat", axis, xs[0].ndim)
     total = 0
     for x in xs:
-        if x.ndim != xs[0].ndim or x.dtype != xs[0].dtype or any(
-            i != ax and a != b for i, (a, b) in enumerate(zip(x.shape, xs[0].shape))
+        if (
+            x.ndim != xs[0].ndim
+            or x.dtype != xs[0].dtype
+            or any(i != ax and a != b for i, (a, b) in enumerate(zip(x.shape, xs[0].shape)))
         ):
             raise OpError(f"concat: tensors must match except along axis {axis}", *xs)
         total = sym.add(total, x.shape[ax])
@@ -211,9 +260,16 @@ def _concat_vjp(g, out, *xs, axis=0):
     return O.split(g, tuple(x.shape[ax] for x in xs), axis=ax)
 
 
-defop("concat", Kind.MOVEMENT, inputs=("*xs",), attrs=[attr("axis", A.INT, 0)], infer_meta=_concat_meta,
-      kernel=lambda xp, *xs, axis=0: xp.concatenate(xs, axis=axis), vjp=_concat_vjp,
-      doc="Join tensors along an existing axis.")
+defop(
+    "concat",
+    Kind.MOVEMENT,
+    inputs=("*xs",),
+    attrs=[attr("axis", A.INT, 0)],
+    infer_meta=_concat_meta,
+    kernel=lambda xp, *xs, axis=0: xp.concatenate(xs, axis=axis),
+    vjp=_concat_vjp,
+    doc="Join tensors along an existing axis.",
+)
 
 
 def _stack_meta(*xs, axis=0):
@@ -233,9 +289,16 @@ def _stack_vjp(g, out, *xs, axis=0):
     return tuple(O.reshape(p, x.shape) for p, x in zip(parts, xs))
 
 
-defop("stack", Kind.MOVEMENT, inputs=("*xs",), attrs=[attr("axis", A.INT, 0)], infer_meta=_stack_meta,
-      kernel=lambda xp, *xs, axis=0: xp.stack(xs, axis=axis), vjp=_stack_vjp,
-      doc="Join same-shaped tensors along a new axis.")
+defop(
+    "stack",
+    Kind.MOVEMENT,
+    inputs=("*xs",),
+    attrs=[attr("axis", A.INT, 0)],
+    infer_meta=_stack_meta,
+    kernel=lambda xp, *xs, axis=0: xp.stack(xs, axis=axis),
+    vjp=_stack_vjp,
+    doc="Join same-shaped tensors along a new axis.",
+)
 
 
 def _num_or_sections(v):
@@ -259,7 +322,9 @@ def _split_sizes(x, sections, axis):
         try:
             part = sym.div(d, sections)
         except sym.DimError:
-            raise OpError(f"split: axis {axis} of {describe(x)} does not split into {sections} equal parts") from None
+            raise OpError(
+                f"split: axis {axis} of {describe(x)} does not split into {sections} equal parts"
+            ) from None
         return ax, (part,) * sections
     if sym.canonical(sum_dims(sections)) != sym.canonical(d):
         raise OpError(f"split: sizes {list(sections)} do not add up to axis {axis} of {describe(x)}")
@@ -287,9 +352,16 @@ def _split_vjp(gs, outs, x, sections, axis=0):
     return (O.concat([g if g is not None else O.zeros_like(o) for g, o in zip(gs, outs)], axis=axis),)
 
 
-defop("split", Kind.MOVEMENT, attrs=[attr("sections", NUM_OR_SECTIONS), attr("axis", A.INT, 0)],
-      infer_meta=_split_meta, kernel=_split_kernel, vjp=_split_vjp, multi_output=True,
-      doc="Split along axis into a number of equal parts or into parts of the given sizes.")
+defop(
+    "split",
+    Kind.MOVEMENT,
+    attrs=[attr("sections", NUM_OR_SECTIONS), attr("axis", A.INT, 0)],
+    infer_meta=_split_meta,
+    kernel=_split_kernel,
+    vjp=_split_vjp,
+    multi_output=True,
+    doc="Split along axis into a number of equal parts or into parts of the given sizes.",
+)
 
 
 # ---- gather / scatter --------------------------------------------------------------------------
@@ -303,10 +375,17 @@ def _index_select_meta(x, index, axis=0):
     return Meta(x.shape[:ax] + (index.shape[0],) + x.shape[ax + 1 :], x.dtype)
 
 
-defop("index_select", Kind.MOVEMENT, inputs=("x", "index"), attrs=[attr("axis", A.INT, 0)],
-      infer_meta=_index_select_meta, kernel=lambda xp, x, index, axis=0: xp.take(x, index, axis=axis),
-      nondiff={1}, vjp=lambda g, out, x, index, axis: (O.index_add(O.zeros_like(x), index, g, axis=axis), None),
-      doc="out = x.take(index, axis): whole slices picked by a 1-D index.")
+defop(
+    "index_select",
+    Kind.MOVEMENT,
+    inputs=("x", "index"),
+    attrs=[attr("axis", A.INT, 0)],
+    infer_meta=_index_select_meta,
+    kernel=lambda xp, x, index, axis=0: xp.take(x, index, axis=axis),
+    nondiff={1},
+    vjp=lambda g, out, x, index, axis: (O.index_add(O.zeros_like(x), index, g, axis=axis), None),
+    doc="out = x.take(index, axis): whole slices picked by a 1-D index.",
+)
 
 
 def _add_at(xp, out, idx, src):
@@ -333,10 +412,17 @@ def _index_add_kernel(xp, x, index, src, axis=0):
     return _add_at(xp, x.copy(), (slice(None),) * ax + (index,), src)
 
 
-defop("index_add", Kind.MOVEMENT, inputs=("x", "index", "src"), attrs=[attr("axis", A.INT, 0)],
-      infer_meta=_index_add_meta, kernel=_index_add_kernel, nondiff={1},
-      vjp=lambda g, out, x, index, src, axis: (g, None, O.index_select(g, index, axis=axis)),
-      doc="x with src's slices added at index along axis (repeated indices accumulate).")
+defop(
+    "index_add",
+    Kind.MOVEMENT,
+    inputs=("x", "index", "src"),
+    attrs=[attr("axis", A.INT, 0)],
+    infer_meta=_index_add_meta,
+    kernel=_index_add_kernel,
+    nondiff={1},
+    vjp=lambda g, out, x, index, src, axis: (g, None, O.index_select(g, index, axis=axis)),
+    doc="x with src's slices added at index along axis (repeated indices accumulate).",
+)
 
 
 def _gather_meta(x, index, axis=0):
@@ -347,10 +433,17 @@ def _gather_meta(x, index, axis=0):
     return Meta(index.shape, x.dtype)
 
 
-defop("gather", Kind.MOVEMENT, inputs=("x", "index"), attrs=[attr("axis", A.INT, 0)], infer_meta=_gather_meta,
-      kernel=lambda xp, x, index, axis=0: xp.take_along_axis(x, index, axis=axis), nondiff={1},
-      vjp=lambda g, out, x, index, axis: (O.scatter_add(O.zeros_like(x), index, g, axis=axis), None),
-      doc="out[..., i, ...] = x[..., index[..., i, ...], ...] along axis (numpy take_along_axis).")
+defop(
+    "gather",
+    Kind.MOVEMENT,
+    inputs=("x", "index"),
+    attrs=[attr("axis", A.INT, 0)],
+    infer_meta=_gather_meta,
+    kernel=lambda xp, x, index, axis=0: xp.take_along_axis(x, index, axis=axis),
+    nondiff={1},
+    vjp=lambda g, out, x, index, axis: (O.scatter_add(O.zeros_like(x), index, g, axis=axis), None),
+    doc="out[..., i, ...] = x[..., index[..., i, ...], ...] along axis (numpy take_along_axis).",
+)
 
 
 def _scatter_add_meta(x, index, src, axis=0):
@@ -367,10 +460,17 @@ def _scatter_add_kernel(xp, x, index, src, axis=0):
     return _add_at(xp, x.copy(), tuple(idx), src)
 
 
-defop("scatter_add", Kind.MOVEMENT, inputs=("x", "index", "src"), attrs=[attr("axis", A.INT, 0)],
-      infer_meta=_scatter_add_meta, kernel=_scatter_add_kernel, nondiff={1},
-      vjp=lambda g, out, x, index, src, axis: (g, None, O.gather(g, index, axis=axis)),
-      doc="x plus src added at positions index along axis (the adjoint of gather).")
+defop(
+    "scatter_add",
+    Kind.MOVEMENT,
+    inputs=("x", "index", "src"),
+    attrs=[attr("axis", A.INT, 0)],
+    infer_meta=_scatter_add_meta,
+    kernel=_scatter_add_kernel,
+    nondiff={1},
+    vjp=lambda g, out, x, index, src, axis: (g, None, O.gather(g, index, axis=axis)),
+    doc="x plus src added at positions index along axis (the adjoint of gather).",
+)
 
 
 def _embedding_meta(ids, weight):
@@ -382,14 +482,25 @@ def _embedding_meta(ids, weight):
 
 def _embedding_vjp(g, out, ids, weight):
     flat = O.reshape(ids, [-1])
-    return (None, lambda: O.index_add(O.zeros_like(weight), flat, O.reshape(g, [-1, weight.shape[1]]), axis=0))
+    return (
+        None,
+        lambda: O.index_add(O.zeros_like(weight), flat, O.reshape(g, [-1, weight.shape[1]]), axis=0),
+    )
 
 
-defop("embedding", Kind.MOVEMENT, inputs=("ids", "weight"), infer_meta=_embedding_meta,
-      kernel=lambda xp, ids, weight: xp.take(weight, ids, axis=0), nondiff={0}, vjp=_embedding_vjp,
-      decompose=lambda ids, weight: O.reshape(
-          O.index_select(weight, O.reshape(ids, [-1]), axis=0), tuple(ids.shape) + (weight.shape[1],)),
-      doc="Rows of weight picked by integer ids: out[..., :] = weight[ids[...], :].")
+defop(
+    "embedding",
+    Kind.MOVEMENT,
+    inputs=("ids", "weight"),
+    infer_meta=_embedding_meta,
+    kernel=lambda xp, ids, weight: xp.take(weight, ids, axis=0),
+    nondiff={0},
+    vjp=_embedding_vjp,
+    decompose=lambda ids, weight: O.reshape(
+        O.index_select(weight, O.reshape(ids, [-1]), axis=0), tuple(ids.shape) + (weight.shape[1],)
+    ),
+    doc="Rows of weight picked by integer ids: out[..., :] = weight[ids[...], :].",
+)
 
 
 # ---- masks, one-hot, top-k, ranges -------------------------------------------------------------
@@ -404,14 +515,24 @@ def _tri_meta(name):
     return infer
 
 
-defop("tril", Kind.OPAQUE, attrs=[attr("diagonal", A.INT, 0)], infer_meta=_tri_meta("tril"),
-      kernel=lambda xp, x, diagonal=0: xp.tril(x, diagonal),
-      vjp=lambda g, out, x, diagonal: (O.tril(g, diagonal=diagonal),),
-      doc="Keep the lower triangle of the last two dims (j <= i + diagonal), zero the rest.")
-defop("triu", Kind.OPAQUE, attrs=[attr("diagonal", A.INT, 0)], infer_meta=_tri_meta("triu"),
-      kernel=lambda xp, x, diagonal=0: xp.triu(x, diagonal),
-      vjp=lambda g, out, x, diagonal: (O.triu(g, diagonal=diagonal),),
-      doc="Keep the upper triangle of the last two dims (j >= i + diagonal), zero the rest.")
+defop(
+    "tril",
+    Kind.OPAQUE,
+    attrs=[attr("diagonal", A.INT, 0)],
+    infer_meta=_tri_meta("tril"),
+    kernel=lambda xp, x, diagonal=0: xp.tril(x, diagonal),
+    vjp=lambda g, out, x, diagonal: (O.tril(g, diagonal=diagonal),),
+    doc="Keep the lower triangle of the last two dims (j <= i + diagonal), zero the rest.",
+)
+defop(
+    "triu",
+    Kind.OPAQUE,
+    attrs=[attr("diagonal", A.INT, 0)],
+    infer_meta=_tri_meta("triu"),
+    kernel=lambda xp, x, diagonal=0: xp.triu(x, diagonal),
+    vjp=lambda g, out, x, diagonal: (O.triu(g, diagonal=diagonal),),
+    doc="Keep the upper triangle of the last two dims (j >= i + diagonal), zero the rest.",
+)
 
 
 def _one_hot_meta(x, num_classes, dtype="float32"):
@@ -419,10 +540,17 @@ def _one_hot_meta(x, num_classes, dtype="float32"):
     return Meta(tuple(x.shape) + (num_classes,), dtype)
 
 
-defop("one_hot", Kind.OPAQUE, attrs=[attr("num_classes", A.INT, check=lambda v: None if v > 0 else "must be > 0"),
-      attr("dtype", A.DTYPE, "float32")], infer_meta=_one_hot_meta,
-      kernel=lambda xp, x, num_classes, dtype="float32": (x[..., None] == xp.arange(num_classes)).astype(dtype),
-      doc="out[..., c] = 1 where x[...] == c (labels outside [0, num_classes) give all zeros).")
+defop(
+    "one_hot",
+    Kind.OPAQUE,
+    attrs=[
+        attr("num_classes", A.INT, check=lambda v: None if v > 0 else "must be > 0"),
+        attr("dtype", A.DTYPE, "float32"),
+    ],
+    infer_meta=_one_hot_meta,
+    kernel=lambda xp, x, num_classes, dtype="float32": (x[..., None] == xp.arange(num_classes)).astype(dtype),
+    doc="out[..., c] = 1 where x[...] == c (labels outside [0, num_classes) give all zeros).",
+)
 
 
 def _topk_meta(x, k, axis=-1, largest=True):
@@ -441,10 +569,16 @@ def _topk_kernel(xp, x, k, axis=-1, largest=True):
     return xp.take_along_axis(x, idx, axis=axis), idx
 
 
-defop("topk", Kind.OPAQUE, attrs=[attr("k", A.INT), attr("axis", A.INT, -1), attr("largest", A.BOOL, True)],
-      infer_meta=_topk_meta, kernel=_topk_kernel, multi_output=True,
-      vjp=lambda gs, outs, x, k, axis, largest: (O.scatter_add(O.zeros_like(x), outs[1], gs[0], axis=axis),),
-      doc="The k largest (or smallest) values along axis, sorted, and their int64 indices (first wins ties).")
+defop(
+    "topk",
+    Kind.OPAQUE,
+    attrs=[attr("k", A.INT), attr("axis", A.INT, -1), attr("largest", A.BOOL, True)],
+    infer_meta=_topk_meta,
+    kernel=_topk_kernel,
+    multi_output=True,
+    vjp=lambda gs, outs, x, k, axis, largest: (O.scatter_add(O.zeros_like(x), outs[1], gs[0], axis=axis),),
+    doc="The k largest (or smallest) values along axis, sorted, and their int64 indices (first wins ties).",
+)
 
 
 def _arange_meta(start=0, end=None, step=1, dtype="int64"):
@@ -459,7 +593,17 @@ def _arange_meta(start=0, end=None, step=1, dtype="int64"):
     return Meta((n,), dtype)
 
 
-defop("arange", Kind.OPAQUE, inputs=(), attrs=[attr("start", A.DIM, 0), attr("end", optional(A.DIM), None),
-      attr("step", A.INT, 1, check=lambda v: None if v != 0 else "must not be 0"), attr("dtype", A.DTYPE, "int64")],
-      infer_meta=_arange_meta, kernel=lambda xp, start=0, end=None, step=1, dtype="int64": xp.arange(
-          start, end, step, dtype=dtype), doc="start, start+step, ... below end (bounds may be symbolic).")
+defop(
+    "arange",
+    Kind.OPAQUE,
+    inputs=(),
+    attrs=[
+        attr("start", A.DIM, 0),
+        attr("end", optional(A.DIM), None),
+        attr("step", A.INT, 1, check=lambda v: None if v != 0 else "must not be 0"),
+        attr("dtype", A.DTYPE, "int64"),
+    ],
+    infer_meta=_arange_meta,
+    kernel=lambda xp, start=0, end=None, step=1, dtype="int64": xp.arange(start, end, step, dtype=dtype),
+    doc="start, start+step, ... below end (bounds may be symbolic).",
+)

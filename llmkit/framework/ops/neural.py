@@ -10,7 +10,19 @@ import math
 
 from .. import backend as B
 from .. import symbolic as sym
-from .spec import A, Kind, Meta, OpError, attr, broadcast_shapes, defop, describe, norm_axis, optional, same_dtype
+from .spec import (
+    A,
+    Kind,
+    Meta,
+    OpError,
+    attr,
+    broadcast_shapes,
+    defop,
+    describe,
+    norm_axis,
+    optional,
+    same_dtype,
+)
 from .spec import ops as O
 
 
@@ -42,10 +54,16 @@ def _softmax_decompose(x, axis=-1):
     return e / O.sum(e, axis=axis, keepdim=True)
 
 
-defop("softmax", Kind.OPAQUE, attrs=[attr("axis", A.INT, -1)], infer_meta=_same_meta("softmax"),
-      kernel=_softmax_kernel, decompose=_softmax_decompose,
-      vjp=lambda g, out, x, axis: (out * (g - O.sum(g * out, axis=axis, keepdim=True)),),
-      doc="exp(x - max) / sum(exp(x - max)) along axis.")
+defop(
+    "softmax",
+    Kind.OPAQUE,
+    attrs=[attr("axis", A.INT, -1)],
+    infer_meta=_same_meta("softmax"),
+    kernel=_softmax_kernel,
+    decompose=_softmax_decompose,
+    vjp=lambda g, out, x, axis: (out * (g - O.sum(g * out, axis=axis, keepdim=True)),),
+    doc="exp(x - max) / sum(exp(x - max)) along axis.",
+)
 
 
 def _log_softmax_kernel(xp, x, axis=-1):
@@ -58,10 +76,16 @@ def _log_softmax_decompose(x, axis=-1):
     return s - O.log(O.sum(O.exp(s), axis=axis, keepdim=True))
 
 
-defop("log_softmax", Kind.OPAQUE, attrs=[attr("axis", A.INT, -1)], infer_meta=_same_meta("log_softmax"),
-      kernel=_log_softmax_kernel, decompose=_log_softmax_decompose,
-      vjp=lambda g, out, x, axis: (g - O.exp(out) * O.sum(g, axis=axis, keepdim=True),),
-      doc="x - logsumexp(x) along axis.")
+defop(
+    "log_softmax",
+    Kind.OPAQUE,
+    attrs=[attr("axis", A.INT, -1)],
+    infer_meta=_same_meta("log_softmax"),
+    kernel=_log_softmax_kernel,
+    decompose=_log_softmax_decompose,
+    vjp=lambda g, out, x, axis: (g - O.exp(out) * O.sum(g, axis=axis, keepdim=True),),
+    doc="x - logsumexp(x) along axis.",
+)
 
 
 # ---- rms_norm ----------------------------------------------------------------------------------
@@ -93,10 +117,17 @@ def _rms_norm_vjp(g, out, x, weight, eps=1e-6):
     return (lambda: r * (gw - y * O.mean(gw * y, axis=-1, keepdim=True)), lambda: g * y)
 
 
-defop("rms_norm", Kind.OPAQUE, inputs=("x", "weight"),
-      attrs=[attr("eps", A.FLOAT, 1e-6, lambda v: None if v >= 0 else "must be >= 0")],
-      infer_meta=_rms_norm_meta, kernel=_rms_norm_kernel, decompose=_rms_norm_decompose, vjp=_rms_norm_vjp,
-      doc="x / sqrt(mean(x^2, last axis) + eps) * weight.")
+defop(
+    "rms_norm",
+    Kind.OPAQUE,
+    inputs=("x", "weight"),
+    attrs=[attr("eps", A.FLOAT, 1e-6, lambda v: None if v >= 0 else "must be >= 0")],
+    infer_meta=_rms_norm_meta,
+    kernel=_rms_norm_kernel,
+    decompose=_rms_norm_decompose,
+    vjp=_rms_norm_vjp,
+    doc="x / sqrt(mean(x^2, last axis) + eps) * weight.",
+)
 
 
 # ---- cross entropy -----------------------------------------------------------------------------
@@ -121,7 +152,7 @@ def _ce_kernel(xp, logits, labels, ignore_index=-100, label_smoothing=0.0, reduc
     picked = xp.take_along_axis(logits, safe[..., None], axis=-1)
     nll = (lse - picked)[..., 0]
     if label_smoothing:
-        smooth = (lse[..., 0] - xp.mean(logits, axis=-1))
+        smooth = lse[..., 0] - xp.mean(logits, axis=-1)
         nll = (1.0 - label_smoothing) * nll + label_smoothing * smooth
     nll = xp.where(valid, nll, 0).astype(logits.dtype, copy=False)
     if reduction == "none":
@@ -164,14 +195,24 @@ def _ce_decompose(logits, labels, ignore_index=-100, label_smoothing=0.0, reduct
     return O.sum(nll) if reduction == "sum" else O.sum(nll) / O.sum(validf)
 
 
-defop("cross_entropy", Kind.OPAQUE, inputs=("logits", "labels"), nondiff={1},
-      attrs=[attr("ignore_index", A.INT, -100),
-             attr("label_smoothing", A.FLOAT, 0.0, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
-             attr("reduction", A.STR, "mean", lambda v: None if v in _REDUCTIONS else f"use one of {_REDUCTIONS}")],
-      infer_meta=_ce_meta, kernel=_ce_kernel, vjp=_ce_vjp, decompose=_ce_decompose,
-      doc="Softmax cross entropy of logits [..., C] against integer labels [...]; labels equal to "
-          "ignore_index count for nothing and 'mean' divides by the number of the others. "
-          "label_smoothing mixes the target with the uniform distribution.")
+defop(
+    "cross_entropy",
+    Kind.OPAQUE,
+    inputs=("logits", "labels"),
+    nondiff={1},
+    attrs=[
+        attr("ignore_index", A.INT, -100),
+        attr("label_smoothing", A.FLOAT, 0.0, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
+        attr("reduction", A.STR, "mean", lambda v: None if v in _REDUCTIONS else f"use one of {_REDUCTIONS}"),
+    ],
+    infer_meta=_ce_meta,
+    kernel=_ce_kernel,
+    vjp=_ce_vjp,
+    decompose=_ce_decompose,
+    doc="Softmax cross entropy of logits [..., C] against integer labels [...]; labels equal to "
+    "ignore_index count for nothing and 'mean' divides by the number of the others. "
+    "label_smoothing mixes the target with the uniform distribution.",
+)
 
 
 # ---- rotary embedding --------------------------------------------------------------------------
@@ -181,8 +222,10 @@ def _rope_tables(cos, sin, position_ids):
     """cos/sin as they multiply x: gathered by position ids [B, S] -> [B, 1, S, D] when given."""
     if position_ids is None:
         return cos, sin
-    return (O.unsqueeze(O.embedding(position_ids, cos), axis=1),
-            O.unsqueeze(O.embedding(position_ids, sin), axis=1))
+    return (
+        O.unsqueeze(O.embedding(position_ids, cos), axis=1),
+        O.unsqueeze(O.embedding(position_ids, sin), axis=1),
+    )
 
 
 def _rotate_half(x):
@@ -203,9 +246,13 @@ def _rope_meta(x, cos, sin, position_ids=None):
             raise OpError("rotary_embedding: cos/sin must broadcast to x's shape", x, cos, sin)
     else:
         if not B.is_integer(position_ids.dtype) or position_ids.ndim != 2 or x.ndim != 4:
-            raise OpError("rotary_embedding: with position_ids [B, S], x must be [B, H, S, D]", x, position_ids)
+            raise OpError(
+                "rotary_embedding: with position_ids [B, S], x must be [B, H, S, D]", x, position_ids
+            )
         if cos.ndim != 2 or tuple(cos.shape) != tuple(sin.shape) or cos.shape[-1] != d:
-            raise OpError("rotary_embedding: with position_ids, cos/sin must be tables [positions, D]", cos, sin)
+            raise OpError(
+                "rotary_embedding: with position_ids, cos/sin must be tables [positions, D]", cos, sin
+            )
     same_dtype("rotary_embedding", x, cos, sin)
     return Meta(x.shape, x.dtype)
 
@@ -229,10 +276,18 @@ def _rope_vjp(g, out, x, cos, sin, position_ids=None):
     return (g * cos - _rotate_half(g * sin), None, None, None)
 
 
-defop("rotary_embedding", Kind.OPAQUE, inputs=("x", "cos", "sin", "position_ids?"), nondiff={1, 2, 3},
-      infer_meta=_rope_meta, kernel=_rope_kernel, decompose=_rope_decompose, vjp=_rope_vjp,
-      doc="Rotary position embedding, Hugging Face rotate_half convention: x*cos + rotate_half(x)*sin. "
-          "With position_ids [B, S], cos/sin are tables [positions, D] and x is [B, H, S, D].")
+defop(
+    "rotary_embedding",
+    Kind.OPAQUE,
+    inputs=("x", "cos", "sin", "position_ids?"),
+    nondiff={1, 2, 3},
+    infer_meta=_rope_meta,
+    kernel=_rope_kernel,
+    decompose=_rope_decompose,
+    vjp=_rope_vjp,
+    doc="Rotary position embedding, Hugging Face rotate_half convention: x*cos + rotate_half(x)*sin. "
+    "With position_ids [B, S], cos/sin are tables [positions, D] and x is [B, H, S, D].",
+)
 
 
 # ---- scaled dot-product attention --------------------------------------------------------------
@@ -254,7 +309,9 @@ def _sdpa_meta(q, k, v, attn_mask=None, is_causal=False, scale=None):
         if attn_mask.dtype != B.DTYPES["bool"] and attn_mask.dtype != q.dtype:
             raise OpError("scaled_dot_product_attention: attn_mask must be bool or q's dtype", q, attn_mask)
         if tuple(broadcast_shapes("scaled_dot_product_attention", scores, attn_mask)) != scores.shape:
-            raise OpError("scaled_dot_product_attention: attn_mask must broadcast to [B, Hq, S, T]", q, k, attn_mask)
+            raise OpError(
+                "scaled_dot_product_attention: attn_mask must broadcast to [B, Hq, S, T]", q, k, attn_mask
+            )
     return Meta(out_shape, q.dtype)
 
 
@@ -265,31 +322,31 @@ def _sdpa_scale(q, scale):
 def _sdpa_kernel(xp, q, k, v, attn_mask=None, is_causal=False, scale=None):
     b, hq, s, d = q.shape
     hk, t = k.shape[1], k.shape[2]
-    grp = hq // hk
-    qg = q.reshape(b, hk, grp, s, d)
-    scores = xp.matmul(qg, xp.swapaxes(k, -1, -2)[:, :, None]).reshape(b, hq, s, t)
+    # Query heads sharing a kv head are stacked as rows: one GEMM per (batch, kv head).
+    scores = xp.matmul(q.reshape(b, hk, hq // hk * s, d), xp.swapaxes(k, -1, -2)).reshape(b, hq, s, t)
     scores *= _sdpa_scale(q, scale)
     if attn_mask is not None:
         scores = xp.where(attn_mask, scores, -xp.inf) if attn_mask.dtype == bool else scores + attn_mask
     if is_causal:  # aligned to the bottom right: query i sees keys j <= i + (t - s)
         scores = xp.where(xp.tri(s, t, t - s, dtype=bool), scores, -xp.inf)
     p = _softmax_kernel(xp, scores, -1).astype(q.dtype, copy=False)
-    return xp.matmul(p.reshape(b, hk, grp, s, t), v[:, :, None]).reshape(b, hq, s, v.shape[-1])
+    return xp.matmul(p.reshape(b, hk, hq // hk * s, t), v).reshape(b, hq, s, v.shape[-1])
 
 
-def _group(t, hk, grp):
-    """[B, Hq, S, X] -> [B, Hkv, G, S, X]: query heads grouped by the kv head they share."""
-    return O.reshape(t, [t.shape[0], hk, grp, t.shape[2], t.shape[3]])
+def _group(t, hk):
+    """[B, Hq, S, X] -> [B, Hkv, G*S, X]: the query heads of a kv head stacked as rows (a free reshape)."""
+    return O.reshape(t, [t.shape[0], hk, sym.mul(t.shape[1] // hk, t.shape[2]), t.shape[3]])
 
 
 def _sdpa_probs(q, k, attn_mask, is_causal, scale):
-    hk = k.shape[1]
-    grp = q.shape[1] // hk
-    scores = O.matmul(_group(q, hk, grp), O.unsqueeze(k, axis=2), transpose_y=True) * _sdpa_scale(q, scale)
+    """softmax(q k^T * scale + mask) as [B, Hq, S, T]."""
+    scores = O.matmul(_group(q, k.shape[1]), k, transpose_y=True) * _sdpa_scale(q, scale)
     scores = O.reshape(scores, [q.shape[0], q.shape[1], q.shape[2], k.shape[2]])
     if attn_mask is not None:
         neg = O.full([], float("-inf"), dtype=q.dtype)
-        scores = O.where(attn_mask, scores, neg) if attn_mask.dtype == B.DTYPES["bool"] else scores + attn_mask
+        scores = (
+            O.where(attn_mask, scores, neg) if attn_mask.dtype == B.DTYPES["bool"] else scores + attn_mask
+        )
     if is_causal:
         s, t = q.shape[2], k.shape[2]
         rows = O.unsqueeze(O.arange(sym.sub(t, s), t), axis=1)  # i + (t - s)
@@ -299,41 +356,39 @@ def _sdpa_probs(q, k, attn_mask, is_causal, scale):
 
 
 def _sdpa_decompose(q, k, v, attn_mask=None, is_causal=False, scale=None):
-    hk = k.shape[1]
-    grp = q.shape[1] // hk
-    p = _group(_sdpa_probs(q, k, attn_mask, is_causal, scale), hk, grp)
-    out = O.matmul(p, O.unsqueeze(v, axis=2))
-    return O.reshape(out, [q.shape[0], q.shape[1], q.shape[2], v.shape[3]])
+    p = _group(_sdpa_probs(q, k, attn_mask, is_causal, scale), k.shape[1])
+    return O.reshape(O.matmul(p, v), [q.shape[0], q.shape[1], q.shape[2], v.shape[3]])
 
 
 def _sdpa_vjp(g, out, q, k, v, attn_mask=None, is_causal=False, scale=None):
     # Recompute the probabilities (as flash attention does) rather than keeping them alive.
     hk = k.shape[1]
-    grp = q.shape[1] // hk
-    sc = _sdpa_scale(q, scale)
-    p = _group(_sdpa_probs(q, k, attn_mask, is_causal, scale), hk, grp)  # [B, Hkv, G, S, T]
-    gg = _group(g, hk, grp)  # [B, Hkv, G, S, Dv]
-    dp = O.matmul(gg, O.unsqueeze(v, axis=2), transpose_y=True)  # [B, Hkv, G, S, T]
-    ds = p * (dp - O.sum(dp * p, axis=-1, keepdim=True)) * sc
-
-    def dq():
-        return O.reshape(O.matmul(ds, O.unsqueeze(k, axis=2)), q.shape)
-
-    def dk():
-        return O.sum(O.matmul(ds, _group(q, hk, grp), transpose_x=True), axis=2)
-
-    def dv():
-        return O.sum(O.matmul(p, gg, transpose_x=True), axis=2)
-
-    return dq, dk, dv, None
+    p = _group(_sdpa_probs(q, k, attn_mask, is_causal, scale), hk)  # (B, Hkv, G*S, T)
+    gg = _group(g, hk)  # (B, Hkv, G*S, Dv)
+    dp = O.matmul(gg, v, transpose_y=True)  # (B, Hkv, G*S, T)
+    ds = p * (dp - O.sum(dp * p, axis=-1, keepdim=True)) * _sdpa_scale(q, scale)
+    return (
+        lambda: O.reshape(O.matmul(ds, k), q.shape),  # rows of a group sum into their kv head:
+        lambda: O.matmul(ds, _group(q, hk), transpose_x=True),  # (B, Hkv, T, D)
+        lambda: O.matmul(p, gg, transpose_x=True),  # (B, Hkv, T, Dv)
+        None,
+    )
 
 
-defop("scaled_dot_product_attention", Kind.OPAQUE, inputs=("q", "k", "v", "attn_mask?"), nondiff={3},
-      attrs=[attr("is_causal", A.BOOL, False), attr("scale", optional(A.FLOAT), None)],
-      infer_meta=_sdpa_meta, kernel=_sdpa_kernel, decompose=_sdpa_decompose, vjp=_sdpa_vjp,
-      doc="softmax(q k^T * scale + mask) v on [batch, heads, seq, head_dim], with grouped-query attention "
-          "(q heads a multiple of k/v heads). attn_mask is additive (q's dtype) or bool (True = attend); "
-          "is_causal aligns the causal mask to the bottom right, so a query block after a cache works.")
+defop(
+    "scaled_dot_product_attention",
+    Kind.OPAQUE,
+    inputs=("q", "k", "v", "attn_mask?"),
+    nondiff={3},
+    attrs=[attr("is_causal", A.BOOL, False), attr("scale", optional(A.FLOAT), None)],
+    infer_meta=_sdpa_meta,
+    kernel=_sdpa_kernel,
+    decompose=_sdpa_decompose,
+    vjp=_sdpa_vjp,
+    doc="softmax(q k^T * scale + mask) v on [batch, heads, seq, head_dim], with grouped-query attention "
+    "(q heads a multiple of k/v heads). attn_mask is additive (q's dtype) or bool (True = attend); "
+    "is_causal aligns the causal mask to the bottom right, so a query block after a cache works.",
+)
 
 
 # ---- dropout -----------------------------------------------------------------------------------
@@ -351,8 +406,16 @@ def _dropout_meta(x, p=0.5, seed=0):
     return Meta(x.shape, x.dtype)
 
 
-defop("dropout", Kind.OPAQUE, attrs=[attr("p", A.FLOAT, 0.5, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
-      attr("seed", A.INT, 0)], infer_meta=_dropout_meta, kernel=_dropout_kernel,
-      vjp=lambda g, out, x, p, seed: (O.dropout(g, p=p, seed=seed),),  # the same mask: linear in x
-      doc="Zero each element with probability p and scale the rest by 1/(1-p); the mask is a "
-          "function of (seed, shape), so the gradient reuses it exactly.")
+defop(
+    "dropout",
+    Kind.OPAQUE,
+    attrs=[
+        attr("p", A.FLOAT, 0.5, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
+        attr("seed", A.INT, 0),
+    ],
+    infer_meta=_dropout_meta,
+    kernel=_dropout_kernel,
+    vjp=lambda g, out, x, p, seed: (O.dropout(g, p=p, seed=seed),),  # the same mask: linear in x
+    doc="Zero each element with probability p and scale the rest by 1/(1-p); the mask is a "
+    "function of (seed, shape), so the gradient reuses it exactly.",
+)

@@ -50,10 +50,18 @@ def _mean_kernel(xp, x, axis=None, keepdim=False):
 
 reduction("sum", _sum_kernel, _sum_vjp, reducer="sum")
 reduction("mean", _mean_kernel, _mean_vjp, floating=True, reducer="mean")
-reduction("max", lambda xp, x, axis=None, keepdim=False: xp.max(x, axis=axis, keepdims=keepdim),
-          _extreme_vjp, reducer="max")
-reduction("min", lambda xp, x, axis=None, keepdim=False: xp.min(x, axis=axis, keepdims=keepdim),
-          _extreme_vjp, reducer="min")
+reduction(
+    "max",
+    lambda xp, x, axis=None, keepdim=False: xp.max(x, axis=axis, keepdims=keepdim),
+    _extreme_vjp,
+    reducer="max",
+)
+reduction(
+    "min",
+    lambda xp, x, axis=None, keepdim=False: xp.min(x, axis=axis, keepdims=keepdim),
+    _extreme_vjp,
+    reducer="min",
+)
 
 
 def _logsumexp_kernel(xp, x, axis=None, keepdim=False):
@@ -70,9 +78,15 @@ def _logsumexp_decompose(x, axis=None, keepdim=False):
     return out if keepdim else O.reshape(out, reduce_shape("logsumexp", x.shape, axis, False))
 
 
-reduction("logsumexp", _logsumexp_kernel, floating=True, decompose=_logsumexp_decompose,
-          vjp=lambda g, out, x, axis, keepdim: (
-              _keep(g, x, axis, keepdim) * O.exp(x - _keep(out, x, axis, keepdim)),))
+reduction(
+    "logsumexp",
+    _logsumexp_kernel,
+    floating=True,
+    decompose=_logsumexp_decompose,
+    vjp=lambda g, out, x, axis, keepdim: (
+        _keep(g, x, axis, keepdim) * O.exp(x - _keep(out, x, axis, keepdim)),
+    ),
+)
 
 
 def _argmax_meta(x, axis=None, keepdim=False):
@@ -85,9 +99,14 @@ def _argmax_kernel(xp, x, axis=None, keepdim=False):
     return xp.argmax(x, axis=axis, keepdims=keepdim).astype("int64", copy=False)
 
 
-defop("argmax", Kind.REDUCE, attrs=[attr("axis", optional(A.INT), None), attr("keepdim", A.BOOL, False)],
-      kernel=_argmax_kernel, infer_meta=_argmax_meta,
-      doc="Index of the first maximum along axis (of the flattened tensor when axis is None).")
+defop(
+    "argmax",
+    Kind.REDUCE,
+    attrs=[attr("axis", optional(A.INT), None), attr("keepdim", A.BOOL, False)],
+    kernel=_argmax_kernel,
+    infer_meta=_argmax_meta,
+    doc="Index of the first maximum along axis (of the flattened tensor when axis is None).",
+)
 
 
 def _numel_meta(x, axis=None):
@@ -100,8 +119,14 @@ def _numel_kernel(xp, x, axis=None):
     return xp.asarray(prod(x.shape[a] for a in axes), dtype=x.dtype)
 
 
-defop("numel", Kind.OPAQUE, attrs=[attr("axis", A.AXES, None)], kernel=_numel_kernel, infer_meta=_numel_meta,
-      doc="Number of elements in the given axes as a 0-d tensor of x's dtype (sizes may be symbolic).")
+defop(
+    "numel",
+    Kind.OPAQUE,
+    attrs=[attr("axis", A.AXES, None)],
+    kernel=_numel_kernel,
+    infer_meta=_numel_meta,
+    doc="Number of elements in the given axes as a 0-d tensor of x's dtype (sizes may be symbolic).",
+)
 
 
 def _cumsum_meta(x, axis, reverse=False):
@@ -117,7 +142,12 @@ def _cumsum_kernel(xp, x, axis, reverse=False):
     return xp.cumsum(x, axis=axis, dtype=x.dtype)
 
 
-defop("cumsum", Kind.OPAQUE, attrs=[attr("axis", A.INT, -1), attr("reverse", A.BOOL, False)],
-      kernel=_cumsum_kernel, infer_meta=_cumsum_meta,
-      vjp=lambda g, out, x, axis, reverse: (O.cumsum(g, axis=axis, reverse=not reverse),),
-      doc="Inclusive running sum along axis (from the end when reverse).")
+defop(
+    "cumsum",
+    Kind.OPAQUE,
+    attrs=[attr("axis", A.INT, -1), attr("reverse", A.BOOL, False)],
+    kernel=_cumsum_kernel,
+    infer_meta=_cumsum_meta,
+    vjp=lambda g, out, x, axis, reverse: (O.cumsum(g, axis=axis, reverse=not reverse),),
+    doc="Inclusive running sum along axis (from the end when reverse).",
+)

@@ -279,8 +279,14 @@ class OpSpec:
 
     def check_arity(self, n: int) -> None:
         if n < self.min_inputs or (self.max_inputs is not None and n > self.max_inputs):
-            want = f"{self.min_inputs}" if self.max_inputs == self.min_inputs else (
-                f"{self.min_inputs} or more" if self.max_inputs is None else f"{self.min_inputs}-{self.max_inputs}"
+            want = (
+                f"{self.min_inputs}"
+                if self.max_inputs == self.min_inputs
+                else (
+                    f"{self.min_inputs} or more"
+                    if self.max_inputs is None
+                    else f"{self.min_inputs}-{self.max_inputs}"
+                )
             )
             raise OpError(f"{self.name}: expects {want} tensor inputs ({', '.join(self.inputs)}), got {n}")
 
@@ -413,7 +419,9 @@ def elementwise_meta(name: str, *metas: Any, floating: bool = False, out_dtype: 
             same_shape = False
     if floating and dt not in B.FLOAT_DTYPES:
         raise OpError(f"{name}: expects floating tensors, got {describe(first)}")
-    return Meta(shape if same_shape else broadcast_shapes(name, *metas), dt if out_dtype is None else out_dtype)
+    return Meta(
+        shape if same_shape else broadcast_shapes(name, *metas), dt if out_dtype is None else out_dtype
+    )
 
 
 def reduce_shape(name: str, shape: tuple, axis: tuple | None, keepdim: bool) -> tuple:

@@ -16,12 +16,13 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from llmkit.fsutil import atomic_write
 
 SUPPORTED_ACTIVATIONS = ("silu",)
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -34,27 +35,6 @@ ROPE_SCALING_FIELDS: dict[str, tuple[str, ...]] = {
 
 # Keys this class writes itself or folds into its fields; never kept in `extra`.
 _HF_CONSUMED_KEYS = ("architectures", "model_type", "rope_parameters", "dtype")
-
-
-def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
-    """Write `data` to `path` so that readers see the old file or the whole new one, never a part.
-
-    The bytes go to a temporary file in the same directory (same filesystem), are flushed to disk,
-    then `os.replace` swaps it in. Parent directories are created.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = data.encode("utf-8") if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import sentencepiece as spm
 
-from llmkit.models.llama.config import atomic_write
+from llmkit.fsutil import atomic_write
 
 MODEL_FILE = "tokenizer.model"
 

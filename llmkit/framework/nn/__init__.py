@@ -1,0 +1,30 @@
+"""Layers: ``Layer`` (alias ``Module``), the basic layers, containers, ``init`` and ``functional``."""
+
+from __future__ import annotations
+
+from . import functional, init
+from .container import LayerDict, LayerList, ModuleDict, ModuleList, Sequential
+from .layer import HookHandle, IncompatibleKeys, Layer, Module, StateDictError
+from .layers import GELU, Dropout, Embedding, Linear, ReLU, RMSNorm, SiLU
+
+__all__ = [
+    "GELU",
+    "Dropout",
+    "Embedding",
+    "HookHandle",
+    "IncompatibleKeys",
+    "Layer",
+    "LayerDict",
+    "LayerList",
+    "Linear",
+    "Module",
+    "ModuleDict",
+    "ModuleList",
+    "RMSNorm",
+    "ReLU",
+    "Sequential",
+    "SiLU",
+    "StateDictError",
+    "functional",
+    "init",
+]

@@ -1,0 +1,150 @@
+"""The basic layers: Linear, Embedding, RMSNorm, Dropout and the small activations.
+
+Each forward is one op call (plus a mask for Embedding's padding row), so a layer traces to
+exactly the op the docstring names.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .. import backend as B
+from .. import ops
+from ..autograd import is_grad_enabled
+from ..creation import empty
+from ..tensor import Parameter, Tensor
+from . import functional as F
+from . import init
+from .layer import Layer
+
+
+def _new_param(shape: tuple[int, ...], dtype: Any) -> Parameter:
+    return Parameter(empty(*shape, dtype=B.get_default_dtype() if dtype is None else B.dtype(dtype)))
+
+
+class Linear(Layer):
+    """y = x Wᵀ + b: x [..., in_features] -> y [..., out_features].
+
+    ``weight`` is [out_features, in_features] (the Hugging Face / PyTorch layout, so checkpoints
+    load without transposes); ``bias`` is [out_features] or None. Both start as PyTorch's do:
+    U(-1/sqrt(in_features), 1/sqrt(in_features)).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: Any = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _new_param((out_features, in_features), dtype)
+        # kaiming_uniform_ with a=sqrt(5) is PyTorch's default: the bound works out to 1/sqrt(fan_in).
+        init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.bias = _new_param((out_features,), dtype) if bias else None
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
+            init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+class Embedding(Layer):
+    """out[..., :] = weight[ids[...], :]: ids [...] (integers) -> [..., embedding_dim].
+
+    ``weight`` [num_embeddings, embedding_dim] starts as N(0, 1). The row ``padding_idx`` starts at
+    zero and receives no gradient, so it stays whatever it is set to (PyTorch's semantics).
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, dtype: Any = None
+    ) -> None:
+        super().__init__()
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"Embedding: padding_idx {padding_idx} is outside [0, {num_embeddings})")
+            padding_idx %= num_embeddings
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.weight = _new_param((num_embeddings, embedding_dim), dtype)
+        init.normal_(self.weight)
+        if padding_idx is not None:
+            rows = ops.unsqueeze(ops.arange(0, num_embeddings), axis=1)
+            self.weight.set_value(ops.where(rows == padding_idx, 0.0, self.weight.detach()))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        out = ops.embedding(ids, self.weight)
+        if self.padding_idx is not None and self.weight.requires_grad and is_grad_enabled():
+            # Route the padding positions through a detached copy: same values, no gradient. This
+            # costs O(tokens x dim), unlike masking the whole [num_embeddings, dim] table.
+            keep = ops.unsqueeze(ids != self.padding_idx, axis=-1)
+            out = ops.where(keep, out, out.detach())
+        return out
+
+    def extra_repr(self) -> str:
+        pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}"
+
+
+class RMSNorm(Layer):
+    """y = x / sqrt(mean(x², last axis) + eps) * weight: x [..., dim] -> [..., dim].
+
+    ``weight`` [dim] starts at 1. Half-precision inputs are normalized in float32 (as in HF Llama).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: Any = None) -> None:
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = _new_param((dim,), dtype)
+        init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.rms_norm(x, self.weight, eps=self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+class Dropout(Layer):
+    """In training, zero each element with probability p and scale the rest by 1/(1-p); identity in eval."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"Dropout: p must be in [0, 1), got {p}")
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.dropout(x, self.p, training=self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class SiLU(Layer):
+    """x * sigmoid(x)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.silu(x)
+
+
+class GELU(Layer):
+    """x * Φ(x) (``approximate="tanh"``: the tanh approximation)."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.gelu(x, approximate=self.approximate)
+
+    def extra_repr(self) -> str:
+        return "" if self.approximate == "none" else f"approximate={self.approximate!r}"
+
+
+class ReLU(Layer):
+    """max(x, 0)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.relu(x)

@@ -1,0 +1,1 @@
+"""Inference: sampling, and (with the inference-engine issue) prefill/decode programs and paged KV cache."""

@@ -1,0 +1,15 @@
+"""Llama: config, model, Hugging Face checkpoint io and sentencepiece tokenizer."""
+
+from .config import PRESETS, LlamaConfig
+from .model import CausalLMOutput, KVCache, LlamaForCausalLM, LlamaModel
+from .tokenizer import LlamaTokenizer
+
+__all__ = [
+    "PRESETS",
+    "CausalLMOutput",
+    "KVCache",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "LlamaModel",
+    "LlamaTokenizer",
+]

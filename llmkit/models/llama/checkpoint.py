@@ -1,0 +1,142 @@
+"""Hugging Face checkpoint directories: ``config.json`` + ``model.safetensors`` (or shards).
+
+Loading is lazy (memory-mapped safetensors), checks every name and shape against the config
+before copying anything, and never unpickles. Saving writes the same layout transformers reads
+(safetensors metadata ``{"format": "pt"}``, a ``model.safetensors.index.json`` when sharded),
+atomically: the directory appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import llmkit.framework as lf
+from llmkit.framework import backend as B
+from llmkit.fsutil import atomic_dir
+
+from .config import LlamaConfig
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# Keys some checkpoints carry that follow from the config (older transformers saved RoPE buffers).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that does not match what the config says it holds."""
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Parameter name -> file holding it."""
+    index = path / INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / WEIGHTS
+    if not single.exists():
+        raise FileNotFoundError(f"{path}: no {WEIGHTS} or {INDEX} (is this a Hugging Face model directory?)")
+    return {name: single for name in lf.io.safe_open(single)}
+
+
+def load_pretrained(cls: type, path: str | os.PathLike[str], dtype: Any = None) -> Any:
+    """Build ``cls(config)`` from a checkpoint directory; weights cast to ``dtype`` (default float32)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    config = LlamaConfig.from_json_file(path / "config.json")
+    files = _weight_files(path)
+    target = B.dtype(dtype or "float32")
+    model = cls(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = config.tie_word_embeddings
+    names = {n for n in files if not n.endswith(_IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")}
+    opened: dict[Path, dict[str, lf.Tensor]] = {}
+
+    def tensor(name: str) -> lf.Tensor:
+        f = files[name]
+        if f not in opened:
+            opened[f] = lf.load(f, mmap=True)
+        try:
+            return opened[f][name]
+        except KeyError:
+            raise CheckpointError(f"{f}: the index lists {name!r} but the file does not hold it") from None
+
+    missing = sorted(set(expected) - names)
+    unexpected = sorted(names - set(expected))
+    shapes = {n: tuple(tensor(n).shape) for n in sorted(names & set(expected))}
+    wrong = [
+        f"{n}: checkpoint {list(s)} vs config {list(expected[n])}"
+        for n, s in shapes.items()
+        if s != expected[n]
+    ]
+    if missing or unexpected or wrong:
+
+        def some(names: list[str]) -> str:
+            return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)}: {some(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)}: {some(unexpected)}")
+        if wrong:
+            parts.append("shape mismatch: " + "; ".join(wrong[:8]))
+        raise CheckpointError(f"{path}: checkpoint does not match config.json ({'; '.join(parts)})")
+    model.load_state_dict({n: np.asarray(tensor(n).numpy(), dtype=target) for n in names}, strict=True)
+    if target != model.model.norm.weight.dtype:
+        model.to(target)
+    return model
+
+
+def save_pretrained(
+    model: Any, path: str | os.PathLike[str], dtype: Any = None, max_shard_size: int | None = None
+) -> None:
+    """Write config.json and safetensors weights (sharded above ``max_shard_size`` bytes), atomically.
+
+    Files other llmkit writers put in ``path`` earlier (a tokenizer.model) are kept.
+    """
+    path = Path(path)
+    target = B.dtype(dtype) if dtype is not None else None
+    state = {
+        k: (v.numpy() if target is None else v.numpy().astype(target)) for k, v in model.state_dict().items()
+    }
+    cfg = model.config.to_dict()
+    cfg["torch_dtype"] = B.dtype_name(next(iter(state.values())).dtype)
+    with atomic_dir(path) as tmp:
+        if path.is_dir():  # keep companions such as tokenizer.model
+            for f in path.iterdir():
+                if (
+                    f.is_file()
+                    and f.name not in (WEIGHTS, INDEX, "config.json")
+                    and not f.name.startswith("model-")
+                ):
+                    (tmp / f.name).write_bytes(f.read_bytes())
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        total = sum(a.nbytes for a in state.values())
+        if max_shard_size is None or total <= max_shard_size:
+            lf.save(state, tmp / WEIGHTS, metadata={"format": "pt"})
+            return
+        shards: list[dict[str, np.ndarray]] = [{}]
+        size = 0
+        for name, a in state.items():
+            if shards[-1] and size + a.nbytes > max_shard_size:
+                shards.append({})
+                size = 0
+            shards[-1][name] = a
+            size += a.nbytes
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            lf.save(shard, tmp / fname, metadata={"format": "pt"})
+            weight_map.update({n: fname for n in shard})
+        (tmp / INDEX).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )

@@ -1,0 +1,59 @@
+"""Run metrics: the append-only ``metrics.jsonl`` and the machine's matmul peak for MFU."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class MetricsLog:
+    """One JSON object per line. On resume, lines after the resumed step are dropped first, so the
+    file always describes one consistent run."""
+
+    def __init__(self, path: str | os.PathLike[str], truncate_after: int | None = None) -> None:
+        self.path = Path(path)
+        if self.path.exists():
+            rows = read_metrics(self.path)
+            if truncate_after is not None:
+                rows = [r for r in rows if r.get("step", 0) <= truncate_after]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            os.replace(tmp, self.path)
+
+    def write(self, row: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash mid-write
+    return rows
+
+
+@lru_cache(maxsize=1)
+def matmul_peak_flops(n: int = 1024, repeat: int = 5) -> float:
+    """FLOP/s of a float32 n x n matmul on this machine (best of ``repeat``): the MFU denominator."""
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    b = a.T.copy()
+    a @ b  # warm up the BLAS threads
+    best = min(_timed(lambda: a @ b) for _ in range(repeat))
+    return 2 * n**3 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
