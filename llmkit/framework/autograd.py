@@ -245,3 +245,61 @@ def _seed_grad(t: Tensor, g: Tensor | None) -> Tensor:
             "pass grad=..."
         )
     return O.ones_like(t)
+
+
+class _SegmentSpec:
+    """The tape entry of a recomputed segment: its vjp re-runs the segment, then differentiates it."""
+
+    name = "recompute"
+    nondiff: frozenset[int] = frozenset()
+
+    def __init__(self, fn, args: tuple, n_tensors: int, kwargs: dict, multi: bool) -> None:
+        self.fn, self.args, self.n_tensors, self.kwargs, self.multi_output = fn, args, n_tensors, kwargs, multi
+
+    def vjp(self, g, out, *inputs):
+        from .tensor import Tensor
+
+        fresh = iter(x.detach().requires_grad_(x.requires_grad) for x in inputs[: self.n_tensors])
+        tensors: list[Tensor] = []
+        call_args = []
+        for a in self.args:
+            if isinstance(a, Tensor):
+                a = next(fresh)
+                tensors.append(a)
+            call_args.append(a)
+        params = list(inputs[self.n_tensors :])
+        with set_grad_enabled(True):
+            again = self.fn(*call_args, **self.kwargs)
+        outs = list(again) if isinstance(again, (tuple, list)) else [again]
+        gs = list(g) if self.multi_output else [g]
+        keep = [(o, gi) for o, gi in zip(outs, gs) if o.requires_grad]
+        everything = tensors + params
+        wrt = [t for t in everything if t.requires_grad]
+        if not keep or not wrt:
+            return (None,) * len(inputs)
+        got = iter(run_backward([o for o, _ in keep], [gi for _, gi in keep], capture=wrt))
+        return tuple(next(got) if t.requires_grad else None for t in everything)
+
+
+def checkpoint(fn, *args: Any, params: Sequence[Tensor] = (), **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` without keeping its activations; backward recomputes them.
+
+    ``params`` are the tensors ``fn`` reads besides its arguments (a layer's parameters), so their
+    gradients flow too. Under tracing, this makes the backward program recompute the segment's
+    forward ops, and the forward activations die right after their last forward use.
+    The segment must be deterministic (no dropout drawing fresh seeds).
+    """
+    from .tensor import Tensor
+
+    with no_grad():
+        out = fn(*args, **kwargs)
+    tensor_args = [a for a in args if isinstance(a, Tensor)]
+    inputs = (*tensor_args, *params)
+    if not is_grad_enabled() or not any(t.requires_grad for t in inputs):
+        return out
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    spec = _SegmentSpec(fn, args, len(tensor_args), kwargs, multi=isinstance(out, (tuple, list)))
+    node = Node(spec, inputs, {}, tuple(Tensor._wrap(o._data) for o in outs))
+    for i, o in enumerate(outs):
+        o.requires_grad, o._node, o._out_idx = True, node, i
+    return out

@@ -31,13 +31,21 @@ class World:
 
     name = "world"
 
-    def run(self, spec: OpSpec, payloads: list[Any], attrs: dict[str, Any]) -> Any:
-        """Compute (or record) the op; return one payload, or a tuple for multi-output ops."""
+    def run(self, spec: OpSpec, payloads: list[Any], attrs: dict[str, Any], inputs: tuple = ()) -> Any:
+        """Compute (or record) the op; return one payload, or a tuple for multi-output ops.
+
+        ``inputs`` are the caller's arguments (Tensors, scalars) behind ``payloads``, for worlds
+        that need a tensor's identity (the tracer captures outside tensors as program inputs).
+        """
         raise NotImplementedError
 
     def constant(self, value: Any, dtype: np.dtype) -> Any:
         """Lift a Python scalar or an array into this world's payload."""
         raise NotImplementedError
+
+    def concrete_error(self, what: str, tensor: Any) -> Exception:
+        """The error for reading a value (``.numpy()``, ``if t:``) of a tensor of this world."""
+        return TypeError(f"{what} needs a tensor with concrete values, not a {self.name} tensor")
 
 
 class EagerWorld(World):
@@ -45,7 +53,7 @@ class EagerWorld(World):
 
     name = "eager"
 
-    def run(self, spec: OpSpec, arrays: list[Any], attrs: dict[str, Any]) -> Any:
+    def run(self, spec: OpSpec, arrays: list[Any], attrs: dict[str, Any], inputs: tuple = ()) -> Any:
         # infer_meta validates the call: one clear error naming the op and the shapes.
         spec.infer_meta(*arrays, **attrs)
         xp = np
@@ -161,7 +169,7 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
             else:
                 payloads.append(world.constant(x, _scalar_dtype(spec, x, ref)))
 
-    outs = world.run(spec, payloads, attrs)
+    outs = world.run(spec, payloads, attrs, inputs)
 
     if spec.multi_output:
         result: Any = tuple(Tensor._wrap(o) for o in outs)

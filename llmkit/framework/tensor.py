@@ -99,8 +99,9 @@ class Tensor:
     # ---- values ------------------------------------------------------------------------------
     def _concrete(self, what: str) -> Any:
         if not self.is_concrete:
-            hook = getattr(self._data, "concrete_error", None)
-            raise (hook(what) if hook else TypeError(f"{what} needs a concrete tensor, got {self._data!r}"))
+            from .dispatch import world_of
+
+            raise world_of(self._data).concrete_error(what, self)
         return self._data
 
     def numpy(self) -> np.ndarray:

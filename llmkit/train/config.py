@@ -36,7 +36,7 @@ from pydantic import (
     model_validator,
 )
 
-from llmkit.fsutil import atomic_write
+from llmkit.framework.files import atomic_write
 from llmkit.models.llama.config import PRESETS, LlamaConfig
 
 

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 import llmkit.framework as lf
 from llmkit.framework import optim
-from llmkit.fsutil import atomic_dir
+from llmkit.framework.files import atomic_dir
 from llmkit.infer.sampling import SamplingParams
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 from llmkit.models.llama.generate import generate
@@ -91,7 +91,10 @@ class Trainer:
         self.tokens_seen = 0
         self.flops_per_token = self.model_config.flops_per_token(t.seq_len)
         self.peak_flops = matmul_peak_flops()
-        self.step_fn = self._eager_step
+        if t.recompute:
+            for layer in self.model.model.layers:
+                layer.recompute()
+        self.step_fn = self._static_step() if t.mode == "static" else self._eager_step
         if resume:
             self._resume()
         self.out.mkdir(parents=True, exist_ok=True)
@@ -112,6 +115,48 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad()
         return total, float(norm.item())
+
+    def state_names(self) -> dict[int, str]:
+        """Readable names of every tensor a traced step captures (for programs and errors)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        names.update({id(b): n for n, b in self.model.named_buffers()})
+        for p, state in zip(self.optimizer.params, self.optimizer.states):
+            for k, v in state.items():
+                names[id(v)] = f"optim.{names.get(id(p), 'param')}.{k}"
+        for i, lr in enumerate(self.optimizer.lr_tensors):
+            names[id(lr)] = f"optim.lr{i}"
+        names[id(self.optimizer.step_count)] = "optim.step"
+        return names
+
+    def _static_step(self):
+        """The whole step — micro-batches, backward, clipping, update — as one traced program."""
+        from llmkit.framework import jit
+
+        t = self.cfg.train
+        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip is not None else math.inf
+        params = self.model.parameters()
+
+        def step(xs, ys):
+            total = None
+            for a in range(t.grad_accum):  # unrolled: grad_accum is a config constant
+                loss = self.model.loss(xs[a], ys[a]) / t.grad_accum
+                loss.backward()
+                total = loss if total is None else total + loss
+            norm = optim.clip_grad_norm_(params, clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            return total, norm
+
+        spec = jit.InputSpec([t.grad_accum, "B", "S"], "int64")
+        compiled = jit.to_static(step, input_spec=[spec, spec], compiler=t.compiler, names=self.state_names())
+        self.static_step = compiled
+
+        def run(batches: list[tuple[np.ndarray, np.ndarray]]) -> tuple[float, float]:
+            self.optimizer.sync_lr()
+            loss, norm = compiled(np.stack([x for x, _ in batches]), np.stack([y for _, y in batches]))
+            return float(loss.item()), float(norm.item())
+
+        return run
 
     @lf.no_grad()
     def evaluate(self) -> float:

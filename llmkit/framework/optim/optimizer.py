@@ -116,6 +116,16 @@ class Optimizer:
         return self._step
 
     @property
+    def params(self) -> list[Tensor]:
+        """Every optimized parameter, in group order (the order of ``states``)."""
+        return list(self._params)
+
+    @property
+    def states(self) -> list[dict[str, Tensor]]:
+        """Per-parameter state tensors (moments...), aligned with ``params``."""
+        return list(self._state)
+
+    @property
     def lr_tensors(self) -> list[Tensor]:
         """One 0-d float64 lr tensor per group: what ``update`` reads (a traced step's inputs)."""
         return list(self._lr)

@@ -17,7 +17,7 @@ import numpy as np
 
 import llmkit.framework as lf
 from llmkit.framework import backend as B
-from llmkit.fsutil import atomic_dir
+from llmkit.framework.files import atomic_dir
 
 from .config import LlamaConfig
 

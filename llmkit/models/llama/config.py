@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from llmkit.fsutil import atomic_write
+from llmkit.framework.files import atomic_write
 
 SUPPORTED_ACTIVATIONS = ("silu",)
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")

@@ -21,7 +21,7 @@ from typing import Any
 
 import sentencepiece as spm
 
-from llmkit.fsutil import atomic_write
+from llmkit.framework.files import atomic_write
 
 MODEL_FILE = "tokenizer.model"
 

@@ -1,0 +1,205 @@
+"""The executor: runs a PIR function fast, the way every static job runs.
+
+Compiling a function makes a flat plan once: each op's kernel resolved from the op table, operand
+and result slots, attributes already plain (those holding symbolic dims are evaluated per call
+with the sizes bound from the inputs), and the slots to free after each step (liveness), so
+intermediates die at their last use. ``cinn.fusion`` ops run as the compiled kernel the compiler
+attached to them, or op by op from their region. ``LLMKIT_PROFILE=1`` collects time per op type and
+prints the table at exit.
+
+Freed arrays go back to glibc; large ones would be returned to the OS and page-faulted in again at
+the next step (about 8 ms per 32 MiB here), so the executor raises glibc's mmap and trim
+thresholds once (``memory.keep_freed_memory``): freed blocks stay in the heap for the next step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import backend as B
+from . import symbolic as sym
+from .ir import FuncOp, Operation, Program, Value
+from .ir.printer import format_op
+from .memory import keep_freed_memory
+
+
+class ExecutionError(RuntimeError):
+    """A program that cannot run on the given inputs; the message names the op or the input."""
+
+
+# Op name -> function(op) returning a callable(xp, *arrays) -> array | tuple. The compiler
+# registers "cinn.fusion" here; unknown non-llm ops are an error at compile time.
+LOWERINGS: dict[str, Callable[[Operation], Callable[..., Any] | None]] = {}
+
+_PROFILE = os.environ.get("LLMKIT_PROFILE", "") not in ("", "0")
+_profile: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+
+
+def _report() -> None:
+    if not _profile:
+        return
+    total = sum(t for t, _ in _profile.values()) or 1.0
+    print("\nLLMKIT_PROFILE: time per op type (executor)")
+    print(f"{'op':<40}{'calls':>10}{'total ms':>12}{'%':>7}")
+    for name, (t, n) in sorted(_profile.items(), key=lambda kv: -kv[1][0]):
+        print(f"{name:<40}{n:>10}{t * 1e3:>12.2f}{100 * t / total:>7.1f}")
+
+
+if _PROFILE:
+    atexit.register(_report)
+
+
+class _Step:
+    __slots__ = ("attrs", "fn", "free", "ins", "multi", "name", "outs", "sym_attrs")
+
+    def __init__(self, name, fn, ins, outs, attrs, sym_attrs, multi):
+        self.name, self.fn, self.ins, self.outs = name, fn, ins, outs
+        self.attrs, self.sym_attrs, self.multi = attrs, sym_attrs, multi
+        self.free: tuple[int, ...] = ()
+
+
+class Executor:
+    """A compiled plan of one function of a program: ``executor.run(inputs) -> outputs``."""
+
+    def __init__(self, program: Program | FuncOp, func: str | None = None) -> None:
+        keep_freed_memory()
+        f = program.function(func) if isinstance(program, Program) else program
+        self.name = f.name
+        self.arg_types = [a.type for a in f.args]
+        self.arg_names = [a.name for a in f.args]
+        self._slot: dict[Value, int] = {}
+        self.consts: list[tuple[int, np.ndarray]] = []
+        self.steps: list[_Step] = []
+        self.input_slots = [self._new(a) for a in f.args]
+        self.output_slots: list[int] = []
+        self._device_consts: dict[str, list[tuple[int, Any]]] = {}
+        self._plan_block(f.body)
+        self.symbolic = any(isinstance(d, str) for t in self.arg_types for d in t.shape)
+        self._liveness()
+
+    # ---- planning ------------------------------------------------------------------------------
+    def _new(self, v: Value) -> int:
+        i = len(self._slot)
+        self._slot[v] = i
+        return i
+
+    def _plan_block(self, block) -> list[int]:
+        for op in block:
+            name = op.name
+            if name == "builtin.return" or name == "cinn.yield":
+                outs = [self._slot[v] for v in op.operands]
+                if name == "builtin.return":
+                    self.output_slots = outs
+                return outs
+            if name == "builtin.constant":
+                self.consts.append((self._new(op.results[0]), np.asarray(op.attributes["value"].value)))
+                continue
+            lower = LOWERINGS.get(name)
+            fn = lower(op) if lower is not None else None
+            if fn is None and name == "cinn.fusion":
+                # No compiled kernel: run the group's ops here, mapping its results to the yields.
+                inner = self._plan_block(op.regions[0].blocks[0])
+                for r, s in zip(op.results, inner):
+                    self._slot[r] = s
+                continue
+            spec = op.opdef.spec
+            if fn is None:
+                if spec is None:
+                    raise ExecutionError(f"{name}: no kernel for this op\n    {format_op(op)}")
+                fn = spec.kernel
+            ins = tuple(self._slot[v] for v in op.operands)
+            outs = tuple(self._new(r) for r in op.results)
+            sym_attrs = {k: a for k, a in op.attributes.items() if a.symbolic}
+            attrs = {k: a.value for k, a in op.attributes.items() if not a.symbolic}
+            multi = spec.multi_output if spec is not None else len(outs) != 1
+            self.steps.append(_Step(name, fn, ins, outs, attrs, sym_attrs, multi))
+        return []
+
+    def _liveness(self) -> None:
+        """Free each intermediate after the last step that reads it."""
+        keep = set(self.output_slots)
+        last: dict[int, int] = {}
+        for i, st in enumerate(self.steps):
+            for s in st.ins:
+                last[s] = i
+            for s in st.outs:
+                last.setdefault(s, i)  # results nobody reads die right away
+        frees: dict[int, list[int]] = defaultdict(list)
+        for s, i in last.items():
+            if s not in keep:
+                frees[i].append(s)
+        for i, st in enumerate(self.steps):
+            st.free = tuple(frees.get(i, ()))
+        self.num_slots = len(self._slot)
+
+    # ---- running -------------------------------------------------------------------------------
+    def bind(self, inputs: Sequence[Any]) -> dict[str, int]:
+        """Check inputs against the argument types and bind their symbolic dims."""
+        if len(inputs) != len(self.arg_types):
+            raise ExecutionError(f"@{self.name} takes {len(self.arg_types)} inputs, got {len(inputs)}")
+        env: dict[str, int] = {}
+        for t, name, x in zip(self.arg_types, self.arg_names, inputs):
+            shape = t.shape
+            if x.dtype != t.dtype or len(x.shape) != len(shape):
+                raise ExecutionError(
+                    f"@{self.name}: input %{name} must be {t}, got shape {list(x.shape)} {x.dtype}")
+            for d, n in zip(shape, x.shape):
+                if not sym.bind(d, n, env):
+                    raise ExecutionError(
+                        f"@{self.name}: input %{name} must be {t}, got shape {list(x.shape)} "
+                        f"({', '.join(f'{k}={v}' for k, v in sorted(env.items()))})")
+        return env
+
+    def run(self, inputs: Sequence[Any]) -> list[Any]:
+        """Run the plan on arrays (numpy or cupy); return the function's outputs."""
+        env = self.bind(inputs) if self.symbolic or len(inputs) != len(self.arg_types) else {}
+        xp = np
+        for x in inputs:
+            if type(x) is not np.ndarray:
+                xp = B.xp_of(x)
+                break
+        slots: list[Any] = [None] * self.num_slots
+        for s, x in zip(self.input_slots, inputs):
+            slots[s] = x
+        for s, c in self._consts(xp):
+            slots[s] = c
+        profile = _profile if _PROFILE else None
+        for st in self.steps:
+            attrs = st.attrs
+            if st.sym_attrs:
+                attrs = {**attrs, **{k: a.evaluate(env) for k, a in st.sym_attrs.items()}}
+            args = [slots[i] for i in st.ins]
+            if profile is not None:
+                t0 = time.perf_counter()
+            try:
+                out = st.fn(xp, *args, **attrs)
+            except Exception as e:
+                shapes = ", ".join(f"{list(a.shape)} {a.dtype}" for a in args)
+                raise ExecutionError(f"{st.name} failed on ({shapes}): {type(e).__name__}: {e}") from e
+            if profile is not None:
+                rec = profile[st.name]
+                rec[0] += time.perf_counter() - t0
+                rec[1] += 1
+            if st.multi:
+                for s, o in zip(st.outs, out):
+                    slots[s] = o if type(o) is np.ndarray else xp.asarray(o)
+            else:
+                slots[st.outs[0]] = out if type(out) is np.ndarray else xp.asarray(out)
+            for s in st.free:
+                slots[s] = None
+        return [slots[s] for s in self.output_slots]
+
+    def _consts(self, xp) -> list[tuple[int, Any]]:
+        if xp is np:
+            return self.consts
+        key = xp.__name__
+        if key not in self._device_consts:
+            self._device_consts[key] = [(s, xp.asarray(c)) for s, c in self.consts]
+        return self._device_consts[key]
