@@ -1,0 +1,124 @@
+"""PIR: llmkit's intermediate representation (see ``DESIGN.md``, "PIR").
+
+``from llmkit.framework import ir``::
+
+    p = ir.parse(text)                 # -> Program (raises ir.ParseError with line:column)
+    print(p)                           # the text form; parse(str(p)) prints the same text
+    p.verify()                         # raises ir.VerifyError naming the op
+    ir.PassManager(["canonicalize", "cse", "dce"]).run(p)
+    outs = ir.interpret(p, x, w)       # numpy in, numpy out (op-table reference kernels)
+
+Building programs (what the tracer does)::
+
+    p = ir.Program()
+    f = p.add_function("main", [("x", ir.TensorType(["B", 64], "float32"))])
+    b = ir.Builder.at_end(f.body)
+    y = b.llm.exp(f.args[0])           # or b.create("llm.exp", [x], attrs) -> Operation
+    b.ret(y)
+
+Map of the package: ``types`` / ``attributes`` (values of the IR), ``core`` (Value, Operation,
+Block, Region), ``opdef`` (traits, interfaces, dialect registry), ``dialects/`` (builtin, llm,
+cinn, dist), ``builder``, ``program``, ``printer`` / ``lexer`` / ``text_parser`` / ``parser``
+(the text form), ``verifier``, ``rewriter`` (PatternRewriter and the worklist driver), ``drr``
+(declarative rules), ``pass_manager`` and ``passes/`` (dce, cse, fold-constants, canonicalize,
+simplify-shapes, fuse-patterns), ``interpreter``.
+"""
+
+from __future__ import annotations
+
+from . import (
+    drr,
+    passes,
+)
+from .attributes import (
+    ArrayAttr,
+    Attribute,
+    BoolAttr,
+    DenseAttr,
+    DictAttr,
+    DimAttr,
+    DTypeAttr,
+    FloatAttr,
+    IntAttr,
+    NoneAttr,
+    OpaqueAttr,
+    ShapeAttr,
+    StrAttr,
+    to_attr,
+)
+from .builder import Builder
+from .core import Block, BlockArgument, Operation, OpResult, Region, Value, paused_gc
+from .dialects.builtin import ConstantOp, FuncOp, ModuleOp, ParameterOp, ReturnOp
+from .dialects.cinn import FusionOp
+from .dialects.llm import LlmOp, op_class
+from .errors import IRError, ParseError, VerifyError
+from .interpreter import InterpretError, interpret
+from .opdef import Dialect, Interface, OpDef, OpView, Trait, dialects, lookup
+from .parser import parse
+from .pass_manager import Pass, PassManager, make_pass, register_pass, registered_passes
+from .program import Program
+from .rewriter import PatternRewriter, RewritePattern, apply_patterns, pattern
+from .types import ScalarType, TensorType, Type
+from .verifier import verify
+
+__all__ = [
+    "ArrayAttr",
+    "Attribute",
+    "Block",
+    "BlockArgument",
+    "BoolAttr",
+    "Builder",
+    "ConstantOp",
+    "DTypeAttr",
+    "DenseAttr",
+    "Dialect",
+    "DictAttr",
+    "DimAttr",
+    "FloatAttr",
+    "FuncOp",
+    "FusionOp",
+    "IRError",
+    "IntAttr",
+    "Interface",
+    "InterpretError",
+    "LlmOp",
+    "ModuleOp",
+    "NoneAttr",
+    "OpDef",
+    "OpResult",
+    "OpView",
+    "OpaqueAttr",
+    "Operation",
+    "ParameterOp",
+    "ParseError",
+    "Pass",
+    "PassManager",
+    "PatternRewriter",
+    "Program",
+    "Region",
+    "ReturnOp",
+    "RewritePattern",
+    "ScalarType",
+    "ShapeAttr",
+    "StrAttr",
+    "TensorType",
+    "Trait",
+    "Type",
+    "Value",
+    "VerifyError",
+    "apply_patterns",
+    "dialects",
+    "drr",
+    "interpret",
+    "lookup",
+    "make_pass",
+    "op_class",
+    "parse",
+    "passes",
+    "pattern",
+    "paused_gc",
+    "register_pass",
+    "registered_passes",
+    "to_attr",
+    "verify",
+]

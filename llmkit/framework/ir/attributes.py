@@ -1,0 +1,444 @@
+"""PIR attributes: typed, immutable, hashable compile-time values attached to operations.
+
+Each class wraps one kind of plain Python value (the op table's normalized attribute values):
+
+=============  ==========================  =========================================
+class          plain value                 text form
+=============  ==========================  =========================================
+IntAttr        int                         ``3``, ``-1``
+FloatAttr      float (inf/nan allowed)     ``1e-06``, ``0.5``, ``inf``, ``nan``
+BoolAttr       bool                        ``true``, ``false``
+StrAttr        str                         ``"mean"`` (JSON escapes)
+DTypeAttr      numpy dtype                 ``f32``, ``bf16``, ``i64``
+DimAttr        symbolic dim (str)          ``S``, ``B*S``, ``S+1``
+ShapeAttr      tuple of int | symbol       ``[B, S, 64]``, ``[0, 2, 1]``, ``[]``
+ArrayAttr      tuple of anything else      ``[1.5, "a", [1, 2]]``
+DictAttr       dict                        ``{eps = 1e-06, name = "x"}``
+NoneAttr       None                        ``none``
+DenseAttr      numpy array                 ``dense<f32[2] [1.0, 2.0]>`` (large ones by reference)
+OpaqueAttr     itself                      ``#shard<0>`` (placements and later extensions)
+=============  ==========================  =========================================
+
+``to_attr(value)`` builds an attribute from a plain value; ``attr.value`` gives it back. A list of
+ints or dims is always a :class:`ShapeAttr` (``ArrayAttr`` refuses one), so every value has exactly
+one attribute and one text form.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .. import backend as B
+from .. import symbolic as sym
+from .types import check_dim, dtype_short
+
+
+class Attribute:
+    """Base class: immutable; equal when of the same class with equal ``key``."""
+
+    __slots__ = ("_hash",)
+
+    @property
+    def value(self) -> Any:
+        """The plain Python value (what op-table kernels and infer_meta take)."""
+        raise NotImplementedError
+
+    def key(self) -> Any:
+        """A hashable identity of the value; equality and hashing use it."""
+        raise NotImplementedError
+
+    @property
+    def symbolic(self) -> bool:
+        """True when the value holds symbolic dims (so it depends on the bound sizes)."""
+        return False
+
+    def evaluate(self, env: Mapping[str, int]) -> Any:
+        """The plain value with symbolic dims replaced by their sizes in ``env``."""
+        return self.value
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (type(other) is type(self) and self.key() == other.key())
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            h = hash((type(self).__name__, self.key()))
+            object.__setattr__(self, "_hash", h)
+            return h
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __repr__(self) -> str:
+        from .printer import format_attr
+
+        return f"{type(self).__name__}({format_attr(self)})"
+
+    def __str__(self) -> str:
+        from .printer import format_attr
+
+        return format_attr(self)
+
+
+def _init(obj: Attribute, **fields: Any) -> None:
+    for k, v in fields.items():
+        object.__setattr__(obj, k, v)
+
+
+class IntAttr(Attribute):
+    __slots__ = ("_v",)
+
+    def __init__(self, v: int) -> None:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"IntAttr needs an int, got {v!r}")
+        _init(self, _v=int(v))
+
+    @property
+    def value(self) -> int:
+        return self._v
+
+    def key(self) -> Any:
+        return self._v
+
+
+class FloatAttr(Attribute):
+    """A float; equality is bitwise-structural (nan equals nan, 0.0 differs from -0.0)."""
+
+    __slots__ = ("_v",)
+
+    def __init__(self, v: float) -> None:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise TypeError(f"FloatAttr needs a number, got {v!r}")
+        _init(self, _v=float(v))
+
+    @property
+    def value(self) -> float:
+        return self._v
+
+    def key(self) -> Any:
+        return "nan" if math.isnan(self._v) else self._v.hex()
+
+
+class BoolAttr(Attribute):
+    __slots__ = ("_v",)
+
+    def __init__(self, v: bool) -> None:
+        if not isinstance(v, (bool, np.bool_)):
+            raise TypeError(f"BoolAttr needs a bool, got {v!r}")
+        _init(self, _v=bool(v))
+
+    @property
+    def value(self) -> bool:
+        return self._v
+
+    def key(self) -> Any:
+        return self._v
+
+
+class StrAttr(Attribute):
+    __slots__ = ("_v",)
+
+    def __init__(self, v: str) -> None:
+        if not isinstance(v, str):
+            raise TypeError(f"StrAttr needs a str, got {v!r}")
+        _init(self, _v=v)
+
+    @property
+    def value(self) -> str:
+        return self._v
+
+    def key(self) -> Any:
+        return self._v
+
+
+class DTypeAttr(Attribute):
+    __slots__ = ("_v",)
+
+    def __init__(self, v: Any) -> None:
+        _init(self, _v=B.dtype(v))
+
+    @property
+    def value(self) -> np.dtype:
+        return self._v
+
+    def key(self) -> Any:
+        return dtype_short(self._v)
+
+
+class DimAttr(Attribute):
+    """A symbolic dim (``"S"``, ``"B*S"``); constant dims are IntAttr."""
+
+    __slots__ = ("_v",)
+
+    def __init__(self, v: str) -> None:
+        d = check_dim(v)
+        if not isinstance(d, str):
+            raise TypeError(f"DimAttr needs a symbolic dim; {v!r} is the constant {d} (use IntAttr)")
+        _init(self, _v=d)
+
+    @property
+    def value(self) -> str:
+        return self._v
+
+    def key(self) -> Any:
+        return self._v
+
+    @property
+    def symbolic(self) -> bool:
+        return True
+
+    def evaluate(self, env: Mapping[str, int]) -> int:
+        return sym.evaluate(self._v, env)
+
+
+class ShapeAttr(Attribute):
+    """A tuple of dims: ints (negative allowed: ``-1`` in a reshape) or canonical symbols."""
+
+    __slots__ = ("_sym", "_v")
+
+    def __init__(self, dims: Any) -> None:
+        out = []
+        for d in dims:
+            if isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)):
+                out.append(int(d))
+            elif isinstance(d, str):
+                out.append(check_dim(d))
+            else:
+                raise TypeError(f"ShapeAttr needs ints or symbolic dims, got {d!r}")
+        v = tuple(out)
+        _init(self, _v=v, _sym=any(type(d) is str for d in v))
+
+    @property
+    def value(self) -> tuple:
+        return self._v
+
+    def key(self) -> Any:
+        return self._v
+
+    @property
+    def symbolic(self) -> bool:
+        return self._sym
+
+    def evaluate(self, env: Mapping[str, int]) -> tuple:
+        return tuple(sym.evaluate(d, env) for d in self._v) if self._sym else self._v
+
+
+def _is_dim_attr(a: Attribute) -> bool:
+    return type(a) is IntAttr or type(a) is DimAttr
+
+
+class ArrayAttr(Attribute):
+    """A tuple of attributes that is not a list of dims (those are :class:`ShapeAttr`)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Any) -> None:
+        items = tuple(items)
+        for a in items:
+            if not isinstance(a, Attribute):
+                raise TypeError(f"ArrayAttr holds attributes, got {a!r} (use to_attr)")
+        if all(_is_dim_attr(a) for a in items):
+            raise TypeError("a list of ints or dims is a ShapeAttr, not an ArrayAttr")
+        _init(self, _items=items)
+
+    @property
+    def items(self) -> tuple[Attribute, ...]:
+        return self._items
+
+    @property
+    def value(self) -> tuple:
+        return tuple(a.value for a in self._items)
+
+    def key(self) -> Any:
+        return self._items
+
+    @property
+    def symbolic(self) -> bool:
+        return any(a.symbolic for a in self._items)
+
+    def evaluate(self, env: Mapping[str, int]) -> tuple:
+        return tuple(a.evaluate(env) for a in self._items)
+
+
+class DictAttr(Attribute):
+    """A mapping from names to attributes (kept in insertion order; compared as a mapping)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, Any]) -> None:
+        d = {}
+        for k, a in items.items():
+            if not isinstance(k, str):
+                raise TypeError(f"DictAttr keys are strings, got {k!r}")
+            d[k] = a if isinstance(a, Attribute) else to_attr(a)
+        _init(self, _items=d)
+
+    @property
+    def items(self) -> Mapping[str, Attribute]:
+        return dict(self._items)
+
+    @property
+    def value(self) -> dict:
+        return {k: a.value for k, a in self._items.items()}
+
+    def key(self) -> Any:
+        return tuple(sorted(self._items.items()))
+
+    def __getitem__(self, k: str) -> Attribute:
+        return self._items[k]
+
+
+class NoneAttr(Attribute):
+    __slots__ = ()
+    _instance: NoneAttr | None = None
+
+    def __new__(cls) -> NoneAttr:
+        if cls._instance is None:
+            cls._instance = object.__new__(cls)
+        return cls._instance
+
+    @property
+    def value(self) -> None:
+        return None
+
+    def key(self) -> Any:
+        return None
+
+
+class DenseAttr(Attribute):
+    """A constant array (read-only copy). Small ones print inline, large ones by reference."""
+
+    __slots__ = ("_arr", "_key")
+
+    def __init__(self, array: Any) -> None:
+        arr = np.array(array, copy=True)
+        B.dtype(arr.dtype)  # only the framework's dtypes
+        arr.setflags(write=False)
+        _init(self, _arr=arr)
+
+    @property
+    def value(self) -> np.ndarray:
+        return self._arr
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._arr.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._arr.dtype
+
+    def key(self) -> Any:
+        try:
+            return self._key
+        except AttributeError:
+            k = (dtype_short(self._arr.dtype), self._arr.shape, self._arr.tobytes())
+            object.__setattr__(self, "_key", k)
+            return k
+
+    def splat(self) -> Any:
+        """The one value every element holds, or None when elements differ (or there are none)."""
+        a = self._arr
+        if a.size == 0:
+            return None
+        first = a.flat[0]
+        if a.size == 1 or bool(np.all(a == first)):
+            return first.item()
+        return None
+
+
+class OpaqueAttr(Attribute):
+    """``#kind<p0, p1, ...>``: an extension attribute (placements, meshes) with attribute params."""
+
+    __slots__ = ("_kind", "_params")
+
+    def __init__(self, kind: str, params: Any = ()) -> None:
+        if not isinstance(kind, str) or not kind:
+            raise TypeError("OpaqueAttr needs a kind name")
+        params = tuple(p if isinstance(p, Attribute) else to_attr(p) for p in params)
+        _init(self, _kind=kind, _params=params)
+
+    @property
+    def kind(self) -> str:
+        return self._kind
+
+    @property
+    def params(self) -> tuple[Attribute, ...]:
+        return self._params
+
+    @property
+    def value(self) -> OpaqueAttr:
+        return self
+
+    def key(self) -> Any:
+        return (self._kind, self._params)
+
+
+def to_attr(v: Any) -> Attribute:
+    """The attribute of a plain Python value (see the table in the module docstring)."""
+    if isinstance(v, Attribute):
+        return v
+    if v is None:
+        return NoneAttr()
+    if isinstance(v, (bool, np.bool_)):
+        return BoolAttr(v)
+    if isinstance(v, (int, np.integer)):
+        return IntAttr(v)
+    if isinstance(v, (float, np.floating)):
+        return FloatAttr(v)
+    if isinstance(v, str):
+        return StrAttr(v)
+    if isinstance(v, np.dtype):
+        return DTypeAttr(v)
+    if isinstance(v, np.ndarray):
+        return DenseAttr(v)
+    if isinstance(v, Mapping):
+        return DictAttr(v)
+    if isinstance(v, (tuple, list)):
+        if all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) for d in v):
+            return ShapeAttr(v)
+        return ArrayAttr(to_attr(x) for x in v)
+    if isinstance(v, type) and issubclass(v, np.generic):
+        return DTypeAttr(v)
+    raise TypeError(f"no PIR attribute for {v!r} ({type(v).__name__})")
+
+
+def dim_attr(d: Any) -> Attribute:
+    """IntAttr for a constant dim, DimAttr for a symbolic one."""
+    if isinstance(d, str):
+        c = check_dim(d)
+        return IntAttr(c) if isinstance(c, int) else DimAttr(c)
+    return IntAttr(d)
+
+
+# How an op-table attribute type turns a normalized plain value into an attribute. Types not
+# listed fall back to to_attr (so new attribute types work before anyone teaches PIR about them).
+_BY_OPTABLE_TYPE = {
+    "dtype": lambda v: DTypeAttr(v),
+    "dim": dim_attr,
+    "shape": ShapeAttr,
+    "ints": ShapeAttr,
+    "float": FloatAttr,
+    "int": IntAttr,
+    "bool": BoolAttr,
+    "str": StrAttr,
+}
+
+
+def from_optable(type_name: str, v: Any) -> Attribute:
+    """The attribute of an op-table attribute value of type ``type_name`` (``"shape"``, ``"dim?"``...)."""
+    if v is None:
+        return NoneAttr()
+    if type_name == "num_or_sections":
+        return IntAttr(v) if isinstance(v, int) else ShapeAttr(v)
+    conv = _BY_OPTABLE_TYPE.get(type_name.rstrip("?"))
+    if conv is None:
+        if type_name.rstrip("?") == "axes":
+            return ShapeAttr(v)
+        return to_attr(v)
+    return conv(v)

@@ -1,0 +1,180 @@
+"""``builtin``: the module, functions, their return, parameters and constants.
+
+A program is one ``builtin.module`` whose block holds ``builtin.func`` ops. A function's body is a
+single block whose arguments are the function inputs and whose last op is ``builtin.return``.
+``builtin.parameter`` names a weight supplied at run time; ``builtin.constant`` holds a DenseAttr.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..attributes import DenseAttr, StrAttr
+from ..core import Block, BlockArgument, Operation, Value
+from ..opdef import Dialect, OpDef, OpView, Trait, any_attr, is_a
+from ..types import TensorType, Type
+
+T = Trait
+
+
+def _verify_module(op: Operation) -> str | None:
+    seen: set[str] = set()
+    for region in op.regions:
+        for block in region.blocks:
+            for f in block:
+                if f.name != "builtin.func":
+                    return f"a module holds only builtin.func ops, found {f.name}"
+                name = f.attributes.get("sym_name")
+                if isinstance(name, StrAttr):
+                    if name.value in seen:
+                        return f"function @{name.value} is defined twice"
+                    seen.add(name.value)
+    return None
+
+
+def _verify_return(op: Operation) -> str | None:
+    p = op.parent_op
+    if p is None or p.name != "builtin.func":
+        return f"builtin.return must end a builtin.func body, not {p.name if p else 'nothing'}"
+    return None
+
+
+def _verify_func(op: Operation) -> str | None:
+    if len(op.regions[0].blocks) != 1:
+        return "a function body has exactly one block"
+    return None
+
+
+def _constant_infer(operands: Sequence[Value], attrs: Mapping[str, Any]) -> list[Type]:
+    v = attrs["value"]
+    return [TensorType(v.shape, v.dtype)]
+
+
+def _verify_parameter(op: Operation) -> str | None:
+    return None if isinstance(op.results[0].type, TensorType) else "a parameter is a tensor"
+
+
+MODULE = OpDef(
+    "builtin.module",
+    frozenset({T.SYMBOL_TABLE, T.ISOLATED, T.NO_TERMINATOR}),
+    num_results=0,
+    num_regions=1,
+    verify=_verify_module,
+    doc="The program: a block of functions.",
+)
+FUNC = OpDef(
+    "builtin.func",
+    frozenset({T.SYMBOL, T.ISOLATED}),
+    num_results=0,
+    num_regions=1,
+    attrs={"sym_name": is_a(StrAttr)},
+    optional_attrs={"*": any_attr},
+    verify=_verify_func,
+    doc="A function: its body's entry-block arguments are the inputs, builtin.return the outputs.",
+)
+RETURN = OpDef(
+    "builtin.return",
+    frozenset({T.TERMINATOR, T.PURE}),
+    max_operands=None,
+    num_results=0,
+    verify=_verify_return,
+    doc="Ends a function body, returning its operands.",
+)
+PARAMETER = OpDef(
+    "builtin.parameter",
+    frozenset({T.PURE}),
+    attrs={"name": is_a(StrAttr)},
+    verify=_verify_parameter,
+    doc="A named weight, supplied when the program runs.",
+)
+CONSTANT = OpDef(
+    "builtin.constant",
+    frozenset({T.PURE, T.CONSTANT_LIKE}),
+    attrs={"value": is_a(DenseAttr)},
+    infer=_constant_infer,
+    doc="A constant tensor (its value attribute).",
+)
+
+DIALECT = Dialect("builtin", [MODULE, FUNC, RETURN, PARAMETER, CONSTANT], doc=__doc__ or "")
+
+
+# ---- views ------------------------------------------------------------------------------------
+
+
+class FuncOp(OpView):
+    """A function: ``name``, ``args`` (inputs), ``body``, ``outputs`` (the returned values)."""
+
+    __slots__ = ()
+    OP_NAME = "builtin.func"
+
+    @property
+    def name(self) -> str:
+        return self.op.attributes["sym_name"].value
+
+    @property
+    def body(self) -> Block:
+        return self.op.regions[0].blocks[0]
+
+    @property
+    def args(self) -> list[BlockArgument]:
+        return self.body.args
+
+    @property
+    def return_op(self) -> Operation | None:
+        last = self.body.last
+        return last if last is not None and last.name == "builtin.return" else None
+
+    @property
+    def outputs(self) -> tuple[Value, ...]:
+        r = self.return_op
+        return () if r is None else r.operands
+
+    @property
+    def input_types(self) -> list[Type]:
+        return [a.type for a in self.args]
+
+    @property
+    def output_types(self) -> list[Type]:
+        return [v.type for v in self.outputs]
+
+    def walk(self):
+        """Every op in the body (nested ones included), in program order."""
+        for op in self.body:
+            yield from op.walk()
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.walk())
+
+
+class ModuleOp(OpView):
+    __slots__ = ()
+    OP_NAME = "builtin.module"
+
+    @property
+    def body(self) -> Block:
+        return self.op.regions[0].blocks[0]
+
+
+class ConstantOp(OpView):
+    __slots__ = ()
+    OP_NAME = "builtin.constant"
+
+    @property
+    def value(self) -> Any:
+        """The constant's numpy array (read-only)."""
+        return self.op.attributes["value"].value
+
+
+class ParameterOp(OpView):
+    __slots__ = ()
+    OP_NAME = "builtin.parameter"
+
+    @property
+    def param_name(self) -> str:
+        return self.op.attributes["name"].value
+
+
+class ReturnOp(OpView):
+    __slots__ = ()
+    OP_NAME = "builtin.return"

@@ -1,0 +1,83 @@
+"""``cinn``: fusion groups and compiled kernels (shells the compiler issue fills in).
+
+``cinn.fusion`` holds a single-block region of (fusible) ops that may use any value visible at
+the fusion op; it ends with ``cinn.yield``, whose operands become the fusion's results.
+``cinn.kernel`` calls a compiled kernel (by its ``kernel`` name) on its operands; its result types
+are given explicitly.
+"""
+
+from __future__ import annotations
+
+from ..attributes import StrAttr
+from ..core import Block, Operation
+from ..opdef import Dialect, OpDef, OpView, Trait, any_attr, is_a
+
+T = Trait
+
+
+def _verify_fusion(op: Operation) -> str | None:
+    if len(op.regions[0].blocks) != 1:
+        return "a fusion group has exactly one block"
+    body = op.regions[0].blocks[0]
+    if body.args:
+        return "a fusion group's block takes no arguments (its ops use outer values directly)"
+    y = body.last
+    if y is None or y.name != "cinn.yield":
+        return None  # the missing terminator is reported by the generic check
+    got = [v.type for v in y.operands]
+    want = [r.type for r in op.results]
+    if got != want:
+        shown = ", ".join(map(str, got)), ", ".join(map(str, want))
+        return f"cinn.yield gives ({shown[0]}) but the fusion returns ({shown[1]})"
+    return None
+
+
+def _verify_yield(op: Operation) -> str | None:
+    p = op.parent_op
+    if p is None or p.name != "cinn.fusion":
+        return f"cinn.yield must end a cinn.fusion body, not {p.name if p else 'nothing'}"
+    return None
+
+
+FUSION = OpDef(
+    "cinn.fusion",
+    frozenset({T.RECURSIVELY_PURE}),
+    num_results=None,
+    num_regions=1,
+    optional_attrs={"*": any_attr},
+    verify=_verify_fusion,
+    doc="A fusion group: a region of ops compiled into one kernel; results are yielded.",
+)
+YIELD = OpDef(
+    "cinn.yield",
+    frozenset({T.TERMINATOR, T.PURE}),
+    max_operands=None,
+    num_results=0,
+    verify=_verify_yield,
+    doc="Ends a fusion group, giving its results.",
+)
+KERNEL = OpDef(
+    "cinn.kernel",
+    frozenset({T.PURE}),
+    max_operands=None,
+    num_results=None,
+    attrs={"kernel": is_a(StrAttr)},
+    optional_attrs={"*": any_attr},
+    doc="Runs the compiled kernel named by `kernel` on its operands.",
+)
+
+DIALECT = Dialect("cinn", [FUSION, YIELD, KERNEL], doc=__doc__ or "")
+
+
+class FusionOp(OpView):
+    __slots__ = ()
+    OP_NAME = "cinn.fusion"
+
+    @property
+    def body(self) -> Block:
+        return self.op.regions[0].blocks[0]
+
+    @property
+    def yield_op(self) -> Operation | None:
+        last = self.body.last
+        return last if last is not None and last.name == "cinn.yield" else None

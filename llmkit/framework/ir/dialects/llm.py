@@ -1,0 +1,190 @@
+"""``llm``: one op per op-table entry, generated on demand — nobody lists them here.
+
+``llm.<name>`` takes the op's tensor inputs as operands (omitted optional inputs are simply left
+out; a variadic op takes all its operands), stores every attribute (defaults filled in, typed by
+the op-table attribute type) and has the result types its ``infer_meta`` gives. Traits come from
+the op's kind and traits; interfaces are its infer_meta, kernel, vjp and decompose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import cache
+from typing import Any
+
+from ... import ops as _ops  # noqa: F401  (registers every op)
+from ...ops.spec import Kind, OpError, OpSpec, table
+from ..attributes import Attribute, from_optable
+from ..core import Operation, Value
+from ..opdef import Dialect, Interface, OpDef, OpView, Trait, any_attr
+from ..types import TensorType, Type
+
+PREFIX = "llm."
+
+
+def metas_to_types(spec: OpSpec, out: Any) -> list[Type]:
+    """infer_meta's result (a Meta, or a tuple of them for multi-output ops) as PIR types."""
+    if spec.multi_output:
+        return [TensorType(m.shape, m.dtype) for m in out]
+    return [TensorType(out.shape, out.dtype)]
+
+
+def trait_name(t: str) -> str:
+    """Op-table trait ``"commutative"`` -> PIR trait ``"Commutative"``."""
+    return "".join(w.capitalize() for w in t.split("_"))
+
+
+def _traits(spec: OpSpec) -> frozenset[str]:
+    out = {trait_name(t) for t in spec.traits}
+    if spec.kind != Kind.COLLECTIVE:
+        out.add(Trait.PURE)
+    if spec.kind == Kind.ELEMENTWISE:
+        out.add(Trait.ELEMENTWISE)
+        if spec.inputs == ("x",):
+            out.add(Trait.SAME_SHAPE)
+    return frozenset(out)
+
+
+def _defaults(spec: OpSpec) -> dict[str, Attribute]:
+    out = {}
+    for a in spec.attrs:
+        if a.name in spec._defaults:
+            try:
+                v = None if a.default is None else a.type.normalize(a.default)
+                out[a.name] = from_optable(a.type.name, v)
+            except (TypeError, ValueError):
+                pass  # a default PIR cannot express: always printed
+    return out
+
+
+def make_opdef(spec: OpSpec) -> OpDef:
+    """The OpDef of one op-table entry."""
+    types = {a.name: a.type.name for a in spec.attrs}
+
+    def infer(operands: Sequence[Value], attrs: Mapping[str, Any]) -> list[Type]:
+        return metas_to_types(spec, spec.infer_meta(*operands, **attrs))
+
+    def verify(op: Operation) -> str | None:
+        try:
+            bound = spec.bind(op.plain_attrs)
+        except OpError as e:
+            return str(e)
+        attrs = op.attributes
+        for k, v in bound.items():
+            have = attrs.get(k)
+            if have is None:
+                return f"missing attribute {k!r}"
+            want = from_optable(types[k], v)
+            if have != want:
+                return f"attribute {k!r} = {have} is not in normal form for type {types[k]} (expected {want})"
+        return None
+
+    interfaces: dict[str, Any] = {Interface.INFER_META: spec.infer_meta, Interface.KERNEL: spec.kernel}
+    if spec.vjp is not None:
+        interfaces[Interface.VJP] = spec.vjp
+    if spec.decompose is not None:
+        interfaces[Interface.DECOMPOSE] = spec.decompose
+    return OpDef(
+        PREFIX + spec.name,
+        _traits(spec),
+        min_operands=spec.min_inputs,
+        max_operands=spec.max_inputs,
+        num_results=None if spec.multi_output else 1,
+        attrs={a.name: any_attr for a in spec.attrs},  # values are checked by spec.bind in verify
+        infer=infer,
+        verify=verify,
+        interfaces=interfaces,
+        spec=spec,
+        defaults=_defaults(spec),
+        attr_types=types,
+        doc=spec.doc,
+    )
+
+
+class LlmDialect(Dialect):
+    """The op table seen as a dialect: ``get`` builds (and caches) an OpDef per spec."""
+
+    def get(self, short: str) -> OpDef | None:
+        spec = table().get(short)
+        if spec is None:
+            return None
+        d = self._ops.get(short)
+        if d is None or d.spec is not spec:
+            d = self._ops[short] = make_opdef(spec)
+        return d
+
+    def names(self) -> list[str]:
+        return [PREFIX + n for n in table()]
+
+
+DIALECT = LlmDialect("llm", doc=__doc__ or "")
+
+
+def opdef(spec_or_name: OpSpec | str) -> OpDef:
+    """The OpDef of an op-table op (by spec or bare name)."""
+    name = spec_or_name if isinstance(spec_or_name, str) else spec_or_name.name
+    d = DIALECT.get(name.removeprefix(PREFIX))
+    if d is None:
+        raise OpError(f"unknown op {name!r}")
+    return d
+
+
+# ---- typed views ------------------------------------------------------------------------------
+
+
+class LlmOp(OpView):
+    """A view of any llm op: its spec, its inputs by name and its attributes as plain values.
+
+    ``LlmOp(op).weight`` is the operand for input ``weight``; ``LlmOp(op).transpose_y`` the plain
+    attribute value. ``op_class("matmul")`` gives the generated class for one op.
+    """
+
+    __slots__ = ()
+    OP_NAME = ""
+
+    def __init__(self, op: Operation) -> None:
+        if not op.name.startswith(PREFIX) or (self.OP_NAME and op.name != self.OP_NAME):
+            raise TypeError(f"{type(self).__name__} does not view {op.name}")
+        object.__setattr__(self, "op", op)
+
+    @classmethod
+    def match(cls, op: Operation | None) -> Any:
+        if op is None or not op.name.startswith(PREFIX) or (cls.OP_NAME and op.name != cls.OP_NAME):
+            return None
+        return cls(op)
+
+    @property
+    def spec(self) -> OpSpec:
+        return self.op.opdef.spec
+
+    def input(self, name: str) -> Value | None:
+        """The operand feeding input ``name`` (None for an omitted optional input)."""
+        spec = self.spec
+        names = spec.input_names
+        if spec.variadic:
+            raise AttributeError(f"{spec.name} is variadic: use .op.operands")
+        i = names.index(name)
+        ops = self.op.operands
+        return ops[i] if i < len(ops) else None
+
+    def __getattr__(self, name: str) -> Any:
+        op = object.__getattribute__(self, "op")
+        if name in op.attributes:
+            return op.plain_attrs[name]
+        spec = op.opdef.spec
+        if name in spec.input_names and not spec.variadic:
+            return self.input(name)
+        raise AttributeError(f"{op.name} has no input or attribute {name!r}")
+
+
+@cache
+def _op_class(name: str) -> type:
+    cls_name = "".join(w.capitalize() for w in name.split("_")) + "Op"
+    return type(cls_name, (LlmOp,), {"__slots__": (), "OP_NAME": PREFIX + name, "__doc__": table()[name].doc})
+
+
+def op_class(name: str) -> type:
+    """The generated view class of ``llm.<name>`` (``op_class("matmul").match(op)``)."""
+    if name.removeprefix(PREFIX) not in table():
+        raise OpError(f"unknown op {name!r}")
+    return _op_class(name.removeprefix(PREFIX))

@@ -1,0 +1,185 @@
+"""Op definitions, traits, interfaces, typed views and the dialect registry.
+
+An :class:`OpDef` describes one kind of operation: operand and result counts, declared attributes,
+regions, traits (algebraic and structural facts passes rely on), interfaces (``InferMeta``,
+``VJP``...) and an optional extra verifier. A :class:`Dialect` maps op names to OpDefs; the ``llm``
+dialect makes its OpDefs from the op table on demand, so no op is ever listed twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .attributes import Attribute
+from .core import Operation, Value
+from .types import Type
+
+
+class Trait:
+    """Trait names (strings, so op-table traits map onto them directly)."""
+
+    PURE = "Pure"  # no side effects: removable when unused, mergeable when equal (DCE, CSE)
+    RECURSIVELY_PURE = "RecursivelyPure"  # pure exactly when every op in its regions is
+    COMMUTATIVE = "Commutative"  # f(a, b) == f(b, a)
+    ASSOCIATIVE = "Associative"  # f(f(a, b), c) == f(a, f(b, c))
+    IDEMPOTENT = "Idempotent"  # f(a, a) == a
+    ELEMENTWISE = "Elementwise"  # out[i] = f(in[i], ...) with broadcasting
+    SAME_SHAPE = "SameShape"  # the result has the shape of the (single) operand
+    TERMINATOR = "Terminator"  # ends a block; nothing may follow it
+    CONSTANT_LIKE = "ConstantLike"  # materializes a compile-time value
+    ISOLATED = "IsolatedFromAbove"  # its regions use no value defined outside them
+    SYMBOL = "Symbol"  # has a unique name in the enclosing module (functions)
+    SYMBOL_TABLE = "SymbolTable"  # holds named symbols (the module)
+    NO_TERMINATOR = "NoTerminator"  # its single-block regions need no terminator
+
+
+class Interface:
+    """Interface names: ``opdef.interfaces[name]`` is the implementation."""
+
+    INFER_META = "InferMeta"  # (*metas, **attrs) -> Meta | tuple[Meta, ...]
+    VJP = "VJP"  # (g, out, *inputs, **attrs) -> grads
+    DECOMPOSE = "Decompose"  # (*inputs, **attrs) -> outputs written with primitives
+    KERNEL = "Kernel"  # (xp, *arrays, **attrs) -> array(s): the reference implementation
+
+
+# An attribute check returns None when fine, else what was expected ("a string", ...).
+AttrCheck = Callable[[Attribute], "str | None"]
+
+
+def is_a(*classes: type) -> AttrCheck:
+    names = " or ".join(c.__name__ for c in classes)
+    return lambda a: None if isinstance(a, classes) else f"a {names}"
+
+
+def any_attr(a: Attribute) -> str | None:
+    return None
+
+
+@dataclass(eq=False)
+class OpDef:
+    """Everything PIR knows about one kind of operation.
+
+    ``infer(operands, attrs)`` returns the result types (None when results are given explicitly);
+    ``verify(op)`` returns an error text or None and runs after the generic checks.
+    """
+
+    name: str
+    traits: frozenset[str] = frozenset()
+    min_operands: int = 0
+    max_operands: int | None = 0  # None: variadic
+    num_results: int | None = 1  # None: any number
+    attrs: Mapping[str, AttrCheck] = field(default_factory=dict)  # required attributes
+    optional_attrs: Mapping[str, AttrCheck] = field(default_factory=dict)
+    num_regions: int = 0
+    infer: Callable[[Sequence[Value], Mapping[str, Any]], list[Type]] | None = None
+    verify: Callable[[Operation], str | None] | None = None
+    interfaces: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    spec: Any = None  # the OpSpec of an llm op
+    defaults: Mapping[str, Attribute] = field(default_factory=dict)  # omitted from the text form
+    attr_types: Mapping[str, str] = field(default_factory=dict)  # llm: attribute -> op-table type
+    doc: str = ""
+
+    @property
+    def dialect(self) -> str:
+        return self.name.split(".", 1)[0]
+
+    def __repr__(self) -> str:
+        return f"<OpDef {self.name}>"
+
+
+class OpView:
+    """A typed view over an Operation: ``FuncOp(op).body``. Views hold nothing but the op."""
+
+    __slots__ = ("op",)
+    OP_NAME: ClassVar[str] = ""
+
+    def __init__(self, op: Operation) -> None:
+        if op.name != self.OP_NAME:
+            raise TypeError(f"{type(self).__name__} views {self.OP_NAME} ops, not {op.name}")
+        self.op = op
+
+    @classmethod
+    def match(cls, op: Operation | None) -> Any:
+        """The view of ``op`` when it is this kind of op, else None."""
+        return cls(op) if op is not None and op.name == cls.OP_NAME else None
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.op is self.op  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self.op)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.op!r}>"
+
+
+class Dialect:
+    """A namespace of ops. ``get(short_name)`` may build OpDefs lazily (the llm dialect does)."""
+
+    def __init__(self, name: str, ops: Sequence[OpDef] = (), doc: str = "") -> None:
+        self.name = name
+        self.doc = doc
+        self._ops: dict[str, OpDef] = {}
+        for d in ops:
+            self.add(d)
+
+    def add(self, d: OpDef) -> OpDef:
+        short = d.name.split(".", 1)[1]
+        if short in self._ops:
+            raise ValueError(f"op {d.name} is defined twice")
+        self._ops[short] = d
+        return d
+
+    def get(self, short: str) -> OpDef | None:
+        return self._ops.get(short)
+
+    def names(self) -> list[str]:
+        return [f"{self.name}.{n}" for n in self._ops]
+
+
+_DIALECTS: dict[str, Dialect] = {}
+_CACHE: dict[str, OpDef] = {}
+
+
+def register_dialect(d: Dialect) -> Dialect:
+    if d.name in _DIALECTS:
+        raise ValueError(f"dialect {d.name!r} is registered twice")
+    _DIALECTS[d.name] = d
+    return d
+
+
+def dialects() -> Mapping[str, Dialect]:
+    _ensure_loaded()
+    return dict(_DIALECTS)
+
+
+def lookup(name: str) -> OpDef | None:
+    """The OpDef of ``dialect.op``, or None when no dialect defines it."""
+    d = _CACHE.get(name)
+    if d is not None:
+        return d
+    _ensure_loaded()
+    dialect, _, short = name.partition(".")
+    dia = _DIALECTS.get(dialect)
+    if dia is None or not short:
+        return None
+    d = dia.get(short)
+    if d is not None:
+        _CACHE[name] = d
+    return d
+
+
+def known_names() -> list[str]:
+    """Every op name the dialects know now (for "did you mean" hints)."""
+    _ensure_loaded()
+    out: list[str] = []
+    for d in _DIALECTS.values():
+        out.extend(d.names())
+    return out
+
+
+def _ensure_loaded() -> None:
+    if "builtin" not in _DIALECTS:
+        from . import dialects  # noqa: F401  (registers builtin, llm, cinn, dist)

@@ -1,0 +1,194 @@
+"""Passes and the PassManager.
+
+A pass is a small named dataclass whose fields are its options; ``apply(program)`` transforms the
+program in place. ``@register_pass`` files it under its name, so pipelines are readable lists::
+
+    ir.PassManager(["canonicalize", "cse", "dce"]).run(program)
+    ir.PassManager.parse("simplify-shapes{bind = {B = 2}},fold-constants{max_elements = 64}")
+
+The manager verifies the program after each pass (naming the pass that broke it), times each
+pass (``pm.timings``), and dumps the IR after each pass when asked: ``dump=True`` (stderr), a
+directory path (one ``NN-name.pir`` file per pass), or the environment variable
+``LLMKIT_IR_DUMP`` (``1`` or a directory). ``timing=True`` or ``LLMKIT_IR_TIMING=1`` prints a
+timing report to stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar, TextIO
+
+from .core import paused_gc
+from .errors import IRError, VerifyError
+from .program import Program
+
+DUMP_ENV = "LLMKIT_IR_DUMP"
+TIMING_ENV = "LLMKIT_IR_TIMING"
+
+
+class Pass:
+    """Base class: subclasses are dataclasses with a ``name`` and an ``apply``."""
+
+    name: ClassVar[str] = ""
+
+    def apply(self, program: Program) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """``name{opt = value, ...}`` (the options that differ from the defaults)."""
+        if not dataclasses.is_dataclass(self):
+            return self.name
+        opts = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            default = (
+                f.default
+                if f.default is not dataclasses.MISSING
+                else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            )  # type: ignore[misc]
+            if v != default:
+                opts.append(f"{f.name} = {v!r}")
+        return self.name + ("{" + ", ".join(opts) + "}" if opts else "")
+
+
+_PASSES: dict[str, type[Pass]] = {}
+
+
+def register_pass(cls: type[Pass]) -> type[Pass]:
+    """Class decorator: make a pass available by its ``name`` in pipelines."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _PASSES and _PASSES[cls.name] is not cls:
+        raise ValueError(f"pass {cls.name!r} is registered twice")
+    _PASSES[cls.name] = cls
+    return cls
+
+
+def registered_passes() -> dict[str, type[Pass]]:
+    """Every registered pass, by name."""
+    importlib.import_module(f"{__package__}.passes")  # registers the standard passes
+
+    return dict(_PASSES)
+
+
+def make_pass(name: str, **options: Any) -> Pass:
+    """The pass ``name`` with ``options``; unknown names or options raise IRError with hints."""
+    registry = registered_passes()
+    cls = registry.get(name)
+    if cls is None:
+        hint = difflib.get_close_matches(name, registry, 1)
+        raise IRError(
+            f"unknown pass {name!r}"
+            + (f" (did you mean {hint[0]!r}?)" if hint else "")
+            + f"; passes: {', '.join(sorted(registry))}"
+        )
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    for k in options:
+        if k not in fields:
+            raise IRError(
+                f"pass {name!r} has no option {k!r} (options: {', '.join(sorted(fields)) or 'none'})"
+            )
+    return cls(**options)
+
+
+class PassManager:
+    """Runs a pipeline of passes over a program (see the module docstring)."""
+
+    def __init__(
+        self,
+        pipeline: Sequence[str | Pass | tuple[str, dict]] = (),
+        *,
+        verify: bool = True,
+        dump: bool | str | TextIO | None = None,
+        timing: bool | None = None,
+    ) -> None:
+        self.passes: list[Pass] = []
+        for p in pipeline:
+            if isinstance(p, Pass):
+                self.passes.append(p)
+            elif isinstance(p, tuple):
+                self.passes.append(make_pass(p[0], **p[1]))
+            elif isinstance(p, str):
+                self.passes.extend(PassManager.parse(p).passes)
+            else:
+                raise IRError(f"a pipeline holds pass names or Pass objects, got {p!r}")
+        self.verify = verify
+        env_dump = os.environ.get(DUMP_ENV)
+        self.dump = dump if dump is not None else (env_dump if env_dump not in (None, "", "0") else None)
+        self.timing = timing if timing is not None else os.environ.get(TIMING_ENV, "") not in ("", "0")
+        self.timings: list[tuple[str, float]] = []  # (pass, seconds) of the last run
+
+    @staticmethod
+    def parse(text: str) -> PassManager:
+        """``"canonicalize,cse,fold-constants{max_elements = 64}"``: option values use the PIR
+        attribute syntax (numbers, true/false, strings, lists, ``{k = v}`` dicts)."""
+        from .text_parser import TextParser
+
+        pm = PassManager()
+        parser = TextParser(text)
+        while parser.kind() != "eof":
+            if pm.passes:
+                parser.expect(",", "between passes")
+            name: list[str] = []
+            end = parser.offsets[parser.i]
+            # a name is adjacent tokens ("fold", "-", "constants"); whitespace ends it
+            while (parser.kind() in ("ident", "int") or parser.peek() == "-") and parser.offsets[
+                parser.i
+            ] == end:
+                name.append(parser.texts[parser.i])
+                end += len(name[-1])
+                parser.i += 1
+            if not name:
+                parser.fail(f"expected a pass name, got {parser.got()}")
+            options: dict[str, Any] = {}
+            if parser.peek() == "{":
+                options = {k: a.value for k, a in parser.attr_dict().items()}
+            pm.passes.append(make_pass("".join(name), **options))
+        return pm
+
+    def run(self, program: Program) -> Program:
+        """Run every pass in order on ``program`` (in place); returns it."""
+        self.timings = []
+        for i, p in enumerate(self.passes):
+            start = time.perf_counter()
+            with paused_gc():
+                p.apply(program)
+            seconds = time.perf_counter() - start
+            self.timings.append((p.describe(), seconds))
+            if self.dump:
+                self._dump(i, p, program, seconds)
+            if self.verify:
+                try:
+                    program.verify()
+                except VerifyError as e:
+                    raise VerifyError(f"after pass {p.describe()!r}: {e}", e.op, e.location) from None
+        if self.timing:
+            print(self.report(), file=sys.stderr)
+        return program
+
+    def report(self) -> str:
+        """The per-pass times of the last run, as a small table."""
+        total = sum(s for _, s in self.timings) or 1e-12
+        lines = ["pass timing:"]
+        for name, s in self.timings:
+            lines.append(f"  {s * 1e3:9.3f} ms  {100 * s / total:5.1f}%  {name}")
+        lines.append(f"  {total * 1e3:9.3f} ms  total")
+        return "\n".join(lines)
+
+    def _dump(self, i: int, p: Pass, program: Program, seconds: float) -> None:
+        text = f"// ----- after {p.describe()} ({seconds * 1e3:.3f} ms)\n{program}"
+        d = self.dump
+        if d is True or d in ("1", "stderr"):
+            sys.stderr.write(text)
+        elif isinstance(d, str):
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, f"{i:02d}-{p.name}.pir"), "w") as f:
+                f.write(text)
+        else:
+            d.write(text)  # type: ignore[union-attr]
