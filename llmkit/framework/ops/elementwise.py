@@ -19,7 +19,7 @@ from .spec import ops as O
 
 def unary(name, kernel, vjp=None, *, c=None, floating=True, out_dtype=None, **kw):
     def infer(x, **attrs):
-        return elementwise_meta(name, x, floating=floating, out_dtype=out_dtype)
+        return elementwise_meta(name, x, floating=floating, out_dtype=out_dtype, numeric=True)
 
     return defop(name, Kind.ELEMENTWISE, kernel=kernel, infer_meta=infer, vjp=vjp, c=c, **kw)
 

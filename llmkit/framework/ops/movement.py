@@ -427,9 +427,11 @@ defop(
 
 def _gather_meta(x, index, axis=0):
     _int_index("gather", index)
-    norm_axis("gather", axis, x.ndim)
-    if index.ndim != x.ndim:
-        raise OpError("gather: index must have the same rank as x", x, index)
+    ax = norm_axis("gather", axis, x.ndim)
+    if index.ndim != x.ndim or any(
+        i != ax and sym.canonical(a) != sym.canonical(b) for i, (a, b) in enumerate(zip(index.shape, x.shape))
+    ):
+        raise OpError(f"gather: index must have x's shape except along axis {axis}", x, index)
     return Meta(index.shape, x.dtype)
 
 
@@ -584,6 +586,8 @@ defop(
 def _arange_meta(start=0, end=None, step=1, dtype="int64"):
     if end is None:
         raise OpError("arange: 'end' is required")
+    if B.dtype(dtype) == B.DTYPES["bool"]:
+        raise OpError("arange: dtype must be numeric, not bool")
     if isinstance(start, int) and isinstance(end, int):
         n = max(0, len(range(start, end, step)))
     elif step == 1:

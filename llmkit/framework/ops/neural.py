@@ -411,7 +411,7 @@ defop(
     Kind.OPAQUE,
     attrs=[
         attr("p", A.FLOAT, 0.5, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
-        attr("seed", A.INT, 0),
+        attr("seed", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0"),
     ],
     infer_meta=_dropout_meta,
     kernel=_dropout_kernel,

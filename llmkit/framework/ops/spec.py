@@ -360,9 +360,9 @@ def get(name: str) -> OpSpec:
 
 
 def norm_axis(spec_name: str, axis: int, ndim: int) -> int:
-    if not -ndim <= axis < max(ndim, 1):
+    if not -ndim <= axis < ndim:
         raise OpError(f"{spec_name}: axis {axis} is out of range for a rank-{ndim} tensor")
-    return axis % max(ndim, 1)
+    return axis % ndim
 
 
 def norm_axes(spec_name: str, axes: tuple | None, ndim: int) -> tuple[int, ...]:
@@ -408,7 +408,9 @@ def same_dtype(name: str, *metas: Any) -> np.dtype:
     return dt
 
 
-def elementwise_meta(name: str, *metas: Any, floating: bool = False, out_dtype: Any = None) -> Meta:
+def elementwise_meta(
+    name: str, *metas: Any, floating: bool = False, out_dtype: Any = None, numeric: bool = False
+) -> Meta:
     first = metas[0]
     dt, shape = first.dtype, first.shape
     same_shape = True
@@ -419,6 +421,8 @@ def elementwise_meta(name: str, *metas: Any, floating: bool = False, out_dtype: 
             same_shape = False
     if floating and dt not in B.FLOAT_DTYPES:
         raise OpError(f"{name}: expects floating tensors, got {describe(first)}")
+    if numeric and dt == B.DTYPES["bool"]:
+        raise OpError(f"{name}: expects numeric tensors, got {describe(first)}; cast it first")
     return Meta(
         shape if same_shape else broadcast_shapes(name, *metas), dt if out_dtype is None else out_dtype
     )

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmkit.framework import ir
-from llmkit.framework.ops.spec import table
+from llmkit.framework.ops.spec import OpError, table
 
 from .conftest import assert_same_outputs
 from .gen import INPUTS, input_arrays, instantiate, random_program
@@ -100,34 +100,25 @@ def test_every_op_builds_prints_parses_and_runs(name):
     assert_same_outputs(got, want, rtol=0, atol=0)
 
 
-# Known mismatches between infer_meta and the kernels of the op table (reported; the IR is not the
-# place to fix them). Each is strict: when the op table is fixed the xfail turns into a failure,
-# so whoever fixes it moves the case out of this list.
-OP_TABLE_BUGS = {
-    "relu of bool": ("llm.relu", "%m", {}, "kernel gave dtype int64"),
-    "neg of bool": ("llm.neg", "%m", {}, "kernel failed"),
-    "sum over axis 0 of a 0-d tensor": ("llm.sum", "%s", {"axis": [0]}, "kernel failed"),
-    "gather with index narrower than x": ("llm.gather", "%t, %p", {"axis": 1}, "kernel gave shape"),
-    "dropout with a negative seed": ("llm.dropout", "%a", {"seed": -1}, "kernel failed"),
-    "arange of bools": ("llm.arange", "", {"end": 4, "dtype": "bool"}, "kernel failed"),
+# Inputs infer_meta once accepted but the kernels could not run (found by the random programs
+# above); the op table now rejects each when the op is built.
+REJECTED = {
+    "relu of bool": ("llm.relu", "%m", {}),
+    "neg of bool": ("llm.neg", "%m", {}),
+    "sum over axis 0 of a 0-d tensor": ("llm.sum", "%s", {"axis": [0]}),
+    "gather with index narrower than x": ("llm.gather", "%t, %p", {"axis": 1}),
+    "dropout with a negative seed": ("llm.dropout", "%a", {"seed": -1}),
+    "arange of bools": ("llm.arange", "", {"end": 4, "dtype": "bool"}),
 }
 
 
-@pytest.mark.parametrize("case", sorted(OP_TABLE_BUGS))
-@pytest.mark.xfail(
-    strict=True, raises=ir.InterpretError, reason="op-table bug: infer_meta accepts what the kernel cannot do"
-)
-def test_known_op_table_mismatches(case):
-    name, operands, attrs, symptom = OP_TABLE_BUGS[case]
+@pytest.mark.parametrize("case", sorted(REJECTED))
+def test_op_table_rejects_what_its_kernels_cannot_run(case):
+    name, operands, attrs = REJECTED[case]
     p = ir.Program()
     f = p.add_function("main", INPUTS)
     b = ir.Builder.at_end(f.body)
     by_name = {a.name: a for a in f.args}
     values = [by_name[v.strip()[1:]] for v in operands.split(",") if v.strip()]
-    b.ret(b.create(name, values, attrs).result)
-    p.verify()  # the IR accepts it: the types say it is fine
-    try:
-        ir.interpret(p, *input_arrays(np.random.default_rng(0)))
-    except ir.InterpretError as e:
-        assert symptom in str(e), e
-        raise
+    with pytest.raises(OpError, match=name.removeprefix("llm.")):
+        b.create(name, values, attrs)
