@@ -4,7 +4,8 @@ Random token batches of the config's batch_size x seq_len (throughput does not d
 Modes: eager (tape autograd); static arrives with the to_static issue. ``--torch`` also times
 Hugging Face transformers on PyTorch in the same process, as a same-run baseline.
 
-Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/train_throughput.py --config configs/bench.yaml
+Run:
+  env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/train_throughput.py
 """
 
 from __future__ import annotations
@@ -76,8 +77,16 @@ def measure(name, step, batches, warmup, tokens_per_step, flops_per_token, peak)
         times.append(time.perf_counter() - t)
     med = float(np.median(times))
     tps = tokens_per_step / med
-    emit("train_throughput", f"{name}_tokens_per_s", tps, "tokens/s", step_ms=round(med * 1e3, 1),
-         mfu=round(tps * flops_per_token / peak, 4), steps=len(times), wall_s=round(time.perf_counter() - t0, 1))
+    emit(
+        "train_throughput",
+        f"{name}_tokens_per_s",
+        tps,
+        "tokens/s",
+        step_ms=round(med * 1e3, 1),
+        mfu=round(tps * flops_per_token / peak, 4),
+        steps=len(times),
+        wall_s=round(time.perf_counter() - t0, 1),
+    )
     return tps
 
 
@@ -103,19 +112,39 @@ def main() -> None:
     llama = model_config(cfg)
     b, s = cfg.train.batch_size, cfg.train.seq_len
     rng = np.random.default_rng(0)
-    batches = [(rng.integers(0, llama.vocab_size, (b, s)), rng.integers(0, llama.vocab_size, (b, s)))
-               for _ in range(a.warmup + a.steps)]
+    batches = [
+        (rng.integers(0, llama.vocab_size, (b, s)), rng.integers(0, llama.vocab_size, (b, s)))
+        for _ in range(a.warmup + a.steps)
+    ]
     peak = matmul_peak_flops()
     fpt = llama.flops_per_token(s)
-    emit("train_throughput", "matmul_peak_gflops", peak / 1e9, "GFLOP/s", params=llama.num_parameters(),
-         batch=b, seq_len=s, **machine())
+    emit(
+        "train_throughput",
+        "matmul_peak_gflops",
+        peak / 1e9,
+        "GFLOP/s",
+        params=llama.num_parameters(),
+        batch=b,
+        seq_len=s,
+        **machine(),
+    )
     eager = measure("eager", eager_step_fn(llama, cfg.optim.lr), batches, a.warmup, b * s, fpt, peak)
-    emit("train_throughput", "eager_peak_memory_mib", peak_memory(eager_step_fn(llama, cfg.optim.lr), batches[0]),
-         "MiB")
+    emit(
+        "train_throughput",
+        "eager_peak_memory_mib",
+        peak_memory(eager_step_fn(llama, cfg.optim.lr), batches[0]),
+        "MiB",
+    )
     ref = {"torch_2.13_eager_as_shipped": 5300.0, "torch_2.13_eager_tuned": 10800.0}
     for k, v in ref.items():
-        emit("train_throughput", f"eager_over_{k}", eager / v, "x", reference_tokens_per_s=v,
-             note="reference figure from the issue, measured on this machine kind")
+        emit(
+            "train_throughput",
+            f"eager_over_{k}",
+            eager / v,
+            "x",
+            reference_tokens_per_s=v,
+            note="reference figure from the issue, measured on this machine kind",
+        )
     if a.torch:
         t = measure("torch_eager", torch_step_fn(llama, cfg.optim.lr), batches, a.warmup, b * s, fpt, peak)
         emit("train_throughput", "eager_over_torch_same_run", eager / t, "x")

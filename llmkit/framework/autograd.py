@@ -254,7 +254,13 @@ class _SegmentSpec:
     nondiff: frozenset[int] = frozenset()
 
     def __init__(self, fn, args: tuple, n_tensors: int, kwargs: dict, multi: bool) -> None:
-        self.fn, self.args, self.n_tensors, self.kwargs, self.multi_output = fn, args, n_tensors, kwargs, multi
+        self.fn, self.args, self.n_tensors, self.kwargs, self.multi_output = (
+            fn,
+            args,
+            n_tensors,
+            kwargs,
+            multi,
+        )
 
     def vjp(self, g, out, *inputs):
         from .tensor import Tensor

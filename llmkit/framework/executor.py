@@ -149,12 +149,14 @@ class Executor:
             shape = t.shape
             if x.dtype != t.dtype or len(x.shape) != len(shape):
                 raise ExecutionError(
-                    f"@{self.name}: input %{name} must be {t}, got shape {list(x.shape)} {x.dtype}")
+                    f"@{self.name}: input %{name} must be {t}, got shape {list(x.shape)} {x.dtype}"
+                )
             for d, n in zip(shape, x.shape):
                 if not sym.bind(d, n, env):
                     raise ExecutionError(
                         f"@{self.name}: input %{name} must be {t}, got shape {list(x.shape)} "
-                        f"({', '.join(f'{k}={v}' for k, v in sorted(env.items()))})")
+                        f"({', '.join(f'{k}={v}' for k, v in sorted(env.items()))})"
+                    )
         return env
 
     def run(self, inputs: Sequence[Any]) -> list[Any]:

@@ -32,6 +32,7 @@ def keep_freed_memory(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 << 
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = bool(mallopt(_M_MMAP_THRESHOLD, min(mmap_threshold, 2**31 - 1))) and bool(
-        mallopt(_M_TRIM_THRESHOLD, min(trim_threshold, 2**31 - 1)))
+        mallopt(_M_TRIM_THRESHOLD, min(trim_threshold, 2**31 - 1))
+    )
     _done = ok
     return ok

@@ -218,7 +218,7 @@ def test_append_backward_on_parsed_program():
     p.verify()
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal((3, 4)), rng.standard_normal((4, 2))
-    loss, dx, dw = ir.interpret(p, x, w)
+    _, dx, dw = ir.interpret(p, x, w)
     h = x @ w
     dh = (1 - np.tanh(h) ** 2) * h + np.tanh(h)  # d/dh sum(tanh(h) * h)
     np.testing.assert_allclose(dx, dh @ w.T, rtol=1e-12)
@@ -236,10 +236,17 @@ def test_executor_rejects_bad_inputs():
 
 
 def test_profile_lists_op_types(tmp_path):
-    code = ("import numpy as np, llmkit.framework as lf\nfrom llmkit.framework import jit\n"
-            "f = jit.to_static(lambda x: lf.ops.softmax(x * 2.0))\nf(lf.ones(4, 4))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "LLMKIT_PROFILE": "1"}, check=True).stdout
+    code = (
+        "import numpy as np, llmkit.framework as lf\nfrom llmkit.framework import jit\n"
+        "f = jit.to_static(lambda x: lf.ops.softmax(x * 2.0))\nf(lf.ones(4, 4))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LLMKIT_PROFILE": "1"},
+        check=True,
+    ).stdout
     assert "LLMKIT_PROFILE" in out and "llm.softmax" in out and "llm.mul" in out
 
 

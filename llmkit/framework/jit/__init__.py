@@ -9,5 +9,16 @@ from .model_file import save_static as save
 from .static_function import ConcreteProgram, InputSpec, StaticFunction, to_static
 from .tracer import TraceError
 
-__all__ = ["FORMAT_VERSION", "ConcreteProgram", "FormatError", "InputSpec", "StaticFunction", "StaticModel",
-           "TraceError", "append_backward", "load", "save", "to_static"]
+__all__ = [
+    "FORMAT_VERSION",
+    "ConcreteProgram",
+    "FormatError",
+    "InputSpec",
+    "StaticFunction",
+    "StaticModel",
+    "TraceError",
+    "append_backward",
+    "load",
+    "save",
+    "to_static",
+]

@@ -18,8 +18,9 @@ from ..tensor import Tensor
 from .tracer import Trace, TraceError, tracing
 
 
-def append_backward(program: Program, loss: Value, wrt: Sequence[Value], func: str | None = None,
-                    return_grads: bool = True) -> list[Value]:
+def append_backward(
+    program: Program, loss: Value, wrt: Sequence[Value], func: str | None = None, return_grads: bool = True
+) -> list[Value]:
     """Append d(loss)/d(w) for each ``w`` in ``wrt`` to function ``func``; returns the gradient values.
 
     ``loss`` must be a scalar result of the function. With ``return_grads`` the gradients are

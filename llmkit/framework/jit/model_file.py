@@ -54,9 +54,13 @@ def _spec(t: Any) -> dict[str, Any]:
     return {"shape": list(t.shape), "dtype": B.dtype_name(t.dtype)}
 
 
-def save_programs(path: str | os.PathLike[str], programs: Mapping[str, ConcreteProgram],
-                  names: Mapping[int, str] | None = None, metadata: Mapping[str, Any] | None = None,
-                  extra_files: Mapping[str, bytes] | None = None) -> Path:
+def save_programs(
+    path: str | os.PathLike[str],
+    programs: Mapping[str, ConcreteProgram],
+    names: Mapping[int, str] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
+) -> Path:
     """Write traced programs and the tensors they capture into a static model directory, atomically.
 
     A tensor captured by several programs is stored once; ``names`` (id(tensor) -> name) gives the
@@ -69,8 +73,10 @@ def save_programs(path: str | os.PathLike[str], programs: Mapping[str, ConcreteP
     entries: dict[str, Any] = {}
     for pname, cp in programs.items():
         if cp.updated:
-            raise ValueError(f"jit.save: program {pname!r} updates captured state (a training step); "
-                             "save an inference function instead")
+            raise ValueError(
+                f"jit.save: program {pname!r} updates captured state (a training step); "
+                "save an inference function instead"
+            )
         f = cp.program.function()
         args = f.args
         user, captured = args[: cp.n_args], args[cp.n_args :]
@@ -102,8 +108,14 @@ def save_programs(path: str | os.PathLike[str], programs: Mapping[str, ConcreteP
             (tmp / name).write_bytes(data)
         for f in sorted(tmp.iterdir()):
             files[f.name] = _sha256(f)
-        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "programs": entries,
-                    "weights": WEIGHTS, "files": files, "metadata": dict(metadata or {})}
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "programs": entries,
+            "weights": WEIGHTS,
+            "files": files,
+            "metadata": dict(metadata or {}),
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return path
 
@@ -111,8 +123,9 @@ def save_programs(path: str | os.PathLike[str], programs: Mapping[str, ConcreteP
 class LoadedFunction:
     """One program of a static model file: call it with arrays or Tensors."""
 
-    def __init__(self, name: str, program: Program, entry: dict[str, Any], weights: list[Any],
-                 compiler: str | None) -> None:
+    def __init__(
+        self, name: str, program: Program, entry: dict[str, Any], weights: list[Any], compiler: str | None
+    ) -> None:
         self.name, self.program, self.entry = name, program, entry
         self._weights = weights
         self._compiler = compiler
@@ -131,8 +144,10 @@ class LoadedFunction:
 
     def __call__(self, *inputs: Any) -> Any:
         if len(inputs) != len(self.input_specs):
-            raise TypeError(f"{self.name}: takes {len(self.input_specs)} inputs "
-                            f"({', '.join(i['name'] for i in self.input_specs)}), got {len(inputs)}")
+            raise TypeError(
+                f"{self.name}: takes {len(self.input_specs)} inputs "
+                f"({', '.join(i['name'] for i in self.input_specs)}), got {len(inputs)}"
+            )
         tensors = any(isinstance(x, Tensor) for x in inputs)
         arrays = [x._data if isinstance(x, Tensor) else np.asarray(x) for x in inputs]
         outs = self.executor.run([*arrays, *self._weights])
@@ -144,8 +159,13 @@ class StaticModel:
     """What ``jit.load`` returns: ``model(...)`` runs its only (or "forward") program;
     ``model.programs["decode"](...)`` any of them; ``model.metadata`` and ``model.files`` the rest."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any], programs: dict[str, LoadedFunction],
-                 weights: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        manifest: dict[str, Any],
+        programs: dict[str, LoadedFunction],
+        weights: dict[str, Any],
+    ) -> None:
         self.path, self.manifest, self.programs, self.weights = path, manifest, programs, weights
         self.metadata = manifest.get("metadata", {})
 
@@ -156,34 +176,49 @@ class StaticModel:
         return (self.path / name).read_bytes()
 
     def __call__(self, *inputs: Any) -> Any:
-        fn = self.programs.get("forward") or (next(iter(self.programs.values())) if len(self.programs) == 1 else None)
+        fn = self.programs.get("forward") or (
+            next(iter(self.programs.values())) if len(self.programs) == 1 else None
+        )
         if fn is None:
-            raise TypeError(f"{self.path}: several programs ({', '.join(self.programs)}); call model.programs[name]")
+            raise TypeError(
+                f"{self.path}: several programs ({', '.join(self.programs)}); call model.programs[name]"
+            )
         return fn(*inputs)
 
     def __repr__(self) -> str:
         return f"<StaticModel {self.path} programs={list(self.programs)}>"
 
 
-def load_model(path: str | os.PathLike[str], compiler: str | None = None, device: str = "cpu",
-               verify_checksums: bool = True) -> StaticModel:
+def load_model(
+    path: str | os.PathLike[str],
+    compiler: str | None = None,
+    device: str = "cpu",
+    verify_checksums: bool = True,
+) -> StaticModel:
     """Read a static model directory written by ``jit.save`` (checks format, version and checksums)."""
     path = Path(path)
     mpath = path / MANIFEST
     if not path.is_dir() or not mpath.is_file():
-        raise FormatError(f"{path}: not a static model directory (no {MANIFEST}); "
-                          "write one with llmkit.jit.save or `llmkit export`")
+        raise FormatError(
+            f"{path}: not a static model directory (no {MANIFEST}); "
+            "write one with llmkit.jit.save or `llmkit export`"
+        )
     try:
         manifest = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FormatError(f"{mpath}: not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise FormatError(f"{mpath}: not an llmkit static model manifest (format {manifest.get('format')!r})"
-                          if isinstance(manifest, dict) else f"{mpath}: not a manifest object")
+        raise FormatError(
+            f"{mpath}: not an llmkit static model manifest (format {manifest.get('format')!r})"
+            if isinstance(manifest, dict)
+            else f"{mpath}: not a manifest object"
+        )
     version = manifest.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise FormatError(f"{path}: written in static-model format version {version}, but this llmkit reads "
-                          f"up to version {FORMAT_VERSION}; upgrade llmkit")
+        raise FormatError(
+            f"{path}: written in static-model format version {version}, but this llmkit reads "
+            f"up to version {FORMAT_VERSION}; upgrade llmkit"
+        )
     try:
         files: dict[str, str] = manifest["files"]
         entries: dict[str, Any] = manifest["programs"]
@@ -209,13 +244,20 @@ def load_model(path: str | os.PathLike[str], compiler: str | None = None, device
         missing = [w for w in entry["weights"] if w not in weights]
         if missing:
             raise FormatError(f"{path}: program {pname!r} needs weights missing from {wfile}: {missing[:5]}")
-        programs[pname] = LoadedFunction(pname, program, entry, [weights[w] for w in entry["weights"]], compiler)
+        programs[pname] = LoadedFunction(
+            pname, program, entry, [weights[w] for w in entry["weights"]], compiler
+        )
     return StaticModel(path, manifest, programs, weights)
 
 
-def save_static(obj: Any, path: str | os.PathLike[str], input_spec: Sequence[Any] | None = None,
-                example_inputs: Sequence[Any] | None = None, metadata: Mapping[str, Any] | None = None,
-                extra_files: Mapping[str, bytes] | None = None) -> Path:
+def save_static(
+    obj: Any,
+    path: str | os.PathLike[str],
+    input_spec: Sequence[Any] | None = None,
+    example_inputs: Sequence[Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
+) -> Path:
     """``jit.save``: a Layer, a StaticFunction, or a dict of them (name -> program), to ``path``.
 
     Each needs an input signature: a StaticFunction already traced, or ``input_spec`` (all dims

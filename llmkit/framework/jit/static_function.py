@@ -36,14 +36,24 @@ class InputSpec:
     name: str | None = None
 
     def dims(self, arg_index: int) -> tuple:
-        return tuple(f"_{self.name or 'a' + str(arg_index)}_{i}" if d is None else d for i, d in enumerate(self.shape))
+        return tuple(
+            f"_{self.name or 'a' + str(arg_index)}_{i}" if d is None else d for i, d in enumerate(self.shape)
+        )
 
 
 class ConcreteProgram:
     """One traced signature: its program, the captured tensors, and how to run it."""
 
-    def __init__(self, program: Program, n_args: int, captures: list[Tensor], updated: list[Tensor],
-                 out_tree: Any, n_outputs: int, compiler: str | None) -> None:
+    def __init__(
+        self,
+        program: Program,
+        n_args: int,
+        captures: list[Tensor],
+        updated: list[Tensor],
+        out_tree: Any,
+        n_outputs: int,
+        compiler: str | None,
+    ) -> None:
         self.program = program
         self.n_args = n_args
         self.captures = captures
@@ -73,8 +83,13 @@ class ConcreteProgram:
 class StaticFunction:
     """What ``to_static`` returns: call it like the original; ``.program`` shows the traced PIR."""
 
-    def __init__(self, fn: Callable[..., Any], input_spec: Sequence[InputSpec | None] | None = None,
-                 compiler: str | None = None, names: dict[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        input_spec: Sequence[InputSpec | None] | None = None,
+        compiler: str | None = None,
+        names: dict[int, str] | None = None,
+    ) -> None:
         self.fn = fn
         self.input_spec = list(input_spec) if input_spec is not None else None
         self.compiler = compiler
@@ -102,14 +117,20 @@ class StaticFunction:
             if isinstance(a, np.ndarray):
                 a = Tensor(a)
             if isinstance(a, Tensor):
-                spec = self.input_spec[i] if self.input_spec is not None and i < len(self.input_spec) else None
+                spec = (
+                    self.input_spec[i] if self.input_spec is not None and i < len(self.input_spec) else None
+                )
                 if spec is not None:
                     want = B.dtype(spec.dtype)
-                    if len(spec.shape) != a.ndim or a.dtype != want or any(
-                            isinstance(d, int) and d != n for d, n in zip(spec.shape, a.shape)):
+                    if (
+                        len(spec.shape) != a.ndim
+                        or a.dtype != want
+                        or any(isinstance(d, int) and d != n for d, n in zip(spec.shape, a.shape))
+                    ):
                         raise TypeError(
                             f"to_static: argument {i} does not match its InputSpec {list(spec.shape)} "
-                            f"{B.dtype_name(want)}: got {list(a.shape)} {a.dtype}")
+                            f"{B.dtype_name(want)}: got {list(a.shape)} {a.dtype}"
+                        )
                     d = spec.dims(i)
                 else:
                     d = tuple(a.shape)
@@ -122,13 +143,16 @@ class StaticFunction:
                 except TypeError:
                     raise TypeError(
                         f"to_static: argument {i} ({type(a).__name__}) is neither a tensor nor hashable; "
-                        "pass tensors, numpy arrays or plain Python values") from None
+                        "pass tensors, numpy arrays or plain Python values"
+                    ) from None
                 key.append(("V", type(a).__name__, a))
         key.append(tuple(sorted(kwargs)))
         return tuple(key), tensors, dims
 
     # ---- tracing -------------------------------------------------------------------------------
-    def _trace(self, args: list[Any], kwargs: dict[str, Any], tensors: list[Tensor], dims: list[tuple]) -> ConcreteProgram:
+    def _trace(
+        self, args: list[Any], kwargs: dict[str, Any], tensors: list[Tensor], dims: list[tuple]
+    ) -> ConcreteProgram:
         program = Program()
         trace = Trace(program, "main", self._state_names())
         traced_args: list[Tensor] = []
@@ -137,7 +161,9 @@ class StaticFunction:
         def as_traced(a: Any, i: int) -> Any:
             if isinstance(a, (Tensor, np.ndarray)):
                 t, d = next(it)
-                spec = self.input_spec[i] if self.input_spec is not None and i < len(self.input_spec) else None
+                spec = (
+                    self.input_spec[i] if self.input_spec is not None and i < len(self.input_spec) else None
+                )
                 name = (spec.name if spec is not None and spec.name else None) or f"arg{i}"
                 v = trace.input(name, d, t.dtype)
                 tt = Tensor(v, requires_grad=t.requires_grad)
@@ -151,25 +177,28 @@ class StaticFunction:
         try:
             with tracing(trace):
                 out = self.fn(*all_args, **all_kwargs)
+                leaves, tree = pytree.flatten(out)
+                # outputs read before the captures are restored: a returned parameter is its input
+                out_values = [
+                    leaf._data if isinstance(leaf._data, Value) else trace.capture(leaf) for leaf in leaves
+                ]
             updated = trace.finish()
         except BaseException:
             trace.abort()
             raise
-        leaves, tree = pytree.flatten(out)
-        out_values = []
-        for leaf in leaves:
-            v = leaf._data
-            if not isinstance(v, Value):  # a concrete tensor returned as is
-                with tracing(trace):
-                    v = trace.capture(leaf) if leaf.is_concrete else v
-                trace.finish()
-            out_values.append(v)
         self._check_grads(trace)
         trace.builder.ret(*out_values, *[v for _, v in updated])
         program.verify()
         self.trace_count += 1
-        return ConcreteProgram(program, len(traced_args), [t for t, _, _ in trace.captures],
-                               [t for t, _ in updated], tree, len(out_values), self.compiler)
+        return ConcreteProgram(
+            program,
+            len(traced_args),
+            [t for t, _, _ in trace.captures],
+            [t for t, _ in updated],
+            tree,
+            len(out_values),
+            self.compiler,
+        )
 
     def _check_grads(self, trace: Trace) -> None:
         for t, _, _ in trace.captures:
@@ -178,7 +207,8 @@ class StaticFunction:
                 t.grad = None
                 raise TraceError(
                     f"to_static: the gradient of {name} escapes the traced function; call optimizer.step() "
-                    "and optimizer.zero_grad() inside it, or return the gradients (lf.grad)")
+                    "and optimizer.zero_grad() inside it, or return the gradients (lf.grad)"
+                )
 
     def _state_names(self) -> dict[int, str]:
         names = dict(self._names or {})
@@ -213,15 +243,22 @@ class StaticFunction:
     def program(self) -> Program:
         """The most recently used traced program."""
         if self._last is None:
-            raise RuntimeError("to_static: nothing traced yet; call the function once (or get_concrete_program)")
+            raise RuntimeError(
+                "to_static: nothing traced yet; call the function once (or get_concrete_program)"
+            )
         return self._last.program
 
     def __repr__(self) -> str:
-        return f"<StaticFunction {getattr(self.fn, '__name__', type(self.fn).__name__)}: {self.trace_count} traces>"
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        return f"<StaticFunction {name}: {self.trace_count} traces>"
 
 
-def to_static(fn: Callable[..., Any] | None = None, input_spec: Sequence[InputSpec | None] | None = None,
-              compiler: str | None = None, names: dict[int, str] | None = None) -> Any:
+def to_static(
+    fn: Callable[..., Any] | None = None,
+    input_spec: Sequence[InputSpec | None] | None = None,
+    compiler: str | None = None,
+    names: dict[int, str] | None = None,
+) -> Any:
     """Trace ``fn`` (a function or a Layer) into a static program run by the executor.
 
     Usable as ``to_static(fn, ...)`` or as a decorator ``@to_static(input_spec=...)``.

@@ -46,8 +46,9 @@ def user_frame() -> str:
 class Trace:
     """One function being traced into ``program``."""
 
-    def __init__(self, program: Program, name: str, names: dict[int, str] | None = None,
-                 builder: Builder | None = None) -> None:
+    def __init__(
+        self, program: Program, name: str, names: dict[int, str] | None = None, builder: Builder | None = None
+    ) -> None:
         self.program = program
         self.func = program.function(name) if builder is not None else program.add_function(name)
         self.builder = builder or Builder.at_end(self.func.body)
@@ -88,8 +89,8 @@ class Trace:
             if t._data is not v:
                 if not isinstance(t._data, Value):
                     raise TraceError(
-                        f"captured tensor {self.names.get(id(t)) or t.name or ''} was given a concrete value while "
-                        "tracing; set it outside the traced function"
+                        f"captured tensor {self.names.get(id(t)) or t.name or ''} was given a concrete value "
+                        "while tracing; set it outside the traced function"
                     )
                 updated.append((t, t._data))
             t._data = before

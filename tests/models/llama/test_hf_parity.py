@@ -17,14 +17,30 @@ transformers = pytest.importorskip("transformers")
 VARIANTS = {
     "gqa": {},
     "tied": {"tie_word_embeddings": True},
-    "llama3_rope": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+    "llama3_rope": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
+    },
 }
 
 
 def config(**kw):
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=0.1)
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,
+    )
     return LlamaConfig(**{**base, **kw})
 
 
@@ -41,7 +57,9 @@ def test_ours_to_hf(tmp_path, name):
     ours = LlamaForCausalLM(config(**VARIANTS[name]))
     ours.save_pretrained(tmp_path)
     ids = np.random.default_rng(0).integers(0, 64, (2, 12))
-    np.testing.assert_allclose(hf_logits(tmp_path, ids), ours(lf.tensor(ids)).logits.numpy(), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(
+        hf_logits(tmp_path, ids), ours(lf.tensor(ids)).logits.numpy(), rtol=2e-4, atol=2e-5
+    )
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -52,4 +70,6 @@ def test_hf_to_ours(tmp_path, name):
     hf.save_pretrained(tmp_path, safe_serialization=True)
     ids = np.random.default_rng(1).integers(0, 64, (2, 12))
     ours = LlamaForCausalLM.from_pretrained(tmp_path)
-    np.testing.assert_allclose(ours(lf.tensor(ids)).logits.numpy(), hf_logits(tmp_path, ids), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(
+        ours(lf.tensor(ids)).logits.numpy(), hf_logits(tmp_path, ids), rtol=2e-4, atol=2e-5
+    )
