@@ -230,3 +230,13 @@ def test_cli_tokenizer_train(tmp_path, capsys):
 
     tok = LlamaTokenizer.from_pretrained(tmp_path / "tok")
     assert tok.vocab_size == 300 and tok.decode(tok.encode("the quick fox")) == "the quick fox"
+
+
+def test_generate_rejects_a_tokenizer_that_does_not_match_the_model(tmp_path, capsys):
+    from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
+    from llmkit.train.corpus import builtin_tokenizer
+
+    LlamaForCausalLM(LlamaConfig.from_preset("tiny", vocab_size=600, **MICRO)).save_pretrained(tmp_path / "m")
+    builtin_tokenizer(512).save_pretrained(tmp_path / "m")
+    assert cli_main(["generate", "--model", str(tmp_path / "m"), "--prompt", "x"]) == 2
+    assert "tokenizer vocab (512) does not match the model's (600)" in capsys.readouterr().err

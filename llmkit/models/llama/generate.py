@@ -84,7 +84,9 @@ def main(argv: list[str]) -> int:
     model = LlamaForCausalLM.from_pretrained(a.model)
     tok = LlamaTokenizer.from_pretrained(a.model)
     if tok.vocab_size != model.config.vocab_size:
-        raise ValueError(
+        from .checkpoint import CheckpointError
+
+        raise CheckpointError(
             f"tokenizer vocab ({tok.vocab_size}) does not match the model's ({model.config.vocab_size})"
         )
     ids = tok.encode(a.prompt, add_bos=True)
