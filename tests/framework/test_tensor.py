@@ -209,3 +209,17 @@ def test_seeded_randomness_is_reproducible():
 def test_repr():
     assert repr(lf.tensor([1.0, 2.0])) == "Tensor([1., 2.], dtype=float32)"
     assert "requires_grad=True" in repr(lf.tensor([1.0], requires_grad=True))
+
+
+def test_shape_rules_reject_what_kernels_cannot_run():
+    with pytest.raises(OpError, match="rotary_embedding: cos/sin must broadcast"):
+        lf.ops.rotary_embedding(lf.zeros(3, 4), lf.zeros(3, 4), lf.zeros(1, 2, 3, 4))
+    for op in (lf.ops.softmax, lf.ops.log_softmax):
+        with pytest.raises(OpError, match="axis -1 is empty"):
+            op(lf.zeros(2, 0))
+    with pytest.raises(OpError, match="max: cannot reduce an empty axis"):
+        lf.ops.max(lf.zeros(2, 0), axis=1)
+    with pytest.raises(OpError, match="argmax: cannot take the argmax of an empty axis"):
+        lf.ops.argmax(lf.zeros(0))
+    assert lf.ops.sum(lf.zeros(2, 0), axis=1).tolist() == [0.0, 0.0]
+    assert lf.ops.get("full").bind({"shape": [1], "value": 0})["dtype"] == np.dtype("float32")

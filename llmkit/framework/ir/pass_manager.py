@@ -88,13 +88,28 @@ def make_pass(name: str, **options: Any) -> Pass:
             + (f" (did you mean {hint[0]!r}?)" if hint else "")
             + f"; passes: {', '.join(sorted(registry))}"
         )
-    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-    for k in options:
-        if k not in fields:
+    fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    for k, v in options.items():
+        f = fields.get(k)
+        if f is None:
             raise IRError(
                 f"pass {name!r} has no option {k!r} (options: {', '.join(sorted(fields)) or 'none'})"
             )
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if default not in (None, dataclasses.MISSING) and not _same_kind(v, default):
+            raise IRError(f"pass {name!r}: option {k!r} must be of type {type(default).__name__}, got {v!r}")
     return cls(**options)
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    """An option value fits when it has its default's type (a bool is not an int here)."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    if isinstance(default, (list, tuple)):
+        return isinstance(value, (list, tuple))
+    return isinstance(value, type(default))
 
 
 class PassManager:
@@ -155,6 +170,11 @@ class PassManager:
     def run(self, program: Program) -> Program:
         """Run every pass in order on ``program`` (in place); returns it."""
         self.timings = []
+        if self.verify:
+            try:
+                program.verify()
+            except VerifyError as e:
+                raise VerifyError(f"before the pipeline: {e}", e.op, e.location) from None
         for i, p in enumerate(self.passes):
             start = time.perf_counter()
             with paused_gc():

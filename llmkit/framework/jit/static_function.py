@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import backend as B
-from ..ir import Program, Value
+from ..ir import Program, Value, paused_gc
 from ..tensor import Tensor
 from . import pytree
 from .tracer import Trace, TraceError, tracing
@@ -175,7 +175,7 @@ class StaticFunction:
         n = len(args)
         all_kwargs = {k: as_traced(kwargs[k], n + j) for j, k in enumerate(sorted(kwargs))}
         try:
-            with tracing(trace):
+            with tracing(trace), paused_gc():  # cyclic GC makes long traces superlinear
                 out = self.fn(*all_args, **all_kwargs)
                 leaves, tree = pytree.flatten(out)
                 # outputs read before the captures are restored: a returned parameter is its input

@@ -38,7 +38,8 @@ def _floating(name, *xs):
 def _same_meta(name):
     def infer(x, axis=-1):
         _floating(name, x)
-        norm_axis(name, axis, x.ndim)
+        if x.shape[norm_axis(name, axis, x.ndim)] == 0:
+            raise OpError(f"{name}: axis {axis} is empty", x)
         return Meta(x.shape, x.dtype)
 
     return infer
@@ -241,8 +242,7 @@ def _rope_meta(x, cos, sin, position_ids=None):
     if not isinstance(d, int) or d % 2:
         raise OpError("rotary_embedding: the head dim must be a static even size", x)
     if position_ids is None:
-        broadcast_shapes("rotary_embedding", x, cos, sin)
-        if tuple(broadcast_shapes("rotary_embedding", x, cos)) != tuple(x.shape):
+        if tuple(broadcast_shapes("rotary_embedding", x, cos, sin)) != tuple(x.shape):
             raise OpError("rotary_embedding: cos/sin must broadcast to x's shape", x, cos, sin)
     else:
         if not B.is_integer(position_ids.dtype) or position_ids.ndim != 2 or x.ndim != 4:

@@ -14,8 +14,12 @@ def _keep(g, x, axis, keepdim):
     return g if keepdim else O.reshape(g, reduce_shape("reduce", x.shape, axis, True))
 
 
-def reduction(name, kernel, vjp=None, *, floating=False, numeric=True, out_dtype=None, **kw):
+def reduction(name, kernel, vjp=None, *, floating=False, numeric=True, out_dtype=None, identity=True, **kw):
+    """A reduction op; ``identity=False`` for those with no value over an empty axis (max, min)."""
+
     def infer(x, axis=None, keepdim=False):
+        if not identity and any(x.shape[a] == 0 for a in norm_axes(name, axis, x.ndim)):
+            raise OpError(f"{name}: cannot reduce an empty axis (it has no identity)", x)
         if floating and not B.is_floating(x.dtype):
             raise OpError(f"{name}: expects a floating tensor, got {describe(x)}")
         if numeric and x.dtype == B.DTYPES["bool"]:
@@ -55,12 +59,14 @@ reduction(
     lambda xp, x, axis=None, keepdim=False: xp.max(x, axis=axis, keepdims=keepdim),
     _extreme_vjp,
     reducer="max",
+    identity=False,
 )
 reduction(
     "min",
     lambda xp, x, axis=None, keepdim=False: xp.min(x, axis=axis, keepdims=keepdim),
     _extreme_vjp,
     reducer="min",
+    identity=False,
 )
 
 
@@ -82,6 +88,7 @@ reduction(
     "logsumexp",
     _logsumexp_kernel,
     floating=True,
+    identity=False,
     decompose=_logsumexp_decompose,
     vjp=lambda g, out, x, axis, keepdim: (
         _keep(g, x, axis, keepdim) * O.exp(x - _keep(out, x, axis, keepdim)),
@@ -90,6 +97,8 @@ reduction(
 
 
 def _argmax_meta(x, axis=None, keepdim=False):
+    if any(x.shape[a] == 0 for a in norm_axes("argmax", None if axis is None else (axis,), x.ndim)):
+        raise OpError("argmax: cannot take the argmax of an empty axis", x)
     if axis is None:
         return Meta((1,) * x.ndim if keepdim else (), "int64")
     return Meta(reduce_shape("argmax", x.shape, (axis,), keepdim), "int64")

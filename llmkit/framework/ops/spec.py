@@ -236,7 +236,12 @@ class OpSpec:
 
     def __post_init__(self) -> None:
         self._attr_index = {a.name: a for a in self.attrs}
-        self._defaults = {a.name: a.default for a in self.attrs if a.default is not REQUIRED}
+        # Defaults are stored normalized, like values passed in ("float32" -> np.dtype).
+        self._defaults = {
+            a.name: a.default if a.default is None else a.type.normalize(a.default)
+            for a in self.attrs
+            if a.default is not REQUIRED
+        }
         self.variadic = bool(self.inputs) and self.inputs[0].startswith("*")
         self.min_inputs = sum(1 for n in self.inputs if not n.endswith("?") and not n.startswith("*"))
         self.max_inputs = None if self.variadic else len(self.inputs)

@@ -129,12 +129,52 @@ def instantiate(
 
 # Ops that give different values on each run would make equality checks meaningless; none exist
 # in the op table today (dropout draws from its seed attribute), so nothing is excluded.
-def random_program(rng: random.Random, n_ops: int, ops: list[str] | None = None) -> ir.Program:
-    """A verified program of up to ``n_ops`` random op-table ops, returning every new value."""
+# Ops the canonicalize, fold and fusion rules look at (random_program(ops=REWRITABLE) hits them).
+REWRITABLE = [
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "neg",
+    "exp",
+    "silu",
+    "matmul",
+    "transpose",
+    "reshape",
+    "cast",
+    "expand",
+    "squeeze",
+    "slice",
+    "concat",
+    "full",
+    "zeros_like",
+    "ones_like",
+    "maximum",
+]
+
+
+def _constants(b: ir.Builder, rng: random.Random) -> list[ir.Value]:
+    """Splat ones and zeros, a scalar one and random constants, for the folding rules to find."""
+    r = np.random.default_rng(rng.randrange(2**32))
+    return [
+        b.constant(np.ones((2, 3), np.float32)),
+        b.constant(np.zeros((2, 3), np.float32)),
+        b.constant(np.float32(1.0)),
+        b.constant(r.standard_normal((2, 3)).astype(np.float32)),
+        b.constant(r.standard_normal(3).astype(np.float32)),
+        b.constant(np.zeros((), np.float32)),
+    ]
+
+
+def random_program(
+    rng: random.Random, n_ops: int, ops: list[str] | None = None, constants: bool = False
+) -> ir.Program:
+    """A verified program of up to ``n_ops`` random op-table ops (drawn from ``ops``, default
+    all), returning every new value; ``constants`` adds a few constants to draw operands from."""
     p = ir.Program()
     f = p.add_function("main", INPUTS)
     b = ir.Builder.at_end(f.body)
-    pool: list[ir.Value] = list(f.args)
+    pool: list[ir.Value] = list(f.args) + (_constants(b, rng) if constants else [])
     names = ops or sorted(table())
     made: list[ir.Value] = []
     for _ in range(n_ops):

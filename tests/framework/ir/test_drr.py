@@ -12,7 +12,7 @@ from llmkit.framework import ir
 from llmkit.framework.ir import drr
 from llmkit.framework.ir.passes.fuse import MATMUL_ADD_TO_LINEAR, MATMUL_T_ADD_TO_LINEAR, SILU_MUL_TO_SWIGLU
 
-from .conftest import assert_same_outputs, inputs_for
+from .helpers import assert_same_outputs, inputs_for
 
 RULES = [MATMUL_T_ADD_TO_LINEAR, MATMUL_ADD_TO_LINEAR, SILU_MUL_TO_SWIGLU]
 

@@ -21,7 +21,7 @@ import pytest
 
 from llmkit.framework import ir
 
-from .conftest import assert_same_outputs, inputs_for, symbol_sizes
+from .helpers import assert_same_outputs, inputs_for, symbol_sizes
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = sorted(GOLDEN.glob("*.pir"))

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from llmkit.framework import ir
 from llmkit.framework.ir.pass_manager import Pass, register_pass
 
-from .conftest import assert_same_outputs
-from .gen import input_arrays, random_program
+from .gen import REWRITABLE, input_arrays, random_program
+from .helpers import assert_same_outputs
 
 F32 = "float32"
 PIPELINE = ["canonicalize", "cse", "fold-constants", "fuse-patterns", "dce", "simplify-shapes"]
@@ -27,11 +27,11 @@ def prog(text_body: str, sig: str, results: str) -> ir.Program:
 # ---- semantics on random programs -------------------------------------------------------------
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.integers(2, 20), st.integers(1, 3))
-def test_the_standard_pipeline_keeps_the_values_of_random_programs(seed, n_ops, keep):
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(2, 20), st.integers(1, 3), st.booleans(), st.booleans())
+def test_the_standard_pipeline_keeps_the_values_of_random_programs(seed, n_ops, keep, rewritable, constants):
     rng = random.Random(seed)
-    p = random_program(rng, n_ops)
+    p = random_program(rng, n_ops, ops=REWRITABLE if rewritable else None, constants=constants)
     ret = p["main"].return_op
     outs = ret.operands[-keep:]  # return only a few values so DCE has work to do
     ret.set_operands(outs)
@@ -126,6 +126,17 @@ def test_canonicalize_leaves_growing_broadcasts_and_ints():
     assert f.outputs[2].owner.name == "llm.mul"  # [2] * [2, 2] grows: the op stays
 
 
+def test_simplify_shapes_folds_numel_once_its_dims_are_known():
+    text = """    %n = llm.numel(%x) : f32[]
+    %m = llm.numel(%x) {axis = [1]} : f32[]
+    return %n, %m"""
+    p = prog(text, "%x: f32[S, 2]", "f32[], f32[]")
+    ir.PassManager(["simplify-shapes"]).run(p)  # S is unknown: numel over it stays an op
+    assert [op.name for op in p["main"].body] == ["llm.numel", "builtin.constant", "builtin.return"]
+    ir.PassManager(["simplify-shapes{bind = {S = 4}}"]).run(p)
+    assert [ir.ConstantOp(v.owner).value.item() for v in p["main"].outputs] == [8.0, 2.0]
+
+
 def test_simplify_shapes_rejects_bad_bindings_and_reports_broken_ops():
     text = """    %r = llm.slice_scatter(%x, %s) {axes = [0], starts = [0], ends = [2]} : f32[4]
     return %r"""
@@ -159,6 +170,10 @@ def test_pipelines_by_name_with_options_and_helpful_errors():
         ir.PassManager(["fold-constants{max = 3}"])
     with pytest.raises(ir.ParseError, match="expected ',' between passes"):
         ir.PassManager.parse("cse dce")
+    with pytest.raises(ir.IRError, match="option 'max_elements' must be of type int, got 'many'"):
+        ir.PassManager(['fold-constants{max_elements = "many"}'])
+    with pytest.raises(ir.IRError, match="option 'rules' must be of type list"):
+        ir.PassManager([("fuse-patterns", {"rules": "silu_mul_to_swiglu"})])
 
 
 @register_pass
@@ -179,6 +194,8 @@ def test_verify_between_passes_names_the_guilty_pass():
         ir.VerifyError, match="after pass 'test-corrupt': in @main: llm.exp: result #0 has type f32"
     ):
         ir.PassManager(["cse", "test-corrupt"]).run(p)
+    with pytest.raises(ir.VerifyError, match="before the pipeline: in @main: llm.exp: result #0 has type"):
+        ir.PassManager(["cse"]).run(p)  # a broken input is reported as such, not blamed on a pass
     p2 = prog("    %e = llm.exp(%x) : f32[2]\n    return %e", "%x: f32[2]", "f32[2]")
     ir.PassManager(["test-corrupt"], verify=False).run(p2)  # verification can be turned off
 

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from llmkit.framework import ir
 from llmkit.framework.ops.spec import OpError, table
 
-from .conftest import assert_same_outputs
 from .gen import INPUTS, input_arrays, instantiate, random_program
+from .helpers import assert_same_outputs
 
 SEEDS = st.integers(0, 2**32 - 1)
 

@@ -72,7 +72,9 @@ def _fold_numel(op: Operation) -> bool:
         return False
     x = op._operands[0]
     axes = op.plain_attrs["axis"]
-    dims = x.shape if axes is None else [x.shape[a % max(x.ndim, 1)] for a in axes]
+    if axes is not None and any(not -x.ndim <= a < x.ndim for a in axes):
+        return False  # (the op table lets axis 0 through on a 0-d tensor; its kernel then fails)
+    dims = x.shape if axes is None else [x.shape[a] for a in axes]
     if not all(isinstance(d, int) for d in dims):
         return False
     value = np.asarray(prod(dims), dtype=x.dtype)

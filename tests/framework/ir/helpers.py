@@ -1,4 +1,4 @@
-"""Shared helpers for the PIR tests."""
+"""Shared helpers for the PIR tests (random inputs for a function, output comparison)."""
 
 from __future__ import annotations
 
