@@ -21,7 +21,6 @@ import glob
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from llmkit.framework.files import atomic_open
 from llmkit.models.llama.tokenizer import LlamaTokenizer, train_tokenizer
 from llmkit.train.corpus import builtin_corpus, builtin_documents, default_cache_dir
 
@@ -241,18 +241,9 @@ def _pack(sources: list[str], tokenizer: LlamaTokenizer, dtype: np.dtype, path: 
     if not docs:
         raise DataError(f"the data sources {sources} contain no text")
     docs.sort(key=lambda doc: hashlib.sha256(doc.encode("utf-8")).digest())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        bar = tqdm(total=len(docs), unit="doc", desc="tokenizing", disable=None)  # silent off a terminal
-        with os.fdopen(fd, "wb") as f, bar:
-            for i in range(0, len(docs), _ENCODE_CHUNK):
-                chunk = tokenizer.encode_batch(docs[i : i + _ENCODE_CHUNK], add_bos=True, add_eos=True)
-                f.write(np.concatenate([np.asarray(ids, dtype=dtype) for ids in chunk]).tobytes())
-                bar.update(len(chunk))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    bar = tqdm(total=len(docs), unit="doc", desc="tokenizing", disable=None)  # silent off a terminal
+    with atomic_open(path) as f, bar:
+        for i in range(0, len(docs), _ENCODE_CHUNK):
+            chunk = tokenizer.encode_batch(docs[i : i + _ENCODE_CHUNK], add_bos=True, add_eos=True)
+            f.write(np.concatenate([np.asarray(ids, dtype=dtype) for ids in chunk]).tobytes())
+            bar.update(len(chunk))

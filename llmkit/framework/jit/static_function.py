@@ -221,22 +221,21 @@ class StaticFunction:
         return names
 
     # ---- calling -------------------------------------------------------------------------------
-    def get_concrete_program(self, *args: Any, **kwargs: Any) -> ConcreteProgram:
+    def _lookup(self, args: tuple, kwargs: dict) -> tuple[ConcreteProgram, list[Tensor]]:
+        """The program for this call's signature (traced now if new) and its tensor arguments."""
         args_l, kwargs_d = self._bind_args(args, kwargs)
         key, tensors, dims = self._signature(args_l, kwargs_d)
         cp = self._cache.get(key)
         if cp is None:
             cp = self._cache[key] = self._trace(args_l, kwargs_d, tensors, dims)
         self._last = cp
-        return cp
+        return cp, tensors
+
+    def get_concrete_program(self, *args: Any, **kwargs: Any) -> ConcreteProgram:
+        return self._lookup(args, kwargs)[0]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args_l, kwargs_d = self._bind_args(args, kwargs)
-        key, tensors, dims = self._signature(args_l, kwargs_d)
-        cp = self._cache.get(key)
-        if cp is None:
-            cp = self._cache[key] = self._trace(args_l, kwargs_d, tensors, dims)
-        self._last = cp
+        cp, tensors = self._lookup(args, kwargs)
         return cp.run(tensors)
 
     @property
