@@ -101,48 +101,52 @@ class ConstantLR(LRScheduler):
         return 1.0 if w is None else w
 
 
-class WarmupCosine(LRScheduler):
-    """Linear warmup, then cosine decay from 1 to ``min_lr_ratio`` at ``total_steps``, then flat.
+class _WarmupDecay(LRScheduler):
+    """Linear warmup, then ``decay(q)`` over q = (s - warmup_steps) / (total_steps - warmup_steps)
+    clipped to [0, 1] (so flat after total_steps). Subclasses give ``decay``."""
 
-    With q = (s - warmup_steps) / (total_steps - warmup_steps) clipped to [0, 1]:
-    factor(s) = min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * q)) / 2 after warmup.
-    """
+    def __init__(self, optimizer: Optimizer, warmup_steps: int, total_steps: int) -> None:
+        _check(warmup_steps, total_steps)
+        self.warmup_steps, self.total_steps = warmup_steps, total_steps
+        super().__init__(optimizer)
+
+    def decay(self, q: float) -> float:
+        raise NotImplementedError
+
+    def factor(self, step: int) -> float:
+        w = _warmup(step, self.warmup_steps)
+        if w is not None:
+            return w
+        return self.decay(min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)))
+
+
+class WarmupCosine(_WarmupDecay):
+    """Linear warmup, then cosine decay from 1 to ``min_lr_ratio`` at ``total_steps``, then flat:
+    factor = min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * q)) / 2 after warmup."""
 
     _config = ("warmup_steps", "total_steps", "min_lr_ratio")
 
     def __init__(
         self, optimizer: Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
     ) -> None:
-        _check(warmup_steps, total_steps)
-        self.warmup_steps, self.total_steps, self.min_lr_ratio = warmup_steps, total_steps, min_lr_ratio
-        super().__init__(optimizer)
+        self.min_lr_ratio = min_lr_ratio
+        super().__init__(optimizer, warmup_steps, total_steps)
 
-    def factor(self, step: int) -> float:
-        w = _warmup(step, self.warmup_steps)
-        if w is not None:
-            return w
-        q = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+    def decay(self, q: float) -> float:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * q))
 
 
-class LinearDecay(LRScheduler):
-    """Linear warmup, then linear decay from 1 to ``end_ratio`` at ``total_steps``, then flat.
-
-    After warmup, factor(s) = 1 - (1 - end_ratio) * q with q as in :class:`WarmupCosine`.
-    """
+class LinearDecay(_WarmupDecay):
+    """Linear warmup, then linear decay from 1 to ``end_ratio`` at ``total_steps``, then flat:
+    factor = 1 - (1 - end_ratio) * q after warmup."""
 
     _config = ("warmup_steps", "total_steps", "end_ratio")
 
     def __init__(
         self, optimizer: Optimizer, warmup_steps: int, total_steps: int, end_ratio: float = 0.0
     ) -> None:
-        _check(warmup_steps, total_steps)
-        self.warmup_steps, self.total_steps, self.end_ratio = warmup_steps, total_steps, end_ratio
-        super().__init__(optimizer)
+        self.end_ratio = end_ratio
+        super().__init__(optimizer, warmup_steps, total_steps)
 
-    def factor(self, step: int) -> float:
-        w = _warmup(step, self.warmup_steps)
-        if w is not None:
-            return w
-        q = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+    def decay(self, q: float) -> float:
         return 1.0 - (1.0 - self.end_ratio) * q
