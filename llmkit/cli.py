@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "llmkit.train.cli:tokenizer_main",
     ),
     "plot": ("plot a run's loss curves to PNG", "llmkit.train.cli:plot_main"),
+    "export": ("write the static model file a server runs", "llmkit.serve.export:main"),
+    "serve": ("serve a static model file over an OpenAI-compatible HTTP API", "llmkit.serve.server:main"),
 }
 
 
@@ -33,6 +35,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ("llmkit.models.llama.config", "LlamaConfigError"),
         ("llmkit.models.llama.checkpoint", "CheckpointError"),
         ("llmkit.framework.jit", "FormatError"),
+        ("llmkit.serve.export", "ExportError"),
     ]:
         m = sys.modules.get(mod)
         if m is not None and hasattr(m, name):

@@ -119,7 +119,8 @@ class Executor:
             sym_attrs = {k: a for k, a in op.attributes.items() if a.symbolic}
             attrs = {k: a.value for k, a in op.attributes.items() if not a.symbolic}
             multi = spec.multi_output if spec is not None else len(outs) != 1
-            self.steps.append(_Step(name, fn, ins, outs, attrs, sym_attrs, multi))
+            label = getattr(fn, "profile_name", name)  # compiled groups: "cinn.fusion[rms_norm]"
+            self.steps.append(_Step(label, fn, ins, outs, attrs, sym_attrs, multi))
         return []
 
     def _liveness(self) -> None:

@@ -1,41 +1,90 @@
 """Choosing the next token from logits (host-side numpy, float64 for stable probabilities).
 
-``SamplingParams`` holds one request's settings; ``sample(logits, params, rng)`` filters and draws.
-Greedy is ``temperature == 0``: the argmax, with the lowest id winning ties, so results do not
-depend on how requests are batched.
+``SamplingParams`` holds one request's settings; :class:`Sampler` is one request's sampling state
+(its random generator, the tokens it has seen for penalties). Each request is sampled on its own
+row of logits, so sampling never depends on how requests are batched. The order of operations::
+
+    raw logits -> logprobs (reported: the model's own distribution, as vLLM reports by default)
+    raw logits -> repetition / presence / frequency penalties
+               -> greedy argmax (temperature 0; the lowest id wins ties)
+               or / temperature -> top-k -> softmax -> min-p -> top-p -> one draw from the
+                  request's generator (seeded: the same seed gives the same tokens)
+
+``sample(logits, params, rng)`` is the same choice without penalties (eager generation uses it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One request's sampling settings. Invalid values raise ValueError naming the field."""
+
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # keep the k most likely tokens (0 = all)
     top_p: float = 1.0  # keep the smallest set whose probability reaches top_p
+    min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one
+    repetition_penalty: float = 1.0  # CTRL / Hugging Face: logits of seen tokens (prompt + output) / p
+    presence_penalty: float = 0.0  # OpenAI: minus this for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this times how often it was generated
     seed: int | None = None  # per-request seed; None draws from entropy
+    max_tokens: int = 16  # new tokens at most
+    stop: tuple[str, ...] = ()  # stop strings (not included in the output text)
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the output (besides eos)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k most likely
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        checks = [
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0 (1 = off)"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("max_tokens", self.max_tokens >= 1, ">= 1"),
+            (
+                "logprobs",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"in [0, {MAX_LOGPROBS}]",
+            ),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return SamplingParams(**{**self.__dict__, **changes})
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution sampling draws from: temperature, then top-k and top-p filtering. [V] -> [V]."""
+    """The distribution sampling draws from: temperature, top-k, min-p and top-p. [V] -> [V] float64."""
     z = logits.astype(np.float64) / params.temperature
     if params.top_k and params.top_k < z.shape[-1]:
         kth = np.partition(z, -params.top_k)[-params.top_k]
         z = np.where(z >= kth, z, -np.inf)
     p = np.exp(z - z.max())
     p /= p.sum()
+    if params.min_p > 0:
+        p = np.where(p >= params.min_p * p.max(), p, 0.0)
+        p /= p.sum()
     if params.top_p < 1.0:
         order = np.argsort(-p, kind="stable")
         cum = np.cumsum(p[order])
@@ -49,8 +98,85 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token id from a row of logits [V]."""
+    """One token id from a row of logits [V] (no penalties: they need the request's history)."""
     if params.temperature == 0:
         return int(np.argmax(logits))
     p = probabilities(logits, params)
     return int(rng.choice(p.shape[0], p=p))
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def top_logprobs(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, logprob), most likely first, lower ids first among equals."""
+    if k <= 0:
+        return []
+    idx = np.argpartition(-logprobs, min(k, logprobs.shape[0]) - 1)[:k]
+    idx = idx[np.lexsort((idx, -logprobs[idx]))]
+    return [(int(i), float(logprobs[i])) for i in idx]
+
+
+@dataclass
+class TokenChoice:
+    """One sampled token, with its logprob and the top alternatives when asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Sampler:
+    """One request's sampler: ``sampler(logits_row) -> TokenChoice``, then ``accept(token)``.
+
+    ``seed`` (default ``params.seed``) seeds the request's own generator: one uniform draw per
+    sampled token, so a seeded request gives the same tokens wherever and with whatever it runs.
+    """
+
+    def __init__(
+        self, params: SamplingParams, prompt_ids: Iterable[int] = (), seed: int | None = None
+    ) -> None:
+        self.params = params
+        seed = params.seed if seed is None else seed
+        self.rng = np.random.default_rng(None if seed is None else seed % (1 << 64))
+        self._seen = set(int(t) for t in prompt_ids) if params.repetition_penalty != 1.0 else set()
+        self._counts: dict[int, int] = {}
+
+    def penalize(self, logits: np.ndarray) -> np.ndarray:
+        """Float64 logits with this request's penalties applied."""
+        p = self.params
+        z = logits.astype(np.float64)
+        if p.repetition_penalty != 1.0 and self._seen:
+            ids = np.fromiter(self._seen, np.int64)
+            v = z[ids]
+            z[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self._counts:
+            ids = np.fromiter(self._counts, np.int64)
+            counts = np.fromiter(self._counts.values(), np.float64)
+            z[ids] -= p.presence_penalty + p.frequency_penalty * counts
+        return z
+
+    def __call__(self, logits: np.ndarray) -> TokenChoice:
+        p = self.params
+        z = self.penalize(logits)
+        token = int(np.argmax(z)) if p.greedy else int(self.rng.choice(z.shape[0], p=probabilities(z, p)))
+        choice = TokenChoice(token)
+        if p.logprobs is not None:
+            lp = log_softmax(logits)
+            choice.logprob = float(lp[token])
+            choice.top = top_logprobs(lp, p.logprobs)
+        return choice
+
+    def accept(self, token: int) -> None:
+        """Record a generated token (for the penalties)."""
+        if self.params.repetition_penalty != 1.0:
+            self._seen.add(token)
+        self._counts[token] = self._counts.get(token, 0) + 1
+
+
+def merge_stop_ids(params: SamplingParams, eos_ids: Sequence[int]) -> frozenset[int]:
+    """The token ids that end this request's output."""
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))

@@ -154,7 +154,8 @@ class TrainSection(_Section):
     keep_last: int = Field(2, gt=0)  # checkpoints kept on disk, newest first
     seed: int = Field(0, ge=0)  # init and data order
     mode: Literal["eager", "static"] = "eager"  # static: the whole step as one compiled program
-    compiler: Literal["cinn", "none"] = "none"  # fusion compiler for static programs
+    # fusion compiler of static programs; null (default): cinn wherever a C compiler exists
+    compiler: Literal["cinn", "none"] | None = None
     recompute: bool = False  # recompute activations in backward (less memory, more compute)
     device: Literal["cpu", "gpu"] = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype

@@ -35,7 +35,7 @@ class Logits(lf.nn.Layer):
 def test_forward_logits_equal_eager_exactly():
     lf.seed(0)
     model = LlamaForCausalLM(tiny())
-    f = jit.to_static(Logits(model), input_spec=[SEQ])
+    f = jit.to_static(Logits(model), input_spec=[SEQ], compiler="none")  # bit-exact: unfused
     ids = np.random.default_rng(0).integers(0, 128, (2, 9))
     np.testing.assert_array_equal(f(lf.tensor(ids)).numpy(), model(lf.tensor(ids)).logits.numpy())
 
@@ -43,7 +43,7 @@ def test_forward_logits_equal_eager_exactly():
 def test_one_trace_serves_every_batch_and_length():
     lf.seed(1)
     model = LlamaForCausalLM(tiny(max_position_embeddings=512, num_hidden_layers=1))
-    f = jit.to_static(Logits(model), input_spec=[SEQ])
+    f = jit.to_static(Logits(model), input_spec=[SEQ], compiler="none")  # bit-exact: unfused
     rng = np.random.default_rng(1)
     for b, s in [(1, 1), (8, 512), (3, 17), (1, 512), (8, 1), (5, 100)]:
         ids = rng.integers(0, 128, (b, s))
@@ -123,7 +123,7 @@ def _train_pair(steps, static, recompute=False):
         opt.zero_grad()
         return loss
 
-    run = jit.to_static(step, input_spec=[SEQ, SEQ]) if static else step
+    run = jit.to_static(step, input_spec=[SEQ, SEQ], compiler="none") if static else step
     losses = []
     for _ in range(steps):
         x = rng.integers(0, 128, (4, 16))
@@ -161,7 +161,7 @@ def test_recompute_same_gradients_lower_peak_memory():
         for layer in model.model.layers:
             layer.recompute(recompute)
         params = model.parameters()
-        f = jit.to_static(lambda x: lf.grad(model.loss(x, x), params), input_spec=[SEQ])
+        f = jit.to_static(lambda x: lf.grad(model.loss(x, x), params), input_spec=[SEQ], compiler="none")
         ids = lf.tensor(np.random.default_rng(4).integers(0, 128, (8, 64)))
         f(ids)  # trace and warm up outside the measurement
         tracemalloc.start()
@@ -238,7 +238,7 @@ def test_executor_rejects_bad_inputs():
 def test_profile_lists_op_types(tmp_path):
     code = (
         "import numpy as np, llmkit.framework as lf\nfrom llmkit.framework import jit\n"
-        "f = jit.to_static(lambda x: lf.ops.softmax(x * 2.0))\nf(lf.ones(4, 4))\n"
+        "f = jit.to_static(lambda x: lf.ops.softmax(x * 2.0), compiler='none')\nf(lf.ones(4, 4))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -268,7 +268,7 @@ def test_load_in_a_fresh_process_without_model_code(saved, tmp_path):
     code = f"""
 import sys, numpy as np
 import llmkit.framework.jit as jit
-m = jit.load({str(path)!r})
+m = jit.load({str(path)!r}, compiler="none")
 np.save({str(tmp_path / "out.npy")!r}, m(np.load({str(tmp_path / "ids.npy")!r})))
 assert not any(k.startswith("llmkit.models") for k in sys.modules), [k for k in sys.modules if "models" in k]
 print(m.metadata["note"])

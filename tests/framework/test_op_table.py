@@ -647,6 +647,105 @@ case(
 )
 
 
+# ---- inference ops (ops/paged.py) ---------------------------------------------------------------
+
+case(
+    "tiled_linear",
+    lambda rng: [
+        S([r(rng, 2, 3, 4), r(rng, 5, 4), r(rng, 5)], {"rows": 4}, keep=((1, 0), (2, 0))),
+        S([r(rng, 3, 4), r(rng, 2, 4)], {"rows": 2}),
+        S([r(rng, 5, 3), r(rng, 4, 3)], {"rows": 1}),
+        S([r(rng, 1, 4), r(rng, 3, 4)]),
+        S([r(rng, 2, 3, 4), r(rng, 4, 5), r(rng, 5)], {"rows": 2, "transposed": True}, keep=((1, 1), (2, 0))),
+    ],
+    lambda x, w, b=None, rows=8, transposed=False: (
+        np.einsum("...i,io->...o" if transposed else "...i,oi->...o", x, w) + (0 if b is None else b)
+    ),
+)
+
+
+def _slot_of(table, pos, block_size):
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+def _paged_write_ref(pool, k, v, slots, layer=0, inplace=False):
+    out = np.array(pool, dtype=np.float64)
+    flat_slots = out.shape[2] * out.shape[3]
+    for n, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        b, s = divmod(n, k.shape[2])
+        block, offset = divmod(int(slot), out.shape[3])
+        assert slot < flat_slots
+        for h in range(k.shape[1]):
+            out[layer, 0, block, offset, h] = k[b, h, s]
+            out[layer, 1, block, offset, h] = v[b, h, s]
+    return out
+
+
+case(
+    "paged_kv_write",
+    lambda rng: [
+        S(
+            [r(rng, 2, 2, 3, 2, 2, 4), r(rng, 1, 2, 4, 4), r(rng, 1, 2, 4, 4), np.array([4, -1, 0, 5])],
+            {"layer": 1},
+        ),
+        S(
+            [r(rng, 1, 2, 2, 4, 1, 3), r(rng, 3, 1, 1, 3), r(rng, 3, 1, 1, 3), np.array([7, 2, 3])],
+            {"inplace": True},
+        ),
+    ],
+    _paged_write_ref,
+)
+
+
+def _paged_attention_ref(q, pool, tables, kv_len, q_start=None, q_len=None, layer=0, scale=None):
+    b, hq, s, d = q.shape
+    bs, hk = pool.shape[3], pool.shape[4]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    out = np.zeros((b, hq, s, d))
+    segs = len(kv_len)
+    starts = range(b * s) if q_start is None else q_start
+    lens = [1] * segs if q_len is None else q_len
+    for i in range(segs):
+        t = int(kv_len[i])
+        keys = [pool[layer, 0].reshape(-1, hk, d)[_slot_of(tables[i], p, bs)] for p in range(t)]
+        vals = [pool[layer, 1].reshape(-1, hk, d)[_slot_of(tables[i], p, bs)] for p in range(t)]
+        for j in range(int(lens[i])):
+            row, col = divmod(int(starts[i]) + j, s)
+            pos = t - int(lens[i]) + j  # the query's own position: it sees keys 0..pos
+            for h in range(hq):
+                kh = h // (hq // hk)
+                sc = np.array([q[row, h, col] @ keys[p][kh] * scale for p in range(pos + 1)])
+                w = np.exp(sc - sc.max())
+                out[row, h, col] = sum(w[p] * vals[p][kh] for p in range(pos + 1)) / w.sum()
+    return out
+
+
+case(
+    "paged_attention",
+    lambda rng: [
+        # decode: every token a segment (two sequences, 3 and 4 cached keys)
+        S(
+            [r(rng, 2, 4, 1, 3), r(rng, 2, 2, 5, 2, 2, 3), np.array([[4, 1], [0, 3]]), np.array([3, 4])],
+            {"layer": 1},
+        ),
+        # prefill: two segments of one flattened row (the second a chunk after 2 cached keys), scale given
+        S(
+            [
+                r(rng, 1, 2, 5, 3),
+                r(rng, 1, 2, 4, 2, 1, 3),
+                np.array([[2, 0, 1], [3, 1, 0]]),
+                np.array([2, 5]),
+                np.array([0, 2]),
+                np.array([2, 3]),
+            ],
+            {"scale": 0.4},
+        ),
+    ],
+    _paged_attention_ref,
+)
+
 # ---- the walk -----------------------------------------------------------------------------------
 
 

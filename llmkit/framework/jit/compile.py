@@ -4,7 +4,30 @@ from __future__ import annotations
 
 from ..ir import Program
 
+COMPILERS = ("cinn", "none")
+
+
+def default_compiler() -> str:
+    """The compiler static programs get when none is named: "cinn" where a C compiler works."""
+    from ..compiler import available
+
+    return "cinn" if available() else "none"
+
 
 def prepare(program: Program, compiler: str | None) -> Program:
-    """The program the executor runs: cleaned up (and, with compiler="cinn", fused and compiled)."""
-    return program
+    """The program the executor runs: cleaned up (and, with compiler="cinn", fused and compiled).
+
+    ``compiler``: "cinn" fuses and compiles (where no C compiler exists it warns once and the
+    reference kernels run); "none" runs the traced ops as they are; None picks the default
+    (:func:`default_compiler`), so traced and loaded programs, training steps and inference
+    programs alike, are compiled wherever a C compiler exists.
+    """
+    if compiler is None:
+        compiler = default_compiler()
+    if compiler == "none":
+        return program
+    if compiler == "cinn":
+        from ..compiler import compile_program
+
+        return compile_program(program)
+    raise ValueError(f"unknown compiler {compiler!r}; use one of {', '.join(COMPILERS)}")

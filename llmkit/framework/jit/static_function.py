@@ -261,7 +261,8 @@ def to_static(
     """Trace ``fn`` (a function or a Layer) into a static program run by the executor.
 
     Usable as ``to_static(fn, ...)`` or as a decorator ``@to_static(input_spec=...)``.
-    ``compiler``: "cinn" to fuse and compile where a C compiler exists, "none" (default for now).
+    ``compiler``: "cinn" fuses and compiles, "none" runs the traced ops; None (the default) means
+    "cinn" wherever a C compiler exists.
     """
     if fn is None:
         return lambda f: StaticFunction(f, input_spec, compiler, names)

@@ -23,6 +23,56 @@ def _int_index(name: str, x) -> None:
         raise OpError(f"{name}: indices must be an integer tensor, got {describe(x)}")
 
 
+# ---- index maps: how the compiler reads through a view (see OpSpec.index_map) -------------------
+
+
+def _view_index(ix, out, o, x, **attrs):
+    """reshape, squeeze, unsqueeze: the same elements in row-major order."""
+    return [(ix.reshape(out, o.shape, x.shape), None)]
+
+
+def _transpose_index(ix, out, o, x, perm):
+    idx = [None] * len(perm)
+    for k, p in enumerate(perm):
+        idx[p] = out[k]
+    return [(tuple(idx), None)]
+
+
+def _expand_index(ix, out, o, x, shape):
+    return [(ix.broadcast(out, x.shape), None)]
+
+
+def _slice_index(ix, out, o, x, axes, starts, ends, steps=None):
+    idx = list(out)
+    for a, s, e, st in zip(axes, starts, ends, steps or (1,) * len(axes)):
+        a %= x.ndim
+        d = x.shape[a]
+        if isinstance(d, int):
+            lo = slice(s, None if e == END else e, st).indices(d)[0]
+        else:
+            lo = sym.add(d, s) if s < 0 else s
+        idx[a] = out[a] * st + ix.dim(lo)
+    return [(tuple(idx), None)]
+
+
+def _concat_index(ix, out, o, *xs, axis=0):
+    a = axis % o.ndim
+    entries, off = [], 0
+    for i, x in enumerate(xs):
+        idx = list(out)
+        idx[a] = out[a] - ix.dim(off)
+        end = sym.add(off, x.shape[a])
+        entries.append((tuple(idx), None if i == len(xs) - 1 else out[a] < ix.dim(end)))
+        off = end
+    return entries
+
+
+def _stack_index(ix, out, o, *xs, axis=0):
+    a = axis % o.ndim
+    idx = tuple(out[:a]) + tuple(out[a + 1 :])
+    return [(idx, None if i == len(xs) - 1 else out[a] < ix.dim(i + 1)) for i in range(len(xs))]
+
+
 # ---- reshape / transpose / expand / squeeze / unsqueeze -----------------------------------------
 
 
@@ -51,6 +101,7 @@ defop(
     infer_meta=_reshape_meta,
     kernel=lambda xp, x, shape: xp.reshape(x, shape),
     vjp=lambda g, out, x, shape: (O.reshape(g, x.shape),),
+    index_map=_view_index,
     doc="Same elements, new shape (row-major); one entry may be -1.",
 )
 
@@ -70,6 +121,7 @@ defop(
     infer_meta=_transpose_meta,
     kernel=lambda xp, x, perm: xp.transpose(x, perm),
     vjp=lambda g, out, x, perm: (O.transpose(g, tuple(int(i) for i in np.argsort(perm))),),
+    index_map=_transpose_index,
     doc="Permute axes: out.shape[i] = x.shape[perm[i]].",
 )
 
@@ -100,6 +152,7 @@ defop(
     infer_meta=_expand_meta,
     kernel=_expand_kernel,
     vjp=lambda g, out, x, shape: (g,),  # autograd sums the gradient back to x's shape
+    index_map=_expand_index,
     doc="Broadcast to a larger shape (numpy broadcast_to); -1 keeps a dim.",
 )
 
@@ -121,6 +174,7 @@ defop(
     infer_meta=_squeeze_meta,
     kernel=lambda xp, x, axis=None: xp.reshape(x, _squeeze_meta(x, axis).shape),
     vjp=lambda g, out, x, axis: (O.reshape(g, x.shape),),
+    index_map=_view_index,
     doc="Drop size-1 axes.",
 )
 
@@ -139,6 +193,7 @@ defop(
     infer_meta=_unsqueeze_meta,
     kernel=lambda xp, x, axis: xp.reshape(x, _unsqueeze_meta(x, axis).shape),
     vjp=lambda g, out, x, axis: (O.reshape(g, x.shape),),
+    index_map=_view_index,
     doc="Insert size-1 axes at the given output positions.",
 )
 
@@ -201,6 +256,7 @@ defop(
     infer_meta=_slice_meta,
     kernel=_slice_kernel,
     vjp=lambda g, out, x, **a: (O.slice_scatter(O.zeros_like(x), g, **a),),
+    index_map=_slice_index,
     doc=f"Python slicing start:end:step along the given axes; end {END} means to the end.",
 )
 
@@ -268,6 +324,7 @@ defop(
     infer_meta=_concat_meta,
     kernel=lambda xp, *xs, axis=0: xp.concatenate(xs, axis=axis),
     vjp=_concat_vjp,
+    index_map=_concat_index,
     doc="Join tensors along an existing axis.",
 )
 
@@ -297,6 +354,7 @@ defop(
     infer_meta=_stack_meta,
     kernel=lambda xp, *xs, axis=0: xp.stack(xs, axis=axis),
     vjp=_stack_vjp,
+    index_map=_stack_index,
     doc="Join same-shaped tensors along a new axis.",
 )
 
@@ -551,6 +609,9 @@ defop(
     ],
     infer_meta=_one_hot_meta,
     kernel=lambda xp, x, num_classes, dtype="float32": (x[..., None] == xp.arange(num_classes)).astype(dtype),
+    decompose=lambda x, num_classes, dtype="float32": O.cast(
+        O.equal(O.unsqueeze(x, axis=-1), O.arange(0, num_classes, dtype=x.dtype)), dtype
+    ),
     doc="out[..., c] = 1 where x[...] == c (labels outside [0, num_classes) give all zeros).",
 )
 
@@ -609,5 +670,6 @@ defop(
     ],
     infer_meta=_arange_meta,
     kernel=lambda xp, start=0, end=None, step=1, dtype="int64": xp.arange(start, end, step, dtype=dtype),
+    c="({start}+{i0}*{step})",  # a generator: {i0} is the output index
     doc="start, start+step, ... below end (bounds may be symbolic).",
 )

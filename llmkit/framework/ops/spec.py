@@ -225,8 +225,14 @@ class OpSpec:
     vjp: Callable[..., Sequence[Any]] | None = None  # (g, out, *inputs, **attrs) -> grad per input
     decompose: Callable[..., Any] | None = None  # (*inputs, **attrs) -> outputs, with other ops
     spmd: Callable[..., Any] | None = None  # filled by the auto-parallel layer
-    c: str | None = None  # C/CUDA expression template for elementwise primitives: "({0}+{1})"
+    # C/CUDA expression template for elementwise primitives: "({0}+{1})"; {name} is an attribute,
+    # {i0} the output index (generators like arange), {ctype} the result's C type
+    c: str | None = None
     reducer: str | None = None  # for reductions the compiler lowers: "sum", "mean", "max" or "min"
+    # Movement ops that are views: (ix, out_index, out_meta, *in_metas, **attrs) -> one (index, cond)
+    # per input, the input index holding out[out_index] (cond: where that input supplies it, or None).
+    # The compiler fuses such ops as index arithmetic; ``ix`` offers dim(), reshape(), broadcast().
+    index_map: Callable[..., Any] | None = None
     traits: frozenset[str] = frozenset()
     nondiff: frozenset[int] = frozenset()  # input positions that never get a gradient
     multi_output: bool = False
@@ -314,6 +320,7 @@ def defop(
     decompose: Callable[..., Any] | None = None,
     c: str | None = None,
     reducer: str | None = None,
+    index_map: Callable[..., Any] | None = None,
     traits: Sequence[str] = (),
     nondiff: Sequence[int] = (),
     multi_output: bool = False,
@@ -339,6 +346,7 @@ def defop(
         decompose=decompose,
         c=c,
         reducer=reducer,
+        index_map=index_map,
         traits=frozenset(traits),
         nondiff=frozenset(nondiff),
         multi_output=multi_output,

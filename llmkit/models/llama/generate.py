@@ -1,7 +1,9 @@
 """Eager generation with a KV cache (the baseline the inference engine is measured against).
 
 ``generate(model, prompts, ...)`` runs the prompt once (prefill), then one token at a time with the
-cache. ``llmkit generate --model DIR --prompt TEXT`` is the command-line front end.
+cache. ``llmkit generate --model DIR --prompt TEXT`` is the command-line front end: it runs the
+inference engine (``llmkit.infer``: static programs, paged KV cache), or this eager path with
+``--eager``; both sample with the same sampler, so they print the same text.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eager", action="store_true", help="run eagerly, op by op (the engine's baseline)")
     a = p.parse_args(argv)
     from .tokenizer import LlamaTokenizer
 
@@ -90,7 +93,15 @@ def main(argv: list[str]) -> int:
             f"tokenizer vocab ({tok.vocab_size}) does not match the model's ({model.config.vocab_size})"
         )
     ids = tok.encode(a.prompt, add_bos=True)
-    params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
-    new = generate(model, [ids], a.max_new_tokens, params, eos_token_id=tok.eos_id)[0]
-    print(a.prompt + tok.decode(new))
+    params = SamplingParams(
+        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, max_tokens=a.max_new_tokens
+    )
+    if a.eager:
+        new = generate(model, [ids], a.max_new_tokens, params, eos_token_id=tok.eos_id)[0]
+        print(a.prompt + tok.decode(new))
+        return 0
+    from llmkit.infer import Engine, EngineConfig
+
+    engine = Engine.from_model(model, tok, EngineConfig(max_batch=1))
+    print(a.prompt + engine.generate([ids], params)[0].text)
     return 0

@@ -6,7 +6,9 @@ H hidden, Hq/Hkv query/key-value heads, D head dim, V vocab, I intermediate.
 
 The same forward serves training (no cache), eager generation (``KVCache``, contiguous) and the
 inference engine's programs (any object with the cache interface: ``past_length`` and
-``update(layer, k, v) -> (k_all, v_all)``). Model code never mentions ranks or devices.
+``update(layer, k, v) -> (k_all, v_all)``, or ``attend(layer, q, k, v) -> out`` for a cache that
+computes attention itself, as the paged cache does; such callers pass ``position_ids``). Model code
+never mentions ranks, devices or serving.
 """
 
 from __future__ import annotations
@@ -79,9 +81,14 @@ class LlamaAttention(nn.Layer):
         v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         q = O.rotary_embedding(q, cos, sin, position_ids)
         k = O.rotary_embedding(k, cos, sin, position_ids)
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer_idx, k, v)  # (B, Hkv, T, D)
-        out = O.scaled_dot_product_attention(q, k, v, attention_mask, is_causal=True)  # (B, Hq, S, D)
+        if kv_cache is not None and hasattr(kv_cache, "attend"):
+            # A cache that owns attention (the inference engine's paged KV cache) stores k/v and
+            # attends; it brings its own per-sequence lengths and causality.
+            out = kv_cache.attend(layer_idx, q, k, v)  # (B, Hq, S, D)
+        else:
+            if kv_cache is not None:
+                k, v = kv_cache.update(layer_idx, k, v)  # (B, Hkv, T, D)
+            out = O.scaled_dot_product_attention(q, k, v, attention_mask, is_causal=True)  # (B, Hq, S, D)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -138,8 +145,8 @@ class LlamaModel(nn.Layer):
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, kv_cache=None):
         b, s = input_ids.shape
-        past = 0 if kv_cache is None else kv_cache.past_length
         if position_ids is None:
+            past = 0 if kv_cache is None else kv_cache.past_length
             position_ids = O.expand(O.unsqueeze(O.arange(past, sym.add(past, s)), axis=0), [b, s])  # (B, S)
         mask = None
         if attention_mask is not None:

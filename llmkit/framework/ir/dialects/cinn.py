@@ -42,6 +42,7 @@ def _verify_yield(op: Operation) -> str | None:
 FUSION = OpDef(
     "cinn.fusion",
     frozenset({T.RECURSIVELY_PURE}),
+    max_operands=None,  # the outside values its region reads: what a compiled kernel receives
     num_results=None,
     num_regions=1,
     optional_attrs={"*": any_attr},

@@ -1,0 +1,185 @@
+"""Load on the running server: output tokens/s, time to first token and inter-token latency.
+
+Exports the bench model (random weights, the built-in 4096-piece tokenizer) unless ``--model-file``
+is given, starts ``llmkit serve`` on a free loopback port, measures its cold start (process start to
+the first answered request), then runs closed-loop clients at each concurrency: every client sends
+streaming completions (token-id prompts, ``ignore_eos``, a fixed ``max_tokens``) back to back.
+TTFT is send -> first token chunk; ITL is the gap between consecutive token chunks. Clients run in
+this process on the same machine, so they share its cores with the server.
+
+Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/serve_load.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from _common import emit, machine
+
+
+def export_bench_model(out: Path) -> Path:
+    import llmkit.framework as lf
+    from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
+    from llmkit.serve.export import export_model
+    from llmkit.train.corpus import builtin_tokenizer
+
+    tok = builtin_tokenizer(4096)
+    lf.seed(0)
+    model = LlamaForCausalLM(LlamaConfig.from_preset("bench", vocab_size=tok.vocab_size))
+    model.eval()
+    return export_model(model, tok, out, model_name="bench")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(model_file: Path, port: int, max_batch: int) -> tuple[subprocess.Popen, float]:
+    """The server process and its cold start: spawn -> first answered completion, in seconds."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llmkit.cli",
+            "serve",
+            str(model_file),
+            "--port",
+            str(port),
+            "--max-batch",
+            str(max_batch),
+            "--max-queue",
+            "1024",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    body = {"model": "bench", "prompt": [1, 2, 3], "max_tokens": 1}
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read().decode()}")
+        try:
+            if httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=5).status_code == 200:
+                return proc, time.perf_counter() - t0
+        except httpx.HTTPError:
+            time.sleep(0.02)
+
+
+async def client(
+    http: httpx.AsyncClient, url: str, prompts: list[list[int]], max_tokens: int, stats: dict
+) -> None:
+    for prompt in prompts:
+        body = {
+            "model": "bench",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
+        t0 = time.perf_counter()
+        last = None
+        async with http.stream("POST", url, json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if not chunk["choices"] or not chunk["choices"][0]["text"]:
+                    continue
+                t = time.perf_counter()
+                if last is None:
+                    stats["ttft"].append(t - t0)
+                else:
+                    stats["itl"].append(t - last)
+                last = t
+                stats["chunks"] += 1
+        stats["tokens"] += max_tokens
+
+
+async def level(url: str, concurrency: int, per_client: int, prompt_len: int, max_tokens: int) -> dict:
+    rng = np.random.default_rng(concurrency)
+    stats: dict = {"ttft": [], "itl": [], "tokens": 0, "chunks": 0}
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        prompts = [
+            [rng.integers(3, 4096, prompt_len).tolist() for _ in range(per_client)]
+            for _ in range(concurrency)
+        ]
+        t0 = time.perf_counter()
+        await asyncio.gather(*[client(http, url, p, max_tokens, stats) for p in prompts])
+        stats["wall"] = time.perf_counter() - t0
+    return stats
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--model-file", type=Path, default=None, help="a model.llmkit (default: export the bench model)"
+    )
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests-per-client", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_file = a.model_file or export_bench_model(Path(tmp) / "bench.llmkit")
+        port = free_port()
+        proc, cold = start(model_file, port, max_batch=max(a.concurrency))
+        info = dict(prompt_len=a.prompt_len, max_tokens=a.max_tokens, **machine())
+        emit(
+            "serve_load",
+            "cold_start_s",
+            cold,
+            "s",
+            note="process start to the first answered request",
+            **info,
+        )
+        emit("serve_load", "load_average_1min", os.getloadavg()[0], "load")
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        tps = {}
+        try:
+            asyncio.run(level(url, 1, 1, a.prompt_len, 8))  # warm-up
+            for c in a.concurrency:
+                s = asyncio.run(level(url, c, a.requests_per_client, a.prompt_len, a.max_tokens))
+                tps[c] = s["tokens"] / s["wall"]
+                ms = lambda xs, q: round(float(np.percentile(xs, q)) * 1e3, 2)
+                emit(
+                    "serve_load",
+                    f"c{c}_output_tokens_per_s",
+                    tps[c],
+                    "tokens/s",
+                    concurrency=c,
+                    requests=c * a.requests_per_client,
+                    ttft_p50_ms=ms(s["ttft"], 50),
+                    ttft_p99_ms=ms(s["ttft"], 99),
+                    itl_p50_ms=ms(s["itl"], 50),
+                    itl_p99_ms=ms(s["itl"], 99),
+                    wall_s=round(s["wall"], 2),
+                    **info,
+                )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        if 1 in tps:
+            for c in tps:
+                if c != 1:
+                    emit("serve_load", f"c{c}_over_c1_throughput", tps[c] / tps[1], "x")
+
+
+if __name__ == "__main__":
+    main()

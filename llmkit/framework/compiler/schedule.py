@@ -1,0 +1,444 @@
+"""``schedule``: turn a lowered group into loops.
+
+Two steps, both readable on the printed loop IR:
+
+1. :func:`coalesce` merges adjacent axes of the domain (both kept or both reduced) when every index
+   expression walks them as one: ``c_a == c_b * extent_b`` for each access. ``[B, S, H]``
+   elementwise becomes one loop; ``x[B, S, H] + w[H]`` keeps two (``w`` does not walk ``B, S``).
+2. :func:`build` makes the loop nest for a strategy:
+
+   - ``rows``: the kept axes are one flattened ``parallel`` loop (OpenMP threads / CUDA blocks);
+     inside it, one pass over the reduced axes per level of dependent reductions (softmax: max,
+     then the sum), then a pass storing the per-element outputs, then the per-row outputs. The
+     innermost loop is ``vector`` (``omp simd`` with reduction clauses / CUDA threads).
+   - ``cols`` (C only), for reductions whose last domain axis is kept (a weight gradient summed
+     over rows): the parallel loop covers tiles of ``tile`` columns; each pass walks the reduced
+     rows serially and a ``vector`` loop over the tile's lanes, with one accumulator per lane, so
+     loads stay contiguous.
+
+Each expression is bound to a local (``Let``) at the outermost loop where everything it reads is
+defined: loop-invariant work (an AdamW step's bias corrections, a row's ``rsqrt``) is hoisted,
+and values shared by several uses are computed once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+from .. import symbolic as sym
+from . import loop_ir as L
+from .lower import Axis, Lowered, Output, Reduction
+from .simplify import Ranges, simplify, split_points
+
+# ---- 1. coalescing ---------------------------------------------------------------------------------
+
+
+def _affines(e: L.Expr, out: list) -> None:
+    if isinstance(e, L.Affine):
+        out.append(e)
+    for c in L.children(e):
+        _affines(c, out)
+
+
+def _exprs(low: Lowered) -> list[L.Expr]:
+    return [e for s in low.stores for e in (s.index, s.value)] + [r.body for r in low.reductions]
+
+
+def coalesce(low: Lowered) -> Lowered:
+    """Merge adjacent axes every access walks contiguously (see the module docstring)."""
+    axes = list(low.axes)
+    k = len(axes) - 1
+    while k > 0:
+        a, b = axes[k - 1], axes[k]
+        affs: list[L.Affine] = []
+        for e in _exprs(low):
+            _affines(e, affs)
+        ok = a.reduced == b.reduced and all(
+            sym.canonical(x.coef(a.var)) == sym.canonical(sym.mul(x.coef(b.var), b.extent)) for x in affs
+        )
+        if ok:
+            merged = Axis(a.var, sym.mul(a.extent, b.extent), a.reduced)
+
+            def fix(e: L.Expr, a=a, b=b) -> L.Expr | None:
+                if not isinstance(e, L.Affine) or not (e.coef(a.var) or e.coef(b.var)):
+                    return None
+                terms = tuple((v, c) for v, c in e.terms if v not in (a.var, b.var))
+                terms = tuple(sorted((*terms, (a.var, e.coef(b.var))))) if e.coef(b.var) else terms
+                return L.Affine(terms, e.const)
+
+            low = replace(
+                low,
+                stores=[
+                    Output(s.buf, L.substitute(s.index, fix), L.substitute(s.value, fix), s.full)
+                    for s in low.stores
+                ],
+                reductions=[replace(r, body=L.substitute(r.body, fix)) for r in low.reductions],
+            )
+            axes[k - 1 : k + 1] = [merged]
+        k -= 1
+    return replace(low, axes=axes)
+
+
+# ---- 2. loops --------------------------------------------------------------------------------------
+
+
+class _Scope:
+    """A loop body being built: its statements, the names it defines, the locals bound in it."""
+
+    def __init__(self, parent: _Scope | None, defined: set[str]) -> None:
+        self.parent = parent
+        self.stmts: list = []
+        self.defined = set(defined)
+        self.lets: dict[L.Expr, L.Ref] = {}
+
+    def chain(self):
+        s: _Scope | None = self
+        while s is not None:
+            yield s
+            s = s.parent
+
+
+class _Builder:
+    def __init__(self, low: Lowered, lane_var: str | None = None) -> None:
+        self.low, self.early = stage_outputs(low)
+        self.ranges = {ax.var: (0, ax.extent) for ax in low.axes}
+        self.special: dict[L.Expr, L.Expr] | None = None  # per loop piece: specialized expressions
+        self.piece: Ranges = {}
+        exprs = [s.value for s in low.stores] + [r.body for r in low.reductions]
+        last = low.axes[-1] if low.axes else None
+        self.splits = split_points(exprs, last.var, last.extent) if last and lane_var is None else []
+        self.n = 0
+        self.lane_accs: set[str] = set()
+        self.lane_var = lane_var
+
+    def fresh(self, prefix: str = "t") -> str:
+        self.n += 1
+        return f"{prefix}{self.n}"
+
+    def needs(self, e: L.Expr) -> set[str]:
+        fv = L.free_vars(e)
+        if self.lane_accs & fv:
+            fv.add(self.lane_var)  # a per-lane accumulator is read at the lane index
+        return fv
+
+    def use(self, e: L.Expr, scope: _Scope) -> L.Expr:
+        """Bind ``e`` as specialized to the loop piece being built (see ``nest``)."""
+        if self.special is not None:
+            hit = self.special.get(e)
+            if hit is None:
+                hit = self.special[e] = simplify(e, {**self.ranges, **self.piece})
+            e = hit
+        return self.bind(e, scope)
+
+    def bind(self, e: L.Expr, scope: _Scope) -> L.Expr:
+        """``e`` with its computations bound to locals, each at the outermost possible loop."""
+        if isinstance(e, (L.Const, L.Affine, L.Ref)):
+            return e
+        for s in scope.chain():
+            if e in s.lets:
+                return s.lets[e]
+        kids = tuple(self.bind(c, scope) for c in L.children(e))
+        e2 = _rebuild(e, kids)
+        need = self.needs(e2)
+        scopes = list(scope.chain())
+        target = scope
+        for i, s in enumerate(scopes):  # inner to outer: stop where a needed name is not visible
+            visible = set().union(*(t.defined for t in scopes[i:]))
+            if need <= visible:
+                target = s
+            else:
+                break
+        ref = L.Ref(self.fresh(), e.dtype)
+        target.stmts.append(L.Let(ref.name, e2))
+        target.lets[e] = ref
+        target.defined.add(ref.name)
+        return ref
+
+    def loop(
+        self, parent: _Scope, var: str, extent: L.Expr, kind: str, fill, start: L.Expr | None = None
+    ) -> None:
+        child = _Scope(parent, {var})
+        fill(child)
+        parent.stmts.append(L.Loop(var, extent, child.stmts, kind, start or L.Affine((), 0)))
+
+    def nest(self, parent: _Scope, axes: list[Axis], innermost: str, fill) -> None:
+        """Loops over ``axes`` (outer to inner), the innermost of kind ``innermost``."""
+        if not axes:
+            fill(parent)
+            return
+        ax, rest = axes[0], axes[1:]
+        kind = innermost if not rest else "serial"
+        cuts = self.splits if not rest and ax.var == self.low.axes[-1].var else []
+        if not cuts:
+            self.loop(
+                parent, ax.var, L.as_index(ax.extent), kind, lambda s: self.nest(s, rest, innermost, fill)
+            )
+            return
+        bounds = [0, *cuts, ax.extent]
+        for lo, hi in itertools.pairwise(bounds):  # one loop per piece where every comparison is decided
+            self.piece, self.special = {ax.var: (lo, hi)}, {}
+            self.loop(parent, ax.var, L.as_index(hi), kind, fill, start=L.as_index(lo))
+        self.piece, self.special = {}, None
+
+
+def _rebuild(e: L.Expr, kids: tuple) -> L.Expr:
+    if isinstance(e, L.Load):
+        return L.Load(e.buf, kids[0], e.dtype)
+    if isinstance(e, L.Call):
+        return L.Call(e.template, kids, e.dtype)
+    if isinstance(e, L.Cast):
+        return L.Cast(kids[0], e.dtype)
+    if isinstance(e, L.Select):
+        return L.Select(*kids)
+    if isinstance(e, L.Bin):
+        return L.Bin(e.op, kids[0], kids[1], e.dtype)
+    return e
+
+
+def _levels(reds: list[Reduction]) -> list[list[Reduction]]:
+    """Reductions in passes: each pass holds those whose inputs the earlier passes computed."""
+    level: dict[str, int] = {}
+    for r in reds:
+        level[r.acc] = 1 + max((level[d] for d in r.deps), default=-1)
+    return [[r for r in reds if level[r.acc] == n] for n in range(1 + max(level.values(), default=-1))]
+
+
+def _derive(b: _Builder, scope: _Scope, flat: str, axes: list[Axis], extra: sym.Dim = 1) -> None:
+    """Bind each axis variable from the flattened index ``flat`` (row-major, ``extra`` innermost)."""
+    stride: sym.Dim = extra
+    for ax in reversed(axes):
+        e: L.Expr = L.floordiv(L.var(flat), L.as_index(stride)) if stride != 1 else L.var(flat)
+        if ax is not axes[0]:
+            e = L.mod(e, L.as_index(ax.extent))
+        scope.stmts.append(L.Let(ax.var, e))
+        scope.defined.add(ax.var)
+        stride = sym.mul(stride, ax.extent)
+
+
+def _work(low: Lowered) -> L.Expr:
+    return L.as_index(sym.product(ax.extent for ax in low.axes))
+
+
+def strategies(low: Lowered) -> list[tuple[str, int]]:
+    """The schedules worth trying for a (coalesced) group: (strategy, tile)."""
+    if any(a.reduced for a in low.axes) and not low.axes[-1].reduced:
+        return [("rows", 0), ("cols", 16), ("cols", 64)]
+    return [("rows", 0)]
+
+
+def _simplified(low: Lowered) -> Lowered:
+    ranges = {ax.var: (0, ax.extent) for ax in low.axes}
+    return replace(
+        low,
+        stores=[
+            Output(o.buf, simplify(o.index, ranges), simplify(o.value, ranges), o.full) for o in low.stores
+        ],
+        reductions=[replace(r, body=simplify(r.body, ranges)) for r in low.reductions],
+    )
+
+
+def build(low: Lowered, name: str, strategy: str = "rows", tile: int = 0) -> L.Kernel:
+    """The loop-IR kernel of ``low`` (coalesced first) under a strategy (see the module docstring)."""
+    low = _simplified(coalesce(_simplified(low)))  # clamps that cannot bind would block merging
+    if strategy == "cols":
+        body = _build_cols(low, tile)
+    else:
+        body = _build_rows(low)
+    params = [L.Param(i.buf, "in", i.dtype, i.shape) for i in low.inputs]
+    params += [L.Param(buf, "out", dt, shape) for buf, dt, shape in low.outputs]
+    params += [L.Param(s, "size", L.I64) for s in low.sizes]
+    k = L.Kernel(name, params, body, low.label, f"{strategy}{tile or ''}")
+    k.work = _work(low)  # type: ignore[attr-defined]
+    # an epilogue writing over the matmul product it reads: those two pointers alias
+    k.aliased = {low.inputs[-1].buf, low.outputs[low.inplace][0]} if low.inplace is not None else set()  # type: ignore[attr-defined]
+    return k
+
+
+_EXPENSIVE = ("exp(", "log(", "pow(", "tanh(", "erf(", "sin(", "cos(")
+
+
+def _subexprs(e: L.Expr, out: dict) -> int:
+    """Every node under ``e`` with its size (node count); returns e's size."""
+    if e in out:
+        return out[e]
+    n = 1 + sum(_subexprs(c, out) for c in L.children(e))
+    out[e] = n
+    return n
+
+
+def _costly(e: L.Expr) -> bool:
+    return (isinstance(e, L.Call) and any(f in e.template for f in _EXPENSIVE)) or any(
+        _costly(c) for c in L.children(e)
+    )
+
+
+def stage_outputs(low: Lowered) -> tuple[Lowered, dict[int, list[Output]]]:
+    """Output buffers as row buffers: when a per-element output needs a costly value a reduction
+    pass already computes (softmax's ``exp(x - max)``), that pass stores the value into the output
+    and the last pass reads it back (from L1) instead of computing it again."""
+    levels = _levels(low.reductions)
+    seen = []
+    for group in levels:
+        nodes: dict = {}
+        for r in group:
+            _subexprs(r.body, nodes)
+        seen.append(nodes)
+    early: dict[int, list[Output]] = {}
+    stores = []
+    for o in low.stores:
+        sizes: dict = {}
+        if o.full:
+            _subexprs(o.value, sizes)
+        found = None
+        for node in sorted(sizes, key=lambda n: -sizes[n]):
+            if node.dtype != o.value.dtype or not _costly(node):
+                continue
+            level = next((n for n, nodes in enumerate(seen) if node in nodes), None)
+            if level is not None:
+                found = (node, level)
+                break
+        if found is None:
+            stores.append(o)
+            continue
+        node, level = found
+        early.setdefault(level, []).append(Output(o.buf, o.index, node, True))
+        back = L.Load(o.buf, o.index, node.dtype)
+        stores.append(
+            Output(
+                o.buf, o.index, L.substitute(o.value, lambda e, n=node, b=back: b if e == n else None), True
+            )
+        )
+    return replace(low, stores=stores), early
+
+
+def _passes(b: _Builder, row: _Scope, red_axes: list[Axis], lanes: tuple | None = None) -> None:
+    """Each pass over the reduced axes, then the per-element stores."""
+    low, early = b.low, b.early
+    for level, group in enumerate(_levels(low.reductions)):
+        for r in group:
+            row.stmts.append(L.Decl(r.acc, r.dtype, r.reducer, lanes[1] if lanes else 0))
+
+        def body(s: _Scope, group=group, level=level) -> None:
+            for r in group:
+                s.stmts.append(L.Accum(r.acc, r.reducer, b.use(r.body, s), lanes[0] if lanes else None))
+            for o in early.get(level, ()):
+                s.stmts.append(L.Store(o.buf, o.index, b.use(o.value, s)))
+
+        if lanes:
+            b.nest(row, red_axes, "serial", lambda s, body=body: _lane_loop(b, s, lanes, body))
+        else:
+            b.nest(row, red_axes, "vector", body)
+        for r in group:
+            if r.reducer in ("max", "min") and r.dtype.kind == "f":
+                row.stmts.append(L.Finish(r.acc, r.reducer, lanes[1] if lanes else 0))
+            row.defined.add(r.acc)
+            if lanes:
+                b.lane_accs.add(r.acc)
+    full = [s for s in low.stores if s.full]
+    if full:
+
+        def stores(s: _Scope) -> None:
+            for o in full:
+                s.stmts.append(L.Store(o.buf, o.index, b.use(o.value, s)))
+
+        if lanes:
+            b.nest(row, red_axes, "serial", lambda s: _lane_loop(b, s, lanes, stores))
+        else:
+            b.nest(row, red_axes, "vector", stores)
+
+
+def _build_rows(low: Lowered) -> list:
+    b = _Builder(low)
+    root = _Scope(None, set(low.sizes))
+    kept = [a for a in low.axes if not a.reduced]
+    red = [a for a in low.axes if a.reduced]
+    if not red:  # elementwise: the last axis is the vector loop
+        outer, inner = kept[:-1], kept[-1:]
+    else:
+        outer, inner = kept, red
+
+    def row_body(row: _Scope) -> None:
+        if red:
+            _passes(b, row, inner)
+        else:
+            full = low.stores
+
+            def stores(s: _Scope) -> None:
+                for o in full:
+                    s.stmts.append(L.Store(o.buf, o.index, b.use(o.value, s)))
+
+            b.nest(row, inner, "vector", stores)
+        for o in low.stores:
+            if not o.full:
+                row.stmts.append(L.Store(o.buf, o.index, b.use(o.value, row)))
+
+    if not outer and not red and len(inner) == 1:  # one flat elementwise loop: threads and SIMD
+        ax = inner[0]
+
+        def flat(s: _Scope) -> None:
+            for o in low.stores:
+                s.stmts.append(L.Store(o.buf, o.index, b.use(o.value, s)))
+
+        b.loop(root, ax.var, L.as_index(ax.extent), "parallel_vector", flat)
+    elif not outer:
+        row_body(root)
+    elif len(outer) == 1:
+        b.loop(root, outer[0].var, L.as_index(outer[0].extent), "parallel", row_body)
+    else:
+
+        def flat_rows(s: _Scope) -> None:
+            _derive(b, s, "o", outer)
+            row_body(s)
+
+        b.loop(root, "o", L.as_index(sym.product(a.extent for a in outer)), "parallel", flat_rows)
+    return root.stmts
+
+
+def _lane_loop(b: _Builder, s: _Scope, lanes: tuple, fill) -> None:
+    lane, _, col, k0, n = lanes
+
+    def body(t: _Scope) -> None:
+        t.stmts.append(L.Let(col.var, L.add(L.Ref(k0, L.I64), L.var(lane))))
+        t.defined.add(col.var)
+        fill(t)
+
+    b.loop(s, lane, L.Ref(n, L.I64), "vector", body)
+
+
+def _build_cols(low: Lowered, tile: int) -> list:
+    lane = "j"
+    b = _Builder(low, lane)
+    root = _Scope(None, set(low.sizes))
+    col = low.axes[-1]
+    others = [a for a in low.axes[:-1] if not a.reduced]
+    red = [a for a in low.axes if a.reduced]
+    ntiles_e = L.floordiv(L.as_index(sym.add(col.extent, tile - 1)), L.as_index(tile))
+
+    def tile_body(s: _Scope) -> None:
+        s.stmts.append(L.Let("tt", L.mod(L.var("o"), ntiles_e)))
+        s.defined.add("tt")
+        if others:
+            rest = L.floordiv(L.var("o"), ntiles_e)
+            s.stmts.append(L.Let("orow", rest))
+            s.defined.add("orow")
+            _derive(b, s, "orow", others)
+        s.stmts.append(L.Let("k0", L.mul(L.var("tt"), tile)))
+        s.stmts.append(
+            L.Let("nl", L.Bin("min", L.as_index(tile), L.add(L.as_index(col.extent), L.mul(L.var("k0"), -1))))
+        )
+        s.defined |= {"k0", "nl"}
+        lanes = (lane, tile, col, "k0", "nl")
+        _passes(b, s, red, lanes)
+        outer = [o for o in low.stores if not o.full]
+        if outer:
+
+            def stores(t: _Scope) -> None:
+                for o in outer:
+                    t.stmts.append(L.Store(o.buf, o.index, b.use(o.value, t)))
+
+            _lane_loop(b, s, lanes, stores)
+
+    count = L.mul(L.as_index(sym.product(a.extent for a in others)), ntiles_e) if others else ntiles_e
+    b.loop(root, "o", count, "parallel", tile_body)
+    return root.stmts

@@ -1,0 +1,284 @@
+"""Inference ops: the paged KV cache as program state, and batch-invariant contractions.
+
+The inference engine (``llmkit.infer``) keeps keys and values of every running sequence in one
+*pool* per model: ``pool[layer, 0 | 1, block, offset, kv_head, head_dim]`` (0 = keys, 1 = values).
+A sequence owns a list of fixed-size blocks (its *block table*); token position ``p`` lives in
+slot ``block_table[p // BS] * BS + p % BS``. Three ops make that a program:
+
+- ``paged_kv_write(pool, k, v, slots)`` stores this step's keys/values into their slots. With
+  ``inplace=True`` the kernel writes into ``pool`` itself and returns it (trait
+  ``inplace_input0``): the program must treat the pool it passes in as *donated*, i.e. never read
+  that value again after the op (the engine threads one pool value from layer to layer and returns
+  the last). Copying the pool every step would cost more than the step.
+- ``paged_attention(q, pool, block_tables, kv_len, q_start, q_len)`` attends each *segment* (a run
+  of query tokens of one sequence) to that sequence's first ``kv_len`` keys, causally, computing
+  every segment on its own so that its result never depends on the other segments of the batch.
+- ``tiled_linear(x, w, b, rows)`` is ``linear`` computed in BLAS calls of exactly ``rows`` rows:
+  a row's result then never depends on how many rows the batch has (BLAS picks different kernels,
+  with different summation orders, for different matrix sizes). The engine rewrites its programs'
+  ``linear`` ops into it; see docs/serve.md ("Batch invariance"). ``transposed=True`` takes the
+  weight as ``[in, out]``, the layout BLAS reads fastest (the engine stores weights that way).
+
+All three are inference ops: they have no gradient rule (RLHF differentiates the training forward,
+not the engine's programs) and no decomposition (the compiler must keep their kernels, which carry
+the guarantees above).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import backend as B
+from .. import symbolic as sym
+from .contraction import _linear_meta, _linear_vjp
+from .spec import A, Kind, Meta, OpError, attr, defop, describe, optional, same_dtype
+from .spec import ops as O
+
+
+def _known_differ(a: sym.Dim, b: sym.Dim) -> bool:
+    """Two dims provably different (symbolic dims are checked when the program runs)."""
+    return isinstance(a, int) and isinstance(b, int) and a != b
+
+
+def _check_int(name: str, what: str, x, ndim: int) -> None:
+    if not B.is_integer(x.dtype) or x.ndim != ndim:
+        raise OpError(f"{name}: {what} must be a {ndim}-D integer tensor, got {describe(x)}")
+
+
+def _check_pool(name: str, pool, layer: int) -> None:
+    if not B.is_floating(pool.dtype) or pool.ndim != 6:
+        raise OpError(
+            f"{name}: pool must be a floating [layers, 2, blocks, block_size, kv_heads, head_dim] tensor, "
+            f"got {describe(pool)}"
+        )
+    if _known_differ(pool.shape[1], 2):
+        raise OpError(f"{name}: pool axis 1 holds keys and values and must have size 2, got {describe(pool)}")
+    if isinstance(pool.shape[0], int) and not 0 <= layer < pool.shape[0]:
+        raise OpError(f"{name}: layer {layer} is out of range for a pool of {pool.shape[0]} layers")
+
+
+def _host(x) -> np.ndarray:
+    return x if type(x) is np.ndarray else B.to_numpy(x)
+
+
+# ---- paged_kv_write -----------------------------------------------------------------------------
+
+
+def _write_meta(pool, k, v, slots, layer=0, inplace=False):
+    _check_pool("paged_kv_write", pool, layer)
+    same_dtype("paged_kv_write", pool, k, v)
+    if k.ndim != 4 or tuple(k.shape) != tuple(v.shape):
+        raise OpError("paged_kv_write: k and v must both be [batch, kv_heads, seq, head_dim]", k, v)
+    if _known_differ(k.shape[1], pool.shape[4]) or _known_differ(k.shape[3], pool.shape[5]):
+        raise OpError("paged_kv_write: k/v heads and head dim must match the pool's", pool, k)
+    _check_int("paged_kv_write", "slots", slots, 1)
+    n = sym.mul(k.shape[0], k.shape[2])
+    if _known_differ(n, slots.shape[0]):
+        raise OpError("paged_kv_write: slots needs one entry per token (batch * seq)", k, slots)
+    return Meta(pool.shape, pool.dtype)
+
+
+def _write_kernel(xp, pool, k, v, slots, layer=0, inplace=False):
+    out = pool if inplace and pool.flags.c_contiguous else xp.ascontiguousarray(pool).copy()
+    nb, bs, h, d = pool.shape[2:]
+    idx = _host(slots)
+    lo, hi = (int(idx.min()), int(idx.max())) if idx.size else (0, 0)
+    if hi >= nb * bs:
+        raise OpError(f"paged_kv_write: slot {hi} is out of range for a pool of {nb * bs} slots")
+    keep = None if lo >= 0 else idx >= 0  # -1 marks a token not to store
+    if keep is not None:
+        idx = idx[keep]
+    flat = out[layer].reshape(2, nb * bs, h, d)  # a view of the pool (it is C-contiguous)
+    for j, x in ((0, k), (1, v)):
+        rows = x.transpose(0, 2, 1, 3).reshape(-1, h, d)  # (B*S, H, D), token-major
+        flat[j, idx] = rows if keep is None else rows[keep]
+    return out
+
+
+defop(
+    "paged_kv_write",
+    Kind.OPAQUE,
+    inputs=("pool", "k", "v", "slots"),
+    attrs=[
+        attr("layer", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0"),
+        attr("inplace", A.BOOL, False),
+    ],
+    infer_meta=_write_meta,
+    kernel=_write_kernel,
+    traits={"inplace_input0"},
+    doc="The pool with this step's keys/values stored: k, v [B, Hkv, S, D] go to pool[layer, 0/1] at "
+    "flat slots [B*S] (block * block_size + offset; -1 = do not store). With inplace=True the kernel "
+    "writes into the pool it is given and returns it: the caller donates that value.",
+)
+
+
+# ---- paged_attention ----------------------------------------------------------------------------
+
+
+def _attn_meta(q, pool, block_tables, kv_len, q_start=None, q_len=None, layer=0, scale=None):
+    _check_pool("paged_attention", pool, layer)
+    same_dtype("paged_attention", q, pool)
+    if q.ndim != 4:
+        raise OpError("paged_attention: q must be [batch, heads, seq, head_dim]", q)
+    hq, hk = q.shape[1], pool.shape[4]
+    if isinstance(hq, int) and isinstance(hk, int) and hq % hk:
+        raise OpError("paged_attention: q heads must be a multiple of the pool's kv heads", q, pool)
+    if _known_differ(q.shape[3], pool.shape[5]):
+        raise OpError("paged_attention: q head dim must match the pool's", q, pool)
+    _check_int("paged_attention", "block_tables", block_tables, 2)
+    _check_int("paged_attention", "kv_len", kv_len, 1)
+    segs = [block_tables.shape[0], kv_len.shape[0]]
+    if (q_start is None) != (q_len is None):
+        raise OpError("paged_attention: give both q_start and q_len, or neither (one token per segment)")
+    if q_start is not None:
+        _check_int("paged_attention", "q_start", q_start, 1)
+        _check_int("paged_attention", "q_len", q_len, 1)
+        segs += [q_start.shape[0], q_len.shape[0]]
+    else:
+        segs.append(sym.mul(q.shape[0], q.shape[2]))
+    if any(_known_differ(s, segs[0]) for s in segs):
+        raise OpError(
+            "paged_attention: block_tables, kv_len (and q_start, q_len) need one row per segment "
+            "(without q_start/q_len every token is a segment)",
+            q,
+            block_tables,
+            kv_len,
+        )
+    return Meta(q.shape, q.dtype)
+
+
+def _attn_kernel(xp, q, pool, block_tables, kv_len, q_start=None, q_len=None, layer=0, scale=None):
+    b, hq, s, d = q.shape
+    bs, hk = pool.shape[3], pool.shape[4]
+    g = hq // hk
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    n = b * s
+    tables = _host(block_tables)
+    lens = _host(kv_len).tolist()
+    starts = range(n) if q_start is None else _host(q_start).tolist()
+    counts = [1] * n if q_len is None else _host(q_len).tolist()
+    # Segments of equal (q_len, kv_len) are computed together: every one of them still gets its own
+    # BLAS calls and reductions of its own sizes (stacked matmul slices, last-axis reductions), so
+    # its result is the same as alone (batch invariance).
+    if not len(lens) == len(counts) == len(starts) == tables.shape[0]:
+        raise OpError(
+            f"paged_attention: {tables.shape[0]} block tables and {len(lens)} kv lengths for "
+            f"{len(counts)} segments (without q_start/q_len, one per query token)"
+        )
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (m, t, st) in enumerate(zip(counts, lens, starts)):
+        if m == 0:
+            continue
+        fits = 0 < m <= t and -(-t // bs) <= tables.shape[1]
+        if not (fits and st >= 0 and st + m <= n and st // s == (st + m - 1) // s):
+            raise OpError(
+                f"paged_attention: segment {i} (q_start={st}, q_len={m}, kv_len={t}) must have "
+                f"q_len <= kv_len, lie within one row of the {b}x{s} query tokens, and fit its "
+                f"{tables.shape[1]}-block table"
+            )
+        groups.setdefault((m, t), []).append(i)
+    qt = q.transpose(0, 2, 1, 3).reshape(n, hq, d)  # (N, Hq, D), token-major
+    out = xp.zeros_like(qt)
+    kv = pool[layer]  # (2, NB, BS, Hkv, D)
+    for (m, t), members in groups.items():
+        c, nblk = len(members), -(-t // bs)
+        if c == 1:  # (the common case in serving: a slice instead of an index array)
+            i = members[0]
+            blocks = tables[i : i + 1, :nblk]
+            rows = slice(starts[i], starts[i] + m)
+        else:
+            idx = np.asarray(members)
+            blocks = tables[idx, :nblk]
+            rows = (np.asarray(starts)[idx][:, None] + np.arange(m)).reshape(-1)  # (C*M,)
+        # Gathering along the pool's first axis gives contiguous copies: (C, T, Hkv, D) each.
+        keys = kv[0][blocks].reshape(c, -1, hk, d)[:, :t]
+        values = kv[1][blocks].reshape(c, -1, hk, d)[:, :t]
+        # Query heads sharing a kv head are stacked as rows: (C, Hkv, G*M, D), row = (group, token).
+        qs = qt[rows].reshape(c, m, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(c, hk, g * m, d)
+        scores = xp.matmul(qs, keys.transpose(0, 2, 3, 1))  # (C, Hkv, G*M, T)
+        scores *= scale
+        if m > 1:  # causal, bottom-right aligned: query i sits at position t - m + i
+            scores = scores.reshape(c, hk, g, m, t)
+            scores = xp.where(xp.tri(m, t, t - m, dtype=bool), scores, -xp.inf).reshape(c, hk, g * m, t)
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = xp.exp(scores, out=scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        o = xp.matmul(p, values.transpose(0, 2, 1, 3))  # (C, Hkv, G*M, D)
+        out[rows] = o.reshape(c, hk, g, m, d).transpose(0, 3, 1, 2, 4).reshape(c * m, hq, d)
+    return out.reshape(b, s, hq, d).transpose(0, 2, 1, 3)
+
+
+defop(
+    "paged_attention",
+    Kind.OPAQUE,
+    inputs=("q", "pool", "block_tables", "kv_len", "q_start?", "q_len?"),
+    attrs=[
+        attr("layer", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0"),
+        attr("scale", optional(A.FLOAT), None),
+    ],
+    infer_meta=_attn_meta,
+    kernel=_attn_kernel,
+    doc="Causal attention of q [B, Hq, S, D] against a paged KV pool, segment by segment. Segment i is the "
+    "query tokens [q_start[i], q_start[i] + q_len[i]) of the flattened B*S tokens (one row of B); its "
+    "keys are positions 0 .. kv_len[i]-1 of the sequence whose blocks are block_tables[i], and its "
+    "queries are the last q_len[i] of those positions. Without q_start/q_len every token is a "
+    "segment (decode). Tokens in no segment get zeros. Grouped-query heads as in "
+    "scaled_dot_product_attention; scale defaults to 1/sqrt(D).",
+)
+
+
+# ---- tiled_linear -------------------------------------------------------------------------------
+
+
+def _tiled_meta(x, weight, bias=None, rows=8, transposed=False):
+    if transposed and weight.ndim == 2:  # given as [in, out]: check it as the [out, in] it stands for
+        weight = Meta((weight.shape[1], weight.shape[0]), weight.dtype)
+    return _linear_meta(x, weight, bias)
+
+
+def _tiled_kernel(xp, x, weight, bias=None, rows=8, transposed=False):
+    wt = weight if transposed else weight.T  # (in, out); a contiguous one is BLAS's fast layout
+    k, n_out = x.shape[-1], wt.shape[1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    pad = -m % rows
+    if pad:
+        x2 = xp.concatenate([x2, xp.zeros((pad, k), x2.dtype)])
+    # numpy runs a stacked matmul as one BLAS call per [rows, K] matrix: the tiles never merge.
+    out = xp.matmul(x2.reshape(-1, rows, k), wt).reshape(-1, n_out)[:m]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(x.shape[:-1] + (n_out,))
+
+
+def _flat(t):
+    return O.reshape(t, [-1, t.shape[-1]])
+
+
+def _tiled_vjp(g, out, x, weight, bias=None, rows=8, transposed=False):
+    if not transposed:
+        return _linear_vjp(g, out, x, weight, bias)
+    return (
+        lambda: O.matmul(g, weight, transpose_y=True),  # weight is [in, out]
+        lambda: O.matmul(_flat(x), _flat(g), transpose_x=True),  # (in, out)
+        None if bias is None else g,
+    )
+
+
+defop(
+    "tiled_linear",
+    Kind.OPAQUE,
+    inputs=("x", "weight", "bias?"),
+    attrs=[
+        attr("rows", A.INT, 8, lambda v: None if v >= 1 else "must be >= 1"),
+        attr("transposed", A.BOOL, False),
+    ],
+    infer_meta=_tiled_meta,
+    kernel=_tiled_kernel,
+    vjp=_tiled_vjp,
+    doc="x @ weight.T + bias (as linear), computed in matrix products of exactly `rows` rows (the last "
+    "zero-padded), so each row's result is independent of the number of rows: batch invariance. "
+    "transposed=True takes the weight as [in_features, out_features] (BLAS's fast layout).",
+)

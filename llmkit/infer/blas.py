@@ -1,0 +1,61 @@
+"""The BLAS thread count of this process (OpenBLAS as bundled with numpy).
+
+Small decode matrices gain nothing from a second BLAS thread, and on a machine shared with other
+work OpenBLAS's spinning threads can slow a step down several times over; the server runs with one
+BLAS thread unless told otherwise. This is process-wide: an in-process engine leaves it alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+_SETTERS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads")
+_GETTERS = ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads")
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    import numpy  # noqa: F401  (loads the BLAS library numpy links)
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "openblas" in line.lower() and ".so" in line})
+    except OSError:
+        return None
+    for p in paths:
+        try:
+            lib = ctypes.CDLL(p)
+        except OSError:
+            continue
+        if any(hasattr(lib, s) for s in _SETTERS):
+            return lib
+    return None
+
+
+def _fn(names: tuple[str, ...]):
+    lib = _lib()
+    if lib is None:
+        return None
+    for n in names:
+        if hasattr(lib, n):
+            return getattr(lib, n)
+    return None
+
+
+def get_blas_threads() -> int | None:
+    """OpenBLAS's current thread count, or None when numpy does not use OpenBLAS."""
+    fn = _fn(_GETTERS)
+    return None if fn is None else int(fn())
+
+
+def set_blas_threads(n: int) -> bool:
+    """Use ``n`` BLAS threads from now on; False when the BLAS is not OpenBLAS (nothing changes)."""
+    if n < 1:
+        raise ValueError(f"BLAS threads must be >= 1, got {n}")
+    fn = _fn(_SETTERS)
+    if fn is None:
+        return False
+    fn.argtypes = [ctypes.c_int]
+    fn(int(n))
+    return True

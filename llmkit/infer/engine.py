@@ -1,0 +1,389 @@
+"""The inference engine: continuous batching over the prefill/decode programs and a paged KV cache.
+
+::
+
+    engine = Engine.from_model(model, tokenizer)        # in-process, bound to the live weights (RLHF)
+    engine = Engine.from_static("model.llmkit")          # the static model file (the server)
+    outs = engine.generate(["Once upon"], SamplingParams(temperature=0, max_tokens=32))
+
+    rid = engine.add_request(ids, params, callback=on_output)   # streaming: thread-safe
+    while engine.has_work():
+        engine.step()                                    # one scheduler step (one thread only)
+    engine.abort(rid)                                    # cancel: its KV blocks are freed
+
+Both sources run the same scheduler, sampler and runner. ``add_request`` and ``abort`` may be
+called from any thread (they queue); ``step`` from one thread at a time (``EngineThread`` does it
+for the server). Callbacks run on the stepping thread, once per step that changed the request.
+
+Guarantee (docs/serve.md): a request's tokens, greedy or seeded, are bitwise the same whether it
+runs alone, in a batch, or after a prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .blocks import BlockManager
+from .chat import ChatTemplate
+from .detokenize import Detokenizer
+from .programs import BLOCK_SIZE, DECODE_TILE, PREFILL_TILE
+from .request import Completion, FinishReason, Request, RequestOutput
+from .runner import DecodeBatch, ModelRunner, PrefillBatch
+from .sampling import Sampler, SamplingParams, merge_stop_ids
+from .scheduler import Scheduler
+from .tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings (block_size and the tiles apply to programs traced in-process; a static model
+    file fixes them at export)."""
+
+    max_batch: int = 8  # requests running at once (decode batch size)
+    max_tokens_per_step: int = 256  # decode tokens + prompt tokens per step
+    num_blocks: int | None = None  # KV blocks in the pool; default: max_batch full-context sequences
+    block_size: int = BLOCK_SIZE  # tokens per KV block (= prefill chunk)
+    prefill_tile: int = PREFILL_TILE  # rows per BLAS call in prefill (batch invariance); 0 = plain linear
+    decode_tile: int = DECODE_TILE  # rows per BLAS call in decode; 0 = plain linear
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # context limit; default (and at most): the model's
+    # "none": the op table's reference kernels; "cinn": fused compiled kernels (the programs' tiled
+    # linears and paged attention keep their own kernels either way). "none" until compiled kernels
+    # beat the reference ones on decode shapes (docs/serve.md); None follows to_static's default.
+    compiler: str | None = "none"
+
+
+def _default_compiler() -> str | None:
+    """The compiler ``to_static`` uses by default, so a model file runs as an in-process engine does."""
+    from llmkit.framework import jit
+
+    return inspect.signature(jit.to_static).parameters["compiler"].default
+
+
+class Engine:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer | None,
+        config: EngineConfig | None = None,
+        *,
+        model_name: str = "model",
+        chat_template: ChatTemplate | None = None,
+        generation_defaults: dict[str, Any] | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.runner = runner
+        self.spec = runner.spec
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.chat_template = chat_template or ChatTemplate()
+        self.generation_defaults = dict(generation_defaults or {})
+        eos = set(eos_token_ids) | ({tokenizer.eos_id} if tokenizer is not None else set())
+        self.eos_token_ids = frozenset(eos)
+        limit = self.spec.max_model_len
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.blocks = BlockManager(runner.num_blocks, self.spec.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.blocks, config.max_batch, config.max_tokens_per_step, self.spec.block_size
+        )
+        self._inbox: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self.num_prompt_tokens = 0  # computed (not cached) prompt tokens
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+
+    # ---- construction -------------------------------------------------------------------------
+    @staticmethod
+    def _num_blocks(config: EngineConfig, max_len: int, block_size: int) -> int:
+        if config.num_blocks is not None:
+            return config.num_blocks
+        return config.max_batch * -(-max_len // block_size)
+
+    @classmethod
+    def from_model(
+        cls, model: Any, tokenizer: Any = None, config: EngineConfig | None = None, model_name: str = "model"
+    ) -> Engine:
+        """An engine over programs traced from ``model`` (a LlamaForCausalLM-like causal LM).
+
+        The programs read the model's parameters at every step, so the engine follows training
+        updates; call :meth:`reset_prefix_cache` after changing the weights.
+        """
+        config = config or EngineConfig()
+        max_len = min(
+            config.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
+        )
+        runner = ModelRunner.from_model(
+            model,
+            cls._num_blocks(config, max_len, config.block_size),
+            config.block_size,
+            config.prefill_tile,
+            config.decode_tile,
+            config.compiler,
+        )
+        eos = model.config.eos_token_id
+        eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        tok = None if tokenizer is None else Tokenizer.of(tokenizer)
+        return cls(runner, tok, config, model_name=model_name, eos_token_ids=eos_ids)
+
+    @classmethod
+    def from_static(cls, path: str | os.PathLike[str], config: EngineConfig | None = None) -> Engine:
+        """An engine over a static model file written by ``llmkit export`` (no model code needed)."""
+        from llmkit.framework import jit
+
+        config = config or EngineConfig()
+        sm = jit.load(path, compiler=config.compiler or _default_compiler())
+        meta = sm.metadata
+        if "engine" not in meta:
+            raise jit.FormatError(
+                f"{path}: not an inference model file (no engine metadata); write one with llmkit export"
+            )
+        e = meta["engine"]
+        max_len = min(config.max_model_len or e["max_model_len"], e["max_model_len"])
+        runner = ModelRunner.from_static(sm, cls._num_blocks(config, max_len, e["block_size"]))
+        return cls(
+            runner,
+            Tokenizer(sm.file("tokenizer.model")),
+            config,
+            model_name=meta.get("model_name", "model"),
+            chat_template=ChatTemplate.from_dict(meta.get("chat_template")),
+            generation_defaults=meta.get("generation"),
+            eos_token_ids=meta.get("eos_token_ids", ()),
+        )
+
+    # ---- submitting (any thread) ----------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: a text prompt needs a tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt, add_bos=True)
+        return [int(t) for t in prompt]
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        callback: Callable[[RequestOutput], None] | None = None,
+        seed: int | None = None,
+    ) -> str:
+        """Queue a request (text or token ids); returns its id. ``seed`` overrides ``params.seed``.
+
+        Raises ValueError (naming prompt or max_tokens) when it cannot fit the context.
+        """
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.spec.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is out of range for a vocabulary of {vocab}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens do not fit the context of {self.max_model_len} tokens "
+                "(at least one new token must fit)"
+            )
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: {params.max_tokens} new tokens after a {len(ids)}-token prompt exceed the "
+                f"context of {self.max_model_len} tokens (at most {self.max_model_len - len(ids)})"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer")
+        rid = request_id or f"req-{next(self._ids)}"
+        req = Request(
+            request_id=rid,
+            prompt_ids=ids,
+            params=params,
+            sampler=Sampler(params, ids, seed=seed),
+            detok=Detokenizer(self.tokenizer, params.stop),
+            stop_ids=merge_stop_ids(params, self.eos_token_ids),
+            callback=callback,
+        )
+        with self._lock:
+            if rid in self._requests:
+                raise ValueError(f"request_id: {rid!r} is already in use")
+            self._requests[rid] = req
+            self._inbox.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (at the start of the next step; unknown or finished ids are ignored)."""
+        self._aborts.append(request_id)
+
+    # ---- stepping (one thread) ------------------------------------------------------------------
+    def has_work(self) -> bool:
+        s = self.scheduler
+        return bool(self._inbox or self._aborts or s.waiting or s.running)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns (and passes to callbacks) the outputs of changed requests."""
+        touched: list[Request] = []
+        self._drain(touched)
+        plan = self.scheduler.schedule()
+        bs = self.spec.block_size
+        if plan.decode:
+            batch = DecodeBatch()
+            for r in plan.decode:
+                batch.add(r.output_ids[-1], r.prompt_len + len(r.output_ids) - 1, r.blocks, bs)
+            logits = self.runner.decode(batch)
+            for r, row in zip(plan.decode, logits):
+                r.computed += 1
+                self._append_token(r, row)
+                touched.append(r)
+        if plan.prefill:
+            batch, last = PrefillBatch(), []
+            for r, start, n in plan.prefill:
+                row = batch.add_segment(r.prompt_ids[start : start + n], start, r.blocks, bs)
+                if start + n == r.prompt_len:
+                    batch.logit_rows.append(row)
+                    last.append(r)
+            logits = self.runner.prefill(batch)
+            for r, start, n in plan.prefill:
+                r.computed = start + n
+                self.num_prompt_tokens += n
+                self._register_prefix(r)
+            for r, row in zip(last, logits):
+                self._append_token(r, row)
+                touched.append(r)
+        self.num_steps += not plan.empty
+        return self._flush(touched)
+
+    def _drain(self, touched: list[Request]) -> None:
+        while self._inbox:
+            self.scheduler.add(self._inbox.popleft())
+        while self._aborts:
+            req = self._requests.get(self._aborts.popleft())
+            if req is not None and not req.finished:
+                self._finish(req, FinishReason.ABORT)
+                touched.append(req)
+
+    def _append_token(self, r: Request, logits: np.ndarray) -> None:
+        choice = r.sampler(logits)
+        tok = choice.token_id
+        r.sampler.accept(tok)
+        r.output_ids.append(tok)
+        r.pending_ids.append(tok)
+        self.num_generated_tokens += 1
+        if r.params.logprobs is not None:
+            r.logprobs.append(choice)
+            r.pending_logprobs.append(choice)
+        is_stop = tok in r.stop_ids
+        delta, stopped = r.detok.add(tok, visible=not is_stop)
+        r.pending_text += delta
+        if is_stop or stopped:
+            self._finish(r, FinishReason.STOP)
+        elif len(r.output_ids) >= r.params.max_tokens:
+            self._finish(r, FinishReason.LENGTH)
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.finish_reason = reason
+        if not r.detok.stopped:
+            r.pending_text += r.detok.finish()
+        self.scheduler.remove(r)
+
+    def _register_prefix(self, r: Request) -> None:
+        full = min(len(r.prefix_hashes), r.computed // self.spec.block_size)
+        for i in range(r.registered, full):
+            self.blocks.register(r.blocks[i], r.prefix_hashes[i])
+        r.registered = max(r.registered, full)
+
+    def _flush(self, touched: list[Request]) -> list[RequestOutput]:
+        outs = []
+        seen: set[int] = set()
+        for r in touched:
+            if id(r) in seen:
+                continue
+            seen.add(id(r))
+            out = r.take_output()
+            if r.finished:
+                with self._lock:
+                    self._requests.pop(r.request_id, None)
+            outs.append(out)
+            if r.callback is not None:
+                r.callback(out)
+        return outs
+
+    def fail_all(self, reason: str = FinishReason.ERROR) -> list[RequestOutput]:
+        """End every queued and running request (after an engine error, or at shutdown)."""
+        touched: list[Request] = []
+        while self._inbox:
+            self.scheduler.add(self._inbox.popleft())
+        for r in list(self.scheduler.waiting) + list(self.scheduler.running):
+            if not r.finished:
+                self._finish(r, reason)
+                touched.append(r)
+        self._aborts.clear()
+        return self._flush(touched)
+
+    # ---- convenience ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run ``prompts`` to completion (on this thread; not while an EngineThread runs the engine)."""
+        plist = (
+            list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        )
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: got {len(plist)} for {len(prompts)} prompts")
+        done: dict[str, Completion] = {}
+        reqs: dict[str, Request] = {}
+        ids = []
+        for p, sp in zip(prompts, plist):
+            rid = self.add_request(p, sp)
+            reqs[rid] = self._requests[rid]
+            ids.append(rid)
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished and out.request_id in reqs:
+                    done[out.request_id] = reqs[out.request_id].completion()
+        return [done[i] for i in ids]
+
+    # ---- state ----------------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (their K/V came from the weights they were computed with)."""
+        self.blocks.reset_prefix_cache()
+
+    def weights_changed(self) -> None:
+        """Call after updating the weights of a ``from_model`` engine (an RLHF policy step).
+
+        Forgets cached prefixes and the transposed weight copies. (Rebinding a parameter, as
+        ``set_value`` and optimizers do, is detected anyway; writing into a parameter's array in
+        place is not, and this call is what makes it safe.)
+        """
+        self.blocks.reset_prefix_cache()
+        self.runner.weights_changed()
+
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges for monitoring (read from any thread; values are a snapshot)."""
+        s, b = self.scheduler, self.blocks
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting) + len(self._inbox),
+            "kv_blocks_used": b.num_used,
+            "kv_blocks_total": b.num_blocks,
+            "kv_blocks_cached": b.num_cached,
+            "prefix_cache_queries": b.prefix_queries,
+            "prefix_cache_hits": b.prefix_hits,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generated_tokens": self.num_generated_tokens,
+            "steps": self.num_steps,
+        }

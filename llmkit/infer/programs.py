@@ -1,0 +1,290 @@
+"""The engine's two programs, traced from a causal LM: ``prefill`` and ``decode`` over a paged KV pool.
+
+Both are ``to_static`` traces of the model's own forward with a :class:`PagedKVCache` as its
+``kv_cache`` (the seam: model code only calls ``kv_cache.attend``), symbolic sizes, and the KV pool
+as an explicit input and output (donated: the pool is written in place). Inputs, all int64 except
+the pool::
+
+    prefill(input_ids [1, N], positions [1, N], slots [N], block_tables [G, MB], kv_len [G],
+            q_start [G], q_len [G], logit_rows [R], pool) -> (logits [R, V], pool)
+    decode(input_ids [B, 1], positions [B, 1], slots [B], block_tables [B, MB], kv_len [B], pool)
+            -> (logits [B, V], pool)
+
+``prefill`` runs N tokens of any number of sequences flattened into one row, in G segments (a
+segment: a run of tokens of one sequence, see ``paged_attention``), and returns logits only at
+``logit_rows``; ``decode`` runs one token per sequence. ``pool`` is ``[layers, 2, NB, BS, Hkv, D]``
+with NB symbolic: the server sizes its pool at startup.
+
+After tracing, two passes rewrite them: ``tile-linear`` turns every ``linear`` into
+``tiled_linear`` (BLAS calls of a fixed number of rows: 1 in decode, 8 in prefill), which is the
+batch-invariance guarantee (docs/serve.md), and ``transpose-weights`` makes the weights only those
+linears read ``[in, out]`` inputs (BLAS's fast layout). The programs capture the model's parameters
+as inputs read at every call, so programs traced from a live model always use its current weights
+(what RLHF rollouts need); :meth:`EngineProgram.capture_arrays` supplies the transposed copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import llmkit.framework as lf
+from llmkit.framework import backend as B
+from llmkit.framework import jit
+from llmkit.framework.ir import Program, TensorType
+from llmkit.framework.ir.pass_manager import Pass, register_pass
+from llmkit.framework.ir.rewriter import PatternRewriter, RewritePattern, apply_patterns
+
+O = lf.ops
+
+BLOCK_SIZE = 16  # tokens per KV block (and per prefill chunk)
+# Rows per BLAS call in the programs' linears (0 = plain linear, not batch-invariant). Decode runs one
+# row per call (a matrix-vector product: the fastest way to stream the weights once per token, and
+# invariant by construction); prefill runs 8-row matrix products (see docs/serve.md).
+PREFILL_TILE = 8
+DECODE_TILE = 1
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs to know about the programs it runs (stored in the static file)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int  # positions the model supports (its RoPE table)
+    dtype: str  # of the weights and the KV pool
+    block_size: int = BLOCK_SIZE
+    prefill_tile: int = PREFILL_TILE
+    decode_tile: int = DECODE_TILE
+
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+class PagedKVCache:
+    """The ``kv_cache`` a model sees while the engine's programs are traced.
+
+    ``attend(layer, q, k, v)`` stores k/v [B, Hkv, S, D] in the pool at ``slots`` and attends q
+    [B, Hq, S, D] to each segment's cached keys; the pool value it threads from layer to layer is
+    the program's pool output.
+    """
+
+    def __init__(self, pool, slots, block_tables, kv_len, q_start=None, q_len=None) -> None:
+        self.pool = pool
+        self.slots, self.block_tables, self.kv_len = slots, block_tables, kv_len
+        self.q_start, self.q_len = q_start, q_len
+
+    @property
+    def past_length(self) -> Any:
+        raise TypeError("PagedKVCache has no single past length: pass position_ids to the model")
+
+    def attend(self, layer: int, q, k, v):
+        self.pool = O.paged_kv_write(self.pool, k, v, self.slots, layer=layer, inplace=True)
+        return O.paged_attention(
+            q, self.pool, self.block_tables, self.kv_len, self.q_start, self.q_len, layer=layer
+        )
+
+
+# ---- the tile-linear pass -------------------------------------------------------------------------
+
+
+class _TileLinear(RewritePattern):
+    roots = ("llm.linear",)
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
+        rewriter.replace_op(op, rewriter.create("llm.tiled_linear", list(op.operands), {"rows": self.rows}))
+
+
+@register_pass
+@dataclass
+class TileLinear(Pass):
+    """``linear`` -> ``tiled_linear{rows}``: each row's result independent of the batch size."""
+
+    name = "tile-linear"
+    rows: int = PREFILL_TILE
+
+    def apply(self, program: Program) -> None:
+        apply_patterns(program, [_TileLinear(self.rows)], erase_dead=False)
+
+
+class _Transposed(RewritePattern):
+    roots = ("llm.tiled_linear",)
+
+    def __init__(self, args: set) -> None:
+        self.args = args
+
+    def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
+        if op.operands[1] in self.args and not op.plain_attrs["transposed"]:
+            attrs = {**op.plain_attrs, "transposed": True}
+            rewriter.replace_op(op, rewriter.create("llm.tiled_linear", list(op.operands), attrs))
+
+
+@register_pass
+@dataclass
+class TransposeWeights(Pass):
+    """Function inputs used only as ``tiled_linear`` weights become ``[in, out]`` inputs.
+
+    BLAS reads a contiguous ``[in, out]`` matrix faster than the transposed view of ``[out, in]``
+    (a third less time for the engine's small matrices), so whoever feeds the program passes those
+    weights transposed: ``transposed_args`` lists their argument positions after ``apply``.
+    """
+
+    name = "transpose-weights"
+    transposed_args: list[int] = field(default_factory=list)
+
+    def apply(self, program: Program) -> None:
+        f = program.function()
+        chosen = set()
+        for a in f.args:
+            uses = a.uses
+            if uses and a.ndim == 2 and all(op.name == "llm.tiled_linear" and i == 1 for op, i in uses):
+                chosen.add(a)
+        for a in chosen:
+            a.type = TensorType((a.shape[1], a.shape[0]), a.dtype)
+        apply_patterns(program, [_Transposed(chosen)], erase_dead=False)
+        self.transposed_args = sorted(a.index for a in chosen)
+
+
+# ---- tracing --------------------------------------------------------------------------------------
+
+_I64 = "int64"
+
+
+def input_specs(spec: ModelSpec) -> dict[str, list[jit.InputSpec]]:
+    """The InputSpecs of both programs (names as they appear in the PIR and the manifest)."""
+    pool = jit.InputSpec(
+        [spec.num_layers, 2, "NB", spec.block_size, spec.num_kv_heads, spec.head_dim], spec.dtype, "pool"
+    )
+    return {
+        "prefill": [
+            jit.InputSpec([1, "N"], _I64, "input_ids"),
+            jit.InputSpec([1, "N"], _I64, "positions"),
+            jit.InputSpec(["N"], _I64, "slots"),
+            jit.InputSpec(["G", "MB"], _I64, "block_tables"),
+            jit.InputSpec(["G"], _I64, "kv_len"),
+            jit.InputSpec(["G"], _I64, "q_start"),
+            jit.InputSpec(["G"], _I64, "q_len"),
+            jit.InputSpec(["R"], _I64, "logit_rows"),
+            pool,
+        ],
+        "decode": [
+            jit.InputSpec(["B", 1], _I64, "input_ids"),
+            jit.InputSpec(["B", 1], _I64, "positions"),
+            jit.InputSpec(["B"], _I64, "slots"),
+            jit.InputSpec(["B", "MB"], _I64, "block_tables"),
+            jit.InputSpec(["B"], _I64, "kv_len"),
+            pool,
+        ],
+    }
+
+
+def model_spec(
+    model: Any, block_size: int = BLOCK_SIZE, prefill_tile: int = PREFILL_TILE, decode_tile: int = DECODE_TILE
+) -> ModelSpec:
+    """The ModelSpec of a Llama-style causal LM (``model.config`` with Hugging Face field names)."""
+    c = model.config
+    return ModelSpec(
+        num_layers=c.num_hidden_layers,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        vocab_size=c.vocab_size,
+        max_model_len=c.max_position_embeddings,
+        dtype=B.dtype_name(model.lm_weight().dtype),
+        block_size=block_size,
+        prefill_tile=prefill_tile,
+        decode_tile=decode_tile,
+    )
+
+
+@dataclass
+class EngineProgram:
+    """A traced program, its captured tensors, and which of them it takes transposed."""
+
+    concrete: jit.ConcreteProgram
+    transposed: frozenset[int]  # positions in ``concrete.captures`` fed as their transpose
+
+    def capture_arrays(self, cache: dict[int, tuple[Any, Any]]) -> list[Any]:
+        """The captured tensors' current values, transposed where the program wants them so.
+
+        ``cache`` (id of a captured tensor -> (source array, transposed copy)) may be shared by
+        programs capturing the same tensors; an entry is refreshed whenever its tensor was rebound
+        (set_value, an optimizer step), so live weights stay live.
+        """
+        out = []
+        for i, t in enumerate(self.concrete.captures):
+            a = t._data
+            if i in self.transposed:
+                hit = cache.get(id(t))
+                if hit is None or hit[0] is not a:
+                    hit = cache[id(t)] = (a, np.ascontiguousarray(a.T))
+                a = hit[1]
+            out.append(a)
+        return out
+
+
+def trace_programs(
+    model: Any,
+    block_size: int = BLOCK_SIZE,
+    prefill_tile: int = PREFILL_TILE,
+    decode_tile: int = DECODE_TILE,
+    compiler: str | None = None,
+) -> tuple[dict[str, EngineProgram], ModelSpec]:
+    """Trace ``prefill`` and ``decode`` from ``model`` (its parameters stay live program inputs).
+
+    The model must provide ``model.model(input_ids, position_ids, attention_mask, kv_cache) ->
+    hidden [B, S, H]`` (final norm applied), ``model.lm_weight() -> [V, H]`` and ``model.config``.
+    With a tile (rows per BLAS call) the program's linears become ``tiled_linear`` and take their
+    weights transposed (see the passes above). ``compiler`` is passed to ``to_static`` ("cinn", "none";
+    None: to_static's default).
+    """
+    spec = model_spec(model, block_size, prefill_tile, decode_tile)
+    tiles = {"prefill": prefill_tile, "decode": decode_tile}
+    lm_weight = model.lm_weight
+
+    def prefill(input_ids, positions, slots, block_tables, kv_len, q_start, q_len, logit_rows, pool):
+        cache = PagedKVCache(pool, slots, block_tables, kv_len, q_start, q_len)
+        hidden = model.model(input_ids, positions, None, cache)  # (1, N, H)
+        rows = O.index_select(O.reshape(hidden, [-1, hidden.shape[-1]]), logit_rows)  # (R, H)
+        return O.linear(rows, lm_weight()), cache.pool  # (R, V)
+
+    def decode(input_ids, positions, slots, block_tables, kv_len, pool):
+        cache = PagedKVCache(pool, slots, block_tables, kv_len)
+        hidden = model.model(input_ids, positions, None, cache)  # (B, 1, H)
+        return O.linear(O.reshape(hidden, [-1, hidden.shape[-1]]), lm_weight()), cache.pool  # (B, V)
+
+    names = {id(t): n for n, t in model.named_parameters()}
+    names.update({id(t): n for n, t in model.named_buffers()})
+    out: dict[str, EngineProgram] = {}
+    for pname, fn in (("prefill", prefill), ("decode", decode)):
+        specs = input_specs(spec)[pname]
+        kw = {} if compiler is None else {"compiler": compiler}
+        sf = jit.to_static(fn, input_spec=specs, names=names, **kw)
+        dummies = [
+            lf.Tensor(np.zeros([d if isinstance(d, int) else 1 for d in s.shape], B.dtype(s.dtype)))
+            for s in specs
+        ]
+        with lf.no_grad():
+            cp = sf.get_concrete_program(*dummies)
+        transposed: frozenset[int] = frozenset()
+        if tiles[pname]:
+            TileLinear(tiles[pname]).apply(cp.program)
+            layout = TransposeWeights()
+            layout.apply(cp.program)
+            transposed = frozenset(i - cp.n_args for i in layout.transposed_args)
+            cp.program.verify()
+        out[pname] = EngineProgram(cp, transposed)
+    return out, spec

@@ -1,0 +1,142 @@
+"""``llmkit export --model DIR --out model.llmkit``: the static model file the server runs.
+
+It reads a Hugging Face layout model directory (as the trainer writes it: ``config.json``,
+``model.safetensors``, ``tokenizer.model``, optionally ``generation_config.json``), traces the
+engine's ``prefill`` and ``decode`` programs from it, and writes them with ``jit.save``'s format:
+one PIR file per program, ``weights.safetensors``, ``tokenizer.model``, and a manifest with the
+sha256 of every part. The manifest's metadata holds what the server needs besides the programs:
+``engine`` (cache geometry, context length, dtype), ``chat_template``, ``generation`` defaults,
+``eos_token_ids``, and the model's ``config``.
+
+Weights that the programs use only as ``tiled_linear`` weights are stored transposed (``[in, out]``,
+named ``<parameter>.T``): the layout BLAS reads fastest, done once here rather than at every load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import llmkit
+from llmkit.framework import jit
+from llmkit.framework.jit.model_file import MANIFEST, save_programs
+from llmkit.framework.tensor import Tensor
+from llmkit.infer.chat import ChatTemplate
+from llmkit.infer.programs import BLOCK_SIZE, trace_programs
+
+
+class ExportError(ValueError):
+    """A model directory or an --out path that cannot be exported (printed as one line)."""
+
+
+def _generation_defaults(model_dir: Path) -> dict[str, Any]:
+    """Sampling defaults from ``generation_config.json`` (Hugging Face's names), when present."""
+    f = model_dir / "generation_config.json"
+    if not f.is_file():
+        return {}
+    try:
+        g = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{f}: not valid JSON ({e})") from None
+    out: dict[str, Any] = {}
+    if g.get("do_sample") is False:
+        out["temperature"] = 0.0
+    elif "temperature" in g:
+        out["temperature"] = float(g["temperature"])
+    for k in ("top_p", "top_k"):
+        if k in g:
+            out[k] = g[k]
+    return out
+
+
+def export_model(
+    model: Any,
+    tokenizer: Any,
+    out: str | Path,
+    *,
+    model_name: str,
+    block_size: int = BLOCK_SIZE,
+    generation: dict[str, Any] | None = None,
+    chat_template: ChatTemplate | None = None,
+) -> Path:
+    """Write ``model`` (a LlamaForCausalLM) and ``tokenizer`` as a static inference model file."""
+    programs, spec = trace_programs(model, block_size)
+    names = {id(t): n for n, t in model.named_parameters()}
+    names.update({id(t): n for n, t in model.named_buffers()})
+    transposed: dict[int, Tensor] = {}  # one stored copy per parameter, shared by both programs
+    concrete = {}
+    for pname, p in programs.items():
+        cp = p.concrete
+        caps = []
+        for i, t in enumerate(cp.captures):
+            if i in p.transposed:
+                tt = transposed.get(id(t))
+                if tt is None:
+                    tt = transposed[id(t)] = Tensor(np.ascontiguousarray(t.numpy().T))
+                    names[id(tt)] = f"{names.get(id(t), t.name or 'weight')}.T"
+                t = tt
+            caps.append(t)
+        concrete[pname] = jit.ConcreteProgram(
+            cp.program, cp.n_args, caps, [], cp.out_tree, cp.n_outputs, cp.compiler
+        )
+    eos = model.config.eos_token_id
+    eos_ids = sorted({tokenizer.eos_id, *(eos if isinstance(eos, list) else [] if eos is None else [eos])})
+    metadata = {
+        "model_name": model_name,
+        "architecture": "llama",
+        "llmkit_version": llmkit.__version__,
+        "engine": spec.to_dict(),
+        "config": model.config.to_dict(),
+        "chat_template": (chat_template or ChatTemplate()).to_dict(),
+        "generation": dict(generation or {}),
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_ids": eos_ids,
+    }
+    return save_programs(out, concrete, names, metadata, {"tokenizer.model": tokenizer.model_proto})
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="llmkit export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", required=True, help="model directory (config.json, model.safetensors, tokenizer.model)"
+    )
+    p.add_argument(
+        "--out", required=True, help="the static model file to write (a directory, e.g. model.llmkit)"
+    )
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache dtype"
+    )
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per KV cache block")
+    p.add_argument(
+        "--name", default=None, help="model id the server reports (default: the model directory's name)"
+    )
+    a = p.parse_args(argv)
+    from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
+
+    src, out = Path(a.model), Path(a.out)
+    if out.exists() and not (out / MANIFEST).is_file():
+        raise ExportError(f"--out {out} exists and is not a static model file; refusing to replace it")
+    if out.resolve() == src.resolve():
+        raise ExportError("--out must differ from --model")
+    if a.block_size < 1:
+        raise ExportError(f"--block-size must be >= 1, got {a.block_size}")
+    model = LlamaForCausalLM.from_pretrained(str(src), dtype=a.dtype)
+    model.eval()
+    tok = LlamaTokenizer.from_pretrained(src)
+    if tok.vocab_size != model.config.vocab_size:
+        raise ExportError(
+            f"tokenizer vocab ({tok.vocab_size}) does not match the model's ({model.config.vocab_size})"
+        )
+    name = a.name or (src.name if src.name != "model" else src.parent.name if src.parent.name else "model")
+    path = export_model(
+        model, tok, out, model_name=name, block_size=a.block_size, generation=_generation_defaults(src)
+    )
+    size = sum(f.stat().st_size for f in path.iterdir()) / 1e6
+    print(f"llmkit export: wrote {path} ({size:.1f} MB; programs prefill, decode; model {name!r})")
+    return 0

@@ -1,0 +1,231 @@
+"""The OpenAI wire format: request models (validated with pydantic) and response builders.
+
+Requests reject unknown fields and out-of-range values with a 400 naming the field (OpenAI's own
+ranges; ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos`` are
+accepted as vLLM-style extensions). Responses are plain dicts built here, in OpenAI's shapes:
+``text_completion`` / ``chat.completion`` objects, their ``*.chunk`` streaming forms, ``usage``,
+``logprobs`` and the error body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 16  # choices per request
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields both endpoints share."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # extensions (as in vLLM)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v: dict | None) -> None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return None
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        return self
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # accepted and ignored: they change nothing here
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        if self.max_completion_tokens is not None and self.max_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_logprobs(tokens: list[Any], text_of: Any, offset: int) -> dict[str, Any]:
+    """Legacy completions ``logprobs`` for TokenChoices; ``offset`` is where their text starts."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for c in tokens:
+        text = text_of(c.token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(c.logprob)
+        top = {text_of(t): lp for t, lp in c.top}
+        top.setdefault(text, c.logprob)  # the sampled token is always listed
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(tokens: list[Any], text_of: Any, bytes_of: Any) -> dict[str, Any]:
+    """Chat ``logprobs`` ({"content": [...]}) for TokenChoices."""
+
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        return {"token": text_of(t), "logprob": lp, "bytes": list(bytes_of(t))}
+
+    return {
+        "content": [
+            {**entry(c.token_id, c.logprob), "top_logprobs": [entry(t, lp) for t, lp in c.top]}
+            for c in tokens
+        ],
+        "refusal": None,
+    }
+
+
+def models_list(name: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "llmkit",
+                "max_model_len": max_model_len,
+            }
+        ],
+    }

@@ -1,0 +1,119 @@
+"""``llmkit serve model.llmkit``: the OpenAI-compatible server on uvicorn.
+
+It runs only the static model file: programs, weights, tokenizer and chat template all come from
+it, and this process never imports ``llmkit.models`` (``GET /health`` reports it). It binds to
+loopback unless ``--host`` says otherwise. SIGTERM (or Ctrl-C) shuts down gracefully: no new
+connections, in-flight requests get ``--drain-timeout`` seconds to finish, the rest are cancelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+
+from llmkit.infer import Engine, EngineConfig, EngineThread, SamplingParams
+from llmkit.infer.blas import set_blas_threads
+
+log = logging.getLogger("llmkit.serve")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="llmkit serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("model", help="static model file written by `llmkit export` (a model.llmkit directory)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("LLMKIT_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $LLMKIT_API_KEY, else none)",
+    )
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 429")
+    p.add_argument("--max-tokens-per-step", type=int, default=256, help="decode + prompt tokens per step")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV cache blocks (default: max-batch sequences of the full context)",
+    )
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: the file's)")
+    p.add_argument("--blas-threads", type=int, default=1, help="OpenBLAS threads of this process")
+    p.add_argument(
+        "--compiler",
+        default="none",
+        choices=["none", "cinn"],
+        help="kernels for the programs: the op table's reference kernels, or fused compiled ones",
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown"
+    )
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    import uvicorn
+
+    from .app import build_app
+    from .serving import Serving
+
+    t0 = time.perf_counter()
+    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    set_blas_threads(a.blas_threads)
+    config = EngineConfig(
+        max_batch=a.max_batch,
+        max_tokens_per_step=max(a.max_tokens_per_step, a.max_batch + 64),
+        num_blocks=a.num_blocks,
+        enable_prefix_caching=not a.no_prefix_caching,
+        compiler=a.compiler,
+    )
+    engine = Engine.from_static(a.model, config)
+    if a.served_model_name:
+        engine.model_name = a.served_model_name
+    # Warm up: plan both programs and touch the pool before the first client waits for it.
+    engine.generate(
+        [[engine.tokenizer.bos_id]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    )
+    engine.reset_prefix_cache()
+    runner = EngineThread(engine).start()
+    app = build_app(Serving(runner, max_queue=a.max_queue), api_key=a.api_key, drain_timeout=a.drain_timeout)
+    serving = app.state.serving
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            # Stop taking requests and start the engine's drain now: in-flight requests finish
+            # within --drain-timeout or end as cancelled, so their connections close and uvicorn's
+            # graceful shutdown (which waits for them) completes.
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+            serving.closing = True
+            runner.stop(drain_timeout=a.drain_timeout, join_timeout=0)
+
+    server = Server(
+        uvicorn.Config(
+            app,
+            host=a.host,
+            port=a.port,
+            log_level=a.log_level,
+            timeout_graceful_shutdown=a.drain_timeout + 5,
+            access_log=a.log_level in ("debug", "info"),
+        )
+    )
+    print(
+        f"llmkit serve: {engine.model_name} on http://{a.host}:{a.port} "
+        f"(loaded in {time.perf_counter() - t0:.1f} s; "
+        f"max_batch {a.max_batch}, {engine.blocks.num_blocks} KV blocks of {engine.spec.block_size})",
+        flush=True,
+    )
+    # uvicorn handles SIGTERM/SIGINT while it runs (graceful shutdown, then the app's lifespan drains
+    # the engine) and re-raises the signal afterwards; this handler makes that a clean exit 0.
+    signal.signal(signal.SIGTERM, lambda sig, frame: setattr(server, "should_exit", True))
+    server.run()
+    runner.stop(drain_timeout=0.0)
+    return 0

@@ -1,0 +1,437 @@
+"""Serving: OpenAI requests -> engine requests -> responses or SSE streams.
+
+One HTTP request becomes ``len(prompts) * n`` engine requests (choice ``j`` of a seeded request is
+seeded ``seed + j``). Engine callbacks arrive on the engine thread and are handed to the request's
+asyncio queue; the handler turns them into one JSON response, or into SSE chunks as they come::
+
+    data: {"object": "chat.completion.chunk", "choices": [{"delta": {"role": "assistant", ...}}]}
+    data: {... "delta": {"content": "Once"} ...}
+    data: {... "delta": {}, "finish_reason": "length"}
+    data: {... "choices": [], "usage": {...}}        (with stream_options.include_usage)
+    data: [DONE]
+
+A client that goes away (a closed stream, or a disconnect while waiting for a plain response)
+cancels its engine requests, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmkit.infer import ChatTemplateError, EngineThread, FinishReason, RequestOutput, SamplingParams
+
+from .metrics import Metrics
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    models_list,
+    new_id,
+    now,
+    usage,
+)
+
+Disconnected = Callable[[], Awaitable[bool]]
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready (its requests were cancelled)."""
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_len: int
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    cached: int = 0
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    first: float | None = None
+    last: float | None = None
+    offset: int = 0  # characters of text streamed so far (completions logprobs text_offset)
+
+
+class _Submission:
+    """The engine requests behind one HTTP request, and their outputs on an asyncio queue."""
+
+    def __init__(self, serving: Serving, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
+        self.serving = serving
+        self.arrival = time.monotonic()
+        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.choices: list[_Choice] = []
+        self.ids: list[str] = []
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        try:
+            for p in prompts:
+                for j in range(n):
+                    i = len(self.choices)
+                    self.choices.append(_Choice(i, len(p)))
+                    seed = None if params.seed is None else params.seed + j
+                    cb = lambda out, i=i: loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
+                    self.ids.append(serving.runner.submit(p, params, callback=cb, seed=seed))
+        except BaseException as e:
+            self.abort()
+            if isinstance(e, ValueError):  # the engine's own checks, naming the parameter
+                raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+            raise
+        self.pending = len(self.choices)
+
+    @property
+    def done(self) -> bool:
+        return self.pending == 0
+
+    def abort(self) -> None:
+        """Cancel every engine request of this submission that has not finished."""
+        for c, rid in zip(self.choices, self.ids):
+            if c.finish_reason is None:
+                self.serving.runner.abort(rid)
+
+    def apply(self, i: int, out: RequestOutput) -> _Choice:
+        c = self.choices[i]
+        t = time.monotonic()
+        m = self.serving.metrics
+        if out.new_token_ids:
+            if c.first is None:
+                c.first = t
+                m.ttft.observe(t - self.arrival)
+            elif c.last is not None:  # tokens delivered together share the gap
+                gap = (t - c.last) / len(out.new_token_ids)
+                for _ in out.new_token_ids:
+                    m.itl.observe(gap)
+            c.last = t
+        c.text.append(out.new_text)
+        c.tokens = out.num_output_tokens
+        c.cached = out.num_cached_tokens
+        if out.new_logprobs:
+            c.logprobs.extend(out.new_logprobs)
+        if out.finished:
+            c.finish_reason = out.finish_reason
+            self.pending -= 1
+            m.e2e.observe(t - self.arrival)
+        return c
+
+    async def next(self, disconnected: Disconnected | None) -> tuple[int, RequestOutput]:
+        while True:
+            try:
+                return await asyncio.wait_for(self.queue.get(), 0.25 if disconnected else None)
+            except asyncio.TimeoutError:
+                if disconnected is not None and await disconnected():
+                    raise ClientGone() from None
+
+    def usage(self, n: int) -> dict[str, Any]:
+        cached = sum(c.cached for c in self.choices[::n])  # once per prompt, as prompt_tokens
+        return usage(self.prompt_tokens, sum(c.tokens for c in self.choices), cached)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class Serving:
+    """Engine glue for the OpenAI endpoints (HTTP-free: the app maps it to routes)."""
+
+    def __init__(self, runner: EngineThread, *, max_queue: int = 256, metrics: Metrics | None = None) -> None:
+        self.runner = runner
+        self.engine = runner.engine
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.model_name
+        self.max_model_len = self.engine.max_model_len
+        self.created = now()
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics(self.engine.stats)
+        self.closing = False
+
+    # ---- shared checks -------------------------------------------------------------------------
+    def models(self) -> dict[str, Any]:
+        return models_list(self.model_name, self.created, self.max_model_len)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(
+                400,
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _admit(self, count: int) -> None:
+        if self.closing or not self.runner.alive:
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        waiting = self.engine.stats()["waiting"]
+        if waiting + count > self.max_queue:
+            raise APIError(
+                429,
+                f"the server is busy: {waiting} requests are waiting (max_queue {self.max_queue}); "
+                "retry later",
+                type="rate_limit_error",
+                code="queue_full",
+            )
+
+    def _params(
+        self,
+        req: Any,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        prompt_param: str,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        ctx = self.max_model_len
+        longest = max(len(p) for p in prompts)
+        if longest >= ctx:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {ctx} tokens; the prompt has {longest} tokens "
+                "(at least one new token must fit)",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = ctx - longest
+        elif longest + max_tokens > ctx:
+            raise APIError(
+                400,
+                f"max_tokens is too large: {max_tokens} new tokens after a {longest}-token prompt exceed the "
+                f"context of {ctx} tokens (at most {ctx - longest})",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        d = self.engine.generation_defaults
+        vocab = self.engine.spec.vocab_size
+        bad = next((t for t in req.stop_token_ids or [] if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"stop_token_ids: {bad} is not a token id (vocabulary of {vocab})",
+                param="stop_token_ids",
+            )
+        try:
+            return SamplingParams(
+                temperature=d.get("temperature", 1.0) if req.temperature is None else req.temperature,
+                top_p=d.get("top_p", 1.0) if req.top_p is None else req.top_p,
+                top_k=req.top_k or d.get("top_k", 0),
+                min_p=req.min_p,
+                repetition_penalty=req.repetition_penalty,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                stop=tuple(req.stop),
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+    def _encode_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        vocab = self.engine.spec.vocab_size
+        out = []
+        for p in prompts:
+            ids = self.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else [int(t) for t in p]
+            if not ids:
+                raise APIError(400, "prompt must not be empty", param="prompt")
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(
+                    400, f"prompt: token id {bad} is out of range (vocabulary of {vocab})", param="prompt"
+                )
+            out.append(ids)
+        return out
+
+    # ---- /v1/completions -----------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, disconnected: Disconnected) -> Any:
+        self._check_model(req.model)
+        prompts = self._encode_prompts(req.prompt)
+        params = self._params(
+            req, prompts, req.max_tokens or DEFAULT_COMPLETION_TOKENS, "prompt", req.logprobs
+        )
+        self._admit(len(prompts) * req.n)
+        sub = _Submission(self, prompts, params, req.n)
+        rid, created = new_id("cmpl"), now()
+        text_of = self.tokenizer.token_text
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        if req.stream:
+
+            def chunks(i: int, c: _Choice, out: RequestOutput) -> list[dict[str, Any]]:
+                if not (out.new_text or out.new_token_ids or out.finished):
+                    return []
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = completion_logprobs(out.new_logprobs or [], text_of, c.offset)
+                return [
+                    {
+                        **head,
+                        "choices": [
+                            {
+                                "index": i,
+                                "text": out.new_text,
+                                "logprobs": logprobs,
+                                "finish_reason": c.finish_reason,
+                            }
+                        ],
+                    }
+                ]
+
+            return self._stream(sub, chunks, head, req.include_usage, req.n)
+        await self._collect(sub, disconnected)
+        choices = [
+            {
+                "index": c.index,
+                "text": "".join(c.text),
+                "finish_reason": c.finish_reason,
+                "logprobs": None if req.logprobs is None else completion_logprobs(c.logprobs, text_of, 0),
+            }
+            for c in sub.choices
+        ]
+        return {**head, "choices": choices, "usage": sub.usage(req.n)}
+
+    # ---- /v1/chat/completions ------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, disconnected: Disconnected) -> Any:
+        self._check_model(req.model)
+        try:
+            ids = self.engine.chat_template.render(
+                [{"role": m.role, "content": m.text()} for m in req.messages], self.tokenizer
+            )
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages") from None
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._params(req, [ids], req.token_limit, "messages", top)
+        self._admit(req.n)
+        sub = _Submission(self, [ids], params, req.n)
+        rid, created = new_id("chatcmpl"), now()
+        tok = self.tokenizer
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": self.model_name,
+            "system_fingerprint": None,
+        }
+
+        def lp(tokens: list[Any]) -> dict[str, Any] | None:
+            return chat_logprobs(tokens, tok.token_text, tok.token_bytes) if req.logprobs else None
+
+        if req.stream:
+
+            def chunks(i: int, c: _Choice, out: RequestOutput) -> list[dict[str, Any]]:
+                out_chunks = []
+                if out.new_text or (req.logprobs and out.new_token_ids):
+                    out_chunks.append(
+                        {
+                            **head,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "delta": {"content": out.new_text},
+                                    "logprobs": lp(out.new_logprobs or []),
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    )
+                if out.finished:
+                    out_chunks.append(
+                        {
+                            **head,
+                            "choices": [
+                                {"index": i, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}
+                            ],
+                        }
+                    )
+                return out_chunks
+
+            first = [
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+                for c in sub.choices
+            ]
+            return self._stream(sub, chunks, head, req.include_usage, req.n, first)
+        await self._collect(sub, disconnected)
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
+                "logprobs": lp(c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+            for c in sub.choices
+        ]
+        return {**head, "object": "chat.completion", "choices": choices, "usage": sub.usage(req.n)}
+
+    # ---- collecting and streaming --------------------------------------------------------------
+    async def _collect(self, sub: _Submission, disconnected: Disconnected) -> None:
+        try:
+            while not sub.done:
+                sub.apply(*await sub.next(disconnected))
+        except BaseException:
+            sub.abort()
+            raise
+        self._raise_failed(sub)
+
+    def _raise_failed(self, sub: _Submission) -> None:
+        if any(c.finish_reason == FinishReason.ERROR for c in sub.choices):
+            raise APIError(500, "the engine failed while generating; see the server log", type="server_error")
+
+    def _stream(
+        self,
+        sub: _Submission,
+        chunks: Callable[[int, _Choice, RequestOutput], list[dict[str, Any]]],
+        head: dict[str, Any],
+        include_usage: bool,
+        n: int,
+        first: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    ) -> AsyncIterator[str]:
+        extra = {"usage": None} if include_usage else {}
+
+        async def gen() -> AsyncIterator[str]:
+            try:
+                for body in first:  # chat: the first delta of every choice carries the role
+                    yield _sse({**body, **extra})
+                while not sub.done:
+                    i, out = await sub.next(None)
+                    c = sub.apply(i, out)
+                    if c.finish_reason == FinishReason.ERROR:
+                        yield _sse(
+                            error_body(
+                                "the engine failed while generating; see the server log", "server_error"
+                            )
+                        )
+                        break
+                    for body in chunks(i, c, out):
+                        yield _sse({**body, **extra})
+                    c.offset += len(out.new_text)
+                else:
+                    if include_usage:
+                        yield _sse({**head, "choices": [], "usage": sub.usage(n)})
+                yield "data: [DONE]\n\n"
+            finally:
+                if not sub.done:
+                    sub.abort()
+
+        return gen()

@@ -1,0 +1,172 @@
+"""The compiler at run time: to_static integration, dynamic shapes, the disk cache, the tuner,
+fallbacks (no C compiler, a kernel that does not compile), profiling, the CUDA rendering."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+
+import llmkit.framework as lf
+from llmkit.framework import compiler, jit
+from llmkit.framework.compiler import runtime, tune
+
+from .conftest import needs_cc
+
+O = lf.ops
+ROWS = jit.InputSpec(["N", "H"], "float32")
+
+
+def norm_softmax(x, w):
+    return O.softmax(O.rms_norm(x, w) * 2.0, axis=-1)
+
+
+def _xw(n=5, h=24, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, h)).astype(np.float32), rng.standard_normal(h).astype(np.float32)
+
+
+@needs_cc
+def test_to_static_compiles_and_one_kernel_serves_every_size():
+    f = jit.to_static(norm_softmax, input_spec=[ROWS, jit.InputSpec(["H"], "float32")], compiler="cinn")
+    ref = jit.to_static(norm_softmax, input_spec=[ROWS, jit.InputSpec(["H"], "float32")], compiler="none")
+    for n, h in [(1, 1), (3, 7), (64, 130), (2, 1)]:
+        x, w = _xw(n, h)
+        np.testing.assert_allclose(
+            f(lf.tensor(x), lf.tensor(w)).numpy(),
+            ref(lf.tensor(x), lf.tensor(w)).numpy(),
+            rtol=2e-5,
+            atol=1e-7,
+        )
+    assert f.trace_count == 1
+    ex = f._last.executor
+    assert any(s.name == "cinn.fusion[rms_norm+softmax]" for s in ex.steps)
+
+
+@needs_cc
+def test_default_compiler_is_cinn_where_a_c_compiler_exists():
+    from llmkit.framework.jit.compile import default_compiler
+
+    assert default_compiler() == "cinn"
+    f = jit.to_static(norm_softmax)
+    x, w = _xw()
+    f(lf.tensor(x), lf.tensor(w))
+    assert [s.name for s in f._last.executor.steps] == ["cinn.fusion[rms_norm+softmax]"]
+
+
+@needs_cc
+def test_kernels_are_cached_by_content_on_disk(kernel_cache):
+    p = (
+        jit.to_static(lambda x: O.exp(x) * 3.0 - x, compiler="none")
+        .get_concrete_program(lf.ones(3, 5))
+        .program
+    )
+    before = compiler.STATS.compiled, compiler.STATS.cached
+    compiler.compile_program(p)
+    compiled = compiler.STATS.compiled - before[0]
+    compiler.compile_program(p)  # the same kernels again: from the cache, nothing compiled
+    assert compiler.STATS.compiled - before[0] == compiled
+    assert compiler.STATS.cached > before[1]
+    assert list(kernel_cache.glob("k_*.so")) and list(kernel_cache.glob("lib_*.so"))
+
+
+@needs_cc
+def test_tuner_times_candidates_once_and_keeps_the_winner(kernel_cache):
+    def colsum(g, y):
+        return (g * y).sum(axis=0)
+
+    spec = jit.InputSpec(["N", 512], "float32")
+    f = jit.to_static(colsum, input_spec=[spec, spec], compiler="cinn")
+    rng = np.random.default_rng(0)
+    g, y = (rng.standard_normal((300, 512)).astype(np.float32) for _ in range(2))
+    np.testing.assert_allclose(f(lf.tensor(g), lf.tensor(y)).numpy(), (g * y).sum(0), rtol=1e-4, atol=1e-4)
+    data = json.loads((kernel_cache / "tune.json").read_text())
+    assert any(k.endswith(f"|{tune.shape_class([300])}|{runtime.CPUS}") for k in data), data
+    n = len(data)
+    f(lf.tensor(g[:290]), lf.tensor(y[:290]))  # same shape class: no new decision
+    assert len(json.loads((kernel_cache / "tune.json").read_text())) == n
+
+
+def test_without_a_compiler_everything_runs_and_says_so_once():
+    x, w = _xw()
+    want = jit.to_static(norm_softmax, compiler="none")(lf.tensor(x), lf.tensor(w)).numpy()
+    with compiler.unavailable(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not compiler.available()
+        f = jit.to_static(norm_softmax, compiler="cinn")
+        g = jit.to_static(lambda x: O.exp(x) + 1.0, compiler="cinn")
+        np.testing.assert_array_equal(f(lf.tensor(x), lf.tensor(w)).numpy(), want)
+        g(lf.tensor(x))
+        # a program fused elsewhere: its groups run their ops with the reference kernels
+        fused = compiler.fuse_program(f._last.program)
+        from llmkit.framework.executor import Executor
+
+        np.testing.assert_array_equal(Executor(fused).run([x, w])[0], want)
+        assert jit.to_static(norm_softmax)._trace  # the default quietly runs unfused
+    said = [c for c in caught if "no working C compiler" in str(c.message)]
+    assert len(said) == 1, [str(c.message) for c in caught]
+
+
+@needs_cc
+def test_llmkit_cc_none_simulates_no_compiler():
+    code = (
+        "import warnings, numpy as np, llmkit.framework as lf\nfrom llmkit.framework import jit, compiler\n"
+        "warnings.simplefilter('always')\nassert not compiler.available()\n"
+        "f = jit.to_static(lambda x: lf.ops.softmax(x), compiler='cinn')\n"
+        "print(f(lf.ones(2, 3)).numpy().sum())\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "LLMKIT_CC": "none"}
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "2.0" and r.stderr.count("no working C compiler") == 1
+
+
+@needs_cc
+def test_a_kernel_that_fails_to_compile_runs_the_reference(monkeypatch):
+    real = runtime.render_c
+
+    def broken(k):
+        src = real(k)
+        return src.replace("{", "{ this is not C;", 1) if "[exp" in str(k) or "exp" in k.label else src
+
+    monkeypatch.setattr(runtime, "render_c", broken)
+
+    def fn(x, y):
+        return O.exp(x) * 7.0, O.rms_norm(y, x[0] * 0.0 + 1.0)
+
+    f = jit.to_static(fn, compiler="none")
+    x, y = _xw(4, 9)[0], _xw(4, 9, seed=1)[0]
+    p = f.get_concrete_program(lf.tensor(x), lf.tensor(y)).program
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = compiler.compile_program(p)
+    said = [c for c in caught if "failed to compile" in str(c.message)]
+    assert len(said) == 1
+    from llmkit.framework.executor import Executor
+
+    got = Executor(fused).run([x, y])
+    want = Executor(p).run([x, y])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    names = [s.name for s in Executor(fused).steps]
+    assert "cinn.fusion[rms_norm]" in names and any(n.startswith("llm.") for n in names)
+
+
+@needs_cc
+def test_profile_lists_fused_kernels_with_their_time(tmp_path):
+    code = (
+        "import numpy as np, llmkit.framework as lf\nfrom llmkit.framework import jit\n"
+        "f = jit.to_static(lambda x, w: lf.ops.softmax(lf.ops.rms_norm(x, w)), compiler='cinn')\n"
+        "f(lf.ones(4, 8), lf.ones(8)); f(lf.ones(4, 8), lf.ones(8))\n"
+    )
+    env = {**os.environ, "LLMKIT_PROFILE": "1", "LLMKIT_KERNEL_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"cinn\.fusion\[rms_norm\+softmax\]\s+2\s+\d", r.stdout), r.stdout
+    assert re.search(r"cinn: \d+ kernels compiled in [\d.]+ s", r.stderr), r.stderr

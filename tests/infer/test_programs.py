@@ -1,0 +1,53 @@
+"""The traced prefill/decode programs: what the IR holds, in-place pools, logits against eager."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import llmkit.framework as lf
+from llmkit.framework import ir
+from llmkit.infer.programs import trace_programs
+from llmkit.infer.runner import DecodeBatch, ModelRunner, PrefillBatch
+
+
+def test_programs_use_tiled_linears_with_transposed_weights(model):
+    programs, spec = trace_programs(model, block_size=16)
+    assert spec.block_size == 16 and spec.num_kv_heads == 2 and spec.max_model_len == 512
+    assert (spec.prefill_tile, spec.decode_tile) == (8, 1)
+    for name, p in programs.items():
+        ops = [op.name for op in p.concrete.program.walk()]
+        assert "llm.linear" not in ops
+        assert ops.count("llm.tiled_linear") == 2 * 7 + 1  # 7 per layer + lm_head
+        assert ops.count("llm.paged_kv_write") == ops.count("llm.paged_attention") == 2
+        assert len(p.transposed) == 2 * 7 + 1
+        text = str(p.concrete.program)
+        assert "transposed = true" in text and "inplace = true" in text
+        assert ("rows = 1" in text) == (name == "decode")  # rows = 8 is the default, not printed
+        assert "NB" in text and ("N]" in text if name == "prefill" else "B, 1]" in text)
+    assert "tile-linear" in ir.registered_passes() and "transpose-weights" in ir.registered_passes()
+
+
+def test_segments_of_several_sequences_match_the_eager_forward(model):
+    runner = ModelRunner.from_model(model, num_blocks=16)
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(3, 4096, 21).tolist(), rng.integers(3, 4096, 9).tolist()
+    batch = PrefillBatch()
+    rows = [batch.add_segment(a[:16], 0, [3, 7], 16), batch.add_segment(a[16:], 16, [3, 7], 16)]
+    rows.append(batch.add_segment(b, 0, [5], 16))
+    batch.logit_rows = rows
+    pool = runner.pool
+    logits = runner.prefill(batch)
+    assert runner.pool is pool  # written in place: the pool is donated, never copied
+    with lf.no_grad():
+        ref_a = model(lf.tensor(np.array([a]))).logits.numpy()[0]
+        ref_b = model(lf.tensor(np.array([b]))).logits.numpy()[0]
+    np.testing.assert_allclose(logits, np.stack([ref_a[15], ref_a[20], ref_b[8]]), rtol=1e-4, atol=1e-5)
+    # one decode step for both sequences
+    step = DecodeBatch()
+    step.add(11, 21, [3, 7], 16)
+    step.add(12, 9, [5], 16)
+    logits = runner.decode(step)
+    with lf.no_grad():
+        ra = model(lf.tensor(np.array([a + [11]]))).logits.numpy()[0, -1]
+        rb = model(lf.tensor(np.array([b + [12]]))).logits.numpy()[0, -1]
+    np.testing.assert_allclose(logits, np.stack([ra, rb]), rtol=1e-4, atol=1e-5)

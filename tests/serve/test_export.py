@@ -1,0 +1,100 @@
+"""``llmkit export``: the static model file, and the export -> serve round trip of logits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import llmkit.framework as lf
+from llmkit.cli import main as cli_main
+from llmkit.framework import jit
+from llmkit.infer import Engine, EngineConfig, SamplingParams
+
+
+def test_manifest_programs_weights_and_metadata(model_file, trained):
+    model, _ = trained
+    m = json.loads((model_file / "manifest.json").read_text())
+    assert set(m["programs"]) == {"prefill", "decode"}
+    assert set(m["files"]) == {"prefill.pir", "decode.pir", "weights.safetensors", "tokenizer.model"}
+    assert all(len(v) == 64 for v in m["files"].values())  # sha256 of every part
+    meta = m["metadata"]
+    assert meta["model_name"] == "tiny" and meta["engine"]["block_size"] == 16
+    assert meta["engine"]["max_model_len"] == 512 and meta["eos_token_ids"] == [2]
+    assert meta["chat_template"]["name"] == "llama-2" and meta["config"]["hidden_size"] == 128
+    dec = m["programs"]["decode"]
+    assert [i["name"] for i in dec["inputs"]][-1] == "pool"
+    assert "model.layers.0.self_attn.q_proj.weight.T" in dec["weights"]
+    assert dec["weights"] == [w for w in dec["weights"] if w in m["programs"]["prefill"]["weights"]]
+    sm = jit.load(model_file)
+    np.testing.assert_array_equal(
+        sm.weights["model.layers.1.mlp.down_proj.weight.T"],
+        model.model.layers[1].mlp.down_proj.weight.numpy().T,
+    )
+
+
+def test_round_trip_logits_equal_the_training_models(model_file, trained):
+    model, _ = trained
+    served = Engine.from_static(model_file, EngineConfig(max_batch=4))
+    live = Engine.from_model(model, config=EngineConfig(max_batch=4))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 4096, n).tolist() for n in (7, 23, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=20)
+    a, b = served.generate(prompts, params), live.generate(prompts, params)
+    for p, x, y in zip(prompts, a, b):
+        # the same program on the same weights: bit for bit
+        assert x.token_ids == y.token_ids
+        assert [c.top for c in x.logprobs] == [c.top for c in y.logprobs]
+        # and the training model's own logits (eager forward over prompt + generated tokens)
+        with lf.no_grad():
+            logits = model(lf.tensor(np.array([p + x.token_ids]))).logits.numpy()[0].astype(np.float64)
+        for k, c in enumerate(x.logprobs):
+            row = logits[len(p) - 1 + k]
+            ref = row - row.max() - np.log(np.exp(row - row.max()).sum())
+            assert [t for t, _ in c.top[:3]] == list(np.argsort(-ref, kind="stable")[:3])
+            np.testing.assert_allclose(
+                [lp for _, lp in c.top], ref[[t for t, _ in c.top]], rtol=1e-5, atol=1e-5
+            )
+
+
+def test_the_file_runs_in_a_process_without_model_code(model_file, tmp_path):
+    code = f"""
+import sys
+from llmkit.infer import Engine, SamplingParams
+e = Engine.from_static({str(model_file)!r})
+out = e.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4))[0]
+assert not [m for m in sys.modules if m.startswith("llmkit.models")]
+print(len(out.token_ids))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "4"
+
+
+def test_bfloat16_export_runs(trained, tmp_path):
+    out = tmp_path / "bf16.llmkit"
+    assert cli_main(["export", "--model", str(trained[1]), "--out", str(out), "--dtype", "bfloat16"]) == 0
+    e = Engine.from_static(out, EngineConfig(max_batch=2))
+    assert e.spec.dtype == "bfloat16" and e.runner.pool.dtype.name == "bfloat16"
+    got = e.generate([[1, 50, 60]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert len(got.token_ids) == 3
+
+
+def test_export_refuses_to_replace_other_directories(trained, tmp_path, capsys):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    assert cli_main(["export", "--model", str(trained[1]), "--out", str(precious)]) == 2
+    assert "refusing to replace it" in capsys.readouterr().err
+    assert (precious / "notes.txt").read_text() == "keep me"
+    assert cli_main(["export", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.parametrize("argv", [["--help"]])
+def test_cli_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", *argv])
+    assert e.value.code == 0 and "--max-queue" in capsys.readouterr().out
