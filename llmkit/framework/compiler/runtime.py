@@ -94,6 +94,7 @@ class FusedKernel:
         self.cuda = None  # the GPU rendering, built on first use (cuda.kernel_for)
         layout = tuple(not i.strided for i in low.inputs)
         self.variants: dict[tuple, Variant | None] = {layout: Variant(low, cands)}
+        self._plans: dict[tuple, tuple] = {}  # (shapes, strides) of the inputs -> what to call
 
     def __call__(self, xp: Any, *arrays: Any, **attrs: Any) -> Any:
         if xp is not np:
@@ -103,28 +104,41 @@ class FusedKernel:
             kernel, args, hattrs = self.head
             prod = kernel(np, *[arrays[i] for i in args], **hattrs)
             arrays = (*arrays, prod)
+        key = tuple((a.shape, a.strides) for a in arrays)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(key, arrays)
+        contiguous, fn, sz, threads, out_specs = plan
+        if contiguous:
+            arrays = tuple(np.ascontiguousarray(a) for a in arrays)
+        reuse = prod is not None and prod.flags.c_contiguous  # the matmul head's output, written in place
+        outs = [prod if reuse and j == self.inplace else np.empty(s, t) for j, (s, t) in enumerate(out_specs)]
+        bufs = (ctypes.c_void_p * (len(arrays) + len(outs)))(*[a.ctypes.data for a in (*arrays, *outs)])
+        fn(bufs, sz, threads)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _plan(self, key: tuple, arrays: tuple) -> tuple:
+        """What a call with these shapes and strides runs (kernel, size arguments, threads, outputs);
+        worked out once per shape, so later calls only allocate outputs and call the kernel."""
         layout = tuple(a.flags.c_contiguous for a in arrays)
         var = self.variants.get(layout, False)
         if var is False:
             var = self.variants[layout] = self._variant(layout)
-        if var is None:  # no kernel for this layout: make the inputs contiguous
+        contiguous = var is None  # no kernel for this layout: make the inputs contiguous
+        if contiguous:
             arrays = tuple(np.ascontiguousarray(a) for a in arrays)
             var = self.variants[tuple(True for _ in arrays)]
         sizes = [arrays[k].shape[a] for k, a in self.size_sources]
         env = dict(zip(self.size_names, sizes))
         sizes += [arrays[k].strides[a] // arrays[k].itemsize for k, a in var.strided]
-        outs = []
-        for j, (_, dt, shape) in enumerate(self.outputs):
-            if j == self.inplace and prod is not None and prod.flags.c_contiguous:
-                outs.append(prod)
-            else:
-                outs.append(np.empty(tuple(sym.evaluate(d, env) for d in shape), dt))
-        bufs = (ctypes.c_void_p * (len(arrays) + len(outs)))(*[a.ctypes.data for a in (*arrays, *outs)])
+        out_specs = [(tuple(sym.evaluate(d, env) for d in shape), dt) for _, dt, shape in self.outputs]
+        probe = [np.empty(shape, dt) for shape, dt in out_specs]
+        bufs = (ctypes.c_void_p * (len(arrays) + len(probe)))(*[a.ctypes.data for a in (*arrays, *probe)])
         sz = (ctypes.c_int64 * max(1, len(sizes)))(*sizes)
         fns = var.fns
         cand, threads = var.choose(sizes, env, lambda c, t: fns[c](bufs, sz, t))
-        fns[cand](bufs, sz, threads)
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        plan = self._plans[key] = (contiguous, fns[cand], sz, threads, out_specs)
+        return plan
 
     def _variant(self, layout: tuple[bool, ...]) -> Variant | None:
         try:

@@ -377,7 +377,13 @@ class Layer:
             replace_payload(t, convert(t._data))
             if t.grad is not None:
                 replace_payload(t.grad, convert(t.grad._data))
+        for layer in self.sublayers(include_self=True):
+            layer.converted()
         return self
+
+    def converted(self) -> None:
+        """Called on every layer after ``to()``: a layer whose buffers derive from its config (RoPE
+        tables) recomputes them here at full precision rather than casting the old values."""
 
     def apply(self, fn: Callable[[Layer], Any]) -> Layer:
         """Call ``fn`` on every sublayer (children first), then on this layer; e.g. custom init."""

@@ -133,15 +133,23 @@ class LlamaModel(nn.Layer):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.LayerList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # RoPE tables [max_positions, D] in float64, cast to the activations' dtype where used
-        # (not saved: they follow from the config).
-        angles = (
-            np.arange(config.max_position_embeddings, dtype=np.float64)[:, None]
-            * config.rope_inv_freq()[None]
-        )
+        # RoPE tables [max_positions, D] in the model's dtype, computed in float64 (not saved: they
+        # follow from the config).
+        cos, sin = self._rope_tables(lf.get_default_dtype())
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _rope_tables(self, dtype: Any) -> tuple[lf.Tensor, lf.Tensor]:
+        c = self.config
+        angles = np.arange(c.max_position_embeddings, dtype=np.float64)[:, None] * c.rope_inv_freq()[None]
         angles = np.concatenate([angles, angles], axis=-1)
-        self.register_buffer("rope_cos", lf.tensor(np.cos(angles), dtype="float64"), persistent=False)
-        self.register_buffer("rope_sin", lf.tensor(np.sin(angles), dtype="float64"), persistent=False)
+        return lf.tensor(np.cos(angles), dtype=dtype), lf.tensor(np.sin(angles), dtype=dtype)
+
+    def converted(self) -> None:
+        """After ``to(dtype)``: recompute the RoPE tables from float64, not from the old dtype."""
+        w = self.embed_tokens.weight
+        for buf, table in zip((self.rope_cos, self.rope_sin), self._rope_tables(w.dtype)):
+            nn.layer.replace_payload(buf, lf.backend.to_device(table._data, w.device))
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, kv_cache=None):
         b, s = input_ids.shape
@@ -153,7 +161,7 @@ class LlamaModel(nn.Layer):
             # [B, T] with 1 = attend, 0 = padding -> a bool mask [B, 1, 1, T] (causality is added by sdpa)
             mask = O.unsqueeze(O.not_equal(attention_mask, 0), axis=[1, 2])
         x = self.embed_tokens(input_ids)  # (B, S, H)
-        cos, sin = self.rope_cos.astype(x.dtype), self.rope_sin.astype(x.dtype)
+        cos, sin = self.rope_cos.astype(x.dtype), self.rope_sin.astype(x.dtype)  # no-ops normally
         for layer in self.layers:
             x = layer(x, cos, sin, position_ids, mask, kv_cache)
         return self.norm(x)
