@@ -10,6 +10,8 @@ Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/eager_overhe
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import numpy as np
 from _common import emit, machine, median_time
@@ -75,8 +77,16 @@ def mlp(d: int, batch: int, layers: int) -> None:
     np.testing.assert_allclose(loss.item(), ref_loss, rtol=1e-4)
     np.testing.assert_allclose(params[0][0].grad.numpy(), ref_grads[-1][0], rtol=2e-3, atol=1e-6)
 
-    t_np = median_time(numpy_step, repeat=9)
-    t_lf = median_time(lf_step, repeat=9)
+    # Interleaved, so both sides see the same machine (a shared 2-core VM drifts between runs).
+    samples: dict[str, list[float]] = {"np": [], "lf": []}
+    for _ in range(2):
+        numpy_step(), lf_step()
+    for _ in range(11):
+        for key, fn in (("np", numpy_step), ("lf", lf_step)):
+            t0 = time.perf_counter()
+            fn()
+            samples[key].append(time.perf_counter() - t0)
+    t_np, t_lf = statistics.median(samples["np"]), statistics.median(samples["lf"])
     flops = 3 * 2 * batch * d * d * layers
     emit(
         "eager_overhead",

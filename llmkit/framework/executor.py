@@ -82,6 +82,10 @@ class Executor:
         self._device_consts: dict[str, list[tuple[int, Any]]] = {}
         self._plan_block(f.body)
         self.symbolic = any(isinstance(d, str) for t in self.arg_types for d in t.shape)
+        # per argument: its type, and its shape when fully static (a tuple compare, no binding)
+        self._arg_checks = [
+            (t, None if any(isinstance(d, str) for d in t.shape) else tuple(t.shape)) for t in self.arg_types
+        ]
         self._liveness()
 
     # ---- planning ------------------------------------------------------------------------------
@@ -146,23 +150,29 @@ class Executor:
         if len(inputs) != len(self.arg_types):
             raise ExecutionError(f"@{self.name} takes {len(self.arg_types)} inputs, got {len(inputs)}")
         env: dict[str, int] = {}
-        for t, name, x in zip(self.arg_types, self.arg_names, inputs):
-            shape = t.shape
-            if x.dtype != t.dtype or len(x.shape) != len(shape):
-                raise ExecutionError(
-                    f"@{self.name}: input %{name} must be {t}, got shape {list(x.shape)} {x.dtype}"
-                )
-            for d, n in zip(shape, x.shape):
-                if not sym.bind(d, n, env):
-                    raise ExecutionError(
-                        f"@{self.name}: input %{name} must be {t}, got shape {list(x.shape)} "
-                        f"({', '.join(f'{k}={v}' for k, v in sorted(env.items()))})"
-                    )
+        for i, ((t, static), x) in enumerate(zip(self._arg_checks, inputs)):
+            if x.dtype != t.dtype or (x.shape != static if static is not None else not self._bind(t, x, env)):
+                self._bad_input(i, x, env)
         return env
+
+    @staticmethod
+    def _bind(t: Any, x: Any, env: dict[str, int]) -> bool:
+        shape = t.shape
+        if len(x.shape) != len(shape):
+            return False
+        return all(sym.bind(d, n, env) for d, n in zip(shape, x.shape))
+
+    def _bad_input(self, i: int, x: Any, env: dict[str, int]) -> None:
+        t, name = self.arg_types[i], self.arg_names[i]
+        bound = ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
+        raise ExecutionError(
+            f"@{self.name}: input %{name} must be {t}, got shape {list(x.shape)} {x.dtype}"
+            + (f" ({bound})" if bound else "")
+        )
 
     def run(self, inputs: Sequence[Any]) -> list[Any]:
         """Run the plan on arrays (numpy or cupy); return the function's outputs."""
-        env = self.bind(inputs) if self.symbolic or len(inputs) != len(self.arg_types) else {}
+        env = self.bind(inputs)
         xp = np
         for x in inputs:
             if type(x) is not np.ndarray:
