@@ -22,24 +22,8 @@ import llmkit.framework as lf
 from llmkit.cli import main as cli_main
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.models.llama.tokenizer import LlamaTokenizer
-from llmkit.train.corpus import builtin_tokenizer
 
 API_KEY = "sk-test-llmkit"
-
-
-@pytest.fixture(scope="session")
-def session_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("llmkit-cache")
-
-
-@pytest.fixture(autouse=True)
-def _llmkit_cache_dir(session_cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMKIT_CACHE_DIR", str(session_cache_dir))
-
-
-@pytest.fixture(scope="session")
-def tok(session_cache_dir: Path) -> LlamaTokenizer:
-    return builtin_tokenizer(4096, cache_dir=session_cache_dir)
 
 
 @pytest.fixture(scope="session")
