@@ -21,8 +21,8 @@ import numpy as np
 from _common import emit, machine
 
 import llmkit.framework as lf
+from llmkit.framework.blas import get_blas_threads, set_blas_threads
 from llmkit.infer import Engine, EngineConfig, SamplingParams
-from llmkit.infer.blas import get_blas_threads, set_blas_threads
 from llmkit.models.llama import KVCache, LlamaConfig, LlamaForCausalLM
 
 

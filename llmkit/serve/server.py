@@ -14,8 +14,8 @@ import os
 import signal
 import time
 
+from llmkit.framework.blas import set_blas_threads
 from llmkit.infer import Engine, EngineConfig, EngineThread, SamplingParams
-from llmkit.infer.blas import set_blas_threads
 
 log = logging.getLogger("llmkit.serve")
 

@@ -338,38 +338,46 @@ def _group(t, hk):
     return O.reshape(t, [t.shape[0], hk, sym.mul(t.shape[1] // hk, t.shape[2]), t.shape[3]])
 
 
-def _sdpa_probs(q, k, attn_mask, is_causal, scale):
-    """softmax(q k^T * scale + mask) as [B, Hq, S, T]."""
-    scores = O.matmul(_group(q, k.shape[1]), k, transpose_y=True) * _sdpa_scale(q, scale)
-    scores = O.reshape(scores, [q.shape[0], q.shape[1], q.shape[2], k.shape[2]])
+def _sdpa_probs(qs, k, attn_mask, is_causal, shape):
+    """softmax(qs k^T + mask) as [B, Hq, S, T], for queries already grouped and scaled:
+    qs = group(q) * scale. Scaling q ([.., D]) instead of the scores ([.., T]) saves a pass over
+    the largest tensor of attention."""
+    b, hq, s = shape
+    scores = O.reshape(O.matmul(qs, k, transpose_y=True), [b, hq, s, k.shape[2]])
     if attn_mask is not None:
-        neg = O.full([], float("-inf"), dtype=q.dtype)
+        neg = O.full([], float("-inf"), dtype=qs.dtype)
         scores = (
             O.where(attn_mask, scores, neg) if attn_mask.dtype == B.DTYPES["bool"] else scores + attn_mask
         )
     if is_causal:
-        s, t = q.shape[2], k.shape[2]
+        t = k.shape[2]
         rows = O.unsqueeze(O.arange(sym.sub(t, s), t), axis=1)  # i + (t - s)
         cols = O.unsqueeze(O.arange(0, t), axis=0)
-        scores = O.where(cols <= rows, scores, O.full([], float("-inf"), dtype=q.dtype))
+        scores = O.where(cols <= rows, scores, O.full([], float("-inf"), dtype=qs.dtype))
     return O.softmax(scores, axis=-1)
 
 
+def _scaled_queries(q, k, scale):
+    return _group(q, k.shape[1]) * _sdpa_scale(q, scale)  # (B, Hkv, G*S, D)
+
+
 def _sdpa_decompose(q, k, v, attn_mask=None, is_causal=False, scale=None):
-    p = _group(_sdpa_probs(q, k, attn_mask, is_causal, scale), k.shape[1])
+    shape = (q.shape[0], q.shape[1], q.shape[2])
+    p = _group(_sdpa_probs(_scaled_queries(q, k, scale), k, attn_mask, is_causal, shape), k.shape[1])
     return O.reshape(O.matmul(p, v), [q.shape[0], q.shape[1], q.shape[2], v.shape[3]])
 
 
 def _sdpa_vjp(g, out, q, k, v, attn_mask=None, is_causal=False, scale=None):
     # Recompute the probabilities (as flash attention does) rather than keeping them alive.
     hk = k.shape[1]
-    p = _group(_sdpa_probs(q, k, attn_mask, is_causal, scale), hk)  # (B, Hkv, G*S, T)
+    qs = _scaled_queries(q, k, scale)  # (B, Hkv, G*S, D)
+    p = _group(_sdpa_probs(qs, k, attn_mask, is_causal, (q.shape[0], q.shape[1], q.shape[2])), hk)
     gg = _group(g, hk)  # (B, Hkv, G*S, Dv)
     dp = O.matmul(gg, v, transpose_y=True)  # (B, Hkv, G*S, T)
-    ds = p * (dp - O.sum(dp * p, axis=-1, keepdim=True)) * _sdpa_scale(q, scale)
+    ds = p * (dp - O.sum(dp * p, axis=-1, keepdim=True))  # d(scores), scores = qs k^T
     return (
-        lambda: O.reshape(O.matmul(ds, k), q.shape),  # rows of a group sum into their kv head:
-        lambda: O.matmul(ds, _group(q, hk), transpose_x=True),  # (B, Hkv, T, D)
+        lambda: O.reshape(O.matmul(ds, k) * _sdpa_scale(q, scale), q.shape),  # a group's rows sum per kv head
+        lambda: O.matmul(ds, qs, transpose_x=True),  # (B, Hkv, T, D)
         lambda: O.matmul(p, gg, transpose_x=True),  # (B, Hkv, T, Dv)
         None,
     )

@@ -93,15 +93,15 @@ module {
       %47 = llm.add(%41, %46) : f32[B, 1, S, 8]
       cinn.yield(%47)
     }
-    %48 = llm.reshape(%20) {shape = [B, 1, 2*S, 8]} : f32[B, 1, 2*S, 8]
-    %49 = cinn.fusion(%48, %34) {name = "scaled_dot_product_attention"} : f32[B, 1, 2*S, S] {
-      %50 = llm.matmul(%48, %34) {transpose_y = true} : f32[B, 1, 2*S, S]
-      %51 = builtin.constant() {value = dense<f32[] [0.35355338]>} : f32[]
-      %52 = llm.mul(%50, %51) : f32[B, 1, 2*S, S]
-      cinn.yield(%52)
+    %48 = cinn.fusion(%20) {name = "scaled_dot_product_attention"} : f32[B, 1, 2*S, 8] {
+      %49 = llm.reshape(%20) {shape = [B, 1, 2*S, 8]} : f32[B, 1, 2*S, 8]
+      %50 = builtin.constant() {value = dense<f32[] [0.35355338]>} : f32[]
+      %51 = llm.mul(%49, %50) : f32[B, 1, 2*S, 8]
+      cinn.yield(%51)
     }
-    %53 = cinn.fusion(%49) {name = "scaled_dot_product_attention"} : f32[B, 2, S, S] {
-      %54 = llm.reshape(%49) {shape = [B, 2, S, S]} : f32[B, 2, S, S]
+    %52 = llm.matmul(%48, %34) {transpose_y = true} : f32[B, 1, 2*S, S]
+    %53 = cinn.fusion(%52) {name = "scaled_dot_product_attention"} : f32[B, 2, S, S] {
+      %54 = llm.reshape(%52) {shape = [B, 2, S, S]} : f32[B, 2, S, S]
       %55 = llm.arange() {end = S} : i64[S]
       %56 = llm.unsqueeze(%55) {axis = [1]} : i64[S, 1]
       %57 = llm.unsqueeze(%55) {axis = [0]} : i64[1, S]

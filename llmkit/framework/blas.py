@@ -2,7 +2,7 @@
 
 Small decode matrices gain nothing from a second BLAS thread, and on a machine shared with other
 work OpenBLAS's spinning threads can slow a step down several times over; the server runs with one
-BLAS thread unless told otherwise. This is process-wide: an in-process engine leaves it alone.
+BLAS thread unless told otherwise. The count is process-wide: an in-process engine leaves it alone.
 """
 
 from __future__ import annotations
