@@ -7,6 +7,10 @@ intermediates die at their last use. ``cinn.fusion`` ops run as the compiled ker
 attached to them, or op by op from their region. ``LLMKIT_PROFILE=1`` collects time per op type and
 prints the table at exit.
 
+``native=True`` (the inference engine's programs) runs ops that have a hand-written C kernel with
+it, and replays the whole function in one C call whenever every step is a C kernel or a view
+(``native.py``): no Python between ops.
+
 Freed arrays go back to glibc; large ones would be returned to the OS and page-faulted in again at
 the next step (about 8 ms per 32 MiB here), so the executor raises glibc's mmap and trim
 thresholds once (``memory.keep_freed_memory``): freed blocks stay in the heap for the next step.
@@ -57,19 +61,25 @@ if _PROFILE:
 
 
 class _Step:
-    __slots__ = ("attrs", "fn", "free", "ins", "multi", "name", "outs", "sym_attrs")
+    __slots__ = ("attrs", "fn", "free", "ins", "kind", "multi", "name", "outs", "sym_attrs")
 
-    def __init__(self, name, fn, ins, outs, attrs, sym_attrs, multi):
+    def __init__(self, name, fn, ins, outs, attrs, sym_attrs, multi, kind):
         self.name, self.fn, self.ins, self.outs = name, fn, ins, outs
-        self.attrs, self.sym_attrs, self.multi = attrs, sym_attrs, multi
+        self.attrs, self.sym_attrs, self.multi, self.kind = attrs, sym_attrs, multi, kind
         self.free: tuple[int, ...] = ()
 
 
 class Executor:
-    """A compiled plan of one function of a program: ``executor.run(inputs) -> outputs``."""
+    """A compiled plan of one function of a program: ``executor.run(inputs) -> outputs``.
 
-    def __init__(self, program: Program | FuncOp, func: str | None = None) -> None:
+    ``native=True``: ops with a C kernel (``OpSpec.native``) run it, and calls whose every step is
+    a C kernel or a view are replayed in one C call (``native.py``); without a C compiler it is the
+    same as False.
+    """
+
+    def __init__(self, program: Program | FuncOp, func: str | None = None, *, native: bool = False) -> None:
         keep_freed_memory()
+        self.native = native
         f = program.function(func) if isinstance(program, Program) else program
         self.name = f.name
         self.arg_types = [a.type for a in f.args]
@@ -87,6 +97,11 @@ class Executor:
             (t, None if any(isinstance(d, str) for d in t.shape) else tuple(t.shape)) for t in self.arg_types
         ]
         self._liveness()
+        self._replays = None
+        if native:
+            from .native import Replays
+
+            self._replays = Replays(self)
 
     # ---- planning ------------------------------------------------------------------------------
     def _new(self, v: Value) -> int:
@@ -114,6 +129,10 @@ class Executor:
                     self._slot[r] = s
                 continue
             spec = op.opdef.spec
+            if fn is None and self.native and spec is not None and spec.native is not None:
+                from .native import NativeOp
+
+                fn = NativeOp.of(op)
             if fn is None:
                 if spec is None:
                     raise ExecutionError(f"{name}: no kernel for this op\n    {format_op(op)}")
@@ -124,7 +143,8 @@ class Executor:
             attrs = {k: a.value for k, a in op.attributes.items() if not a.symbolic}
             multi = spec.multi_output if spec is not None else len(outs) != 1
             label = getattr(fn, "profile_name", name)  # compiled groups: "cinn.fusion[rms_norm]"
-            self.steps.append(_Step(label, fn, ins, outs, attrs, sym_attrs, multi))
+            kind = spec.kind if spec is not None else None
+            self.steps.append(_Step(label, fn, ins, outs, attrs, sym_attrs, multi, kind))
         return []
 
     def _liveness(self) -> None:
@@ -173,6 +193,10 @@ class Executor:
     def run(self, inputs: Sequence[Any]) -> list[Any]:
         """Run the plan on arrays (numpy or cupy); return the function's outputs."""
         env = self.bind(inputs)
+        if self._replays is not None and not _PROFILE:
+            outs = self._replays.run(env, inputs)
+            if outs is not None:
+                return outs
         xp = np
         for x in inputs:
             if type(x) is not np.ndarray:

@@ -56,10 +56,9 @@ class EngineConfig:
     decode_tile: int = DECODE_TILE  # rows per BLAS call in decode; 0 = plain linear
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # context limit; default (and at most): the model's
-    # "none": the op table's reference kernels; "cinn": fused compiled kernels (the programs' tiled
-    # linears and paged attention keep their own kernels either way). "none" until compiled kernels
-    # beat the reference ones on decode shapes (docs/serve.md); None follows to_static's default.
-    compiler: str | None = "none"
+    # "cinn": fused compiled kernels, the ops' C kernels and one-call replays of the decode step;
+    # "none": the op table's reference kernels; None: to_static's default (cinn where cc works).
+    compiler: str | None = None
 
 
 def _default_compiler() -> str | None:

@@ -46,9 +46,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--blas-threads", type=int, default=1, help="OpenBLAS threads of this process")
     p.add_argument(
         "--compiler",
-        default="none",
+        default=None,
         choices=["none", "cinn"],
-        help="kernels for the programs: the op table's reference kernels, or fused compiled ones",
+        help="kernels for the programs: fused compiled ones (default where a C compiler works), or the "
+        "op table's reference kernels",
     )
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown"

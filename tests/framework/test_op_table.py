@@ -635,6 +635,47 @@ def _sdpa_ref(q, k, v, mask=None, is_causal=False, scale=None):
 case("scaled_dot_product_attention", _sdpa_samples, _sdpa_ref)
 
 
+def _sdpa_grad_samples(rng):
+    def sample(b, hq, hk, s, t, d, dv, *extra, **attrs):
+        ins = [r(rng, b, hq, s, dv), r(rng, b, hq, s, dv), r(rng, b, hq, s, d), r(rng, b, hk, t, d)]
+        heads = tuple((i, a) for i in range(5) for a in (1, 3))  # head counts and head dims are static
+        return S([*ins, r(rng, b, hk, t, dv), *extra], attrs, keep=heads)
+
+    mask = np.where(rng.random((1, 1, 3, 5)) > 0.3, 0.0, -1e9)
+    mask[..., 0] = 0.0
+    return [
+        sample(2, 4, 2, 3, 3, 2, 3, is_causal=True),
+        sample(1, 2, 2, 3, 5, 2, 2, mask, scale=0.7),
+        sample(1, 2, 1, 2, 4, 2, 2, is_causal=True),  # a query block after 2 cached keys
+    ]
+
+
+def _sdpa_grad_ref(g, out, q, k, v, mask=None, is_causal=False, scale=None):
+    b, hq, s, d = q.shape
+    hk, t = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for bi in range(b):
+        for h in range(hq):
+            kh = h // (hq // hk)
+            sc = np.einsum("id,jd->ij", q[bi, h], k[bi, kh]) * scale
+            if mask is not None:
+                sc = sc + np.broadcast_to(mask, (b, hq, s, t))[bi, h]
+            if is_causal:
+                sc = np.where(np.arange(t)[None, :] <= np.arange(s)[:, None] + t - s, sc, -np.inf)
+            p = np.exp(sc - sc.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            dp = np.einsum("ie,je->ij", g[bi, h], v[bi, kh])
+            ds = p * (dp - np.einsum("ie,ie->i", g[bi, h], out[bi, h])[:, None])
+            dq[bi, h] = ds @ k[bi, kh] * scale
+            dk[bi, kh] += ds.T @ q[bi, h] * scale
+            dv[bi, kh] += p.T @ g[bi, h]
+    return dq, dk, dv
+
+
+case("scaled_dot_product_attention_grad", _sdpa_grad_samples, _sdpa_grad_ref)
+
+
 def _dropout_ref(x, p=0.5, seed=0):
     # Independent check: every output is either 0 or x / (1 - p); compared value-wise below.
     return None
@@ -820,13 +861,19 @@ def test_forward_float32_close_to_float64(name):
             np.testing.assert_allclose(o.numpy(), e.numpy(), rtol=2e-4, atol=2e-5, err_msg=name)
 
 
+LOW = (np.float32, lf.bfloat16)
+
+
 @pytest.mark.parametrize("name", OPS)
 def test_infer_meta_matches_kernel(name):
     spec = table()[name]
     for s in _samples(name):
-        for ins in (
+        for ins in (  # bfloat16: numpy (ml_dtypes) lifts it to float32 in matmul and with python floats
             s.inputs,
-            [a.astype(np.float32) if a is not None and a.dtype == np.float64 else a for a in s.inputs],
+            *(
+                [a.astype(dt) if a is not None and a.dtype == np.float64 else a for a in s.inputs]
+                for dt in LOW
+            ),
         ):
             attrs = spec.bind(s.attrs)
             metas = [Meta(a.shape, a.dtype) for a in ins if a is not None]

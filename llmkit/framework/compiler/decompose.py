@@ -15,6 +15,7 @@ import numpy as np
 
 from ..ir import Builder, Operation, Program
 from ..ir.pass_manager import Pass, register_pass
+from .templates import template_for
 
 # dtypes the backends can compute in; ops touching others (bfloat16, float16) stay composite
 SUPPORTED_DTYPES = frozenset(
@@ -80,7 +81,8 @@ def detach_constant(op: Operation) -> bool:
 @register_pass
 @dataclass
 class Decompose(Pass):
-    """Replace every composite op (one with a ``decompose`` rule) by primitives, to a fixpoint."""
+    """Replace every composite op (one with a ``decompose`` rule) by primitives, to a fixpoint;
+    ops with a kernel template (``templates.py``) stay whole."""
 
     name = "decompose"
 
@@ -94,6 +96,7 @@ class Decompose(Pass):
                 changed = False
                 for op in list(f.body):
                     if op.opdef.spec is not None and op.opdef.spec.decompose is not None:
-                        changed |= decompose_op(op, self.origins)
+                        if template_for(op) is None:  # a whole-op kernel beats the primitives
+                            changed |= decompose_op(op, self.origins)
                     elif detach_constant(op):
                         changed = True

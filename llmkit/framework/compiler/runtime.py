@@ -29,9 +29,10 @@ from ..ir import Operation, Program
 from . import build as B
 from . import tune
 from .codegen_c import MIN_PARALLEL_WORK, render_c
-from .lower import Lowered, LowerError, lower
+from .lower import Lowered, LowerError, group_parts, lower
 from .schedule import build as build_kernel
 from .schedule import coalesce, strategies
+from .templates import template_for
 
 log = logging.getLogger("llmkit.compiler")
 CPUS = int(os.environ.get("LLMKIT_CINN_THREADS", 0)) or os.cpu_count() or 1  # threads a kernel may use
@@ -117,6 +118,16 @@ class FusedKernel:
         fn(bufs, sz, threads)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
+    def native_call(self, arrays: tuple) -> tuple[Any, Any, int, list] | None:
+        """(C function, size arguments, threads, output (shape, dtype)s) of a call on these arrays,
+        for the executor's replays (``native.py``); None when the call needs Python (a matmul head,
+        inputs to copy)."""
+        if self.head is not None:
+            return None
+        key = tuple((a.shape, a.strides) for a in arrays)
+        contiguous, fn, sz, threads, out_specs = self._plans.get(key) or self._plan(key, arrays)
+        return None if contiguous else (fn, sz, threads, out_specs)
+
     def _plan(self, key: tuple, arrays: tuple) -> tuple:
         """What a call with these shapes and strides runs (kernel, size arguments, threads, outputs);
         worked out once per shape, so later calls only allocate outputs and call the kernel."""
@@ -159,6 +170,34 @@ class FusedKernel:
         return reference(self.fusion, xp, arrays)
 
 
+class TemplateKernel:
+    """A group holding one op with a kernel template (``templates.py``), called like a FusedKernel."""
+
+    def __init__(self, fusion: Operation, fn: Any) -> None:
+        (self.op,) = group_parts(fusion)[0]
+        self.fusion = fusion
+        self.template = template_for(self.op)
+        self.fn = fn
+        self.profile_name = f"cinn.fusion[{self.op.opdef.spec.name}]"
+        self.args = [list(fusion.operands).index(v) for v in self.op.operands]  # operands may repeat
+        self.picks = [list(self.op.results).index(v) for v in fusion.regions[0].blocks[0].last.operands]
+
+    def __call__(self, xp: Any, *arrays: Any, **attrs: Any) -> Any:
+        if xp is not np:
+            return reference(self.fusion, xp, arrays)
+        outs = self.template.run(self.fn, tuple(arrays[i] for i in self.args), CPUS)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        picked = [outs[i] for i in self.picks]
+        return picked[0] if len(picked) == 1 else tuple(picked)
+
+
+def template_source(fusion: Operation) -> str | None:
+    """The kernel source of a group that is one op with a kernel template (else None)."""
+    ops = group_parts(fusion)[0]
+    t = template_for(ops[0]) if len(ops) == 1 else None
+    return None if t is None else t.source(ops[0])
+
+
 def reference(fusion: Operation, xp: Any, arrays: tuple) -> Any:
     """The group's ops run one by one with the op-table kernels (the fallback, and the oracle)."""
     env: dict[str, int] = {}
@@ -192,8 +231,15 @@ def compile_groups(groups: list[Operation]) -> int:
     pending = []
     sources: dict[str, str] = {}
     dump = os.environ.get("LLMKIT_CINN_DUMP")
+    whole = []
     for op in groups:
         if op in _KERNELS:
+            continue
+        src = template_source(op)
+        if src is not None:
+            name = B.kernel_name(src)
+            sources[name] = src.replace(PLACEHOLDER, name)
+            whole.append((op, name))
             continue
         try:
             low = lower(op)
@@ -210,6 +256,10 @@ def compile_groups(groups: list[Operation]) -> int:
                     fh.write(f"{k}\n{s}")
     fns = B.build(sources)
     n = 0
+    for op, name in whole:
+        if fns[name] is not None:
+            _KERNELS[op] = TemplateKernel(op, fns[name])
+            n += 1
     for op, low, cands in pending:
         ok = [(lbl, name, fns[name]) for lbl, name, _, _ in cands if fns[name] is not None]
         if ok:

@@ -31,3 +31,14 @@ def prepare(program: Program, compiler: str | None) -> Program:
 
         return compile_program(program)
     raise ValueError(f"unknown compiler {compiler!r}; use one of {', '.join(COMPILERS)}")
+
+
+def executor_for(program: Program, compiler: str | None, func: str | None = None):
+    """The executor of ``program`` (function ``func``) as :func:`prepare` leaves it. With the CINN
+    compiler it also runs the ops' hand-written C kernels and replays all-C functions in one call
+    (``Executor(native=True)``, see ``framework/native.py``)."""
+    from ..executor import Executor
+
+    if compiler is None:
+        compiler = default_compiler()
+    return Executor(prepare(program, compiler), func, native=compiler == "cinn")

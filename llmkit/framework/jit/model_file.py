@@ -136,10 +136,9 @@ class LoadedFunction:
     @property
     def executor(self):
         if self._executor is None:
-            from ..executor import Executor
-            from .compile import prepare
+            from .compile import executor_for
 
-            self._executor = Executor(prepare(self.program, self._compiler), self.entry["function"])
+            self._executor = executor_for(self.program, self._compiler, self.entry["function"])
         return self._executor
 
     def __call__(self, *inputs: Any) -> Any:

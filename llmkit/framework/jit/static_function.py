@@ -66,10 +66,9 @@ class ConcreteProgram:
     @property
     def executor(self):
         if self._executor is None:
-            from ..executor import Executor
-            from .compile import prepare
+            from .compile import executor_for
 
-            self._executor = Executor(prepare(self.program, self.compiler))
+            self._executor = executor_for(self.program, self.compiler)
         return self._executor
 
     def run(self, args: list[Tensor]) -> Any:

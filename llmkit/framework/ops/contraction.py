@@ -32,16 +32,22 @@ def _matmul_meta(x, y, transpose_x=False, transpose_y=False):
     return Meta(batch + (m, n), x.dtype)
 
 
+def mm(xp, x, y):
+    """``xp.matmul`` in the dtype of ``x``: numpy multiplies bfloat16 (ml_dtypes) into float32."""
+    out = xp.matmul(x, y)
+    return out if out.dtype == x.dtype else out.astype(x.dtype)
+
+
 def _matmul_kernel(xp, x, y, transpose_x=False, transpose_y=False):
     if transpose_y:
         y = xp.swapaxes(y, -1, -2)
     if y.ndim == 2 and x.ndim > 2 and not transpose_x:
         # [..., K] @ [K, N] as one GEMM: numpy would otherwise loop over the batch in small GEMMs.
-        out = xp.matmul(x.reshape(-1, x.shape[-1]), y)
+        out = mm(xp, x.reshape(-1, x.shape[-1]), y)
         return out.reshape(x.shape[:-1] + (y.shape[-1],))
     if transpose_x:
         x = xp.swapaxes(x, -1, -2)
-    return xp.matmul(x, y)
+    return mm(xp, x, y)
 
 
 def _flat(t):

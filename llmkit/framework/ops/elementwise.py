@@ -112,7 +112,7 @@ unary("cos", lambda xp, x: xp.cos(x), lambda g, out, x: (-(g * O.sin(x)),), c="c
 unary("tanh", lambda xp, x: xp.tanh(x), lambda g, out, x: (g * (1.0 - out * out),), c="tanh({0})")
 unary(
     "sigmoid",
-    lambda xp, x: 0.5 * xp.tanh(0.5 * x) + 0.5,
+    lambda xp, x: (0.5 * xp.tanh(0.5 * x) + 0.5).astype(x.dtype, copy=False),  # bfloat16 stays so
     lambda g, out, x: (g * out * (1.0 - out),),
     c="(1/(1+exp(-{0})))",
 )
@@ -142,7 +142,7 @@ unary("erf", _erf_kernel, lambda g, out, x: (g * O.exp(-(x * x)) * _TWO_OVER_SQR
 
 
 def _silu_kernel(xp, x):
-    return x * (0.5 * xp.tanh(0.5 * x) + 0.5)
+    return (x * (0.5 * xp.tanh(0.5 * x) + 0.5)).astype(x.dtype, copy=False)  # python floats lift bfloat16
 
 
 def _silu_vjp(g, out, x):
@@ -159,8 +159,10 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 def _gelu_kernel(xp, x, approximate="none"):
     if approximate == "tanh":
-        return 0.5 * x * (1.0 + xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
-    return 0.5 * x * (1.0 + _erf_kernel(xp, x * _INV_SQRT2))
+        out = 0.5 * x * (1.0 + xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+    else:
+        out = 0.5 * x * (1.0 + _erf_kernel(xp, x * _INV_SQRT2))
+    return out.astype(x.dtype, copy=False)  # python floats lift bfloat16 to float32
 
 
 def _gelu_decompose(x, approximate="none"):

@@ -12,7 +12,21 @@ import numpy as np
 
 from .. import backend as B
 from .. import symbolic as sym
-from .spec import A, AttrType, Kind, Meta, OpError, attr, defop, describe, norm_axes, norm_axis, optional
+from . import kernels_c
+from .spec import (
+    A,
+    AttrType,
+    Kind,
+    Meta,
+    Native,
+    OpError,
+    attr,
+    defop,
+    describe,
+    norm_axes,
+    norm_axis,
+    optional,
+)
 from .spec import ops as O
 
 END = 2**63 - 1  # a slice end meaning "to the end of the axis"
@@ -440,6 +454,11 @@ defop(
     attrs=[attr("axis", A.INT, 0)],
     infer_meta=_index_select_meta,
     kernel=lambda xp, x, index, axis=0: xp.take(x, index, axis=axis),
+    native=Native(
+        kernels_c.INDEX_SELECT,
+        sizes=lambda x, index, axis=0: [x.shape[0], index.shape[0], x.nbytes // max(x.shape[0], 1)],
+        applies=lambda x, index, axis=0: x.ndim >= 1 and axis in (0, -x.ndim) and index.dtype == np.int64,
+    ),
     nondiff={1},
     vjp=lambda g, out, x, index, axis: (O.index_add(O.zeros_like(x), index, g, axis=axis), None),
     doc="out = x.take(index, axis): whole slices picked by a 1-D index.",

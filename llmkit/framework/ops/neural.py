@@ -10,6 +10,7 @@ import math
 
 from .. import backend as B
 from .. import symbolic as sym
+from .contraction import mm
 from .spec import (
     A,
     Kind,
@@ -330,7 +331,7 @@ def _sdpa_kernel(xp, q, k, v, attn_mask=None, is_causal=False, scale=None):
     if is_causal:  # aligned to the bottom right: query i sees keys j <= i + (t - s)
         scores = xp.where(xp.tri(s, t, t - s, dtype=bool), scores, -xp.inf)
     p = _softmax_kernel(xp, scores, -1).astype(q.dtype, copy=False)
-    return xp.matmul(p.reshape(b, hk, hq // hk * s, t), v).reshape(b, hq, s, v.shape[-1])
+    return mm(xp, p.reshape(b, hk, hq // hk * s, t), v).reshape(b, hq, s, v.shape[-1])
 
 
 def _group(t, hk):
@@ -368,19 +369,10 @@ def _sdpa_decompose(q, k, v, attn_mask=None, is_causal=False, scale=None):
 
 
 def _sdpa_vjp(g, out, q, k, v, attn_mask=None, is_causal=False, scale=None):
-    # Recompute the probabilities (as flash attention does) rather than keeping them alive.
-    hk = k.shape[1]
-    qs = _scaled_queries(q, k, scale)  # (B, Hkv, G*S, D)
-    p = _group(_sdpa_probs(qs, k, attn_mask, is_causal, (q.shape[0], q.shape[1], q.shape[2])), hk)
-    gg = _group(g, hk)  # (B, Hkv, G*S, Dv)
-    dp = O.matmul(gg, v, transpose_y=True)  # (B, Hkv, G*S, T)
-    ds = p * (dp - O.sum(dp * p, axis=-1, keepdim=True))  # d(scores), scores = qs k^T
-    return (
-        lambda: O.reshape(O.matmul(ds, k) * _sdpa_scale(q, scale), q.shape),  # a group's rows sum per kv head
-        lambda: O.matmul(ds, qs, transpose_x=True),  # (B, Hkv, T, D)
-        lambda: O.matmul(p, gg, transpose_x=True),  # (B, Hkv, T, Dv)
-        None,
+    dq, dk, dv = O.scaled_dot_product_attention_grad(
+        g, out, q, k, v, attn_mask, is_causal=is_causal, scale=scale
     )
+    return dq, dk, dv, None
 
 
 defop(
@@ -396,6 +388,91 @@ defop(
     doc="softmax(q k^T * scale + mask) v on [batch, heads, seq, head_dim], with grouped-query attention "
     "(q heads a multiple of k/v heads). attn_mask is additive (q's dtype) or bool (True = attend); "
     "is_causal aligns the causal mask to the bottom right, so a query block after a cache works.",
+)
+
+
+# The backward as one op: the compiler runs it as one kernel (flash-attention style, probabilities
+# recomputed tile by tile, never stored); eagerly it is the same math with BLAS products.
+
+
+def _sdpa_grad_meta(g, out, q, k, v, attn_mask=None, is_causal=False, scale=None):
+    _sdpa_meta(q, k, v, attn_mask, is_causal, scale)
+    want = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+    for t in (g, out):
+        if tuple(t.shape) != want or t.dtype != q.dtype:
+            raise OpError(
+                "scaled_dot_product_attention_grad: g and out must be [B, Hq, S, Dv] like the output", t, q, v
+            )
+    return Meta(q.shape, q.dtype), Meta(k.shape, k.dtype), Meta(v.shape, v.dtype)
+
+
+def _sdpa_grad_kernel(xp, g, out, q, k, v, attn_mask=None, is_causal=False, scale=None):
+    b, hq, s, d = q.shape
+    hk, t, dv = k.shape[1], k.shape[2], v.shape[3]
+    rows = hq // hk * s  # the query heads of a kv head stacked as rows, as in the forward
+    sc = _sdpa_scale(q, scale)
+    qs = q.reshape(b, hk, rows, d) * sc
+    scores = xp.matmul(qs, xp.swapaxes(k, -1, -2)).reshape(b, hq, s, t)
+    if attn_mask is not None:
+        scores = xp.where(attn_mask, scores, -xp.inf) if attn_mask.dtype == bool else scores + attn_mask
+    if is_causal:
+        scores = xp.where(xp.tri(s, t, t - s, dtype=bool), scores, -xp.inf)
+    p = _softmax_kernel(xp, scores, -1).astype(q.dtype, copy=False).reshape(b, hk, rows, t)
+    gg = g.reshape(b, hk, rows, dv)
+    dp = xp.matmul(gg, xp.swapaxes(v, -1, -2))
+    dp -= xp.sum(g * out, axis=-1).reshape(b, hk, rows, 1)
+    ds = p * dp  # d(scores), scores = qs k^T
+    ds = ds.astype(q.dtype, copy=False)
+    dq = mm(xp, ds, k).reshape(q.shape) * q.dtype.type(sc)
+    return dq, mm(xp, xp.swapaxes(ds, -1, -2), qs), mm(xp, xp.swapaxes(p, -1, -2), gg)
+
+
+def _sdpa_grad_decompose(g, out, q, k, v, attn_mask=None, is_causal=False, scale=None):
+    hk = k.shape[1]
+    qs = _scaled_queries(q, k, scale)  # (B, Hkv, G*S, D)
+    p = _group(_sdpa_probs(qs, k, attn_mask, is_causal, (q.shape[0], q.shape[1], q.shape[2])), hk)
+    gg = _group(g, hk)  # (B, Hkv, G*S, Dv)
+    # sum_j p_j dp_j = g . out: the row term of the softmax backward, from the output
+    ds = p * (O.matmul(gg, v, transpose_y=True) - _group(O.sum(g * out, axis=-1, keepdim=True), hk))
+    return (
+        O.reshape(O.matmul(ds, k) * _sdpa_scale(q, scale), q.shape),  # a group's rows sum per kv head
+        O.matmul(ds, qs, transpose_x=True),  # (B, Hkv, T, D)
+        O.matmul(p, gg, transpose_x=True),  # (B, Hkv, T, Dv)
+    )
+
+
+def _vjp_of_decomposition(decompose):
+    """A vjp rule that differentiates the op's decomposition (for ops whose own rule would only
+    restate it: higher-order gradients through a fused backward)."""
+
+    def vjp(gs, outs, *inputs, **attrs):
+        from ..autograd import run_backward, set_grad_enabled
+
+        fresh = [None if x is None else x.detach().requires_grad_(B.is_floating(x.dtype)) for x in inputs]
+        with set_grad_enabled(True):
+            ys = decompose(*fresh, **attrs)
+        keep = [(y, gy) for y, gy in zip(ys, gs) if gy is not None]
+        wrt = [x for x in fresh if x is not None and x.requires_grad]
+        got = iter(run_backward([y for y, _ in keep], [gy for _, gy in keep], capture=wrt))
+        return tuple(next(got) if x is not None and x.requires_grad else None for x in fresh)
+
+    return vjp
+
+
+defop(
+    "scaled_dot_product_attention_grad",
+    Kind.OPAQUE,
+    inputs=("g", "out", "q", "k", "v", "attn_mask?"),
+    nondiff={5},
+    attrs=[attr("is_causal", A.BOOL, False), attr("scale", optional(A.FLOAT), None)],
+    infer_meta=_sdpa_grad_meta,
+    kernel=_sdpa_grad_kernel,
+    decompose=_sdpa_grad_decompose,
+    vjp=_vjp_of_decomposition(_sdpa_grad_decompose),
+    multi_output=True,
+    doc="(dq, dk, dv) of out = scaled_dot_product_attention(q, k, v, ...) for the output gradient g: "
+    "with P the probabilities and dS = P * (g v^T - rowsum(g * out)), dq = dS k * scale, dk = dS^T q "
+    "* scale, dv = P^T g (grouped-query heads summed per kv head).",
 )
 
 

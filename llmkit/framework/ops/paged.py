@@ -21,20 +21,27 @@ slot ``block_table[p // BS] * BS + p % BS``. Three ops make that a program:
 
 All three are inference ops: they have no gradient rule (RLHF differentiates the training forward,
 not the engine's programs) and no decomposition (the compiler must keep their kernels, which carry
-the guarantees above).
+the guarantees above). Each also has a hand-written C kernel (``kernels_c.py``) that the engine's
+compiled decode program runs: ``tiled_linear`` with ``rows=1``, ``paged_attention`` in decode form
+(no ``q_start``/``q_len``) and ``paged_kv_write``.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 
 import numpy as np
 
 from .. import backend as B
 from .. import symbolic as sym
-from .contraction import _linear_meta, _linear_vjp
-from .spec import A, Kind, Meta, OpError, attr, defop, describe, optional, same_dtype
+from . import kernels_c
+from .contraction import _linear_meta, _linear_vjp, mm
+from .spec import A, Kind, Meta, Native, OpError, attr, defop, describe, optional, same_dtype
 from .spec import ops as O
+
+_F32 = np.dtype(np.float32)
+_I64 = np.dtype(np.int64)
 
 
 def _known_differ(a: sym.Dim, b: sym.Dim) -> bool:
@@ -97,6 +104,11 @@ def _write_kernel(xp, pool, k, v, slots, layer=0, inplace=False):
     return out
 
 
+def _write_sizes(pool, k, v, slots, layer=0, inplace=False):
+    b, h, s, d = k.shape
+    return [b, h, s, d, pool.shape[2] * pool.shape[3], pool.itemsize, layer, pool.nbytes]
+
+
 defop(
     "paged_kv_write",
     Kind.OPAQUE,
@@ -107,6 +119,11 @@ defop(
     ],
     infer_meta=_write_meta,
     kernel=_write_kernel,
+    native=Native(
+        kernels_c.PAGED_KV_WRITE,
+        sizes=_write_sizes,
+        applies=lambda pool, k, v, slots, **attrs: slots.dtype == _I64 and pool.dtype == k.dtype == v.dtype,
+    ),
     traits={"inplace_input0"},
     doc="The pool with this step's keys/values stored: k, v [B, Hkv, S, D] go to pool[layer, 0/1] at "
     "flat slots [B*S] (block * block_size + offset; -1 = do not store). With inplace=True the kernel "
@@ -210,6 +227,17 @@ def _attn_kernel(xp, q, pool, block_tables, kv_len, q_start=None, q_len=None, la
     return out.reshape(b, s, hq, d).transpose(0, 2, 1, 3)
 
 
+def _attn_sizes(q, pool, block_tables, kv_len, layer=0, scale=None):
+    b, hq, s, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    bits = struct.unpack("<q", struct.pack("<d", scale))[0]  # the kernel reads it back as a double
+    return [b, hq, s, d, pool.shape[2], pool.shape[3], pool.shape[4], block_tables.shape[1], layer, bits]
+
+
+def _attn_native_applies(q, pool, block_tables, kv_len, q_start=None, q_len=None, **attrs):
+    return q_start is None and q.dtype == pool.dtype == _F32 and block_tables.dtype == kv_len.dtype == _I64
+
+
 defop(
     "paged_attention",
     Kind.OPAQUE,
@@ -220,6 +248,7 @@ defop(
     ],
     infer_meta=_attn_meta,
     kernel=_attn_kernel,
+    native=Native(kernels_c.PAGED_ATTENTION, sizes=_attn_sizes, applies=_attn_native_applies),
     doc="Causal attention of q [B, Hq, S, D] against a paged KV pool, segment by segment. Segment i is the "
     "query tokens [q_start[i], q_start[i] + q_len[i]) of the flattened B*S tokens (one row of B); its "
     "keys are positions 0 .. kv_len[i]-1 of the sequence whose blocks are block_tables[i], and its "
@@ -247,7 +276,7 @@ def _tiled_kernel(xp, x, weight, bias=None, rows=8, transposed=False):
     if pad:
         x2 = xp.concatenate([x2, xp.zeros((pad, k), x2.dtype)])
     # numpy runs a stacked matmul as one BLAS call per [rows, K] matrix: the tiles never merge.
-    out = xp.matmul(x2.reshape(-1, rows, k), wt).reshape(-1, n_out)[:m]
+    out = mm(xp, x2.reshape(-1, rows, k), wt).reshape(-1, n_out)[:m]
     if bias is not None:
         out = out + bias
     return out.reshape(x.shape[:-1] + (n_out,))
@@ -267,6 +296,16 @@ def _tiled_vjp(g, out, x, weight, bias=None, rows=8, transposed=False):
     )
 
 
+def _tiled_sizes(x, weight, bias=None, rows=8, transposed=False):
+    k = x.shape[-1]
+    return [x.size // k if k else 0, k, weight.shape[1 if transposed else 0], bias is not None, transposed]
+
+
+def _tiled_native_applies(x, weight, bias=None, rows=8, transposed=False):
+    # one row per product only: an 8-row tile is BLAS's (prefill), whose rows are invariant too
+    return rows == 1 and weight.ndim == 2 and all(t is None or t.dtype == _F32 for t in (x, weight, bias))
+
+
 defop(
     "tiled_linear",
     Kind.OPAQUE,
@@ -277,6 +316,7 @@ defop(
     ],
     infer_meta=_tiled_meta,
     kernel=_tiled_kernel,
+    native=Native(kernels_c.TILED_LINEAR, sizes=_tiled_sizes, applies=_tiled_native_applies),
     vjp=_tiled_vjp,
     doc="x @ weight.T + bias (as linear), computed in matrix products of exactly `rows` rows (the last "
     "zero-padded), so each row's result is independent of the number of rows: batch invariance. "

@@ -5,8 +5,8 @@ defaults), ``infer_meta`` (shapes and dtypes, symbolic dims allowed), ``kernel(x
 reference kernel, the same code for numpy and cupy), ``vjp`` (written with other ops, so it runs
 eagerly and under tracing alike), ``kind`` (the fusion class, which also supplies default shape
 rules), an optional ``decompose`` into primitives, a C expression template for elementwise
-primitives, and an ``spmd`` slot for auto-parallel. :func:`defop` registers a spec in the one
-table; nothing else lists ops.
+primitives, an optional hand-written C kernel (:class:`Native`), and an ``spmd`` slot for
+auto-parallel. :func:`defop` registers a spec in the one table; nothing else lists ops.
 """
 
 from __future__ import annotations
@@ -209,6 +209,34 @@ def attr(name: str, type: AttrType, default: Any = REQUIRED, check=None) -> Attr
     return AttrSpec(name, type, default, check)
 
 
+# ------------------------------------------------------------------------------- native kernels
+
+
+@dataclass(frozen=True)
+class Native:
+    """A hand-written C kernel of an op, run in place of ``kernel`` by executors planned with
+    ``native=True`` (the inference engine's compiled programs).
+
+    ``source`` defines ``void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads)``
+    (the compiler's kernel signature; every name it defines starts with ``KERNEL_FN``, which is
+    replaced by the kernel's hashed name). ``bufs`` holds the op's given inputs, its outputs, then
+    an ``int64[2]`` status: a kernel that rejects its inputs stores a nonzero code there *before*
+    writing anything, and the caller then runs the reference kernel, which raises the op's own
+    error. An op with trait ``inplace_input0`` gets input 0 itself as its output when it may write
+    in place (else a fresh array, into which the kernel copies input 0 first).
+
+    ``applies(*metas, **attrs)`` decides from the program's static types and attributes, once per
+    op, whether the kernel handles it (so a program never mixes kernels between calls);
+    ``sizes(*arrays, **attrs)`` gives a call's size arguments. A native kernel need not match
+    ``kernel`` bit for bit, but must keep the op's contract (``tiled_linear``: a row's result does
+    not depend on the other rows); ``test_op_table.py`` checks it against the reference formula.
+    """
+
+    source: str
+    sizes: Callable[..., Sequence[int]]
+    applies: Callable[..., bool]
+
+
 # -------------------------------------------------------------------------------------- the spec
 
 
@@ -233,6 +261,7 @@ class OpSpec:
     # per input, the input index holding out[out_index] (cond: where that input supplies it, or None).
     # The compiler fuses such ops as index arithmetic; ``ix`` offers dim(), reshape(), broadcast().
     index_map: Callable[..., Any] | None = None
+    native: Native | None = None  # a hand-written C kernel (see Native)
     traits: frozenset[str] = frozenset()
     nondiff: frozenset[int] = frozenset()  # input positions that never get a gradient
     multi_output: bool = False
@@ -321,6 +350,7 @@ def defop(
     c: str | None = None,
     reducer: str | None = None,
     index_map: Callable[..., Any] | None = None,
+    native: Native | None = None,
     traits: Sequence[str] = (),
     nondiff: Sequence[int] = (),
     multi_output: bool = False,
@@ -347,6 +377,7 @@ def defop(
         c=c,
         reducer=reducer,
         index_map=index_map,
+        native=native,
         traits=frozenset(traits),
         nondiff=frozenset(nondiff),
         multi_output=multi_output,

@@ -93,59 +93,38 @@ module {
       %47 = llm.add(%41, %46) : f32[B, 1, S, 8]
       cinn.yield(%47)
     }
-    %48 = cinn.fusion(%20) {name = "scaled_dot_product_attention"} : f32[B, 1, 2*S, 8] {
-      %49 = llm.reshape(%20) {shape = [B, 1, 2*S, 8]} : f32[B, 1, 2*S, 8]
-      %50 = builtin.constant() {value = dense<f32[] [0.35355338]>} : f32[]
-      %51 = llm.mul(%49, %50) : f32[B, 1, 2*S, 8]
-      cinn.yield(%51)
+    %48 = cinn.fusion(%20, %34, %16) {name = "scaled_dot_product_attention"} : f32[B, 2, S, 8] {
+      %49 = llm.scaled_dot_product_attention(%20, %34, %16) {is_causal = true} : f32[B, 2, S, 8]
+      cinn.yield(%49)
     }
-    %52 = llm.matmul(%48, %34) {transpose_y = true} : f32[B, 1, 2*S, S]
-    %53 = cinn.fusion(%52) {name = "scaled_dot_product_attention"} : f32[B, 2, S, S] {
-      %54 = llm.reshape(%52) {shape = [B, 2, S, S]} : f32[B, 2, S, S]
-      %55 = llm.arange() {end = S} : i64[S]
-      %56 = llm.unsqueeze(%55) {axis = [1]} : i64[S, 1]
-      %57 = llm.unsqueeze(%55) {axis = [0]} : i64[1, S]
-      %58 = llm.less_equal(%57, %56) : bool[S, S]
-      %59 = llm.full() {shape = [], value = -inf} : f32[]
-      %60 = llm.where(%58, %54, %59) : f32[B, 2, S, S]
-      %61 = llm.max(%60) {axis = [-1], keepdim = true} : f32[B, 2, S, 1]
-      %62 = llm.sub(%60, %61) : f32[B, 2, S, S]
-      %63 = llm.exp(%62) : f32[B, 2, S, S]
-      %64 = llm.sum(%63) {axis = [-1], keepdim = true} : f32[B, 2, S, 1]
-      %65 = llm.div(%63, %64) : f32[B, 2, S, S]
-      cinn.yield(%65)
+    %50 = llm.transpose(%48) {perm = [0, 2, 1, 3]} : f32[B, S, 2, 8]
+    %51 = llm.reshape(%50) {shape = [B, S, 16]} : f32[B, S, 16]
+    %52 = llm.matmul(%51, %self_attn_o_proj_weight) {transpose_y = true} : f32[B, S, 16]
+    %53 = cinn.fusion(%arg0, %52, %post_attention_layernorm_weight) {name = "rms_norm"} : f32[B, S, 16] {
+      %54 = builtin.constant() {value = dense<f32[] [1e-05]>} : f32[]
+      %55 = llm.add(%arg0, %52) : f32[B, S, 16]
+      %56 = llm.mul(%55, %55) : f32[B, S, 16]
+      %57 = llm.mean(%56) {axis = [-1], keepdim = true} : f32[B, S, 1]
+      %58 = llm.add(%57, %54) : f32[B, S, 1]
+      %59 = llm.rsqrt(%58) : f32[B, S, 1]
+      %60 = llm.mul(%55, %59) : f32[B, S, 16]
+      %61 = llm.mul(%60, %post_attention_layernorm_weight) : f32[B, S, 16]
+      cinn.yield(%61)
     }
-    %66 = llm.reshape(%53) {shape = [B, 1, 2*S, S]} : f32[B, 1, 2*S, S]
-    %67 = llm.matmul(%66, %16) : f32[B, 1, 2*S, 8]
-    %68 = llm.reshape(%67) {shape = [B, 2, S, 8]} : f32[B, 2, S, 8]
-    %69 = llm.transpose(%68) {perm = [0, 2, 1, 3]} : f32[B, S, 2, 8]
-    %70 = llm.reshape(%69) {shape = [B, S, 16]} : f32[B, S, 16]
-    %71 = llm.matmul(%70, %self_attn_o_proj_weight) {transpose_y = true} : f32[B, S, 16]
-    %72 = cinn.fusion(%arg0, %71, %post_attention_layernorm_weight) {name = "rms_norm"} : f32[B, S, 16] {
-      %73 = builtin.constant() {value = dense<f32[] [1e-05]>} : f32[]
-      %74 = llm.add(%arg0, %71) : f32[B, S, 16]
-      %75 = llm.mul(%74, %74) : f32[B, S, 16]
-      %76 = llm.mean(%75) {axis = [-1], keepdim = true} : f32[B, S, 1]
-      %77 = llm.add(%76, %73) : f32[B, S, 1]
-      %78 = llm.rsqrt(%77) : f32[B, S, 1]
-      %79 = llm.mul(%74, %78) : f32[B, S, 16]
-      %80 = llm.mul(%79, %post_attention_layernorm_weight) : f32[B, S, 16]
-      cinn.yield(%80)
+    %62 = llm.matmul(%53, %mlp_gate_proj_weight) {transpose_y = true} : f32[B, S, 24]
+    %63 = cinn.fusion(%53, %mlp_up_proj_weight, %62) {name = "swiglu+linear"} : f32[B, S, 24] {
+      %64 = llm.matmul(%53, %mlp_up_proj_weight) {transpose_y = true} : f32[B, S, 24]
+      %65 = llm.sigmoid(%62) : f32[B, S, 24]
+      %66 = llm.mul(%62, %65) : f32[B, S, 24]
+      %67 = llm.mul(%66, %64) : f32[B, S, 24]
+      cinn.yield(%67)
     }
-    %81 = llm.matmul(%72, %mlp_gate_proj_weight) {transpose_y = true} : f32[B, S, 24]
-    %82 = cinn.fusion(%72, %mlp_up_proj_weight, %81) {name = "swiglu+linear"} : f32[B, S, 24] {
-      %83 = llm.matmul(%72, %mlp_up_proj_weight) {transpose_y = true} : f32[B, S, 24]
-      %84 = llm.sigmoid(%81) : f32[B, S, 24]
-      %85 = llm.mul(%81, %84) : f32[B, S, 24]
-      %86 = llm.mul(%85, %83) : f32[B, S, 24]
-      cinn.yield(%86)
+    %68 = cinn.fusion(%63, %mlp_down_proj_weight, %arg0, %52) {name = "linear"} : f32[B, S, 16] {
+      %69 = llm.matmul(%63, %mlp_down_proj_weight) {transpose_y = true} : f32[B, S, 16]
+      %70 = llm.add(%arg0, %52) : f32[B, S, 16]
+      %71 = llm.add(%70, %69) : f32[B, S, 16]
+      cinn.yield(%71)
     }
-    %87 = cinn.fusion(%82, %mlp_down_proj_weight, %arg0, %71) {name = "linear"} : f32[B, S, 16] {
-      %88 = llm.matmul(%82, %mlp_down_proj_weight) {transpose_y = true} : f32[B, S, 16]
-      %89 = llm.add(%arg0, %71) : f32[B, S, 16]
-      %90 = llm.add(%89, %88) : f32[B, S, 16]
-      cinn.yield(%90)
-    }
-    return %87
+    return %68
   }
 }

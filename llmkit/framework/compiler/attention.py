@@ -1,0 +1,404 @@
+"""Attention as one kernel each way: the C the compiler emits for ``scaled_dot_product_attention``
+and ``scaled_dot_product_attention_grad`` (flash attention, as in Dao et al. 2022, for CPUs).
+
+Decomposed, attention is four GEMMs around a softmax over an ``[B, Hq, S, T]`` tensor that is
+written and read back several times, and causal masking still computes every masked score. These
+kernels never materialize it: a tile of ``BR`` query rows meets ``BC`` keys at a time, in L1.
+
+- forward: scores ``S = (q * scale) k^T`` for the tile, an online softmax (running row max ``m``
+  and sum ``l``; earlier partial outputs rescaled by ``exp(m_old - m_new)``), then ``acc += P v``;
+  ``out = acc / l``. Key tiles wholly above the causal diagonal are never visited, and inside a
+  tile each row stops at its last visible key. One task per (batch, kv head, query tile).
+- backward: one task per (batch, kv head), so its ``dk``/``dv`` rows and the ``dq`` rows of its
+  query heads are its own (no atomics). Per query tile: the rows' log-sum-exp (a first pass over
+  the keys), then per key tile ``P = exp(S - lse)``, ``dS = P * (g v^T - rowsum(g * out))``,
+  ``dv += P^T g``, ``dk += dS^T (q * scale)``, ``dq += dS k`` (times scale at the end).
+
+The GEMM-like products are one register-tiled micro-kernel (``mm``: 4 rows x 2 vectors of
+accumulators, GCC/Clang vector extensions; ``mmt`` reads its left operand transposed). Rows are
+padded to whole vectors in the kernel's own scratch buffers, so any head dim works; q, k, v, g
+and out are read through their strides (the model's transposed views are not copied first).
+Numerics: sums run in a different order than BLAS and the reference softmax (float32 within
+~1e-6 relative); NaN in a row spreads through that row as in the reference.
+
+A program gets these kernels where the op has no mask (``is_causal`` or none), a float32/float64
+dtype and static head counts and dims; anything else is decomposed and fused as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any
+
+import numpy as np
+
+from ..ir import Operation
+
+BR, BC = 32, 64  # query rows and keys per tile: the score tile (8 KiB in float32) stays in L1
+VECTOR_BYTES = 32  # AVX2 / NEON x2; wider machines still vectorize each half
+
+_HELPERS = r"""
+#ifndef LLMKIT_ATTENTION_@S@
+#define LLMKIT_ATTENTION_@S@
+#include <stdlib.h>
+#include <string.h>
+typedef @T@ attn_vec_@S@ __attribute__((vector_size(@VB@)));
+typedef @T@ attn_uvec_@S@ __attribute__((vector_size(@VB@), aligned(sizeof(@T@))));
+#define LD_@S@(p) (*(const attn_uvec_@S@ *)(p))
+#define ST_@S@(p, x) (*(attn_uvec_@S@ *)(p) = (x))
+
+/* C[M][N] = (acc ? C : 0) + A B, A[i][k] at A[i*lda + k] (mm) or A[k*lda + i] (mmt), B[K][N]
+   row-major, N a multiple of the vector width W. Tiles of 4 rows x 2 vectors in registers. */
+#define ATTN_MM(NAME, AT)                                                                          \
+static void NAME(int64_t M, int64_t K, int64_t N, const @T@ *restrict A, int64_t lda,             \
+                 const @T@ *restrict B, int64_t ldb, @T@ *restrict C, int64_t ldc, int acc) {      \
+  const int64_t W = @W@;                                                                           \
+  int64_t i = 0;                                                                                   \
+  for (; i + 4 <= M; i += 4) {                                                                     \
+    @T@ *c0 = C + i * ldc, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc;                        \
+    int64_t j = 0;                                                                                 \
+    for (; j + 2 * W <= N; j += 2 * W) {                                                           \
+      attn_vec_@S@ s00 = {0}, s01 = {0}, s10 = {0}, s11 = {0}, s20 = {0}, s21 = {0}, s30 = {0},    \
+                   s31 = {0};                                                                      \
+      if (acc) {                                                                                   \
+        s00 = LD_@S@(c0 + j); s01 = LD_@S@(c0 + j + W); s10 = LD_@S@(c1 + j);                      \
+        s11 = LD_@S@(c1 + j + W); s20 = LD_@S@(c2 + j); s21 = LD_@S@(c2 + j + W);                  \
+        s30 = LD_@S@(c3 + j); s31 = LD_@S@(c3 + j + W);                                            \
+      }                                                                                            \
+      const @T@ *b = B + j;                                                                        \
+      for (int64_t k = 0; k < K; k++, b += ldb) {                                                  \
+        const attn_vec_@S@ b0 = LD_@S@(b), b1 = LD_@S@(b + W);                                     \
+        const @T@ x0 = AT(0), x1 = AT(1), x2 = AT(2), x3 = AT(3);                                  \
+        s00 += x0 * b0; s01 += x0 * b1; s10 += x1 * b0; s11 += x1 * b1;                            \
+        s20 += x2 * b0; s21 += x2 * b1; s30 += x3 * b0; s31 += x3 * b1;                            \
+      }                                                                                            \
+      ST_@S@(c0 + j, s00); ST_@S@(c0 + j + W, s01); ST_@S@(c1 + j, s10);                           \
+      ST_@S@(c1 + j + W, s11); ST_@S@(c2 + j, s20); ST_@S@(c2 + j + W, s21);                       \
+      ST_@S@(c3 + j, s30); ST_@S@(c3 + j + W, s31);                                                \
+    }                                                                                              \
+    for (; j < N; j += W) {                                                                        \
+      attn_vec_@S@ s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                         \
+      if (acc) { s0 = LD_@S@(c0 + j); s1 = LD_@S@(c1 + j); s2 = LD_@S@(c2 + j); s3 = LD_@S@(c3 + j); } \
+      const @T@ *b = B + j;                                                                        \
+      for (int64_t k = 0; k < K; k++, b += ldb) {                                                  \
+        const attn_vec_@S@ b0 = LD_@S@(b);                                                         \
+        s0 += AT(0) * b0; s1 += AT(1) * b0; s2 += AT(2) * b0; s3 += AT(3) * b0;                    \
+      }                                                                                            \
+      ST_@S@(c0 + j, s0); ST_@S@(c1 + j, s1); ST_@S@(c2 + j, s2); ST_@S@(c3 + j, s3);              \
+    }                                                                                              \
+  }                                                                                                \
+  for (; i < M; i++) {                                                                             \
+    @T@ *c0 = C + i * ldc;                                                                         \
+    for (int64_t j = 0; j < N; j += W) {                                                           \
+      attn_vec_@S@ s0 = {0};                                                                       \
+      if (acc) s0 = LD_@S@(c0 + j);                                                                \
+      const @T@ *b = B + j;                                                                        \
+      for (int64_t k = 0; k < K; k++, b += ldb) s0 += AT(0) * LD_@S@(b);                           \
+      ST_@S@(c0 + j, s0);                                                                          \
+    }                                                                                              \
+  }                                                                                                \
+}
+#define ATTN_A(r) A[(i + (r)) * lda + k]
+#define ATTN_AT(r) A[k * lda + i + (r)]
+ATTN_MM(attn_mm_@S@, ATTN_A)
+ATTN_MM(attn_mmt_@S@, ATTN_AT)
+#undef ATTN_A
+#undef ATTN_AT
+#undef ATTN_MM
+
+/* n elements of scratch, 64-byte aligned, zeroed (padding lanes must hold finite values) */
+static @T@ *attn_scratch_@S@(int64_t n) {
+  void *p = NULL;
+  if (posix_memalign(&p, 64, (size_t)n * sizeof(@T@) + 64)) return NULL;
+  memset(p, 0, (size_t)n * sizeof(@T@));
+  return (@T@ *)p;
+}
+
+/* rows [r0, r0 + n) of a strided [rows, cols] matrix, times scale, into dst[r][ld] */
+static void attn_rows_@S@(@T@ *restrict dst, int64_t ld, const @T@ *restrict src, int64_t r0,
+                          int64_t n, int64_t cols, int64_t rs, int64_t cs, @T@ scale) {
+  for (int64_t r = 0; r < n; r++)
+    for (int64_t c = 0; c < cols; c++) dst[r * ld + c] = src[(r0 + r) * rs + c * cs] * scale;
+}
+
+/* the same rows transposed: dst[c][ld], column r */
+static void attn_cols_@S@(@T@ *restrict dst, int64_t ld, const @T@ *restrict src, int64_t n,
+                          int64_t cols, int64_t rs, int64_t cs) {
+  for (int64_t r = 0; r < n; r++)
+    for (int64_t c = 0; c < cols; c++) dst[c * ld + r] = src[r * rs + c * cs];
+}
+
+/* keys of a score row its query may see: all n, or those up to the causal diagonal */
+static inline int64_t attn_visible(int causal, int64_t row, int64_t off, int64_t j0, int64_t n) {
+  if (!causal) return n;
+  const int64_t lim = row + off - j0 + 1;
+  return lim < 0 ? 0 : lim < n ? lim : n;
+}
+
+/* One online-softmax step of a score row s[0..n): running max *m and sum *l take the row in.
+   With p, s becomes exp(s - m_new) (zero past n, up to bc). Returns the factor earlier partial
+   sums must be scaled by. */
+static inline @T@ attn_online_@S@(@T@ *restrict s, int64_t n, int64_t bc, @T@ *m, @T@ *l, int p) {
+  @T@ mx = -INFINITY;
+  #pragma omp simd reduction(max:mx)
+  for (int64_t c = 0; c < n; c++) mx = s[c] > mx ? s[c] : mx;
+  const @T@ mnew = mx > *m ? mx : *m;
+  if (mnew == -INFINITY) {  /* nothing visible yet */
+    if (p) for (int64_t c = 0; c < bc; c++) s[c] = 0;
+    return 1;
+  }
+  @T@ sum = 0;
+  if (p) {
+    #pragma omp simd reduction(+:sum)
+    for (int64_t c = 0; c < n; c++) { const @T@ e = exp(s[c] - mnew); s[c] = e; sum += e; }
+    for (int64_t c = n; c < bc; c++) s[c] = 0;
+  } else {
+    #pragma omp simd reduction(+:sum)
+    for (int64_t c = 0; c < n; c++) sum += exp(s[c] - mnew);
+  }
+  const @T@ alpha = exp(*m - mnew);
+  *l = *l * alpha + sum;
+  *m = mnew;
+  return alpha;
+}
+#endif
+"""
+
+_PARAMS = r"""
+  enum { D = @D@, DV = @DV@, DP = @DP@, DVP = @DVP@, BR = @BR@, BC = @BC@, W = @W@ };
+  const int causal = @CAUSAL@;
+  const @T@ scale = @SCALE@;
+  const int64_t NB = sizes[0], HQ = sizes[1], HK = sizes[2], S = sizes[3], T = sizes[4];
+  const int64_t G = HQ / HK, OFF = T - S;  /* query i sees keys j <= i + OFF when causal */
+  const int64_t TP = (T + BC - 1) / BC * BC, LT = TP + 2 * W;  /* LT: no power-of-two row stride */
+  const int nt = (S * T * HQ * NB >= 32768) ? (int)nthreads : 1;
+"""
+
+_FORWARD = r"""
+/* scaled_dot_product_attention forward (flash): one task per (batch, kv head), split into
+   interleaved sets of query tiles only when there are too few (batch, kv head) pairs to share */
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  const @T@ *restrict q = (const @T@ *)bufs[0];
+  const @T@ *restrict k = (const @T@ *)bufs[1];
+  const @T@ *restrict v = (const @T@ *)bufs[2];
+  @T@ *restrict o = (@T@ *)bufs[3];
+  const int64_t *qs = sizes + 5, *ks = sizes + 9, *vs = sizes + 13, *os = sizes + 17;
+@PARAMS@
+  const int64_t tiles = (S + BR - 1) / BR;
+  int64_t parts = (4 * nt + NB * HK - 1) / (NB * HK);
+  parts = parts < 1 ? 1 : parts > tiles ? tiles : parts;
+  #pragma omp parallel num_threads(nt)
+  {
+    @T@ *kT = attn_scratch_@S@(D * LT);      /* k^T [D][LT] */
+    @T@ *vr = attn_scratch_@S@(TP * DVP);    /* v rows [TP][DVP] */
+    @T@ *qb = attn_scratch_@S@(BR * DP);     /* the tile's queries times scale [BR][DP] */
+    @T@ *sb = attn_scratch_@S@(BR * BC);     /* scores, then probabilities [BR][BC] */
+    @T@ *acc = attn_scratch_@S@(BR * DVP);   /* unnormalized output rows [BR][DVP] */
+    @T@ m[BR], l[BR];
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < NB * HK * parts; task++) {
+      const int64_t part = task % parts, b = task / parts / HK, hk = task / parts % HK;
+      int64_t kmax = T;  /* keys the part's last tile sees */
+      if (causal) {
+        const int64_t last = ((tiles - 1 - part) / parts * parts + part) * BR;
+        const int64_t e = (last + BR < S ? last + BR : S) + OFF;
+        kmax = e < 0 ? 0 : e < T ? e : T;
+      }
+      attn_cols_@S@(kT, LT, k + b * ks[0] + hk * ks[1], kmax, D, ks[2], ks[3]);
+      attn_rows_@S@(vr, DVP, v + b * vs[0] + hk * vs[1], 0, kmax, DV, vs[2], vs[3], 1);
+      for (int64_t g = 0; g < G; g++) {
+        const int64_t h = hk * G + g;
+        @T@ *oh = o + b * os[0] + h * os[1];
+        for (int64_t i0 = part * BR; i0 < S; i0 += parts * BR) {
+          const int64_t rows = S - i0 < BR ? S - i0 : BR;
+          int64_t kend = T;
+          if (causal) kend = i0 + rows + OFF < 0 ? 0 : i0 + rows + OFF < T ? i0 + rows + OFF : T;
+          attn_rows_@S@(qb, DP, q + b * qs[0] + h * qs[1], i0, rows, D, qs[2], qs[3], scale);
+          for (int64_t r = 0; r < rows; r++) { m[r] = -INFINITY; l[r] = 0; }
+          memset(acc, 0, sizeof(@T@) * BR * DVP);
+          for (int64_t j0 = 0; j0 < kend; j0 += BC) {
+            const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
+            attn_mm_@S@(rows, D, BC, qb, DP, kT + j0, LT, sb, BC, 0);
+            for (int64_t r = 0; r < rows; r++) {
+              const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
+              const @T@ alpha = attn_online_@S@(sb + r * BC, n, BC, &m[r], &l[r], 1);
+              if (alpha != 1)
+                for (int64_t d = 0; d < DVP; d++) acc[r * DVP + d] *= alpha;
+            }
+            attn_mm_@S@(rows, cols, DVP, sb, BC, vr + j0 * DVP, DVP, acc, DVP, 1);
+          }
+          for (int64_t r = 0; r < rows; r++)
+            for (int64_t d = 0; d < DV; d++) oh[(i0 + r) * os[2] + d * os[3]] = acc[r * DVP + d] / l[r];
+        }
+      }
+    }
+    free(kT); free(vr); free(qb); free(sb); free(acc);
+  }
+}
+"""
+
+_BACKWARD = r"""
+/* scaled_dot_product_attention_grad (flash): one task per (batch, kv head) */
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  const @T@ *restrict go = (const @T@ *)bufs[0];
+  const @T@ *restrict o = (const @T@ *)bufs[1];
+  const @T@ *restrict q = (const @T@ *)bufs[2];
+  const @T@ *restrict k = (const @T@ *)bufs[3];
+  const @T@ *restrict v = (const @T@ *)bufs[4];
+  @T@ *restrict dq = (@T@ *)bufs[5];
+  @T@ *restrict dk = (@T@ *)bufs[6];
+  @T@ *restrict dv = (@T@ *)bufs[7];
+  const int64_t *gs = sizes + 5, *os = sizes + 9, *qs = sizes + 13, *ks = sizes + 17, *vs = sizes + 21;
+  const int64_t *dqs = sizes + 25, *dks = sizes + 29, *dvs = sizes + 33;
+@PARAMS@
+  #pragma omp parallel num_threads(nt)
+  {
+    @T@ *kT = attn_scratch_@S@(D * LT);      /* k^T [D][LT] */
+    @T@ *vT = attn_scratch_@S@(DV * LT);     /* v^T [DV][LT] */
+    @T@ *kr = attn_scratch_@S@(TP * DP);     /* k rows [TP][DP] */
+    @T@ *dkr = attn_scratch_@S@(TP * DP);    /* dk rows */
+    @T@ *dvr = attn_scratch_@S@(TP * DVP);   /* dv rows */
+    @T@ *qb = attn_scratch_@S@(BR * DP);     /* the tile's queries times scale */
+    @T@ *gb = attn_scratch_@S@(BR * DVP);    /* their output gradients */
+    @T@ *dqb = attn_scratch_@S@(BR * DP);    /* their dq (before the scale) */
+    @T@ *sb = attn_scratch_@S@(BR * BC);     /* scores, then P */
+    @T@ *pb = attn_scratch_@S@(BR * BC);     /* g v^T, then dS */
+    @T@ m[BR], l[BR], di[BR];
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < NB * HK; task++) {
+      const int64_t b = task / HK, hk = task % HK;
+      const @T@ *kh = k + b * ks[0] + hk * ks[1], *vh = v + b * vs[0] + hk * vs[1];
+      attn_cols_@S@(kT, LT, kh, T, D, ks[2], ks[3]);
+      attn_cols_@S@(vT, LT, vh, T, DV, vs[2], vs[3]);
+      attn_rows_@S@(kr, DP, kh, 0, T, D, ks[2], ks[3], 1);
+      memset(dkr, 0, sizeof(@T@) * TP * DP);
+      memset(dvr, 0, sizeof(@T@) * TP * DVP);
+      for (int64_t g = 0; g < G; g++) {
+        const int64_t h = hk * G + g;
+        const @T@ *oh = o + b * os[0] + h * os[1], *gh = go + b * gs[0] + h * gs[1];
+        for (int64_t i0 = 0; i0 < S; i0 += BR) {
+          const int64_t rows = S - i0 < BR ? S - i0 : BR;
+          attn_rows_@S@(qb, DP, q + b * qs[0] + h * qs[1], i0, rows, D, qs[2], qs[3], scale);
+          attn_rows_@S@(gb, DVP, gh, i0, rows, DV, gs[2], gs[3], 1);
+          for (int64_t r = 0; r < rows; r++) {
+            @T@ sum = 0;  /* rowsum(g * out) = sum_j P_j (g v^T)_j */
+            for (int64_t d = 0; d < DV; d++) sum += gb[r * DVP + d] * oh[(i0 + r) * os[2] + d * os[3]];
+            di[r] = sum;
+            m[r] = -INFINITY; l[r] = 0;
+          }
+          memset(dqb, 0, sizeof(@T@) * BR * DP);
+          int64_t kend = T;
+          if (causal) kend = i0 + rows + OFF < 0 ? 0 : i0 + rows + OFF < T ? i0 + rows + OFF : T;
+          for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 1: each row's log-sum-exp */
+            const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
+            attn_mm_@S@(rows, D, BC, qb, DP, kT + j0, LT, sb, BC, 0);
+            for (int64_t r = 0; r < rows; r++)
+              attn_online_@S@(sb + r * BC, attn_visible(causal, i0 + r, OFF, j0, cols), BC, &m[r], &l[r], 0);
+          }
+          for (int64_t r = 0; r < rows; r++) m[r] += log(l[r]);
+          for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 2: the gradients */
+            const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
+            attn_mm_@S@(rows, D, BC, qb, DP, kT + j0, LT, sb, BC, 0);
+            attn_mm_@S@(rows, DV, BC, gb, DVP, vT + j0, LT, pb, BC, 0);
+            for (int64_t r = 0; r < rows; r++) {
+              @T@ *sr = sb + r * BC, *dr = pb + r * BC;
+              const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
+              const @T@ lse = m[r], d0 = di[r];
+              #pragma omp simd
+              for (int64_t c = 0; c < n; c++) {
+                const @T@ p = exp(sr[c] - lse);
+                sr[c] = p;
+                dr[c] = p * (dr[c] - d0);
+              }
+              for (int64_t c = n; c < BC; c++) { sr[c] = 0; dr[c] = 0; }
+            }
+            attn_mmt_@S@(cols, rows, DVP, sb, BC, gb, DVP, dvr + j0 * DVP, DVP, 1);
+            attn_mmt_@S@(cols, rows, DP, pb, BC, qb, DP, dkr + j0 * DP, DP, 1);
+            attn_mm_@S@(rows, cols, DP, pb, BC, kr + j0 * DP, DP, dqb, DP, 1);
+          }
+          @T@ *dqh = dq + b * dqs[0] + h * dqs[1];
+          for (int64_t r = 0; r < rows; r++)
+            for (int64_t d = 0; d < D; d++) dqh[(i0 + r) * dqs[2] + d * dqs[3]] = dqb[r * DP + d] * scale;
+        }
+      }
+      @T@ *dkh = dk + b * dks[0] + hk * dks[1], *dvh = dv + b * dvs[0] + hk * dvs[1];
+      for (int64_t t = 0; t < T; t++) {
+        for (int64_t d = 0; d < D; d++) dkh[t * dks[2] + d * dks[3]] = dkr[t * DP + d];
+        for (int64_t d = 0; d < DV; d++) dvh[t * dvs[2] + d * dvs[3]] = dvr[t * DVP + d];
+      }
+    }
+    free(kT); free(vT); free(kr); free(dkr); free(dvr); free(qb); free(gb); free(dqb); free(sb); free(pb);
+  }
+}
+"""
+
+_CTYPES = {"float32": "float", "float64": "double"}
+
+
+class Attention:
+    """The kernel template of one attention op (forward or backward): when it applies, its C
+    source for an op, and how to call it on arrays."""
+
+    def __init__(self, op: str, body: str, n_in: int) -> None:
+        self.op = op  # the op-table name it implements
+        self.body = body
+        self.n_in = n_in  # tensor inputs without a mask
+
+    def applies(self, op: Operation) -> bool:
+        if op.name != f"llm.{self.op}" or len(op.operands) != self.n_in:
+            return False  # a mask: decomposed and fused instead
+        q, k, v = op.operands[-3:]
+        static = (q.type.shape[1], q.type.shape[3], k.type.shape[1], v.type.shape[3])
+        return q.type.dtype.name in _CTYPES and all(isinstance(d, int) and d > 0 for d in static)
+
+    def source(self, op: Operation) -> str:
+        """C source of the kernel for ``op``, the function named ``KERNEL_FN``."""
+        q, _, v = op.operands[-3:]
+        dt = q.type.dtype
+        attrs = op.plain_attrs
+        d, dv = q.type.shape[3], v.type.shape[3]
+        scale = 1.0 / math.sqrt(d) if attrs.get("scale") is None else attrs["scale"]
+        ctype = _CTYPES[dt.name]
+        w = VECTOR_BYTES // dt.itemsize
+        subs = {
+            "@PARAMS@": _PARAMS,
+            "@T@": ctype,
+            "@S@": "f32" if dt.itemsize == 4 else "f64",
+            "@VB@": str(VECTOR_BYTES),
+            "@W@": str(w),
+            "@D@": str(d),
+            "@DV@": str(dv),
+            "@DP@": str(-(-d // w) * w),
+            "@DVP@": str(-(-dv // w) * w),
+            "@BR@": str(BR),
+            "@BC@": str(BC),
+            "@CAUSAL@": "1" if attrs.get("is_causal") else "0",
+            "@SCALE@": f"(({ctype}){float(np.asarray(scale, dt))!r})",
+        }
+        src = _HELPERS + self.body
+        for key, val in subs.items():
+            src = src.replace(key, val)
+        return src
+
+    def run(self, fn: Any, arrays: tuple, nthreads: int) -> tuple | np.ndarray:
+        """Call the compiled kernel on numpy arrays (any strides); returns the outputs."""
+        q, k, v = arrays[-3:]
+        if self.n_in == 3:
+            outs = [np.empty(q.shape[:3] + v.shape[3:], q.dtype)]
+        else:
+            outs = [np.empty(q.shape, q.dtype), np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)]
+        every = [
+            a if all(s % a.itemsize == 0 for s in a.strides) else np.ascontiguousarray(a) for a in arrays
+        ]
+        every += outs
+        sizes = [q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]]
+        for a in every:
+            sizes += [s // a.itemsize for s in a.strides]
+        bufs = (ctypes.c_void_p * len(every))(*[a.ctypes.data for a in every])
+        fn(bufs, (ctypes.c_int64 * len(sizes))(*sizes), nthreads)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+FORWARD = Attention("scaled_dot_product_attention", _FORWARD, 3)
+BACKWARD = Attention("scaled_dot_product_attention_grad", _BACKWARD, 5)

@@ -1,0 +1,336 @@
+"""Native execution: ops' hand-written C kernels, and replays of whole functions without Python.
+
+An executor planned with ``native=True`` (the inference engine's compiled programs) does two
+things the default executor does not:
+
+* **Native kernels.** An op whose spec has a C kernel (``OpSpec.native``: ``tiled_linear`` with
+  one row per product, the paged KV cache ops, ``index_select``) runs it instead of its reference
+  kernel. The choice is made once per op from the program's static types and attributes, so every
+  call of the program runs the same kernels (batch invariance depends on it).
+* **Replays.** When every step of the function is a C kernel (a native op or a compiled
+  ``cinn.fusion``) or a view (a reshape, or a transpose that moves no data), the executor plans it
+  once per binding of its size symbols: a buffer for every intermediate, allocated once, each
+  kernel's argument arrays filled in, and one C loop that calls the kernels in order. A call then
+  only points the kernels at its inputs (those that changed since the last call) and at fresh
+  output arrays, and makes one C call. The Python between ops is gone: 3-20 µs per op, more when
+  the step's weights have pushed the interpreter out of the caches. The results are bitwise those
+  of the op-by-op run (the same kernels on the same arguments).
+
+A binding that cannot be replayed (a step without a C kernel, a view that would copy, inputs that
+are not contiguous) runs op by op. So does a call while another thread is inside the same
+executor's replay (replays own their buffers), and every call under ``LLMKIT_PROFILE=1``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .ops.spec import Kind, Meta, OpError, OpSpec
+
+log = logging.getLogger("llmkit.native")
+
+_c_void_p, _c_int64 = ctypes.c_void_p, ctypes.c_int64
+_BUILT: dict[str, Any] = {}  # kernel source -> ctypes function (None: no compiler, or it failed)
+STATUS_WORDS = 3  # [error code, offending item, failing step]
+
+LAUNCH = r"""
+/* Calls a replay's kernels in order; stops at the first that reports an error in the status.
+   bufs: kernel functions [n], their bufs arrays [n], their sizes arrays [n], threads [n], status. */
+typedef void (*KERNEL_FN_kernel)(void **, const int64_t *, int64_t);
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  (void)nthreads;
+  KERNEL_FN_kernel *fns = (KERNEL_FN_kernel *)bufs[0];
+  void ***argv = (void ***)bufs[1];
+  const int64_t **sizev = (const int64_t **)bufs[2];
+  const int64_t *threads = (const int64_t *)bufs[3];
+  int64_t *status = (int64_t *)bufs[4];
+  for (int64_t i = 0; i < sizes[0]; i++) {
+    fns[i](argv[i], sizev[i], threads[i]);
+    if (status[0]) { status[2] = i; return; }
+  }
+}
+"""
+
+
+def build_c(source: str) -> Any:
+    """The ctypes function of a kernel source whose names start with ``KERNEL_FN`` (None when no C
+    compiler works here, or this kernel failed to compile: the build warns once)."""
+    if source not in _BUILT:
+        from .compiler import build
+
+        fn = None
+        if build.toolchain() is not None:
+            name = build.kernel_name(source)
+            fn = build.build({name: source.replace("KERNEL_FN", name)})[name]
+        _BUILT[source] = fn
+    return _BUILT[source]
+
+
+def _ptr(fn: Any) -> int:
+    return ctypes.cast(fn, _c_void_p).value
+
+
+def _metas(values: Sequence[Any]) -> list[Meta]:
+    return [Meta(v.type.shape, v.type.dtype) for v in values]
+
+
+class NativeOp:
+    """An op's C kernel, called like its reference kernel: ``(xp, *arrays, **attrs) -> output(s)``."""
+
+    def __init__(self, spec: OpSpec, fn: Any) -> None:
+        self.spec, self.fn = spec, fn
+        self.profile_name = f"llm.{spec.name}[native]"  # what LLMKIT_PROFILE shows
+        self.inplace = "inplace_input0" in spec.traits
+
+    @classmethod
+    def of(cls, op: Any) -> NativeOp | None:
+        """The native kernel of ``op`` when its spec has one that applies to its types and attributes."""
+        spec = op.opdef.spec
+        if spec is None or spec.native is None or any(a.symbolic for a in op.attributes.values()):
+            return None
+        if not spec.native.applies(*_metas(op.operands), **op.plain_attrs):
+            return None
+        fn = build_c(spec.native.source)
+        return None if fn is None else cls(spec, fn)
+
+    def outputs(self, arrays: Sequence[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+        """Arrays for the results (input 0 itself for an op writing it in place)."""
+        metas = self.spec.infer_meta(*[Meta(a.shape, a.dtype) for a in arrays], **attrs)
+        outs = []
+        for j, m in enumerate(metas if isinstance(metas, tuple) else (metas,)):
+            a = arrays[0] if j == 0 and self.inplace and attrs.get("inplace") else None
+            ok = a is not None and a.flags.c_contiguous and a.flags.writeable and a.shape == m.shape
+            outs.append(a if ok else np.empty(m.shape, m.dtype))
+        return outs
+
+    def __call__(self, xp: Any, *arrays: Any, **attrs: Any) -> Any:
+        if xp is not np:
+            return self.spec.kernel(xp, *arrays, **attrs)
+        arrays = tuple(np.ascontiguousarray(a) for a in arrays)
+        outs = self.outputs(arrays, attrs)
+        status = np.zeros(STATUS_WORDS, np.int64)
+        ptrs = [a.ctypes.data for a in (*arrays, *outs, status)]
+        sizes = list(self.spec.native.sizes(*arrays, **attrs))
+        self.fn((_c_void_p * len(ptrs))(*ptrs), (_c_int64 * max(1, len(sizes)))(*sizes), 1)
+        if status[0]:
+            self.reject(arrays, attrs, status)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def reject(self, arrays: Sequence[np.ndarray], attrs: dict[str, Any], status: np.ndarray) -> None:
+        """The kernel refused its inputs (before writing anything): raise the reference kernel's error."""
+        self.spec.kernel(np, *arrays, **attrs)
+        raise OpError(
+            f"{self.spec.name}: invalid input (the C kernel's check {int(status[0])} failed at item "
+            f"{int(status[1])}); the reference kernel accepted it: {', '.join(str(a.shape) for a in arrays)}"
+        )
+
+
+class _Unplannable(Exception):
+    """A binding that cannot be replayed; the message says why (logged at INFO)."""
+
+
+class Replay:
+    """One function, planned for one binding of its size symbols (see the module docstring)."""
+
+    def __init__(self, ex: Any, env: dict[str, int], inputs: Sequence[np.ndarray]) -> None:
+        launch = build_c(LAUNCH)
+        if launch is None:
+            raise _Unplannable("no C compiler")
+        self.status = np.zeros(STATUS_WORDS, np.int64)
+        # Every slot lives at (base, byte offset) in a base: a function input, a constant, or a
+        # buffer of the plan (allocated afresh at every call when the function returns it).
+        bases: list[tuple[str, Any]] = []
+        at: dict[int, tuple[int, int]] = {}
+        arrays: dict[int, np.ndarray] = {}  # each slot's array while planning
+        written: set[int] = set()  # bases a kernel writes in place
+
+        def new_base(kind: str, what: Any) -> tuple[int, int]:
+            bases.append((kind, what))
+            return len(bases) - 1, 0
+
+        for i, (s, x) in enumerate(zip(ex.input_slots, inputs)):
+            if not x.flags.c_contiguous:
+                raise _Unplannable(f"input %{ex.arg_names[i]} is not contiguous")
+            at[s], arrays[s] = new_base("input", i), x
+        for s, c in ex.consts:
+            c = np.ascontiguousarray(c)
+            at[s], arrays[s] = new_base("const", c), c
+        uses: list[tuple[int, Any, int, int]] = []  # (base, bufs array, position, byte offset)
+        calls: list[tuple[int, Any, Any, int]] = []  # (kernel address, bufs, sizes, threads)
+        self.names: list[str] = []
+        self.keep: list[Any] = []  # the ctypes arrays the C loop reads
+        for st in ex.steps:
+            attrs = st.attrs
+            if st.sym_attrs:
+                attrs = {**attrs, **{k: a.evaluate(env) for k, a in st.sym_attrs.items()}}
+            args = [arrays[i] for i in st.ins]
+            fn = st.fn
+            if isinstance(fn, NativeOp):
+                try:
+                    outs = fn.outputs(args, attrs)
+                    sizes = list(fn.spec.native.sizes(*args, **attrs))
+                except (OpError, ValueError, TypeError) as e:  # the op-by-op run raises it properly
+                    raise _Unplannable(f"{st.name}: {e}") from None
+                kernel, threads, status = fn.fn, 1, [self.status]
+                outs = [np.zeros(o.shape, o.dtype) if o is not args[0] else o for o in outs]
+                out_at = [at[st.ins[0]] if o is args[0] else None for o in outs]
+                written.update(a[0] for a in out_at if a is not None)
+            elif hasattr(fn, "native_call"):  # a compiled fusion group (compiler/runtime.py)
+                hit = fn.native_call(tuple(args))
+                if hit is None:
+                    raise _Unplannable(f"{st.name} has no plain C entry (a matmul head, or strided inputs)")
+                kernel, sizes, threads, specs = hit
+                outs = [np.zeros(shape, dt) for shape, dt in specs]
+                out_at, status = [None] * len(outs), []
+            else:
+                self._view(st, args, attrs, at, arrays)
+                continue
+            for s, o, where in zip(st.outs, outs, out_at):
+                at[s], arrays[s] = where or new_base("buffer", o), o
+            bufs = (_c_void_p * (len(args) + len(outs) + len(status)))()
+            for pos, s in enumerate([*st.ins, *st.outs]):
+                uses.append((*at[s], bufs, pos))
+            for pos, a in enumerate(status, len(args) + len(outs)):
+                bufs[pos] = a.ctypes.data
+            sz = sizes if isinstance(sizes, ctypes.Array) else (_c_int64 * max(1, len(sizes)))(*sizes)
+            calls.append((_ptr(kernel), bufs, sz, threads))
+            self.keep += [bufs, sz]
+            self.names.append(st.name)
+        self.outs = [self._output(s, at, arrays, bases, inputs) for s in ex.output_slots]
+        fresh = {what for kind, what, _ in self.outs if kind == "fresh"}
+        # Fixed addresses go in now; inputs and fresh buffers are pointed to at every call.
+        patches: dict[int, list[tuple[Any, int, int]]] = {}
+        for base, off, bufs, pos in uses:
+            kind, what = bases[base]
+            if kind == "input" or base in fresh:
+                patches.setdefault(base, []).append((bufs, pos, off))
+            else:
+                bufs[pos] = what.ctypes.data + off
+        self.inputs = [(bases[b][1], p, b in written) for b, p in patches.items() if bases[b][0] == "input"]
+        self.fresh = {b: (bases[b][1].shape, bases[b][1].dtype, patches.get(b, [])) for b in fresh}
+        self.last: dict[int, Any] = {}  # input index -> the array its kernels point to now
+        n = len(calls)
+        fns = (_c_void_p * n)(*[c[0] for c in calls])
+        argv = (_c_void_p * n)(*[ctypes.addressof(c[1]) for c in calls])
+        sizev = (_c_void_p * n)(*[ctypes.addressof(c[2]) for c in calls])
+        threads = (_c_int64 * n)(*[c[3] for c in calls])
+        self.keep += [fns, argv, sizev, threads]
+        self.bases = bases  # the arrays the kernels point into: they live as long as the plan
+        self.launch = launch
+        self.launch_bufs = (_c_void_p * 5)(
+            ctypes.addressof(fns), ctypes.addressof(argv), ctypes.addressof(sizev),
+            ctypes.addressof(threads), self.status.ctypes.data,
+        )  # fmt: skip
+        self.launch_sizes = (_c_int64 * 1)(n)
+
+    @staticmethod
+    def _view(st: Any, args: list, attrs: dict, at: dict, arrays: dict) -> None:
+        """A movement op whose result is a contiguous piece of its first input costs nothing."""
+        if st.kind != Kind.MOVEMENT or len(st.outs) != 1 or not args:
+            raise _Unplannable(f"{st.name} has no C kernel")
+        out, src = st.fn(np, *args, **attrs), args[0]
+        if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or out.base is None:
+            raise _Unplannable(f"{st.name} would copy")
+        off = out.ctypes.data - src.ctypes.data
+        if off < 0 or off + out.nbytes > src.nbytes:
+            raise _Unplannable(f"{st.name} is not a view of its first input")
+        base, off0 = at[st.ins[0]]
+        at[st.outs[0]], arrays[st.outs[0]] = (base, off0 + off), out
+
+    @staticmethod
+    def _output(s: int, at: dict, arrays: dict, bases: list, inputs: Sequence) -> tuple[str, Any, tuple]:
+        """How a call produces output slot ``s``: an input given back (a pool written in place), a
+        constant, or a buffer allocated afresh at every call (the caller keeps what it gets)."""
+        (base, off), a = at[s], arrays[s]
+        kind, what = bases[base]
+        if kind == "input" and a is inputs[what]:
+            return "input", what, a.shape
+        if kind == "const" and a is what:
+            return "const", what, a.shape
+        if kind == "buffer" and off == 0 and a.nbytes == what.nbytes:
+            return "fresh", base, a.shape
+        raise _Unplannable("an output is a piece of an intermediate")
+
+    def run(self, inputs: Sequence[np.ndarray]) -> list[Any] | None:
+        """The outputs, or None when an input cannot be used as planned (the caller runs op by op)."""
+        last = self.last
+        for i, entries, written in self.inputs:
+            x = inputs[i]
+            if last.get(i) is x:
+                continue
+            if not x.flags.c_contiguous or (written and not x.flags.writeable):
+                return None
+            ptr = x.ctypes.data
+            for bufs, pos, off in entries:
+                bufs[pos] = ptr + off
+            last[i] = x
+        fresh = {}
+        for base, (shape, dtype, entries) in self.fresh.items():
+            a = fresh[base] = np.empty(shape, dtype)
+            ptr = a.ctypes.data
+            for bufs, pos, off in entries:
+                bufs[pos] = ptr + off
+        self.status[0] = 0
+        self.launch(self.launch_bufs, self.launch_sizes, 1)
+        if self.status[0]:
+            raise _Failed(self.names[int(self.status[2])])
+        outs = []
+        for kind, what, shape in self.outs:
+            a = inputs[what] if kind == "input" else what if kind == "const" else fresh[what]
+            outs.append(a if a.shape == shape else a.reshape(shape))
+        return outs
+
+
+class _Failed(Exception):
+    """A kernel of a replay rejected its inputs; the op-by-op run raises the op's own error."""
+
+
+class Replays:
+    """An executor's replays, one per binding of its size symbols (the most recent few)."""
+
+    MAX = 16
+
+    def __init__(self, ex: Any) -> None:
+        self.ex = ex
+        self.plans: OrderedDict[tuple, Replay | None] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def run(self, env: dict[str, int], inputs: Sequence[Any]) -> list[Any] | None:
+        """The function's outputs by replay, or None: run it op by op."""
+        for x in inputs:
+            if type(x) is not np.ndarray:
+                return None
+        if not self.lock.acquire(blocking=False):
+            return None  # another thread is replaying this function: its buffers are taken
+        try:
+            key = tuple(env.items())
+            plan = self.plans.get(key, False)
+            if plan is False:
+                plan = self._plan(key, env, inputs)
+            if plan is None:
+                return None
+            try:
+                return plan.run(inputs)
+            except _Failed as e:
+                log.info("native: %s rejected its inputs; running op by op for the error", e)
+                return None
+        finally:
+            self.lock.release()
+
+    def _plan(self, key: tuple, env: dict[str, int], inputs: Sequence[Any]) -> Replay | None:
+        try:
+            plan = Replay(self.ex, env, inputs)
+        except _Unplannable as e:
+            log.info("native: @%s %s runs op by op: %s", self.ex.name, dict(env), e)
+            plan = None
+        self.plans[key] = plan
+        if len(self.plans) > self.MAX:
+            self.plans.popitem(last=False)
+        return plan

@@ -1,0 +1,266 @@
+"""Hand-written C kernels of the ops that have one (``OpSpec.native``, see :class:`spec.Native`).
+
+They serve the inference engine's decode step, where the reference kernels' numpy calls (5-100 µs
+each, on arrays of a few hundred numbers) cost more than the arithmetic. Each is one function with
+the compiler's kernel signature; ``KERNEL_FN`` (every name a kernel defines starts with it) becomes
+its hashed name when it is built (``compiler/build.py``). The build flags keep IEEE semantics
+(``-ffp-contract=off``, no ``-ffast-math``), so a kernel rounds exactly as written here.
+
+Batch invariance (docs/serve.md) is a property of the code below, not of a library: no loop mixes
+two rows (tokens) of the batch, and every sum runs in a fixed order that depends only on the sizes
+of its own row.
+"""
+
+from __future__ import annotations
+
+# Multiply-accumulate helpers: fused (one rounding) where the CPU has FMA, else multiply then add;
+# the vector lanes and the scalar tails round the same way, so a column's result does not depend
+# on whether it fell in a vector or in the tail.
+_VEC = r"""
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+typedef __m256 KERNEL_FN_v;
+static inline KERNEL_FN_v KERNEL_FN_ld(const float *p) { return _mm256_loadu_ps(p); }
+static inline void KERNEL_FN_st(float *p, KERNEL_FN_v v) { _mm256_storeu_ps(p, v); }
+static inline KERNEL_FN_v KERNEL_FN_splat(float a) { return _mm256_set1_ps(a); }
+static inline KERNEL_FN_v KERNEL_FN_mac(KERNEL_FN_v acc, KERNEL_FN_v a, KERNEL_FN_v b) {
+  return _mm256_fmadd_ps(a, b, acc);
+}
+static inline float KERNEL_FN_smac(float acc, float a, float b) { return fmaf(a, b, acc); }
+#else
+typedef float KERNEL_FN_v __attribute__((vector_size(32)));
+typedef float KERNEL_FN_vu __attribute__((vector_size(32), aligned(4)));
+static inline KERNEL_FN_v KERNEL_FN_ld(const float *p) { return *(const KERNEL_FN_vu *)p; }
+static inline void KERNEL_FN_st(float *p, KERNEL_FN_v v) { *(KERNEL_FN_vu *)p = v; }
+static inline KERNEL_FN_v KERNEL_FN_splat(float a) { return (KERNEL_FN_v){a, a, a, a, a, a, a, a}; }
+static inline KERNEL_FN_v KERNEL_FN_mac(KERNEL_FN_v acc, KERNEL_FN_v a, KERNEL_FN_v b) {
+  return acc + a * b;
+}
+static inline float KERNEL_FN_smac(float acc, float a, float b) { return acc + a * b; }
+#endif
+/* sum of the 8 lanes, in lane order */
+static inline float KERNEL_FN_hsum(KERNEL_FN_v v) {
+  float l[8], s = 0.0f;
+  KERNEL_FN_st(l, v);
+  for (int i = 0; i < 8; i++) s = s + l[i];
+  return s;
+}
+"""
+
+TILED_LINEAR = (
+    _VEC
+    + r"""
+/* tiled_linear, rows = 1: y[m] = x[m] @ W (+ bias), each row its own product.
+   W as [K, N] (transposed = 1): y[m, j] = fma(x[m, K-1], W[K-1, j], ... fma(x[m, 0], W[0, j], 0)),
+   in k order. Eight rows of W stream at a time (contiguous reads) into 64-column blocks of y held
+   in registers; for every row of x the same rows of W come again from L1.
+   W as [N, K] (a weight that could not be stored transposed, e.g. tied embeddings): y[m, n] is a
+   dot product of two contiguous rows in 8 lanes (lane l sums the k = l mod 8 in order), the lanes
+   added in order, then the last K mod 8 terms.
+   bufs: x [M, K], w, bias [N]?, y [M, N], status. sizes: M, K, N, has_bias, transposed. */
+static void KERNEL_FN_kn(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N) {
+  for (int64_t i = 0; i < M * N; i++) y[i] = 0.0f;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const float *wk = w + k * N;
+    int64_t j = 0;
+    for (; j + 64 <= N; j += 64)
+      for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K + k;
+        float *ym = y + m * N + j;
+        KERNEL_FN_v a[8];
+        _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) a[c] = KERNEL_FN_ld(ym + 8 * c);
+        _Pragma("GCC unroll 8") for (int q = 0; q < 8; q++) {
+          const KERNEL_FN_v xq = KERNEL_FN_splat(xm[q]);
+          _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++)
+            a[c] = KERNEL_FN_mac(a[c], xq, KERNEL_FN_ld(wk + q * N + j + 8 * c));
+        }
+        _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) KERNEL_FN_st(ym + 8 * c, a[c]);
+      }
+    for (; j + 8 <= N; j += 8)
+      for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K + k;
+        KERNEL_FN_v a = KERNEL_FN_ld(y + m * N + j);
+        _Pragma("GCC unroll 8") for (int q = 0; q < 8; q++)
+          a = KERNEL_FN_mac(a, KERNEL_FN_splat(xm[q]), KERNEL_FN_ld(wk + q * N + j));
+        KERNEL_FN_st(y + m * N + j, a);
+      }
+    for (; j < N; j++)
+      for (int64_t m = 0; m < M; m++) {
+        float a = y[m * N + j];
+        for (int q = 0; q < 8; q++) a = KERNEL_FN_smac(a, x[m * K + k + q], wk[q * N + j]);
+        y[m * N + j] = a;
+      }
+  }
+  for (; k < K; k++) {
+    const float *wk = w + k * N;
+    for (int64_t m = 0; m < M; m++) {
+      const float xk = x[m * K + k];
+      float *ym = y + m * N;
+      int64_t j = 0;
+      for (; j + 8 <= N; j += 8)
+        KERNEL_FN_st(ym + j, KERNEL_FN_mac(KERNEL_FN_ld(ym + j), KERNEL_FN_splat(xk), KERNEL_FN_ld(wk + j)));
+      for (; j < N; j++) ym[j] = KERNEL_FN_smac(ym[j], xk, wk[j]);
+    }
+  }
+}
+
+static void KERNEL_FN_nk(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N) {
+  const int64_t k8 = K - K % 8;
+  for (int64_t m = 0; m < M; m++) {
+    const float *xm = x + m * K;
+    for (int64_t n = 0; n < N; n++) {
+      const float *wn = w + n * K;
+      KERNEL_FN_v a = KERNEL_FN_splat(0.0f);
+      for (int64_t k = 0; k < k8; k += 8) a = KERNEL_FN_mac(a, KERNEL_FN_ld(xm + k), KERNEL_FN_ld(wn + k));
+      float s = KERNEL_FN_hsum(a);
+      for (int64_t k = k8; k < K; k++) s = KERNEL_FN_smac(s, xm[k], wn[k]);
+      y[m * N + n] = s;
+    }
+  }
+}
+
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  (void)nthreads;
+  const int64_t M = sizes[0], K = sizes[1], N = sizes[2], has_bias = sizes[3];
+  const float *x = (const float *)bufs[0], *w = (const float *)bufs[1];
+  float *y = (float *)bufs[2 + has_bias];
+  if (sizes[4]) KERNEL_FN_kn(x, w, y, M, K, N);
+  else KERNEL_FN_nk(x, w, y, M, K, N);
+  if (has_bias) {
+    const float *bias = (const float *)bufs[2];
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t j = 0; j < N; j++) y[m * N + j] = y[m * N + j] + bias[j];
+  }
+}
+"""
+)
+
+PAGED_ATTENTION = (
+    _VEC
+    + r"""
+#include <stdlib.h>
+#include <string.h>
+/* paged_attention with every query token its own segment (decode): token n = (b, s) attends to
+   positions 0 .. kv_len[n]-1 of the sequence whose blocks are block_tables[n], as the reference
+   does: scores q.k * scale, minus their max, exp, divided by their sum, then the values summed
+   with those weights in position order. Nothing mixes two tokens.
+   bufs: q [B, HQ, S, D], pool [L, 2, NB, BS, HK, D], block_tables [B*S, MB], kv_len [B*S],
+         out [B, HQ, S, D], status. sizes: B, HQ, S, D, NB, BS, HK, MB, layer, scale (double bits). */
+static float KERNEL_FN_dot(const float *a, const float *b, int64_t D) {
+  const int64_t d8 = D - D % 8;
+  float s = 0.0f;
+  if (d8) {
+    KERNEL_FN_v acc = KERNEL_FN_splat(0.0f);
+    for (int64_t d = 0; d < d8; d += 8) acc = KERNEL_FN_mac(acc, KERNEL_FN_ld(a + d), KERNEL_FN_ld(b + d));
+    s = KERNEL_FN_hsum(acc);
+  }
+  for (int64_t d = d8; d < D; d++) s = KERNEL_FN_smac(s, a[d], b[d]);
+  return s;
+}
+
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  (void)nthreads;
+  const int64_t B = sizes[0], HQ = sizes[1], S = sizes[2], D = sizes[3], NB = sizes[4], BS = sizes[5];
+  const int64_t HK = sizes[6], MB = sizes[7], layer = sizes[8], G = HQ / HK;
+  double scale64;
+  memcpy(&scale64, &sizes[9], sizeof scale64);
+  const float scale = (float)scale64;
+  const float *q = (const float *)bufs[0], *pool = (const float *)bufs[1];
+  const int64_t *tables = (const int64_t *)bufs[2], *kv_len = (const int64_t *)bufs[3];
+  float *out = (float *)bufs[4];
+  int64_t *status = (int64_t *)bufs[5];
+  int64_t longest = 1;
+  for (int64_t n = 0; n < B * S; n++) { /* check everything before reading the pool */
+    const int64_t t = kv_len[n];
+    if (t < 1 || t > MB * BS) { status[0] = 1; status[1] = n; return; }
+    for (int64_t i = 0; i < (t + BS - 1) / BS; i++)
+      if (tables[n * MB + i] < 0 || tables[n * MB + i] >= NB) { status[0] = 2; status[1] = n; return; }
+    if (t > longest) longest = t;
+  }
+  const int64_t row = HK * D, block = BS * row;
+  const float *keys = pool + (layer * 2) * NB * block, *values = keys + NB * block;
+  float *p = (float *)malloc(longest * sizeof(float));
+  if (!p) { status[0] = 3; return; }
+  const int64_t d8 = D - D % 8;
+  for (int64_t n = 0; n < B * S; n++) {
+    const int64_t b = n / S, s = n % S, t = kv_len[n];
+    const int64_t *blocks = tables + n * MB;
+    for (int64_t h = 0; h < HQ; h++) {
+      const int64_t off = (h / G) * D;
+      const float *qv = q + ((b * HQ + h) * S + s) * D;
+      float top = -INFINITY, sum = 0.0f;
+      for (int64_t i = 0; i < t; i++) {
+        p[i] = KERNEL_FN_dot(qv, keys + blocks[i / BS] * block + (i % BS) * row + off, D) * scale;
+        if (p[i] > top) top = p[i];
+      }
+      for (int64_t i = 0; i < t; i++) { p[i] = expf(p[i] - top); sum = sum + p[i]; }
+      for (int64_t i = 0; i < t; i++) p[i] = p[i] / sum;
+      float *o = out + ((b * HQ + h) * S + s) * D;
+      for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+      for (int64_t i = 0; i < t; i++) {
+        const float *v = values + blocks[i / BS] * block + (i % BS) * row + off;
+        const KERNEL_FN_v pi = KERNEL_FN_splat(p[i]);
+        int64_t d = 0;
+        for (; d < d8; d += 8)
+          KERNEL_FN_st(o + d, KERNEL_FN_mac(KERNEL_FN_ld(o + d), pi, KERNEL_FN_ld(v + d)));
+        for (; d < D; d++) o[d] = KERNEL_FN_smac(o[d], p[i], v[d]);
+      }
+    }
+  }
+  free(p);
+}
+"""
+)
+
+PAGED_KV_WRITE = r"""
+#include <string.h>
+/* paged_kv_write: token n = (b, s) of k and v [B, HK, S, D] goes to flat slot slots[n] of
+   pool[layer, 0] and pool[layer, 1] (a negative slot: not stored). Any element type.
+   bufs: pool, k, v, slots [B*S], out (the pool itself when written in place), status.
+   sizes: B, HK, S, D, NB*BS (slots per layer half), itemsize, layer, pool size in bytes. */
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  (void)nthreads;
+  const int64_t B = sizes[0], HK = sizes[1], S = sizes[2], D = sizes[3], SLOTS = sizes[4];
+  const int64_t item = sizes[5], layer = sizes[6], nbytes = sizes[7];
+  const char *k = (const char *)bufs[1], *v = (const char *)bufs[2];
+  const int64_t *slots = (const int64_t *)bufs[3];
+  char *out = (char *)bufs[4];
+  int64_t *status = (int64_t *)bufs[5];
+  for (int64_t n = 0; n < B * S; n++)
+    if (slots[n] >= SLOTS) { status[0] = 1; status[1] = n; return; }
+  if (out != (char *)bufs[0]) memcpy(out, bufs[0], nbytes);
+  const int64_t row = D * item, half = SLOTS * HK * row;
+  char *kdst = out + layer * 2 * half, *vdst = kdst + half;
+  for (int64_t n = 0; n < B * S; n++) {
+    if (slots[n] < 0) continue;
+    const int64_t b = n / S, s = n % S;
+    for (int64_t h = 0; h < HK; h++) {
+      const int64_t src = ((b * HK + h) * S + s) * row, dst = (slots[n] * HK + h) * row;
+      memcpy(kdst + dst, k + src, row);
+      memcpy(vdst + dst, v + src, row);
+    }
+  }
+}
+"""
+
+INDEX_SELECT = r"""
+#include <string.h>
+/* index_select along axis 0: out[i] = x[index[i]] (negative indices count from the end, as numpy
+   take does), whole rows of any element type.
+   bufs: x [R, ...], index [N] (int64), out [N, ...], status. sizes: R, N, row bytes. */
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  (void)nthreads;
+  const int64_t R = sizes[0], N = sizes[1], row = sizes[2];
+  const char *x = (const char *)bufs[0];
+  const int64_t *index = (const int64_t *)bufs[1];
+  char *out = (char *)bufs[2];
+  int64_t *status = (int64_t *)bufs[3];
+  for (int64_t i = 0; i < N; i++)
+    if (index[i] < -R || index[i] >= R) { status[0] = 1; status[1] = i; return; }
+  for (int64_t i = 0; i < N; i++) {
+    const int64_t r = index[i] < 0 ? index[i] + R : index[i];
+    memcpy(out + i * row, x + r * row, row);
+  }
+}
+"""

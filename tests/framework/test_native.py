@@ -1,0 +1,246 @@
+"""Hand-written C kernels (``OpSpec.native``) and whole-function replays (``framework/native.py``).
+
+Each kernel is checked against a numpy float64 formula written here (or in ``test_op_table.py``'s
+independent references), on sizes that exercise its vector blocks and scalar tails; replays are
+checked bitwise against the op-by-op run of the same native executor, over calls whose inputs
+change, and for the ways a call must fall back to the op-by-op run.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import numpy as np
+import pytest
+from test_op_table import _paged_attention_ref, _paged_write_ref  # tests/framework is on sys.path
+
+from llmkit.framework import ir
+from llmkit.framework.compiler import available
+from llmkit.framework.executor import Executor
+from llmkit.framework.native import NativeOp, build_c
+from llmkit.framework.ops.spec import Meta, OpError, table
+
+pytestmark = pytest.mark.skipif(not available(), reason="no working C compiler")
+
+
+def native(name: str) -> NativeOp:
+    spec = table()[name]
+    return NativeOp(spec, build_c(spec.native.source))
+
+
+def applies(name: str, *arrays, **attrs) -> bool:
+    return table()[name].native.applies(*[Meta(a.shape, a.dtype) for a in arrays], **attrs)
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 256, 200), (3, 100, 70), (5, 7, 9), (2, 8, 64), (1, 1, 1)])
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_tiled_linear_rows1_matches_float64(m, k, n, transposed, bias):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n) if transposed else (n, k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    args = (x, w, b) if bias else (x, w)
+    assert applies("tiled_linear", *args, rows=1, transposed=transposed)
+    got = native("tiled_linear")(np, *args, rows=1, transposed=transposed)
+    w64 = w.astype(np.float64) if transposed else w.astype(np.float64).T
+    want = x.astype(np.float64) @ w64 + (b if bias else 0)
+    assert got.dtype == np.float32 and got.shape == (m, n)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * math.sqrt(k))
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_tiled_linear_rows_are_independent_bitwise(transposed):
+    """Batch invariance: a row's result is the same bits whatever rows come with it."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((96, 200) if transposed else (200, 96)).astype(np.float32)
+    xs = rng.standard_normal((8, 96)).astype(np.float32)
+    op = native("tiled_linear")
+    together = op(np, xs, w, rows=1, transposed=transposed)
+    for i in range(8):
+        alone = op(np, xs[i : i + 1], w, rows=1, transposed=transposed)
+        assert np.array_equal(alone[0], together[i])
+    assert np.array_equal(op(np, xs[3:6], w, rows=1, transposed=transposed), together[3:6])
+
+
+def test_tiled_linear_native_is_only_for_one_row_float32():
+    x, w = np.zeros((2, 4), np.float32), np.zeros((3, 4), np.float32)
+    assert applies("tiled_linear", x, w, rows=1)
+    assert not applies("tiled_linear", x, w, rows=8)  # 8-row tiles: BLAS (prefill)
+    assert not applies("tiled_linear", x.astype(np.float64), w.astype(np.float64), rows=1)
+
+
+@pytest.mark.parametrize("d", [3, 8, 32, 19])
+def test_paged_attention_decode_matches_float64(d):
+    rng = np.random.default_rng(d)
+    b, hq, hk, nb, bs, layers = 3, 4, 2, 6, 4, 2
+    q = rng.standard_normal((b, hq, 1, d)).astype(np.float32)
+    pool = rng.standard_normal((layers, 2, nb, bs, hk, d)).astype(np.float32)
+    tables = np.array([[5, 1, 0], [2, 3, 4], [0, 0, 0]], np.int64)
+    kv_len = np.array([9, 12, 1], np.int64)
+    assert applies("paged_attention", q, pool, tables, kv_len, layer=1)
+    got = native("paged_attention")(np, q, pool, tables, kv_len, layer=1)
+    want = _paged_attention_ref(q.astype(np.float64), pool.astype(np.float64), tables, kv_len, layer=1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_paged_attention_native_rejects_bad_lengths_with_the_ops_error():
+    q = np.zeros((1, 2, 1, 4), np.float32)
+    pool = np.zeros((1, 2, 2, 4, 1, 4), np.float32)
+    with pytest.raises(OpError, match="paged_attention"):
+        native("paged_attention")(np, q, pool, np.array([[0, 1]]), np.array([9]))  # 9 > 2 blocks of 4
+
+
+def test_paged_attention_prefill_form_is_not_native():
+    q = np.zeros((1, 2, 5, 3), np.float32)
+    pool = np.zeros((1, 2, 4, 2, 1, 3), np.float32)
+    i = np.zeros(2, np.int64)
+    assert not applies("paged_attention", q, pool, np.zeros((2, 3), np.int64), i, i, i)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_paged_kv_write_matches_reference(dtype):
+    rng = np.random.default_rng(1)
+    pool = rng.standard_normal((2, 2, 3, 2, 2, 4)).astype(dtype)
+    k, v = rng.standard_normal((2, 1, 2, 4, 4)).astype(dtype)
+    slots = np.array([4, -1, 0, 5], np.int64)
+    got = native("paged_kv_write")(np, pool, k, v, slots, layer=1)
+    np.testing.assert_array_equal(got, _paged_write_ref(pool, k, v, slots, layer=1))
+    assert got is not pool  # not in place unless asked
+    same = native("paged_kv_write")(np, pool, k, v, slots, layer=1, inplace=True)
+    assert same is pool
+    np.testing.assert_array_equal(pool, got)
+
+
+def test_paged_kv_write_rejects_a_slot_outside_the_pool_before_writing():
+    pool = np.zeros((1, 2, 2, 2, 1, 2), np.float32)
+    before = pool.copy()
+    k = np.ones((1, 1, 2, 2), np.float32)
+    with pytest.raises(OpError, match="paged_kv_write"):
+        native("paged_kv_write")(np, pool, k, k, np.array([1, 4], np.int64), inplace=True)
+    np.testing.assert_array_equal(pool, before)
+
+
+def test_index_select_rows_any_dtype_and_negative_indices():
+    rng = np.random.default_rng(2)
+    for x in (rng.standard_normal((7, 5)), rng.integers(0, 9, (7, 3, 2)), rng.random((7,)) > 0.5):
+        idx = np.array([0, 6, -1, 3, 3], np.int64)
+        assert applies("index_select", x, idx)
+        np.testing.assert_array_equal(native("index_select")(np, x, idx), x[[0, 6, 6, 3, 3]])
+    with pytest.raises(IndexError, match="out of bounds"):  # the reference kernel's own error
+        native("index_select")(np, np.zeros((3, 2)), np.array([3], np.int64))
+
+
+# ---- replays ------------------------------------------------------------------------------------
+
+
+def _decode_like() -> ir.Program:
+    """A function of only native kernels, fused groups and views: gather, two one-row products."""
+    return ir.parse(
+        """
+module {
+  func @main(%ids: i64[B], %emb: f32[50, 24], %w1: f32[24, 40], %w2: f32[16, 40])
+      -> (f32[B, 1, 16], f32[B, 40]) {
+    %0 = llm.index_select(%emb, %ids) : f32[B, 24]
+    %1 = llm.tiled_linear(%0, %w1) {rows = 1, transposed = true} : f32[B, 40]
+    %2 = llm.silu(%1) : f32[B, 40]
+    %3 = llm.reshape(%2) {shape = [B, 1, 40]} : f32[B, 1, 40]
+    %4 = llm.tiled_linear(%3, %w2) {rows = 1} : f32[B, 1, 16]
+    return %4, %2
+  }
+}
+"""
+    )
+
+
+def _compiled(p: ir.Program) -> ir.Program:
+    from llmkit.framework.jit.compile import prepare
+
+    return prepare(p, "cinn")
+
+
+def _inputs(rng, b):
+    return [
+        rng.integers(0, 50, b).astype(np.int64),
+        rng.standard_normal((50, 24)).astype(np.float32),
+        rng.standard_normal((24, 40)).astype(np.float32),
+        rng.standard_normal((16, 40)).astype(np.float32),
+    ]
+
+
+def test_replay_equals_op_by_op_bitwise_across_calls():
+    p = _compiled(_decode_like())
+    replayed = Executor(p, native=True)
+    stepwise = Executor(p, native=True)
+    stepwise._replays = None  # the same kernels, one Python call per op
+    rng = np.random.default_rng(0)
+    for b in (1, 3, 1, 8, 3):
+        ins = _inputs(rng, b)
+        want = stepwise.run(ins)
+        gc.collect()  # the plan's own buffers must outlive the planning call
+        got = replayed.run(ins)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and np.array_equal(g, w)
+    plans = replayed._replays.plans
+    assert sum(v is not None for v in plans.values()) == 3  # one plan per batch size
+
+
+def test_replay_outputs_are_fresh_arrays_each_call():
+    p = _compiled(_decode_like())
+    ex = Executor(p, native=True)
+    ins = _inputs(np.random.default_rng(1), 2)
+    first = [o.copy() for o in ex.run(ins)]
+    kept = ex.run(ins)
+    ins2 = _inputs(np.random.default_rng(2), 2)
+    ex.run(ins2)
+    for a, b in zip(kept, first):  # a later call did not overwrite what an earlier one returned
+        assert np.array_equal(a, b)
+
+
+def test_replay_follows_new_input_arrays_and_strided_inputs_fall_back():
+    p = _compiled(_decode_like())
+    ex = Executor(p, native=True)
+    ref = Executor(p)
+    rng = np.random.default_rng(3)
+    ins = _inputs(rng, 4)
+    ex.run(ins)
+    ins[1] = rng.standard_normal((50, 24)).astype(np.float32)  # new weights, same shapes
+    np.testing.assert_allclose(ex.run(ins)[0], ref.run(ins)[0], rtol=1e-5, atol=1e-5)
+    ins[2] = np.asfortranarray(ins[2])  # not contiguous: runs op by op, same values
+    np.testing.assert_allclose(ex.run(ins)[0], ref.run(ins)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_replay_kernel_rejecting_its_inputs_raises_the_ops_error():
+    p = _compiled(_decode_like())
+    ex = Executor(p, native=True)
+    ins = _inputs(np.random.default_rng(4), 2)
+    ex.run(ins)
+    ins[0] = np.array([0, 50], np.int64)  # out of range of the 50-row table
+    with pytest.raises(Exception, match="index_select"):
+        ex.run(ins)
+    ins[0] = np.array([0, 49], np.int64)
+    assert ex.run(ins)[0].shape == (2, 1, 16)  # and the executor still works
+
+
+def test_a_function_with_a_blas_matmul_is_not_replayed_but_runs():
+    p = _compiled(
+        ir.parse(
+            """
+module {
+  func @main(%x: f32[B, 8], %w: f32[8, 8]) -> (f32[B, 8]) {
+    %0 = llm.matmul(%x, %w) : f32[B, 8]
+    %1 = llm.exp(%0) : f32[B, 8]
+    return %1
+  }
+}
+"""
+        )
+    )
+    ex = Executor(p, native=True)
+    x, w = np.ones((2, 8), np.float32), np.eye(8, dtype=np.float32)
+    np.testing.assert_allclose(ex.run([x, w])[0], np.exp(x))
+    assert list(ex._replays.plans.values()) == [None]
