@@ -73,6 +73,14 @@ def build_c(source: str) -> Any:
     return _BUILT[source]
 
 
+def _threads() -> int:
+    """Threads a kernel may use (the compiler's setting, ``LLMKIT_CINN_THREADS``); a kernel uses
+    fewer where its work is small, and its results never depend on the number."""
+    from .compiler.runtime import CPUS
+
+    return CPUS
+
+
 def _ptr(fn: Any) -> int:
     return ctypes.cast(fn, _c_void_p).value
 
@@ -118,7 +126,7 @@ class NativeOp:
         status = np.zeros(STATUS_WORDS, np.int64)
         ptrs = [a.ctypes.data for a in (*arrays, *outs, status)]
         sizes = list(self.spec.native.sizes(*arrays, **attrs))
-        self.fn((_c_void_p * len(ptrs))(*ptrs), (_c_int64 * max(1, len(sizes)))(*sizes), 1)
+        self.fn((_c_void_p * len(ptrs))(*ptrs), (_c_int64 * max(1, len(sizes)))(*sizes), _threads())
         if status[0]:
             self.reject(arrays, attrs, status)
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -178,7 +186,7 @@ class Replay:
                     sizes = list(fn.spec.native.sizes(*args, **attrs))
                 except (OpError, ValueError, TypeError) as e:  # the op-by-op run raises it properly
                     raise _Unplannable(f"{st.name}: {e}") from None
-                kernel, threads, status = fn.fn, 1, [self.status]
+                kernel, threads, status = fn.fn, _threads(), [self.status]
                 outs = [np.zeros(o.shape, o.dtype) if o is not args[0] else o for o in outs]
                 out_at = [at[st.ins[0]] if o is args[0] else None for o in outs]
                 written.update(a[0] for a in out_at if a is not None)

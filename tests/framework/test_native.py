@@ -67,6 +67,20 @@ def test_tiled_linear_rows_are_independent_bitwise(transposed):
     assert np.array_equal(op(np, xs[3:6], w, rows=1, transposed=transposed), together[3:6])
 
 
+@pytest.mark.parametrize("transposed", [True, False])
+def test_tiled_linear_threads_do_not_change_a_bit(monkeypatch, transposed):
+    import llmkit.framework.native as native_mod
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 200)).astype(np.float32)
+    w = rng.standard_normal((200, 700) if transposed else (700, 200)).astype(np.float32)
+    got = {}
+    for n in (1, 2, 3):
+        monkeypatch.setattr(native_mod, "_threads", lambda n=n: n)
+        got[n] = native("tiled_linear")(np, x, w, rows=1, transposed=transposed)
+    assert np.array_equal(got[1], got[2]) and np.array_equal(got[1], got[3])
+
+
 def test_tiled_linear_native_is_only_for_one_row_float32():
     x, w = np.zeros((2, 4), np.float32), np.zeros((3, 4), np.float32)
     assert applies("tiled_linear", x, w, rows=1)
@@ -74,7 +88,7 @@ def test_tiled_linear_native_is_only_for_one_row_float32():
     assert not applies("tiled_linear", x.astype(np.float64), w.astype(np.float64), rows=1)
 
 
-@pytest.mark.parametrize("d", [3, 8, 32, 19])
+@pytest.mark.parametrize("d", [3, 8, 19, 32, 64, 128])
 def test_paged_attention_decode_matches_float64(d):
     rng = np.random.default_rng(d)
     b, hq, hk, nb, bs, layers = 3, 4, 2, 6, 4, 2

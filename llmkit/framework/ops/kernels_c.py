@@ -58,45 +58,48 @@ TILED_LINEAR = (
    dot product of two contiguous rows in 8 lanes (lane l sums the k = l mod 8 in order), the lanes
    added in order, then the last K mod 8 terms.
    bufs: x [M, K], w, bias [N]?, y [M, N], status. sizes: M, K, N, has_bias, transposed. */
-static void KERNEL_FN_kn(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N) {
-  for (int64_t i = 0; i < M * N; i++) y[i] = 0.0f;
+/* columns [0, N) of y, rows of y and W ld apart (a thread's share of the columns) */
+static void KERNEL_FN_kn(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N,
+                         int64_t ld) {
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t j = 0; j < N; j++) y[m * ld + j] = 0.0f;
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    const float *wk = w + k * N;
+    const float *wk = w + k * ld;
     int64_t j = 0;
     for (; j + 64 <= N; j += 64)
       for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * K + k;
-        float *ym = y + m * N + j;
+        float *ym = y + m * ld + j;
         KERNEL_FN_v a[8];
         _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) a[c] = KERNEL_FN_ld(ym + 8 * c);
         _Pragma("GCC unroll 8") for (int q = 0; q < 8; q++) {
           const KERNEL_FN_v xq = KERNEL_FN_splat(xm[q]);
           _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++)
-            a[c] = KERNEL_FN_mac(a[c], xq, KERNEL_FN_ld(wk + q * N + j + 8 * c));
+            a[c] = KERNEL_FN_mac(a[c], xq, KERNEL_FN_ld(wk + q * ld + j + 8 * c));
         }
         _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) KERNEL_FN_st(ym + 8 * c, a[c]);
       }
     for (; j + 8 <= N; j += 8)
       for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * K + k;
-        KERNEL_FN_v a = KERNEL_FN_ld(y + m * N + j);
+        KERNEL_FN_v a = KERNEL_FN_ld(y + m * ld + j);
         _Pragma("GCC unroll 8") for (int q = 0; q < 8; q++)
-          a = KERNEL_FN_mac(a, KERNEL_FN_splat(xm[q]), KERNEL_FN_ld(wk + q * N + j));
-        KERNEL_FN_st(y + m * N + j, a);
+          a = KERNEL_FN_mac(a, KERNEL_FN_splat(xm[q]), KERNEL_FN_ld(wk + q * ld + j));
+        KERNEL_FN_st(y + m * ld + j, a);
       }
     for (; j < N; j++)
       for (int64_t m = 0; m < M; m++) {
-        float a = y[m * N + j];
-        for (int q = 0; q < 8; q++) a = KERNEL_FN_smac(a, x[m * K + k + q], wk[q * N + j]);
-        y[m * N + j] = a;
+        float a = y[m * ld + j];
+        for (int q = 0; q < 8; q++) a = KERNEL_FN_smac(a, x[m * K + k + q], wk[q * ld + j]);
+        y[m * ld + j] = a;
       }
   }
   for (; k < K; k++) {
-    const float *wk = w + k * N;
+    const float *wk = w + k * ld;
     for (int64_t m = 0; m < M; m++) {
       const float xk = x[m * K + k];
-      float *ym = y + m * N;
+      float *ym = y + m * ld;
       int64_t j = 0;
       for (; j + 8 <= N; j += 8)
         KERNEL_FN_st(ym + j, KERNEL_FN_mac(KERNEL_FN_ld(ym + j), KERNEL_FN_splat(xk), KERNEL_FN_ld(wk + j)));
@@ -105,7 +108,8 @@ static void KERNEL_FN_kn(const float *x, const float *w, float *y, int64_t M, in
   }
 }
 
-static void KERNEL_FN_nk(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N) {
+static void KERNEL_FN_nk(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N,
+                         int64_t ld) {
   const int64_t k8 = K - K % 8;
   for (int64_t m = 0; m < M; m++) {
     const float *xm = x + m * K;
@@ -115,18 +119,25 @@ static void KERNEL_FN_nk(const float *x, const float *w, float *y, int64_t M, in
       for (int64_t k = 0; k < k8; k += 8) a = KERNEL_FN_mac(a, KERNEL_FN_ld(xm + k), KERNEL_FN_ld(wn + k));
       float s = KERNEL_FN_hsum(a);
       for (int64_t k = k8; k < K; k++) s = KERNEL_FN_smac(s, xm[k], wn[k]);
-      y[m * N + n] = s;
+      y[m * ld + n] = s;
     }
   }
 }
 
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
-  (void)nthreads;
   const int64_t M = sizes[0], K = sizes[1], N = sizes[2], has_bias = sizes[3];
   const float *x = (const float *)bufs[0], *w = (const float *)bufs[1];
   float *y = (float *)bufs[2 + has_bias];
-  if (sizes[4]) KERNEL_FN_kn(x, w, y, M, K, N);
-  else KERNEL_FN_nk(x, w, y, M, K, N);
+  /* Threads take whole 64-column blocks; every y[m, j] is computed as above whoever computes it. */
+  const int64_t blocks = (N + 63) / 64;
+  int64_t nt = M * N * K < 2 * 65536 ? 1 : nthreads < blocks ? nthreads : blocks;
+  if (nt < 1) nt = 1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+  for (int64_t t = 0; t < nt; t++) {
+    const int64_t lo = blocks * t / nt * 64, end = blocks * (t + 1) / nt * 64, hi = end < N ? end : N;
+    if (sizes[4]) KERNEL_FN_kn(x, w + lo, y + lo, M, K, hi - lo, N);
+    else KERNEL_FN_nk(x, w + lo * K, y + lo, M, K, hi - lo, N);
+  }
   if (has_bias) {
     const float *bias = (const float *)bufs[2];
     for (int64_t m = 0; m < M; m++)
@@ -144,19 +155,72 @@ PAGED_ATTENTION = (
 /* paged_attention with every query token its own segment (decode): token n = (b, s) attends to
    positions 0 .. kv_len[n]-1 of the sequence whose blocks are block_tables[n], as the reference
    does: scores q.k * scale, minus their max, exp, divided by their sum, then the values summed
-   with those weights in position order. Nothing mixes two tokens.
+   with those weights in position order. Nothing mixes two tokens. The query heads of one kv head
+   are done together (each key and value read once for them).
    bufs: q [B, HQ, S, D], pool [L, 2, NB, BS, HK, D], block_tables [B*S, MB], kv_len [B*S],
          out [B, HQ, S, D], status. sizes: B, HQ, S, D, NB, BS, HK, MB, layer, scale (double bits). */
-static float KERNEL_FN_dot(const float *a, const float *b, int64_t D) {
+/* sum of 8 lanes as a fixed tree: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) */
+static inline float KERNEL_FN_tree(KERNEL_FN_v v) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1)));
+#else
+  float l[8];
+  KERNEL_FN_st(l, v);
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+#endif
+}
+
+/* One (token, kv head): the G query heads that share it. D is a constant where it is inlined. */
+static inline __attribute__((always_inline)) void KERNEL_FN_head(
+    const float *q, int64_t qstride, const float *keys, const float *values, const int64_t *blocks,
+    int64_t t, int64_t BS, int64_t row, int64_t block, int64_t G, float scale, float *out,
+    int64_t ostride, float *p, const int64_t D) {
   const int64_t d8 = D - D % 8;
-  float s = 0.0f;
-  if (d8) {
-    KERNEL_FN_v acc = KERNEL_FN_splat(0.0f);
-    for (int64_t d = 0; d < d8; d += 8) acc = KERNEL_FN_mac(acc, KERNEL_FN_ld(a + d), KERNEL_FN_ld(b + d));
-    s = KERNEL_FN_hsum(acc);
+  for (int64_t i = 0; i < t; i++) { /* scores: each key read once for the G heads */
+    const float *k = keys + blocks[i / BS] * block + (i % BS) * row;
+    for (int64_t g = 0; g < G; g++) {
+      const float *qv = q + g * qstride;
+      float s = 0.0f;
+      if (d8) {
+        KERNEL_FN_v acc = KERNEL_FN_splat(0.0f);
+        for (int64_t d = 0; d < d8; d += 8)
+          acc = KERNEL_FN_mac(acc, KERNEL_FN_ld(qv + d), KERNEL_FN_ld(k + d));
+        s = KERNEL_FN_tree(acc);
+      }
+      for (int64_t d = d8; d < D; d++) s = KERNEL_FN_smac(s, qv[d], k[d]);
+      p[g * t + i] = s * scale;
+    }
   }
-  for (int64_t d = d8; d < D; d++) s = KERNEL_FN_smac(s, a[d], b[d]);
-  return s;
+  for (int64_t g = 0; g < G; g++) {
+    float *pg = p + g * t, top = -INFINITY, sum = 0.0f;
+    for (int64_t i = 0; i < t; i++) top = pg[i] > top ? pg[i] : top;
+    for (int64_t i = 0; i < t; i++) { pg[i] = expf(pg[i] - top); sum = sum + pg[i]; }
+    for (int64_t i = 0; i < t; i++) pg[i] = pg[i] / sum;
+    float *o = out + g * ostride;
+    if (D == 32 || D == 64) { /* the output row in registers over the whole key loop */
+      KERNEL_FN_v acc[8];
+      for (int64_t c = 0; c < D / 8; c++) acc[c] = KERNEL_FN_splat(0.0f);
+      for (int64_t i = 0; i < t; i++) {
+        const float *v = values + blocks[i / BS] * block + (i % BS) * row;
+        const KERNEL_FN_v pi = KERNEL_FN_splat(pg[i]);
+        for (int64_t c = 0; c < D / 8; c++)
+          acc[c] = KERNEL_FN_mac(acc[c], pi, KERNEL_FN_ld(v + 8 * c));
+      }
+      for (int64_t c = 0; c < D / 8; c++) KERNEL_FN_st(o + 8 * c, acc[c]);
+      continue;
+    }
+    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+    for (int64_t i = 0; i < t; i++) {
+      const float *v = values + blocks[i / BS] * block + (i % BS) * row;
+      const KERNEL_FN_v pi = KERNEL_FN_splat(pg[i]);
+      int64_t d = 0;
+      for (; d < d8; d += 8)
+        KERNEL_FN_st(o + d, KERNEL_FN_mac(KERNEL_FN_ld(o + d), pi, KERNEL_FN_ld(v + d)));
+      for (; d < D; d++) o[d] = KERNEL_FN_smac(o[d], pg[i], v[d]);
+    }
+  }
 }
 
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
@@ -180,31 +244,22 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   }
   const int64_t row = HK * D, block = BS * row;
   const float *keys = pool + (layer * 2) * NB * block, *values = keys + NB * block;
-  float *p = (float *)malloc(longest * sizeof(float));
+  float *p = (float *)malloc(G * longest * sizeof(float));
   if (!p) { status[0] = 3; return; }
-  const int64_t d8 = D - D % 8;
+  const int64_t hs = S * D; /* between consecutive heads of q and out */
   for (int64_t n = 0; n < B * S; n++) {
     const int64_t b = n / S, s = n % S, t = kv_len[n];
     const int64_t *blocks = tables + n * MB;
-    for (int64_t h = 0; h < HQ; h++) {
-      const int64_t off = (h / G) * D;
-      const float *qv = q + ((b * HQ + h) * S + s) * D;
-      float top = -INFINITY, sum = 0.0f;
-      for (int64_t i = 0; i < t; i++) {
-        p[i] = KERNEL_FN_dot(qv, keys + blocks[i / BS] * block + (i % BS) * row + off, D) * scale;
-        if (p[i] > top) top = p[i];
-      }
-      for (int64_t i = 0; i < t; i++) { p[i] = expf(p[i] - top); sum = sum + p[i]; }
-      for (int64_t i = 0; i < t; i++) p[i] = p[i] / sum;
-      float *o = out + ((b * HQ + h) * S + s) * D;
-      for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-      for (int64_t i = 0; i < t; i++) {
-        const float *v = values + blocks[i / BS] * block + (i % BS) * row + off;
-        const KERNEL_FN_v pi = KERNEL_FN_splat(p[i]);
-        int64_t d = 0;
-        for (; d < d8; d += 8)
-          KERNEL_FN_st(o + d, KERNEL_FN_mac(KERNEL_FN_ld(o + d), pi, KERNEL_FN_ld(v + d)));
-        for (; d < D; d++) o[d] = KERNEL_FN_smac(o[d], p[i], v[d]);
+    for (int64_t h = 0; h < HK; h++) {
+      const int64_t at = ((b * HQ + h * G) * S + s) * D;
+      const float *kh = keys + h * D, *vh = values + h * D;
+#define KERNEL_FN_HEAD(DIM) \
+  KERNEL_FN_head(q + at, hs, kh, vh, blocks, t, BS, row, block, G, scale, out + at, hs, p, DIM)
+      switch (D) { /* head dims inlined as constants: loops unrolled, rows kept in registers */
+        case 32: KERNEL_FN_HEAD(32); break;
+        case 64: KERNEL_FN_HEAD(64); break;
+        case 128: KERNEL_FN_HEAD(128); break;
+        default: KERNEL_FN_HEAD(D);
       }
     }
   }
