@@ -102,6 +102,24 @@ def test_paged_attention_decode_matches_float64(d):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_paged_attention_threads_and_batch_do_not_change_a_bit(monkeypatch):
+    import llmkit.framework.native as native_mod
+
+    rng = np.random.default_rng(7)
+    b, hq, hk, d, nb, bs = 4, 8, 2, 32, 64, 16
+    q = rng.standard_normal((b, hq, 1, d)).astype(np.float32)
+    pool = rng.standard_normal((1, 2, nb, bs, hk, d)).astype(np.float32)
+    tables = rng.permutation(nb)[: b * 16].reshape(b, 16).astype(np.int64)
+    kv_len = np.array([250, 7, 129, 200], np.int64)  # enough work for threads
+    got = {}
+    for n in (1, 2):
+        monkeypatch.setattr(native_mod, "_threads", lambda n=n: n)
+        got[n] = native("paged_attention")(np, q, pool, tables, kv_len)
+    assert np.array_equal(got[1], got[2])
+    alone = native("paged_attention")(np, q[2:3], pool, tables[2:3], kv_len[2:3])
+    assert np.array_equal(alone[0], got[1][2])
+
+
 def test_paged_attention_native_rejects_bad_lengths_with_the_ops_error():
     q = np.zeros((1, 2, 1, 4), np.float32)
     pool = np.zeros((1, 2, 2, 4, 1, 4), np.float32)

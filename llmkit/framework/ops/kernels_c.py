@@ -152,6 +152,9 @@ PAGED_ATTENTION = (
     + r"""
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 /* paged_attention with every query token its own segment (decode): token n = (b, s) attends to
    positions 0 .. kv_len[n]-1 of the sequence whose blocks are block_tables[n], as the reference
    does: scores q.k * scale, minus their max, exp, divided by their sum, then the values summed
@@ -195,8 +198,11 @@ static inline __attribute__((always_inline)) void KERNEL_FN_head(
   }
   for (int64_t g = 0; g < G; g++) {
     float *pg = p + g * t, top = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : top)
     for (int64_t i = 0; i < t; i++) top = pg[i] > top ? pg[i] : top;
-    for (int64_t i = 0; i < t; i++) { pg[i] = expf(pg[i] - top); sum = sum + pg[i]; }
+#pragma omp simd
+    for (int64_t i = 0; i < t; i++) pg[i] = expf(pg[i] - top);
+    for (int64_t i = 0; i < t; i++) sum = sum + pg[i];
     for (int64_t i = 0; i < t; i++) pg[i] = pg[i] / sum;
     float *o = out + g * ostride;
     if (D == 32 || D == 64) { /* the output row in registers over the whole key loop */
@@ -244,10 +250,21 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   }
   const int64_t row = HK * D, block = BS * row;
   const float *keys = pool + (layer * 2) * NB * block, *values = keys + NB * block;
-  float *p = (float *)malloc(G * longest * sizeof(float));
-  if (!p) { status[0] = 3; return; }
+  /* tokens are independent: threads take whole tokens (at least 64 keys x heads of work each) */
+  int64_t work = 0;
+  for (int64_t n = 0; n < B * S; n++) work += kv_len[n] * HQ;
+  int64_t nt = work < 4096 ? 1 : nthreads < B * S ? nthreads : B * S;
+  if (nt < 1) nt = 1;
+  float *scratch = (float *)malloc(nt * G * longest * sizeof(float));
+  if (!scratch) { status[0] = 3; return; }
   const int64_t hs = S * D; /* between consecutive heads of q and out */
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
   for (int64_t n = 0; n < B * S; n++) {
+#ifdef _OPENMP
+    float *p = scratch + omp_get_thread_num() * G * longest;
+#else
+    float *p = scratch;
+#endif
     const int64_t b = n / S, s = n % S, t = kv_len[n];
     const int64_t *blocks = tables + n * MB;
     for (int64_t h = 0; h < HK; h++) {
@@ -263,7 +280,7 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
       }
     }
   }
-  free(p);
+  free(scratch);
 }
 """
 )
