@@ -21,7 +21,6 @@ runs alone, in a batch, or after a prefix-cache hit.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import os
 import threading
@@ -59,13 +58,6 @@ class EngineConfig:
     # "cinn": fused compiled kernels, the ops' C kernels and one-call replays of the decode step;
     # "none": the op table's reference kernels; None: to_static's default (cinn where cc works).
     compiler: str | None = None
-
-
-def _default_compiler() -> str | None:
-    """The compiler ``to_static`` uses by default, so a model file runs as an in-process engine does."""
-    from llmkit.framework import jit
-
-    return inspect.signature(jit.to_static).parameters["compiler"].default
 
 
 class Engine:
@@ -145,7 +137,7 @@ class Engine:
         from llmkit.framework import jit
 
         config = config or EngineConfig()
-        sm = jit.load(path, compiler=config.compiler or _default_compiler())
+        sm = jit.load(path, compiler=config.compiler)
         meta = sm.metadata
         if "engine" not in meta:
             raise jit.FormatError(

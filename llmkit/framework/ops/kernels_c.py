@@ -38,12 +38,17 @@ static inline KERNEL_FN_v KERNEL_FN_mac(KERNEL_FN_v acc, KERNEL_FN_v a, KERNEL_F
 }
 static inline float KERNEL_FN_smac(float acc, float a, float b) { return acc + a * b; }
 #endif
-/* sum of the 8 lanes, in lane order */
+/* sum of the 8 lanes as a fixed tree: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) */
 static inline float KERNEL_FN_hsum(KERNEL_FN_v v) {
-  float l[8], s = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1)));
+#else
+  float l[8];
   KERNEL_FN_st(l, v);
-  for (int i = 0; i < 8; i++) s = s + l[i];
-  return s;
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+#endif
 }
 """
 
@@ -56,7 +61,7 @@ TILED_LINEAR = (
    in registers; for every row of x the same rows of W come again from L1.
    W as [N, K] (a weight that could not be stored transposed, e.g. tied embeddings): y[m, n] is a
    dot product of two contiguous rows in 8 lanes (lane l sums the k = l mod 8 in order), the lanes
-   added in order, then the last K mod 8 terms.
+   added as a fixed tree (hsum), then the last K mod 8 terms.
    bufs: x [M, K], w, bias [N]?, y [M, N], status. sizes: M, K, N, has_bias, transposed. */
 /* columns [0, N) of y, rows of y and W ld apart (a thread's share of the columns) */
 static void KERNEL_FN_kn(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N,
@@ -162,19 +167,6 @@ PAGED_ATTENTION = (
    are done together (each key and value read once for them).
    bufs: q [B, HQ, S, D], pool [L, 2, NB, BS, HK, D], block_tables [B*S, MB], kv_len [B*S],
          out [B, HQ, S, D], status. sizes: B, HQ, S, D, NB, BS, HK, MB, layer, scale (double bits). */
-/* sum of 8 lanes as a fixed tree: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) */
-static inline float KERNEL_FN_tree(KERNEL_FN_v v) {
-#if defined(__AVX2__) && defined(__FMA__)
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  return _mm_cvtss_f32(_mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1)));
-#else
-  float l[8];
-  KERNEL_FN_st(l, v);
-  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-#endif
-}
-
 /* One (token, kv head): the G query heads that share it. D is a constant where it is inlined. */
 static inline __attribute__((always_inline)) void KERNEL_FN_head(
     const float *q, int64_t qstride, const float *keys, const float *values, const int64_t *blocks,
@@ -190,7 +182,7 @@ static inline __attribute__((always_inline)) void KERNEL_FN_head(
         KERNEL_FN_v acc = KERNEL_FN_splat(0.0f);
         for (int64_t d = 0; d < d8; d += 8)
           acc = KERNEL_FN_mac(acc, KERNEL_FN_ld(qv + d), KERNEL_FN_ld(k + d));
-        s = KERNEL_FN_tree(acc);
+        s = KERNEL_FN_hsum(acc);
       }
       for (int64_t d = d8; d < D; d++) s = KERNEL_FN_smac(s, qv[d], k[d]);
       p[g * t + i] = s * scale;

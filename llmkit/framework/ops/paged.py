@@ -122,7 +122,7 @@ defop(
     native=Native(
         kernels_c.PAGED_KV_WRITE,
         sizes=_write_sizes,
-        applies=lambda pool, k, v, slots, **attrs: slots.dtype == _I64 and pool.dtype == k.dtype == v.dtype,
+        applies=lambda pool, k, v, slots, **attrs: slots.dtype == _I64,
     ),
     traits={"inplace_input0"},
     doc="The pool with this step's keys/values stored: k, v [B, Hkv, S, D] go to pool[layer, 0/1] at "
