@@ -38,4 +38,5 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "blas_env_unset": "OPENBLAS_CORETYPE" not in os.environ,
+        "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
     }

@@ -11,6 +11,13 @@ Run:
 
 from __future__ import annotations
 
+# _common first (stdlib only; puts the repository on sys.path), then llmkit before numpy: llmkit sets
+# OpenBLAS's thread timeout, which OpenBLAS reads when numpy loads it
+# isort: off
+import _common  # noqa: F401
+import llmkit  # noqa: F401
+
+# isort: on
 import argparse
 import os
 import time

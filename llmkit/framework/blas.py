@@ -3,12 +3,17 @@
 Small decode matrices gain nothing from a second BLAS thread, and on a machine shared with other
 work OpenBLAS's spinning threads can slow a step down several times over; the server runs with one
 BLAS thread unless told otherwise. The count is process-wide: an in-process engine leaves it alone.
+
+How long idle OpenBLAS threads spin before sleeping can only be set before numpy loads OpenBLAS
+(``OPENBLAS_THREAD_TIMEOUT``, 2**n cycles): ``import llmkit`` sets 18 when it comes first and the
+variable is unset (see ``llmkit/__init__.py``); :func:`blas_thread_timeout` reports what applies.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 _SETTERS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads")
 _GETTERS = ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads")
@@ -41,6 +46,13 @@ def _fn(names: tuple[str, ...]):
         if hasattr(lib, n):
             return getattr(lib, n)
     return None
+
+
+def blas_thread_timeout() -> int | None:
+    """``OPENBLAS_THREAD_TIMEOUT`` of this process, or None (OpenBLAS's default); it applies when it
+    was set before numpy loaded OpenBLAS."""
+    v = os.environ.get("OPENBLAS_THREAD_TIMEOUT")
+    return int(v) if v and v.strip().isdigit() else None
 
 
 def get_blas_threads() -> int | None:
