@@ -40,9 +40,10 @@ from llmkit.framework.ir.rewriter import PatternRewriter, RewritePattern, apply_
 O = lf.ops
 
 BLOCK_SIZE = 16  # tokens per KV block (and per prefill chunk)
-# Rows per BLAS call in the programs' linears (0 = plain linear, not batch-invariant). Decode runs one
-# row per call (a matrix-vector product: the fastest way to stream the weights once per token, and
-# invariant by construction); prefill runs 8-row matrix products (see docs/serve.md).
+# Rows per BLAS call in the programs' linears with the reference kernels (0 = plain linear, not
+# batch-invariant). Decode runs one row per call (a matrix-vector product: the fastest way to stream
+# the weights once per token, and invariant by construction); prefill runs 8-row matrix products
+# (see docs/serve.md). With the compiler, the C kernel computes each row alone whatever the tile.
 PREFILL_TILE = 8
 DECODE_TILE = 1
 

@@ -72,20 +72,37 @@ def test_tiled_linear_threads_do_not_change_a_bit(monkeypatch, transposed):
     import llmkit.framework.native as native_mod
 
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((8, 200)).astype(np.float32)
-    w = rng.standard_normal((200, 700) if transposed else (700, 200)).astype(np.float32)
-    got = {}
-    for n in (1, 2, 3):
-        monkeypatch.setattr(native_mod, "_threads", lambda n=n: n)
-        got[n] = native("tiled_linear")(np, x, w, rows=1, transposed=transposed)
-    assert np.array_equal(got[1], got[2]) and np.array_equal(got[1], got[3])
+    for m in (8, 40):  # the decode path and the packed one
+        x = rng.standard_normal((m, 200)).astype(np.float32)
+        w = rng.standard_normal((200, 700) if transposed else (700, 200)).astype(np.float32)
+        got = {}
+        for n in (1, 2, 3):
+            monkeypatch.setattr(native_mod, "_threads", lambda n=n: n)
+            got[n] = native("tiled_linear")(np, x, w, rows=1, transposed=transposed)
+        assert np.array_equal(got[1], got[2]) and np.array_equal(got[1], got[3])
 
 
-def test_tiled_linear_native_is_only_for_one_row_float32():
+def test_tiled_linear_native_for_any_tile_size_float32_only():
     x, w = np.zeros((2, 4), np.float32), np.zeros((3, 4), np.float32)
     assert applies("tiled_linear", x, w, rows=1)
-    assert not applies("tiled_linear", x, w, rows=8)  # 8-row tiles: BLAS (prefill)
+    assert applies("tiled_linear", x, w, rows=8)  # prefill tiles: every row is computed alone anyway
     assert not applies("tiled_linear", x.astype(np.float64), w.astype(np.float64), rows=1)
+
+
+@pytest.mark.parametrize("m", [16, 17, 40])
+@pytest.mark.parametrize("k,n", [(1, 9), (63, 24), (64, 8), (130, 70), (200, 200), (0, 16)])
+def test_tiled_linear_packed_path_matches_float64_and_the_one_row_bits(m, k, n):
+    """From 16 rows the kernel packs W for a GEMM micro-kernel: same values, same bits per row."""
+    rng = np.random.default_rng(m + 7 * k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    op = native("tiled_linear")
+    got = op(np, x, w, b, rows=8, transposed=True)
+    want = x.astype(np.float64) @ w.astype(np.float64) + b
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * math.sqrt(max(k, 1)))
+    for i in (0, m // 2, m - 1):  # the decode path (one row) gives the same bits
+        assert np.array_equal(op(np, x[i : i + 1], w, b, rows=1, transposed=True)[0], got[i])
 
 
 @pytest.mark.parametrize("d", [3, 8, 19, 32, 64, 128])

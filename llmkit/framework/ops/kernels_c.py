@@ -55,10 +55,15 @@ static inline float KERNEL_FN_hsum(KERNEL_FN_v v) {
 TILED_LINEAR = (
     _VEC
     + r"""
-/* tiled_linear, rows = 1: y[m] = x[m] @ W (+ bias), each row its own product.
+#include <stdlib.h>
+#include <string.h>
+/* tiled_linear, any tile size: y[m] = x[m] @ W (+ bias), each row its own product.
    W as [K, N] (transposed = 1): y[m, j] = fma(x[m, K-1], W[K-1, j], ... fma(x[m, 0], W[0, j], 0)),
-   in k order. Eight rows of W stream at a time (contiguous reads) into 64-column blocks of y held
-   in registers; for every row of x the same rows of W come again from L1.
+   in k order, for every (m, j) whichever path computes it: so a row's bits do not depend on the
+   other rows (the op's contract, for any `rows`) nor on the thread count. Below 16 rows (decode),
+   eight rows of W stream at a time (contiguous reads) into 64-column blocks of y held in registers;
+   for every row of x the same rows of W come again from L1. From 16 rows (prefill, large batches),
+   a packed GEMM micro-kernel (KERNEL_FN_knp).
    W as [N, K] (a weight that could not be stored transposed, e.g. tied embeddings): y[m, n] is a
    dot product of two contiguous rows in 8 lanes (lane l sums the k = l mod 8 in order), the lanes
    added as a fixed tree (hsum), then the last K mod 8 terms.
@@ -113,6 +118,78 @@ static void KERNEL_FN_kn(const float *x, const float *w, float *y, int64_t M, in
   }
 }
 
+
+/* 16 rows or more: a GEMM micro-kernel. W is taken KC rows at a time, copied (contiguous row reads)
+   into 16-column panels [KC][16]; blocks of MR <= 6 rows x 2 vectors of y stay in registers over
+   the chunk: 2 loads and MR broadcasts feed 2 MR FMAs. Every y[m, j] is still
+   fma(x[m, K-1], W[K-1, j], ... fma(x[m, 0], W[0, j], 0)) in k order: the same bits as above. */
+enum { KERNEL_FN_KC = 64, KERNEL_FN_PACK_ROWS = 16 }; /* W rows per chunk; rows of x from which to pack */
+static inline __attribute__((always_inline)) void KERNEL_FN_mk(
+    const float *x, int64_t K, int64_t kc, const float *p, float *y, int64_t ld, int first,
+    const int MR, const int NV) {
+  KERNEL_FN_v acc[6][2];
+  for (int r = 0; r < MR; r++)
+    for (int c = 0; c < NV; c++) acc[r][c] = first ? KERNEL_FN_splat(0.0f) : KERNEL_FN_ld(y + r * ld + 8 * c);
+  for (int64_t k = 0; k < kc; k++) {
+    const KERNEL_FN_v b0 = KERNEL_FN_ld(p + k * 16), b1 = KERNEL_FN_ld(p + k * 16 + 8);
+    for (int r = 0; r < MR; r++) {
+      const KERNEL_FN_v xv = KERNEL_FN_splat(x[r * K + k]);
+      acc[r][0] = KERNEL_FN_mac(acc[r][0], xv, b0);
+      if (NV > 1) acc[r][1] = KERNEL_FN_mac(acc[r][1], xv, b1);
+    }
+  }
+  for (int r = 0; r < MR; r++)
+    for (int c = 0; c < NV; c++) KERNEL_FN_st(y + r * ld + 8 * c, acc[r][c]);
+}
+
+#define KERNEL_FN_MK(MR)                                                                            \
+  if (nv == 2) KERNEL_FN_mk(x + m * K + k0, K, kc, pp, y + m * ld + j, ld, k0 == 0, MR, 2);         \
+  else KERNEL_FN_mk(x + m * K + k0, K, kc, pp, y + m * ld + j, ld, k0 == 0, MR, 1)
+
+static void KERNEL_FN_knp(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N,
+                          int64_t ld, float *buf) {
+  if (K == 0) { /* an empty sum */
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t j = 0; j < N; j++) y[m * ld + j] = 0.0f;
+    return;
+  }
+  const int64_t NP = N / 8 * 8; /* columns in whole vectors; the rest below, one by one */
+  const int64_t panels = (NP + 15) / 16;
+  for (int64_t k0 = 0; k0 < K; k0 += KERNEL_FN_KC) {
+    const int64_t kc = K - k0 < KERNEL_FN_KC ? K - k0 : KERNEL_FN_KC;
+    for (int64_t k = 0; k < kc; k++) { /* pack: row k0+k of W, contiguous, into every panel */
+      const float *src = w + (k0 + k) * ld;
+      for (int64_t q = 0; q < panels; q++) {
+        float *dst = buf + (q * KERNEL_FN_KC + k) * 16;
+        const int64_t c = NP - q * 16 < 16 ? NP - q * 16 : 16;
+        memcpy(dst, src + q * 16, sizeof(float) * c);
+        if (c < 16) memset(dst + c, 0, sizeof(float) * (16 - c));
+      }
+    }
+    for (int64_t q = 0; q < panels; q++) {
+      const int64_t j = q * 16;
+      const int nv = NP - j >= 16 ? 2 : 1;
+      const float *pp = buf + q * KERNEL_FN_KC * 16;
+      int64_t m = 0;
+      for (; m + 6 <= M; m += 6) { KERNEL_FN_MK(6); }
+      switch (M - m) {
+        case 5: KERNEL_FN_MK(5); break;
+        case 4: KERNEL_FN_MK(4); break;
+        case 3: KERNEL_FN_MK(3); break;
+        case 2: KERNEL_FN_MK(2); break;
+        case 1: KERNEL_FN_MK(1); break;
+        default: break;
+      }
+    }
+  }
+  for (int64_t j = NP; j < N; j++)
+    for (int64_t m = 0; m < M; m++) {
+      float a = 0.0f;
+      for (int64_t k = 0; k < K; k++) a = KERNEL_FN_smac(a, x[m * K + k], w[k * ld + j]);
+      y[m * ld + j] = a;
+    }
+}
+
 static void KERNEL_FN_nk(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N,
                          int64_t ld) {
   const int64_t k8 = K - K % 8;
@@ -140,7 +217,12 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
   for (int64_t t = 0; t < nt; t++) {
     const int64_t lo = blocks * t / nt * 64, end = blocks * (t + 1) / nt * 64, hi = end < N ? end : N;
-    if (sizes[4]) KERNEL_FN_kn(x, w + lo, y + lo, M, K, hi - lo, N);
+    if (sizes[4] && M >= KERNEL_FN_PACK_ROWS) {
+      float *buf = (float *)malloc(sizeof(float) * KERNEL_FN_KC * ((hi - lo) / 8 * 8 + 16));
+      if (buf) KERNEL_FN_knp(x, w + lo, y + lo, M, K, hi - lo, N, buf);
+      else KERNEL_FN_kn(x, w + lo, y + lo, M, K, hi - lo, N);
+      free(buf);
+    } else if (sizes[4]) KERNEL_FN_kn(x, w + lo, y + lo, M, K, hi - lo, N);
     else KERNEL_FN_nk(x, w + lo * K, y + lo, M, K, hi - lo, N);
   }
   if (has_bias) {

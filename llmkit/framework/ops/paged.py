@@ -22,8 +22,8 @@ slot ``block_table[p // BS] * BS + p % BS``. Three ops make that a program:
 All three are inference ops: they have no gradient rule (RLHF differentiates the training forward,
 not the engine's programs) and no decomposition (the compiler must keep their kernels, which carry
 the guarantees above). Each also has a hand-written C kernel (``kernels_c.py``) that the engine's
-compiled decode program runs: ``tiled_linear`` with ``rows=1``, ``paged_attention`` in decode form
-(no ``q_start``/``q_len``) and ``paged_kv_write``.
+compiled programs run: ``tiled_linear`` (float32, any ``rows``: it computes every row alone),
+``paged_attention`` in decode form (no ``q_start``/``q_len``) and ``paged_kv_write``.
 """
 
 from __future__ import annotations
@@ -298,12 +298,13 @@ def _tiled_vjp(g, out, x, weight, bias=None, rows=8, transposed=False):
 
 def _tiled_sizes(x, weight, bias=None, rows=8, transposed=False):
     k = x.shape[-1]
-    return [x.size // k if k else 0, k, weight.shape[1 if transposed else 0], bias is not None, transposed]
+    rows = math.prod(x.shape[:-1])  # (not x.size // k: k may be 0)
+    return [rows, k, weight.shape[1 if transposed else 0], bias is not None, transposed]
 
 
 def _tiled_native_applies(x, weight, bias=None, rows=8, transposed=False):
-    # one row per product only: an 8-row tile is BLAS's (prefill), whose rows are invariant too
-    return rows == 1 and weight.ndim == 2 and all(t is None or t.dtype == _F32 for t in (x, weight, bias))
+    # any tile size: the C kernel computes every row alone (the op's contract, for every `rows`)
+    return weight.ndim == 2 and all(t is None or t.dtype == _F32 for t in (x, weight, bias))
 
 
 defop(
@@ -319,6 +320,7 @@ defop(
     native=Native(kernels_c.TILED_LINEAR, sizes=_tiled_sizes, applies=_tiled_native_applies),
     vjp=_tiled_vjp,
     doc="x @ weight.T + bias (as linear), computed in matrix products of exactly `rows` rows (the last "
-    "zero-padded), so each row's result is independent of the number of rows: batch invariance. "
+    "zero-padded), so each row's result is independent of the number of rows: batch invariance (the "
+    "C kernel computes each row alone, whatever `rows`). "
     "transposed=True takes the weight as [in_features, out_features] (BLAS's fast layout).",
 )
