@@ -1,10 +1,10 @@
 """Native execution: ops' hand-written C kernels, and replays of whole functions without Python.
 
-An executor planned with ``native=True`` (the inference engine's compiled programs) does two
-things the default executor does not:
+An executor planned with ``native=True`` (every compiled program: ``jit.compile.executor_for``)
+does two things the default executor does not:
 
-* **Native kernels.** An op whose spec has a C kernel (``OpSpec.native``: ``tiled_linear`` with
-  one row per product, the paged KV cache ops, ``index_select``) runs it instead of its reference
+* **Native kernels.** An op whose spec has a C kernel (``OpSpec.native``: float32 ``tiled_linear``,
+  the paged KV cache ops, ``index_select``) runs it instead of its reference
   kernel. The choice is made once per op from the program's static types and attributes, so every
   call of the program runs the same kernels (batch invariance depends on it).
 * **Replays.** When every step of the function is a C kernel (a native op or a compiled
