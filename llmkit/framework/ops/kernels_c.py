@@ -211,10 +211,10 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   const float *x = (const float *)bufs[0], *w = (const float *)bufs[1];
   float *y = (float *)bufs[2 + has_bias];
   /* Threads take whole 64-column blocks; every y[m, j] is computed as above whoever computes it.
-     Waking them costs 30-100 us here (more than a decode step's 256 x 688 product on one core), so
-     only products of at least 4M multiply-adds are split. */
+     From 128K multiply-adds: in a replayed decode step (threads kept busy kernel after kernel) that
+     measured faster at batch 8 than 4M, though a lone call of that size is faster on one thread. */
   const int64_t blocks = (N + 63) / 64;
-  int64_t nt = M * N * K < (1 << 22) ? 1 : nthreads < blocks ? nthreads : blocks;
+  int64_t nt = M * N * K < (1 << 17) ? 1 : nthreads < blocks ? nthreads : blocks;
   if (nt < 1) nt = 1;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
   for (int64_t t = 0; t < nt; t++) {
