@@ -356,7 +356,7 @@ class Engine:
     def weights_changed(self) -> None:
         """Call after updating the weights of a ``from_model`` engine (an RLHF policy step).
 
-        Forgets cached prefixes and the transposed weight copies. (Rebinding a parameter, as
+        Forgets cached prefixes and the relaid weight copies. (Rebinding a parameter, as
         ``set_value`` and optimizers do, is detected anyway; writing into a parameter's array in
         place is not, and this call is what makes it safe.)
         """

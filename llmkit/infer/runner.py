@@ -89,7 +89,7 @@ class ModelRunner:
         self._weight_cache: dict[int, tuple[Any, Any]] = {}  # live models: derived weight copies
 
     def weights_changed(self) -> None:
-        """Drop copies derived from the weights (transposes); they are rebuilt at the next step."""
+        """Drop copies derived from the weights (relaid layouts); they are rebuilt at the next step."""
         self._weight_cache.clear()
 
     # ---- sources ------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ class ModelRunner:
     ) -> ModelRunner:
         """Programs traced from a live model: every call reads the model's current parameters."""
         programs, spec = trace_programs(model, block_size, prefill_tile, decode_tile, compiler)
-        cache: dict[int, tuple[Any, Any]] = {}  # transposed weights, shared by both programs
+        cache: dict[tuple[int, str], tuple[Any, Any]] = {}  # relaid weights, shared by both programs
 
         def bind(p: EngineProgram) -> ProgramFn:
             executor = p.concrete.executor

@@ -8,8 +8,10 @@ sha256 of every part. The manifest's metadata holds what the server needs beside
 ``engine`` (cache geometry, context length, dtype), ``chat_template``, ``generation`` defaults,
 ``eos_token_ids``, and the model's ``config``.
 
-Weights that the programs use only as ``tiled_linear`` weights are stored transposed (``[in, out]``,
-named ``<parameter>.T``): the layout BLAS reads fastest, done once here rather than at every load.
+Weights that the programs use only as ``tiled_linear`` weights are stored in the layout the programs
+read (``transpose-weights``): 16-column panels (``<parameter>.P16``) where the exporting machine
+compiles programs (a C compiler works; the server then runs the op's C kernel on them), else
+transposed (``[in, out]``, ``<parameter>.T``, BLAS's fastest). Done once here, not at every load.
 """
 
 from __future__ import annotations
@@ -19,14 +21,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import llmkit
 from llmkit.framework import jit
 from llmkit.framework.jit.model_file import MANIFEST, save_programs
 from llmkit.framework.tensor import Tensor
 from llmkit.infer.chat import ChatTemplate
-from llmkit.infer.programs import BLOCK_SIZE, trace_programs
+from llmkit.infer.programs import BLOCK_SIZE, relayout, trace_programs
 
 
 class ExportError(ValueError):
@@ -67,17 +67,18 @@ def export_model(
     programs, spec = trace_programs(model, block_size)
     names = {id(t): n for n, t in model.named_parameters()}
     names.update({id(t): n for n, t in model.named_buffers()})
-    transposed: dict[int, Tensor] = {}  # one stored copy per parameter, shared by both programs
+    relaid: dict[tuple[int, str], Tensor] = {}  # one stored copy per parameter and layout
     concrete = {}
     for pname, p in programs.items():
         cp = p.concrete
         caps = []
         for i, t in enumerate(cp.captures):
-            if i in p.transposed:
-                tt = transposed.get(id(t))
+            layout = p.layouts.get(i)
+            if layout is not None:
+                tt = relaid.get((id(t), layout))
                 if tt is None:
-                    tt = transposed[id(t)] = Tensor(np.ascontiguousarray(t.numpy().T))
-                    names[id(tt)] = f"{names.get(id(t), t.name or 'weight')}.T"
+                    tt = relaid[(id(t), layout)] = Tensor(relayout(t.numpy(), layout))
+                    names[id(tt)] = f"{names.get(id(t), t.name or 'weight')}.{layout}"
                 t = tt
             caps.append(t)
         concrete[pname] = jit.ConcreteProgram(

@@ -105,6 +105,62 @@ def test_tiled_linear_packed_path_matches_float64_and_the_one_row_bits(m, k, n):
         assert np.array_equal(op(np, x[i : i + 1], w, b, rows=1, transposed=True)[0], got[i])
 
 
+def _panels(w_in_out: np.ndarray) -> np.ndarray:
+    """[in, out] -> [out / 16, in, 16], written out here: p[j, k, c] = w[k, 16 j + c]."""
+    k, n = w_in_out.shape
+    out = np.empty((n // 16, k, 16), w_in_out.dtype)
+    for j in range(n // 16):
+        out[j] = w_in_out[:, 16 * j : 16 * j + 16]
+    return out
+
+
+@pytest.mark.parametrize("m", [1, 2, 6, 8, 15, 16, 40])
+@pytest.mark.parametrize("k,n", [(1, 16), (63, 32), (200, 208), (256, 688), (0, 16)])
+def test_tiled_linear_panels_match_float64_and_the_other_layouts_bits(m, k, n):
+    """Weights packed in 16-column panels: the same values, and the same bits as [in, out] and as
+    each row alone (every output is the same k-ordered chain of FMAs in every path)."""
+    from llmkit.framework.ops.paged import pack_panels
+
+    rng = np.random.default_rng(m + 3 * k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    p = _panels(w)
+    np.testing.assert_array_equal(pack_panels(w), p)
+    assert applies("tiled_linear", x, p, b, rows=1, panel=16)
+    op = native("tiled_linear")
+    got = op(np, x, p, b, rows=1, panel=16)
+    want = x.astype(np.float64) @ w.astype(np.float64) + b
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * math.sqrt(max(k, 1)))
+    assert np.array_equal(got, op(np, x, w, b, rows=1, transposed=True))
+    for i in (0, m - 1):
+        assert np.array_equal(op(np, x[i : i + 1], p, b, rows=1, panel=16)[0], got[i])
+
+
+def test_tiled_linear_panels_threads_do_not_change_a_bit(monkeypatch):
+    import llmkit.framework.native as native_mod
+
+    rng = np.random.default_rng(9)
+    w = _panels(rng.standard_normal((200, 704)).astype(np.float32))
+    for m in (8, 40):
+        x = rng.standard_normal((m, 200)).astype(np.float32)
+        got = {}
+        for n in (1, 2, 3):
+            monkeypatch.setattr(native_mod, "_threads", lambda n=n: n)
+            got[n] = native("tiled_linear")(np, x, w, rows=1, panel=16)
+        assert np.array_equal(got[1], got[2]) and np.array_equal(got[1], got[3])
+
+
+def test_tiled_linear_panel_shapes_and_width_are_checked():
+    x = np.zeros((2, 4), np.float32)
+    with pytest.raises(OpError, match=r"panel=16 weight must be \[out/16, in, 16\]"):
+        table()["tiled_linear"].infer_meta(Meta(x.shape, x.dtype), Meta((2, 4, 8), x.dtype), panel=16)
+    with pytest.raises(OpError, match=r"inner dims differ \(4 vs 5"):
+        table()["tiled_linear"].infer_meta(Meta(x.shape, x.dtype), Meta((2, 5, 16), x.dtype), panel=16)
+    with pytest.raises(OpError, match="'panel'=8 is invalid: must be 0 or 16"):
+        table()["tiled_linear"].bind({"panel": 8})
+
+
 @pytest.mark.parametrize("d", [3, 8, 19, 32, 64, 128])
 def test_paged_attention_decode_matches_float64(d):
     rng = np.random.default_rng(d)

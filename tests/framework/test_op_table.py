@@ -698,9 +698,21 @@ case(
         S([r(rng, 5, 3), r(rng, 4, 3)], {"rows": 1}),
         S([r(rng, 1, 4), r(rng, 3, 4)]),
         S([r(rng, 2, 3, 4), r(rng, 4, 5), r(rng, 5)], {"rows": 2, "transposed": True}, keep=((1, 1), (2, 0))),
+        # panels: out = 2 x 16 (static: the panel width, and the bias checked against 2 x 16)
+        S(
+            [r(rng, 3, 5), r(rng, 2, 5, 16), r(rng, 32)],
+            {"rows": 2, "panel": 16},
+            keep=((1, 0), (1, 2), (2, 0)),
+        ),
+        S([r(rng, 1, 2, 7), r(rng, 1, 7, 16)], {"rows": 1, "panel": 16}, keep=((1, 2),)),
     ],
-    lambda x, w, b=None, rows=8, transposed=False: (
-        np.einsum("...i,io->...o" if transposed else "...i,oi->...o", x, w) + (0 if b is None else b)
+    lambda x, w, b=None, rows=8, transposed=False, panel=0: (
+        (
+            np.einsum("...i,pic->...pc", x, w).reshape(x.shape[:-1] + (-1,))
+            if panel
+            else np.einsum("...i,io->...o" if transposed else "...i,oi->...o", x, w)
+        )
+        + (0 if b is None else b)
     ),
 )
 

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import llmkit.framework as lf
 from llmkit.framework import ir
+from llmkit.framework.compiler import available
 from llmkit.infer.programs import trace_programs
 from llmkit.infer.runner import DecodeBatch, ModelRunner, PrefillBatch
 
 
-def test_programs_use_tiled_linears_with_transposed_weights(model):
-    programs, spec = trace_programs(model, block_size=16)
+@pytest.mark.parametrize("compiler", ["none", "cinn"])
+def test_programs_use_tiled_linears_with_relaid_weights(model, compiler):
+    if compiler == "cinn" and not available():
+        pytest.skip("no working C compiler")
+    programs, spec = trace_programs(model, block_size=16, compiler=compiler)
     assert spec.block_size == 16 and spec.num_kv_heads == 2 and spec.max_model_len == 512
     assert (spec.prefill_tile, spec.decode_tile) == (8, 1)
     for name, p in programs.items():
@@ -19,9 +24,18 @@ def test_programs_use_tiled_linears_with_transposed_weights(model):
         assert "llm.linear" not in ops
         assert ops.count("llm.tiled_linear") == 2 * 7 + 1  # 7 per layer + lm_head
         assert ops.count("llm.paged_kv_write") == ops.count("llm.paged_attention") == 2
-        assert len(p.transposed) == 2 * 7 + 1
+        # BLAS's [in, out] for the reference kernels; when compiled, the C kernel's 16-column panels
+        # where out_features is a multiple of 16 (not this model's MLP width, 344)
+        assert len(p.layouts) == 2 * 7 + 1
+        for i, layout in p.layouts.items():
+            w = p.concrete.captures[i].numpy()
+            assert layout == ("P16" if compiler == "cinn" and w.shape[0] % 16 == 0 else "T")
+            got = p.capture_arrays({})[i]
+            want = w.T if layout == "T" else w.T.reshape(w.shape[1], -1, 16).transpose(1, 0, 2)
+            np.testing.assert_array_equal(got, want)
         text = str(p.concrete.program)
         assert "transposed = true" in text and "inplace = true" in text
+        assert ("panel = 16" in text) == (compiler == "cinn")
         assert ("rows = 1" in text) == (name == "decode")  # rows = 8 is the default, not printed
         assert "NB" in text and ("N]" in text if name == "prefill" else "B, 1]" in text)
     assert "tile-linear" in ir.registered_passes() and "transpose-weights" in ir.registered_passes()

@@ -12,6 +12,7 @@ import pytest
 import llmkit.framework as lf
 from llmkit.cli import main as cli_main
 from llmkit.framework import jit
+from llmkit.framework.compiler import available
 from llmkit.infer import Engine, EngineConfig, SamplingParams
 
 
@@ -27,13 +28,17 @@ def test_manifest_programs_weights_and_metadata(model_file, trained):
     assert meta["chat_template"]["name"] == "llama-2" and meta["config"]["hidden_size"] == 128
     dec = m["programs"]["decode"]
     assert [i["name"] for i in dec["inputs"]][-1] == "pool"
-    assert "model.layers.0.self_attn.q_proj.weight.T" in dec["weights"]
+    # linear weights in the layout the programs read: 16-column panels [out/16, in, 16] where the
+    # programs are compiled and out_features is a multiple of 16, else [in, out]
+    packed = "P16" if available() else "T"
+    assert f"model.layers.0.self_attn.q_proj.weight.{packed}" in dec["weights"]
     assert dec["weights"] == [w for w in dec["weights"] if w in m["programs"]["prefill"]["weights"]]
     sm = jit.load(model_file)
-    np.testing.assert_array_equal(
-        sm.weights["model.layers.1.mlp.down_proj.weight.T"],
-        model.model.layers[1].mlp.down_proj.weight.numpy().T,
-    )
+    down = model.model.layers[1].mlp.down_proj.weight.numpy()  # [128, 344]
+    want = down.T if packed == "T" else np.stack([down[16 * j : 16 * j + 16].T for j in range(8)])
+    np.testing.assert_array_equal(sm.weights[f"model.layers.1.mlp.down_proj.weight.{packed}"], want)
+    gate = model.model.layers[1].mlp.gate_proj.weight.numpy()  # out_features 344: always [in, out]
+    np.testing.assert_array_equal(sm.weights["model.layers.1.mlp.gate_proj.weight.T"], gate.T)
 
 
 def test_round_trip_logits_equal_the_training_models(model_file, trained):

@@ -64,10 +64,13 @@ TILED_LINEAR = (
    eight rows of W stream at a time (contiguous reads) into 64-column blocks of y held in registers;
    for every row of x the same rows of W come again from L1. From 16 rows (prefill, large batches),
    a packed GEMM micro-kernel (KERNEL_FN_knp).
+   W in panels (transposed = 2: [N / 16, K, 16], the op's panel=16): the same micro-kernel reads the
+   panels as they are (KERNEL_FN_pp), for any number of rows: at 8 rows about 1.8x the [K, N] path.
    W as [N, K] (a weight that could not be stored transposed, e.g. tied embeddings): y[m, n] is a
    dot product of two contiguous rows in 8 lanes (lane l sums the k = l mod 8 in order), the lanes
    added as a fixed tree (hsum), then the last K mod 8 terms.
-   bufs: x [M, K], w, bias [N]?, y [M, N], status. sizes: M, K, N, has_bias, transposed. */
+   bufs: x [M, K], w, bias [N]?, y [M, N], status.
+   sizes: M, K, N, has_bias, transposed (0: W [N, K], 1: [K, N], 2: panels). */
 /* columns [0, N) of y, rows of y and W ld apart (a thread's share of the columns) */
 static void KERNEL_FN_kn(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N,
                          int64_t ld) {
@@ -146,6 +149,29 @@ static inline __attribute__((always_inline)) void KERNEL_FN_mk(
   if (nv == 2) KERNEL_FN_mk(x + m * K + k0, K, kc, pp, y + m * ld + j, ld, k0 == 0, MR, 2);         \
   else KERNEL_FN_mk(x + m * K + k0, K, kc, pp, y + m * ld + j, ld, k0 == 0, MR, 1)
 
+/* For each 16-column panel q < panels (at base + q * ps, [kc][16]) and every block of rows: y's
+   columns 16 q .. 16 q + 15 (the last panel may hold only NP - 16 q of them) take rows k0 .. k0+kc-1
+   of W in. */
+static void KERNEL_FN_panels(const float *x, int64_t M, int64_t K, int64_t k0, int64_t kc,
+                             const float *base, int64_t ps, int64_t panels, int64_t NP, float *y,
+                             int64_t ld) {
+  for (int64_t q = 0; q < panels; q++) {
+    const int64_t j = q * 16;
+    const int nv = NP - j >= 16 ? 2 : 1;
+    const float *pp = base + q * ps;
+    int64_t m = 0;
+    for (; m + 6 <= M; m += 6) { KERNEL_FN_MK(6); }
+    switch (M - m) {
+      case 5: KERNEL_FN_MK(5); break;
+      case 4: KERNEL_FN_MK(4); break;
+      case 3: KERNEL_FN_MK(3); break;
+      case 2: KERNEL_FN_MK(2); break;
+      case 1: KERNEL_FN_MK(1); break;
+      default: break;
+    }
+  }
+}
+
 static void KERNEL_FN_knp(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N,
                           int64_t ld, float *buf) {
   if (K == 0) { /* an empty sum */
@@ -166,21 +192,7 @@ static void KERNEL_FN_knp(const float *x, const float *w, float *y, int64_t M, i
         if (c < 16) memset(dst + c, 0, sizeof(float) * (16 - c));
       }
     }
-    for (int64_t q = 0; q < panels; q++) {
-      const int64_t j = q * 16;
-      const int nv = NP - j >= 16 ? 2 : 1;
-      const float *pp = buf + q * KERNEL_FN_KC * 16;
-      int64_t m = 0;
-      for (; m + 6 <= M; m += 6) { KERNEL_FN_MK(6); }
-      switch (M - m) {
-        case 5: KERNEL_FN_MK(5); break;
-        case 4: KERNEL_FN_MK(4); break;
-        case 3: KERNEL_FN_MK(3); break;
-        case 2: KERNEL_FN_MK(2); break;
-        case 1: KERNEL_FN_MK(1); break;
-        default: break;
-      }
-    }
+    KERNEL_FN_panels(x, M, K, k0, kc, buf, KERNEL_FN_KC * 16, panels, NP, y, ld);
   }
   for (int64_t j = NP; j < N; j++)
     for (int64_t m = 0; m < M; m++) {
@@ -188,6 +200,23 @@ static void KERNEL_FN_knp(const float *x, const float *w, float *y, int64_t M, i
       for (int64_t k = 0; k < K; k++) a = KERNEL_FN_smac(a, x[m * K + k], w[k * ld + j]);
       y[m * ld + j] = a;
     }
+}
+
+/* W already in panels (pw: [N / 16][K][16], packed once by whoever feeds the program): no copy.
+   Few rows (decode) take each panel whole, streaming W once, contiguously; more rows take it KC
+   rows at a time, so that their x block stays in L1 across the panels. */
+static void KERNEL_FN_pp(const float *x, const float *pw, float *y, int64_t M, int64_t K, int64_t N,
+                         int64_t ld) {
+  if (K == 0) {
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t j = 0; j < N; j++) y[m * ld + j] = 0.0f;
+    return;
+  }
+  const int64_t step = M < KERNEL_FN_PACK_ROWS ? K : KERNEL_FN_KC;
+  for (int64_t k0 = 0; k0 < K; k0 += step) {
+    const int64_t kc = K - k0 < step ? K - k0 : step;
+    KERNEL_FN_panels(x, M, K, k0, kc, pw + k0 * 16, K * 16, N / 16, N, y, ld);
+  }
 }
 
 static void KERNEL_FN_nk(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N,
@@ -219,7 +248,8 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
   for (int64_t t = 0; t < nt; t++) {
     const int64_t lo = blocks * t / nt * 64, end = blocks * (t + 1) / nt * 64, hi = end < N ? end : N;
-    if (sizes[4] && M >= KERNEL_FN_PACK_ROWS) {
+    if (sizes[4] == 2) KERNEL_FN_pp(x, w + lo * K, y + lo, M, K, hi - lo, N);
+    else if (sizes[4] && M >= KERNEL_FN_PACK_ROWS) {
       float *buf = (float *)malloc(sizeof(float) * KERNEL_FN_KC * ((hi - lo) / 8 * 8 + 16));
       if (buf) KERNEL_FN_knp(x, w + lo, y + lo, M, K, hi - lo, N, buf);
       else KERNEL_FN_kn(x, w + lo, y + lo, M, K, hi - lo, N);

@@ -261,22 +261,46 @@ defop(
 # ---- tiled_linear -------------------------------------------------------------------------------
 
 
-def _tiled_meta(x, weight, bias=None, rows=8, transposed=False):
-    if transposed and weight.ndim == 2:  # given as [in, out]: check it as the [out, in] it stands for
+PANEL = 16  # output columns per panel of a packed tiled_linear weight (the C kernel's register tile)
+
+
+def pack_panels(w: np.ndarray) -> np.ndarray:
+    """An ``[in, out]`` weight as ``tiled_linear``'s panels (``panel=16``): ``[out / 16, in, 16]``,
+    ``p[j, k, c] = w[k, 16 j + c]``. A panel is what the C kernel's register tile reads, contiguous."""
+    k, n = w.shape
+    if n % PANEL:
+        raise ValueError(f"pack_panels: out_features {n} is not a multiple of {PANEL}")
+    return np.ascontiguousarray(w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2))
+
+
+def _unpanel(weight):
+    """The ``[in, out]`` matrix a packed weight stands for (a view where the backend allows)."""
+    return weight.transpose(1, 0, 2).reshape(weight.shape[1], weight.shape[0] * weight.shape[2])
+
+
+def _tiled_meta(x, weight, bias=None, rows=8, transposed=False, panel=0):
+    if panel:
+        if weight.ndim != 3 or weight.shape[2] != panel:
+            msg = f"tiled_linear: a panel={panel} weight must be [out/{panel}, in, {panel}]"
+            raise OpError(msg, x, weight)
+        weight = Meta((weight.shape[0] * panel, weight.shape[1]), weight.dtype)
+    elif transposed and weight.ndim == 2:  # given as [in, out]: check it as the [out, in] it stands for
         weight = Meta((weight.shape[1], weight.shape[0]), weight.dtype)
     return _linear_meta(x, weight, bias)
 
 
-def _tiled_kernel(xp, x, weight, bias=None, rows=8, transposed=False):
-    wt = weight if transposed else weight.T  # (in, out); a contiguous one is BLAS's fast layout
+def _tiled_kernel(xp, x, weight, bias=None, rows=8, transposed=False, panel=0):
+    # (in, out); a contiguous one is BLAS's fast layout (panels are copied back to it: slow, but only
+    # programs whose executor runs the C kernel get packed weights)
+    wt = xp.ascontiguousarray(_unpanel(weight)) if panel else weight if transposed else weight.T
     k, n_out = x.shape[-1], wt.shape[1]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
+    m = math.prod(x.shape[:-1])
+    x2 = x.reshape(m, k)
     pad = -m % rows
     if pad:
         x2 = xp.concatenate([x2, xp.zeros((pad, k), x2.dtype)])
     # numpy runs a stacked matmul as one BLAS call per [rows, K] matrix: the tiles never merge.
-    out = mm(xp, x2.reshape(-1, rows, k), wt).reshape(-1, n_out)[:m]
+    out = mm(xp, x2.reshape((m + pad) // rows, rows, k), wt).reshape(m + pad, n_out)[:m]
     if bias is not None:
         out = out + bias
     return out.reshape(x.shape[:-1] + (n_out,))
@@ -286,9 +310,18 @@ def _flat(t):
     return O.reshape(t, [-1, t.shape[-1]])
 
 
-def _tiled_vjp(g, out, x, weight, bias=None, rows=8, transposed=False):
-    if not transposed:
+def _tiled_vjp(g, out, x, weight, bias=None, rows=8, transposed=False, panel=0):
+    if not (transposed or panel):
         return _linear_vjp(g, out, x, weight, bias)
+    if panel:  # the weight's gradient comes back in the weight's own (packed) layout
+        n, k = weight.shape[0] * panel, weight.shape[1]
+        wt = O.reshape(O.transpose(weight, [1, 0, 2]), [k, n])
+        dw = lambda: O.matmul(_flat(x), _flat(g), transpose_x=True)
+        return (
+            lambda: O.matmul(g, wt, transpose_y=True),
+            lambda: O.transpose(O.reshape(dw(), [k, n // panel, panel]), [1, 0, 2]),
+            None if bias is None else g,
+        )
     return (
         lambda: O.matmul(g, weight, transpose_y=True),  # weight is [in, out]
         lambda: O.matmul(_flat(x), _flat(g), transpose_x=True),  # (in, out)
@@ -296,15 +329,16 @@ def _tiled_vjp(g, out, x, weight, bias=None, rows=8, transposed=False):
     )
 
 
-def _tiled_sizes(x, weight, bias=None, rows=8, transposed=False):
+def _tiled_sizes(x, weight, bias=None, rows=8, transposed=False, panel=0):
     k = x.shape[-1]
     rows = math.prod(x.shape[:-1])  # (not x.size // k: k may be 0)
-    return [rows, k, weight.shape[1 if transposed else 0], bias is not None, transposed]
+    n = weight.shape[0] * panel if panel else weight.shape[1 if transposed else 0]
+    return [rows, k, n, bias is not None, 2 if panel else int(transposed)]
 
 
-def _tiled_native_applies(x, weight, bias=None, rows=8, transposed=False):
+def _tiled_native_applies(x, weight, bias=None, rows=8, transposed=False, panel=0):
     # any tile size: the C kernel computes every row alone (the op's contract, for every `rows`)
-    return weight.ndim == 2 and all(t is None or t.dtype == _F32 for t in (x, weight, bias))
+    return weight.ndim == (3 if panel else 2) and all(t is None or t.dtype == _F32 for t in (x, weight, bias))
 
 
 defop(
@@ -314,6 +348,7 @@ defop(
     attrs=[
         attr("rows", A.INT, 8, lambda v: None if v >= 1 else "must be >= 1"),
         attr("transposed", A.BOOL, False),
+        attr("panel", A.INT, 0, lambda v: None if v in (0, PANEL) else f"must be 0 or {PANEL}"),
     ],
     infer_meta=_tiled_meta,
     kernel=_tiled_kernel,
@@ -322,5 +357,6 @@ defop(
     doc="x @ weight.T + bias (as linear), computed in matrix products of exactly `rows` rows (the last "
     "zero-padded), so each row's result is independent of the number of rows: batch invariance (the "
     "C kernel computes each row alone, whatever `rows`). "
-    "transposed=True takes the weight as [in_features, out_features] (BLAS's fast layout).",
+    "transposed=True takes the weight as [in_features, out_features] (BLAS's fast layout); "
+    "panel=16 as [out_features / 16, in_features, 16] (pack_panels: the C kernel's layout).",
 )
