@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import CONTENT_TYPE
@@ -51,6 +52,43 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if e.get("type") == "missing":
         return f"{field}: a required field is missing", field
     return f"{field}: {msg}", field
+
+
+class _AuthAndCount:
+    """The API key check on /v1/ routes and the request counter, as plain ASGI: Starlette's
+    ``BaseHTTPMiddleware`` would pass every streamed chunk through an extra task and memory
+    stream (a sixth of the event loop's time per token at 32 streams)."""
+
+    def __init__(self, app: Any, serving: Serving, api_key: str | None) -> None:
+        self.app, self.serving, self.api_key = app, serving, api_key
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = _ENDPOINTS.get(path)
+        status = [500]
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key is not None and path.startswith("/v1/"):
+                given = Headers(scope=scope).get("authorization", "")
+                token = given[7:] if given.lower().startswith("bearer ") else ""
+                if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                    what = "Missing API key" if not given else "Incorrect API key provided"
+                    msg = f"{what}: pass it as 'Authorization: Bearer <key>'"
+                    body = error_body(msg, code="invalid_api_key")
+                    await JSONResponse(body, status_code=401)(scope, receive, counting_send)
+                    return
+            await self.app(scope, receive, counting_send)
+        finally:
+            if endpoint is not None:
+                self.serving.metrics.requests.labels(endpoint, str(status[0])).inc()
 
 
 def build_app(serving: Serving, api_key: str | None = None, drain_timeout: float = 30.0) -> FastAPI:
@@ -85,26 +123,7 @@ def build_app(serving: Serving, api_key: str | None = None, drain_timeout: float
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         return error(500, error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
-    @app.middleware("http")
-    async def _auth_and_count(request: Request, call_next: Any) -> Response:
-        path = request.url.path
-        if api_key is not None and path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                what = "Missing API key" if not given else "Incorrect API key provided"
-                response: Response = error(
-                    401,
-                    error_body(f"{what}: pass it as 'Authorization: Bearer <key>'", code="invalid_api_key"),
-                )
-            else:
-                response = await call_next(request)
-        else:
-            response = await call_next(request)
-        endpoint = _ENDPOINTS.get(path)
-        if endpoint is not None:
-            serving.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_AuthAndCount, serving=serving, api_key=api_key)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
