@@ -200,11 +200,71 @@ def test_paged_attention_native_rejects_bad_lengths_with_the_ops_error():
         native("paged_attention")(np, q, pool, np.array([[0, 1]]), np.array([9]))  # 9 > 2 blocks of 4
 
 
-def test_paged_attention_prefill_form_is_not_native():
-    q = np.zeros((1, 2, 5, 3), np.float32)
-    pool = np.zeros((1, 2, 4, 2, 1, 3), np.float32)
-    i = np.zeros(2, np.int64)
-    assert not applies("paged_attention", q, pool, np.zeros((2, 3), np.int64), i, i, i)
+@pytest.mark.parametrize("d", [8, 32, 19])
+def test_paged_attention_prefill_segments_match_float64(d):
+    """Prefill form: segments of one flattened row, one a chunk after cached keys, tokens in no
+    segment (zeros), causal within a segment (bottom-right aligned)."""
+    rng = np.random.default_rng(d + 1)
+    hq, hk, nb, bs = 4, 2, 8, 4
+    q = rng.standard_normal((1, hq, 11, d)).astype(np.float32)
+    pool = rng.standard_normal((2, 2, nb, bs, hk, d)).astype(np.float32)
+    tables = np.array([[5, 1, 0], [2, 3, 4], [7, 6, 0]], np.int64)
+    kv_len = np.array([4, 10, 3], np.int64)
+    q_start, q_len = np.array([0, 4, 8], np.int64), np.array([4, 3, 2], np.int64)  # token 10: none
+    args = (q, pool, tables, kv_len, q_start, q_len)
+    assert applies("paged_attention", *args, layer=1)
+    got = native("paged_attention")(np, *args, layer=1)
+    want = _paged_attention_ref(
+        q.astype(np.float64), pool.astype(np.float64), tables, kv_len, q_start, q_len, layer=1
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not got[0, :, 7].any() and not got[0, :, 10].any()  # tokens in no segment
+
+
+def test_paged_attention_a_token_has_the_same_bits_however_it_is_segmented():
+    """Batch invariance of prefill: token j of a prompt gets the same bits prefilled whole, in
+    chunks after its cached prefix, next to other sequences, or as a decode step."""
+    rng = np.random.default_rng(3)
+    hq, hk, d, nb, bs = 8, 4, 32, 16, 16
+    pool = rng.standard_normal((1, 2, nb, bs, hk, d)).astype(np.float32)
+    table = np.array([[3, 9, 4]], np.int64)
+    q = rng.standard_normal((1, hq, 40, d)).astype(np.float32)
+    op = native("paged_attention")
+    i64 = lambda *v: np.array(v, np.int64)
+    whole = op(np, q, pool, table, i64(40), i64(0), i64(40))
+    chunk = op(np, q[:, :, 25:], pool, table, i64(40), i64(0), i64(15))  # after 25 cached keys
+    assert np.array_equal(chunk, whole[:, :, 25:])
+    other = rng.standard_normal((1, hq, 7, d)).astype(np.float32)
+    both = op(
+        np,
+        np.concatenate([other, q], 2),
+        pool,
+        np.concatenate([[[1, 2, 0]], table]),
+        i64(7, 40),
+        i64(0, 7),
+        i64(7, 40),
+    )
+    assert np.array_equal(both[:, :, 7:], whole)
+    step = op(np, q[:, :, 39:].transpose(2, 1, 0, 3), pool, table, i64(40))  # decode form, one token
+    assert np.array_equal(step[:, :, 0], whole[0, :, 39][None])
+
+
+@pytest.mark.parametrize(
+    "starts,lens,kv,match",
+    [
+        ([0, 1], [2, 2], [2, 2], "overlaps an earlier one"),
+        ([0, 3], [3, 3], [3, 2], "q_len <= kv_len"),
+        ([0, 2], [2, 2], [2, 2], "lie within one row"),
+    ],
+)
+def test_paged_attention_prefill_bad_segments_raise_the_ops_error(starts, lens, kv, match):
+    q = np.zeros((2, 2, 3, 4), np.float32)
+    pool = np.zeros((1, 2, 4, 4, 1, 4), np.float32)
+    args = (q, pool, np.zeros((2, 1), np.int64), np.array(kv), np.array(starts), np.array(lens))
+    with pytest.raises(OpError, match=match):
+        native("paged_attention")(np, *args)
+    with pytest.raises(OpError, match=match):  # the reference kernel says the same
+        table()["paged_attention"].kernel(np, *args)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -274,13 +274,17 @@ PAGED_ATTENTION = (
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-/* paged_attention with every query token its own segment (decode): token n = (b, s) attends to
-   positions 0 .. kv_len[n]-1 of the sequence whose blocks are block_tables[n], as the reference
-   does: scores q.k * scale, minus their max, exp, divided by their sum, then the values summed
-   with those weights in position order. Nothing mixes two tokens. The query heads of one kv head
-   are done together (each key and value read once for them).
-   bufs: q [B, HQ, S, D], pool [L, 2, NB, BS, HK, D], block_tables [B*S, MB], kv_len [B*S],
-         out [B, HQ, S, D], status. sizes: B, HQ, S, D, NB, BS, HK, MB, layer, scale (double bits). */
+/* paged_attention, one query token at a time, as the reference does for it: scores q.k * scale,
+   minus their max, exp, divided by their sum, then the values summed with those weights in
+   position order. Decode (every token its own segment): token n = (b, s) attends to positions
+   0 .. kv_len[n]-1 of the sequence whose blocks are block_tables[n]. Prefill (segments: q_start,
+   q_len): token q_start[i] + j of segment i sits at position kv_len[i] - q_len[i] + j of the
+   sequence of block_tables[i] and attends to positions 0 .. up to itself. Nothing mixes two
+   tokens, so a token's bits do not depend on the batch, the segmenting or the thread count. The
+   query heads of one kv head are done together (each key and value read once for them).
+   bufs: q [B, HQ, S, D], pool [L, 2, NB, BS, HK, D], block_tables [NS, MB], kv_len [NS],
+         (q_start [NS], q_len [NS],) out [B, HQ, S, D], status.
+   sizes: B, HQ, S, D, NB, BS, HK, MB, layer, scale (double bits), segmented, NS. */
 /* One (token, kv head): the G query heads that share it. D is a constant where it is inlined. */
 static inline __attribute__((always_inline)) void KERNEL_FN_head(
     const float *q, int64_t qstride, const float *keys, const float *values, const int64_t *blocks,
@@ -336,43 +340,66 @@ static inline __attribute__((always_inline)) void KERNEL_FN_head(
 }
 
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
-  (void)nthreads;
   const int64_t B = sizes[0], HQ = sizes[1], S = sizes[2], D = sizes[3], NB = sizes[4], BS = sizes[5];
   const int64_t HK = sizes[6], MB = sizes[7], layer = sizes[8], G = HQ / HK;
+  const int64_t segmented = sizes[10], NS = segmented ? sizes[11] : B * S;
   double scale64;
   memcpy(&scale64, &sizes[9], sizeof scale64);
   const float scale = (float)scale64;
   const float *q = (const float *)bufs[0], *pool = (const float *)bufs[1];
   const int64_t *tables = (const int64_t *)bufs[2], *kv_len = (const int64_t *)bufs[3];
-  float *out = (float *)bufs[4];
-  int64_t *status = (int64_t *)bufs[5];
+  const int64_t *q_start = segmented ? (const int64_t *)bufs[4] : NULL;
+  const int64_t *q_len = segmented ? (const int64_t *)bufs[5] : NULL;
+  float *out = (float *)bufs[4 + 2 * segmented];
+  int64_t *status = (int64_t *)bufs[5 + 2 * segmented];
+  const int64_t N = B * S;
+  /* per query token: its segment (-1: none, zeros out) and how many keys it sees */
+  int64_t *seg = (int64_t *)malloc(sizeof(int64_t) * (N > 0 ? 2 * N : 1));
+  if (!seg) { status[0] = 3; return; }
+  int64_t *len = seg + N;
+  for (int64_t n = 0; n < N; n++) seg[n] = -1;
   int64_t longest = 1;
-  for (int64_t n = 0; n < B * S; n++) { /* check everything before reading the pool */
-    const int64_t t = kv_len[n];
-    if (t < 1 || t > MB * BS) { status[0] = 1; status[1] = n; return; }
-    for (int64_t i = 0; i < (t + BS - 1) / BS; i++)
-      if (tables[n * MB + i] < 0 || tables[n * MB + i] >= NB) { status[0] = 2; status[1] = n; return; }
+  for (int64_t i = 0; i < NS; i++) { /* check everything before reading the pool */
+    const int64_t t = kv_len[i], m = segmented ? q_len[i] : 1, st = segmented ? q_start[i] : i;
+    if (m == 0) continue;
+    if (m < 0 || m > t || t > MB * BS || st < 0 || st + m > N || st / S != (st + m - 1) / S) {
+      status[0] = 1; status[1] = i; free(seg); return;
+    }
+    for (int64_t j = 0; j < (t + BS - 1) / BS; j++)
+      if (tables[i * MB + j] < 0 || tables[i * MB + j] >= NB) {
+        status[0] = 2; status[1] = i; free(seg); return;
+      }
+    for (int64_t j = 0; j < m; j++) { /* causal, bottom-right aligned: token j sits at t - m + j */
+      if (seg[st + j] >= 0) { status[0] = 4; status[1] = i; free(seg); return; } /* overlap */
+      seg[st + j] = i;
+      len[st + j] = t - m + j + 1;
+    }
     if (t > longest) longest = t;
   }
   const int64_t row = HK * D, block = BS * row;
   const float *keys = pool + (layer * 2) * NB * block, *values = keys + NB * block;
   /* tokens are independent: threads take whole tokens (at least 64 keys x heads of work each) */
   int64_t work = 0;
-  for (int64_t n = 0; n < B * S; n++) work += kv_len[n] * HQ;
-  int64_t nt = work < 4096 ? 1 : nthreads < B * S ? nthreads : B * S;
+  for (int64_t n = 0; n < N; n++) work += seg[n] >= 0 ? len[n] * HQ : 0;
+  int64_t nt = work < 4096 ? 1 : nthreads < N ? nthreads : N;
   if (nt < 1) nt = 1;
   float *scratch = (float *)malloc(nt * G * longest * sizeof(float));
-  if (!scratch) { status[0] = 3; return; }
+  if (!scratch) { status[0] = 3; free(seg); return; }
   const int64_t hs = S * D; /* between consecutive heads of q and out */
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-  for (int64_t n = 0; n < B * S; n++) {
+  for (int64_t n = 0; n < N; n++) {
 #ifdef _OPENMP
     float *p = scratch + omp_get_thread_num() * G * longest;
 #else
     float *p = scratch;
 #endif
-    const int64_t b = n / S, s = n % S, t = kv_len[n];
-    const int64_t *blocks = tables + n * MB;
+    const int64_t b = n / S, s = n % S;
+    if (seg[n] < 0) { /* in no segment: zeros, as the reference */
+      for (int64_t h = 0; h < HQ; h++) memset(out + ((b * HQ + h) * S + s) * D, 0, sizeof(float) * D);
+      continue;
+    }
+    const int64_t t = len[n];
+    const int64_t *blocks = tables + seg[n] * MB;
     for (int64_t h = 0; h < HK; h++) {
       const int64_t at = ((b * HQ + h * G) * S + s) * D;
       const float *kh = keys + h * D, *vh = values + h * D;
@@ -387,6 +414,7 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
     }
   }
   free(scratch);
+  free(seg);
 }
 """
 )

@@ -185,6 +185,7 @@ def _attn_kernel(xp, q, pool, block_tables, kv_len, q_start=None, q_len=None, la
             f"{len(counts)} segments (without q_start/q_len, one per query token)"
         )
     groups: dict[tuple[int, int], list[int]] = {}
+    covered = np.zeros(n, bool)
     for i, (m, t, st) in enumerate(zip(counts, lens, starts)):
         if m == 0:
             continue
@@ -195,6 +196,11 @@ def _attn_kernel(xp, q, pool, block_tables, kv_len, q_start=None, q_len=None, la
                 f"q_len <= kv_len, lie within one row of the {b}x{s} query tokens, and fit its "
                 f"{tables.shape[1]}-block table"
             )
+        if covered[st : st + m].any():
+            raise OpError(
+                f"paged_attention: segment {i} (q_start={st}, q_len={m}) overlaps an earlier one"
+            )
+        covered[st : st + m] = True
         groups.setdefault((m, t), []).append(i)
     qt = q.transpose(0, 2, 1, 3).reshape(n, hq, d)  # (N, Hq, D), token-major
     out = xp.zeros_like(qt)
@@ -227,15 +233,17 @@ def _attn_kernel(xp, q, pool, block_tables, kv_len, q_start=None, q_len=None, la
     return out.reshape(b, s, hq, d).transpose(0, 2, 1, 3)
 
 
-def _attn_sizes(q, pool, block_tables, kv_len, layer=0, scale=None):
+def _attn_sizes(q, pool, block_tables, kv_len, q_start=None, q_len=None, layer=0, scale=None):
     b, hq, s, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     bits = struct.unpack("<q", struct.pack("<d", scale))[0]  # the kernel reads it back as a double
-    return [b, hq, s, d, pool.shape[2], pool.shape[3], pool.shape[4], block_tables.shape[1], layer, bits]
+    geometry = [b, hq, s, d, pool.shape[2], pool.shape[3], pool.shape[4], block_tables.shape[1], layer, bits]
+    return geometry + [int(q_start is not None), block_tables.shape[0]]
 
 
 def _attn_native_applies(q, pool, block_tables, kv_len, q_start=None, q_len=None, **attrs):
-    return q_start is None and q.dtype == pool.dtype == _F32 and block_tables.dtype == kv_len.dtype == _I64
+    ints = [t.dtype == _I64 for t in (block_tables, kv_len, q_start, q_len) if t is not None]
+    return q.dtype == pool.dtype == _F32 and all(ints)
 
 
 defop(
