@@ -8,7 +8,8 @@ does two things the default executor does not:
   kernel. The choice is made once per op from the program's static types and attributes, so every
   call of the program runs the same kernels (batch invariance depends on it).
 * **Replays.** When every step of the function is a C kernel (a native op or a compiled
-  ``cinn.fusion``) or a view (a reshape, or a transpose that moves no data), the executor plans it
+  ``cinn.fusion``) or a view (a reshape, or a transpose that moves no data; a transpose that does,
+  as prefill's attention heads, becomes a strided C copy), the executor plans it
   once per binding of its size symbols: a buffer for every intermediate, allocated once, each
   kernel's argument arrays filled in, and one C loop that calls the kernels in order. A call then
   only points the kernels at its inputs (those that changed since the last call) and at fresh
@@ -16,9 +17,10 @@ does two things the default executor does not:
   the step's weights have pushed the interpreter out of the caches. The results are bitwise those
   of the op-by-op run (the same kernels on the same arguments).
 
-A binding that cannot be replayed (a step without a C kernel, a view that would copy, inputs that
-are not contiguous) runs op by op. So does a call while another thread is inside the same
-executor's replay (replays own their buffers), and every call under ``LLMKIT_PROFILE=1``.
+A binding that cannot be replayed (a step without a C kernel, a movement op whose result is not a
+view of its input, inputs that are not contiguous) runs op by op. So does a call while another
+thread is inside the same executor's replay (replays own their buffers), and every call under
+``LLMKIT_PROFILE=1``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,41 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   for (int64_t i = 0; i < sizes[0]; i++) {
     fns[i](argv[i], sizev[i], threads[i]);
     if (status[0]) { status[2] = i; return; }
+  }
+}
+"""
+
+COPY = r"""
+#include <string.h>
+/* dst (C-contiguous) = the strided view of src: bufs: src, dst. sizes: ndim (<= 16), itemsize,
+   byte offset of the view in src, shape[ndim], byte strides[ndim]. */
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  (void)nthreads;
+  const int64_t nd = sizes[0], item = sizes[1];
+  const int64_t *shape = sizes + 3, *strides = sizes + 3 + nd;
+  const char *src = (const char *)bufs[0] + sizes[2];
+  char *dst = (char *)bufs[1];
+  int64_t total = 1, idx[16] = {0};
+  for (int64_t d = 0; d < nd; d++) total *= shape[d];
+  if (total == 0) return;
+  const int64_t inner = nd ? shape[nd - 1] : 1, step = nd ? strides[nd - 1] : item;
+  for (int64_t o = 0; o < total / inner; o++) {
+    const char *sp = src;
+    for (int64_t d = 0; d + 1 < nd; d++) sp += idx[d] * strides[d];
+    if (step == item) {
+      memcpy(dst, sp, inner * item);
+      dst += inner * item;
+    } else if (item == 4) {
+      for (int64_t i = 0; i < inner; i++, dst += 4) memcpy(dst, sp + i * step, 4);
+    } else if (item == 8) {
+      for (int64_t i = 0; i < inner; i++, dst += 8) memcpy(dst, sp + i * step, 8);
+    } else {
+      for (int64_t i = 0; i < inner; i++, dst += item) memcpy(dst, sp + i * step, item);
+    }
+    for (int64_t d = nd - 2; d >= 0; d--) {
+      if (++idx[d] < shape[d]) break;
+      idx[d] = 0;
+    }
   }
 }
 """
@@ -198,8 +235,11 @@ class Replay:
                 outs = [np.zeros(shape, dt) for shape, dt in specs]
                 out_at, status = [None] * len(outs), []
             else:
-                self._view(st, args, attrs, at, arrays)
-                continue
+                copy = self._view(st, args, attrs, at, arrays)
+                if copy is None:
+                    continue
+                kernel, sizes, outs = copy
+                threads, status, out_at = 1, [], [None]
             for s, o, where in zip(st.outs, outs, out_at):
                 at[s], arrays[s] = where or new_base("buffer", o), o
             bufs = (_c_void_p * (len(args) + len(outs) + len(status)))()
@@ -239,18 +279,28 @@ class Replay:
         self.launch_sizes = (_c_int64 * 1)(n)
 
     @staticmethod
-    def _view(st: Any, args: list, attrs: dict, at: dict, arrays: dict) -> None:
-        """A movement op whose result is a contiguous piece of its first input costs nothing."""
+    def _view(st: Any, args: list, attrs: dict, at: dict, arrays: dict) -> tuple | None:
+        """A movement op whose result is a contiguous piece of its first input costs nothing (None);
+        one whose result is a strided view of it (a transpose) becomes a copy: (kernel, sizes, [out])."""
         if st.kind != Kind.MOVEMENT or len(st.outs) != 1 or not args:
             raise _Unplannable(f"{st.name} has no C kernel")
         out, src = st.fn(np, *args, **attrs), args[0]
-        if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or out.base is None:
+        if not isinstance(out, np.ndarray) or out.base is None or out.ndim > 16:
             raise _Unplannable(f"{st.name} would copy")
         off = out.ctypes.data - src.ctypes.data
-        if off < 0 or off + out.nbytes > src.nbytes:
+        lo = off + sum(s * (n - 1) for s, n in zip(out.strides, out.shape) if s < 0 and n)
+        hi = off + sum(s * (n - 1) for s, n in zip(out.strides, out.shape) if s > 0 and n) + out.itemsize
+        if out.size and (lo < 0 or hi > src.nbytes):
             raise _Unplannable(f"{st.name} is not a view of its first input")
+        if not out.flags.c_contiguous:
+            copy = build_c(COPY)
+            if copy is None:
+                raise _Unplannable("no C compiler")
+            sizes = [out.ndim, out.itemsize, off, *out.shape, *out.strides]
+            return copy, sizes, [np.zeros(out.shape, out.dtype)]
         base, off0 = at[st.ins[0]]
         at[st.outs[0]], arrays[st.outs[0]] = (base, off0 + off), out
+        return None
 
     @staticmethod
     def _output(s: int, at: dict, arrays: dict, bases: list, inputs: Sequence) -> tuple[str, Any, tuple]:

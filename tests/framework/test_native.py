@@ -354,6 +354,35 @@ def test_replay_equals_op_by_op_bitwise_across_calls():
     assert sum(v is not None for v in plans.values()) == 3  # one plan per batch size
 
 
+def test_replay_copies_a_transpose_that_is_not_a_view_and_equals_numpy():
+    """A movement op whose result is a strided view (a transpose, as prefill's attention heads)
+    becomes a C copy step in the replay; the function is replayed, with numpy's values."""
+    p = _compiled(
+        ir.parse(
+            """
+module {
+  func @main(%x: f32[N, 3, 5], %w: f32[5, 16]) -> (f32[3, N, 5], f32[3, N, 16]) {
+    %0 = llm.silu(%x) : f32[N, 3, 5]
+    %1 = llm.transpose(%0) {perm = [1, 0, 2]} : f32[3, N, 5]
+    %2 = llm.tiled_linear(%1, %w) {rows = 1, transposed = true} : f32[3, N, 16]
+    return %1, %2
+  }
+}
+"""
+        )
+    )
+    ex = Executor(p, native=True)
+    rng = np.random.default_rng(4)
+    for n in (4, 1, 7):
+        x = rng.standard_normal((n, 3, 5)).astype(np.float32)
+        w = rng.standard_normal((5, 16)).astype(np.float32)
+        t, y = ex.run([x, w])
+        silu = x.astype(np.float64) / (1 + np.exp(-x.astype(np.float64)))
+        np.testing.assert_allclose(t, silu.transpose(1, 0, 2), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(y, silu.transpose(1, 0, 2) @ w, rtol=1e-5, atol=1e-5)
+    assert [v is not None for v in ex._replays.plans.values()] == [True] * 3  # all three replayed
+
+
 def test_replay_outputs_are_fresh_arrays_each_call():
     p = _compiled(_decode_like())
     ex = Executor(p, native=True)

@@ -197,9 +197,7 @@ def _attn_kernel(xp, q, pool, block_tables, kv_len, q_start=None, q_len=None, la
                 f"{tables.shape[1]}-block table"
             )
         if covered[st : st + m].any():
-            raise OpError(
-                f"paged_attention: segment {i} (q_start={st}, q_len={m}) overlaps an earlier one"
-            )
+            raise OpError(f"paged_attention: segment {i} (q_start={st}, q_len={m}) overlaps an earlier one")
         covered[st : st + m] = True
         groups.setdefault((m, t), []).append(i)
     qt = q.transpose(0, 2, 1, 3).reshape(n, hq, d)  # (N, Hq, D), token-major
