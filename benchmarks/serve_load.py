@@ -179,6 +179,9 @@ def main() -> None:
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests-per-client", type=int, default=3)
+    p.add_argument(
+        "--min-requests", type=int, default=16, help="per level at least (one client's run is short, noisy)"
+    )
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     a = p.parse_args()
@@ -200,7 +203,8 @@ def main() -> None:
         try:
             asyncio.run(level(port, 1, 1, a.prompt_len, 8))  # warm-up
             for c in a.concurrency:
-                s = asyncio.run(level(port, c, a.requests_per_client, a.prompt_len, a.max_tokens))
+                per_client = max(a.requests_per_client, -(-a.min_requests // c))
+                s = asyncio.run(level(port, c, per_client, a.prompt_len, a.max_tokens))
                 tps[c] = s["tokens"] / s["wall"]
                 ms = lambda xs, q: round(float(np.percentile(xs, q)) * 1e3, 2)
                 emit(
@@ -209,7 +213,7 @@ def main() -> None:
                     tps[c],
                     "tokens/s",
                     concurrency=c,
-                    requests=c * a.requests_per_client,
+                    requests=c * per_client,
                     ttft_p50_ms=ms(s["ttft"], 50),
                     ttft_p99_ms=ms(s["ttft"], 99),
                     itl_p50_ms=ms(s["itl"], 50),
