@@ -300,6 +300,27 @@ def test_index_select_rows_any_dtype_and_negative_indices():
         native("index_select")(np, np.zeros((3, 2)), np.array([3], np.int64))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_index_add_accumulates_repeats_in_order_as_numpy_add_at(dtype):
+    """The embedding's gradient: rows added at their indices, repeats accumulating in index order,
+    so the bits are numpy's add.at's (written out here as a loop)."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((9, 3, 5)).astype(dtype)
+    idx = np.array([2, 8, -1, 2, 0, 2, 5], np.int64)
+    src = rng.standard_normal((7, 3, 5)).astype(dtype)
+    assert applies("index_add", x, idx, src)
+    want = x.copy()
+    for i, r in enumerate(idx):
+        want[r] = want[r] + src[i]
+    got = native("index_add")(np, x, idx, src)
+    assert got.dtype == dtype and np.array_equal(got, want)
+    assert not np.array_equal(x, want)  # x itself is left alone
+    assert not applies("index_add", x.astype(np.int64), idx, src.astype(np.int64))
+    assert not applies("index_add", x, idx, src, axis=1)
+    with pytest.raises(IndexError):  # the reference kernel's own error
+        native("index_add")(np, x, np.array([9], np.int64), src[:1])
+
+
 # ---- replays ------------------------------------------------------------------------------------
 
 

@@ -470,3 +470,32 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   }
 }
 """
+
+INDEX_ADD = r"""
+#include <string.h>
+/* index_add along axis 0: out = x, then out[index[i]] += src[i] for i = 0, 1, ... in order (as
+   numpy's add.at: repeated indices accumulate in index order, so the bits are the reference's).
+   float32 (itemsize 4) or float64 (8). bufs: x [R, C...], index [N] (int64), src [N, C...], out,
+   status. sizes: R, N, elements per row, itemsize. */
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  (void)nthreads;
+  const int64_t R = sizes[0], N = sizes[1], C = sizes[2], item = sizes[3];
+  const int64_t *index = (const int64_t *)bufs[1];
+  int64_t *status = (int64_t *)bufs[4];
+  for (int64_t i = 0; i < N; i++)
+    if (index[i] < -R || index[i] >= R) { status[0] = 1; status[1] = i; return; }
+  if (bufs[3] != bufs[0]) memcpy(bufs[3], bufs[0], (size_t)(R * C * item));
+  for (int64_t i = 0; i < N; i++) {
+    const int64_t r = index[i] < 0 ? index[i] + R : index[i];
+    if (item == 4) {
+      float *o = (float *)bufs[3] + r * C;
+      const float *a = (const float *)bufs[2] + i * C;
+      for (int64_t c = 0; c < C; c++) o[c] = o[c] + a[c];
+    } else {
+      double *o = (double *)bufs[3] + r * C;
+      const double *a = (const double *)bufs[2] + i * C;
+      for (int64_t c = 0; c < C; c++) o[c] = o[c] + a[c];
+    }
+  }
+}
+"""

@@ -496,6 +496,21 @@ defop(
     attrs=[attr("axis", A.INT, 0)],
     infer_meta=_index_add_meta,
     kernel=_index_add_kernel,
+    native=Native(
+        kernels_c.INDEX_ADD,
+        sizes=lambda x, index, src, axis=0: [
+            x.shape[0],
+            index.shape[0],
+            x.size // max(x.shape[0], 1),
+            x.itemsize,
+        ],
+        applies=lambda x, index, src, axis=0: (
+            x.ndim >= 1
+            and axis in (0, -x.ndim)
+            and index.dtype == np.int64
+            and x.dtype.name in ("float32", "float64")
+        ),
+    ),
     nondiff={1},
     vjp=lambda g, out, x, index, src, axis: (g, None, O.index_select(g, index, axis=axis)),
     doc="x with src's slices added at index along axis (repeated indices accumulate).",
