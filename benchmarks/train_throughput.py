@@ -7,7 +7,10 @@ fused and compiled, or ``none``), which also times eager in the same run for the
 does so with PyTorch "at its best" as the issue measured it: MKL's check for an Intel CPU answered
 yes (a one-function shim, built here with the C compiler and preloaded by re-executing this script;
 MKL otherwise takes slow generic paths on AMD) and glibc's malloc thresholds raised (the executor
-raises them for the whole process before any step is timed).
+raises them for the whole process before any step is timed). In one process PyTorch's OpenMP
+threads also sleep at once after each region (the compiler sets ``OMP_WAIT_POLICY=PASSIVE``, one
+libgomp serves both), which costs it 5-8%; so ``--torch-tuned`` then times it once more alone, in
+a process of its own with OpenMP's default policy, right after (``..._own_process``).
 
 Run:
   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/train_throughput.py
@@ -39,6 +42,8 @@ from llmkit.framework.memory import keep_freed_memory
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.train.config import load_config
 from llmkit.train.metrics import matmul_peak_flops
+
+USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")  # before the compiler sets its default
 
 
 def model_config(cfg) -> LlamaConfig:
@@ -126,6 +131,34 @@ def preload_mkl_shim() -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
+def torch_alone(a: argparse.Namespace) -> None:
+    """PyTorch's steps only, in this process (started by --torch-tuned): prints its tokens/s."""
+    keep_freed_memory()
+    cfg = load_config(a.config)
+    llama = model_config(cfg)
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    rng = np.random.default_rng(0)
+    step = torch_step_fn(llama, cfg.optim.lr)
+    times = []
+    for i in range(a.warmup + a.steps):
+        x, y = rng.integers(0, llama.vocab_size, (b, s)), rng.integers(0, llama.vocab_size, (b, s))
+        t = time.perf_counter()
+        step(x, y)
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t)
+    print(b * s / float(np.median(times)), flush=True)
+
+
+def torch_own_process(a: argparse.Namespace) -> float:
+    """Tokens/s of PyTorch at its best in a process of its own (OpenMP's default wait policy)."""
+    env = dict(os.environ)
+    if USER_OMP_WAIT_POLICY is None:
+        env.pop("OMP_WAIT_POLICY", None)
+    cmd = [sys.executable, sys.argv[0], "--torch-alone", "--config", a.config, "--steps", str(a.steps)]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
 def measure_interleaved(steps: dict, batches, warmup: int) -> dict[str, float]:
     """Median seconds per step of each variant, their steps interleaved batch by batch, so that
     every variant sees the same machine (this shared 2-core VM drifts by 10-30% between minutes)."""
@@ -160,7 +193,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--torch", action="store_true", help="also time transformers on PyTorch (same process)")
     p.add_argument("--torch-tuned", action="store_true", help="--torch, with MKL's vendor check patched")
+    p.add_argument("--torch-alone", action="store_true", help=argparse.SUPPRESS)  # the own-process run
     a = p.parse_args()
+    if a.torch_alone:
+        torch_alone(a)
+        return
     if a.torch_tuned:
         preload_mkl_shim()
         a.torch = True
@@ -227,6 +264,17 @@ def main() -> None:
         emit("train_throughput", f"{name}_over_{k}", best / v, "x", reference_tokens_per_s=v)
     # the ceiling here: every training FLOP at this machine's measured matmul peak
     emit("train_throughput", "tokens_per_s_at_matmul_peak", peak / fpt, "tokens/s", note="100% MFU bound")
+    if a.torch_tuned:
+        alone = torch_own_process(a)
+        emit("train_throughput", "torch_eager_tuned_own_process_tokens_per_s", alone, "tokens/s")
+        emit(
+            "train_throughput",
+            f"{name}_over_torch_eager_tuned_own_process",
+            best / alone,
+            "x",
+            target=1.0,
+            note="PyTorch alone right after, OpenMP's default wait policy",
+        )
     if a.torch:
         emit(
             "train_throughput",
