@@ -34,7 +34,7 @@ import numpy as np
 from .blocks import BlockManager
 from .chat import ChatTemplate
 from .detokenize import Detokenizer
-from .programs import BLOCK_SIZE, DECODE_TILE, PREFILL_TILE
+from .programs import BLOCK_SIZE, DECODE_TILE, PREFILL_TILE, runs_native, unpack_panel_weights
 from .request import Completion, FinishReason, Request, RequestOutput
 from .runner import DecodeBatch, ModelRunner, PrefillBatch
 from .sampling import Sampler, SamplingParams, merge_stop_ids
@@ -138,6 +138,8 @@ class Engine:
 
         config = config or EngineConfig()
         sm = jit.load(path, compiler=config.compiler)
+        if not runs_native(config.compiler):
+            unpack_panel_weights(sm.programs.values())  # the reference kernels read [in, out]
         meta = sm.metadata
         if "engine" not in meta:
             raise jit.FormatError(

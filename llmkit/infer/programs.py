@@ -183,6 +183,52 @@ def relayout(a: np.ndarray, layout: str) -> np.ndarray:
     raise ValueError(f"unknown weight layout {layout!r}")
 
 
+class _Unpanel(RewritePattern):
+    roots = ("llm.tiled_linear",)
+
+    def __init__(self, args: set) -> None:
+        self.args = args
+
+    def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
+        if op.operands[1] in self.args and op.plain_attrs["panel"]:
+            attrs = {**op.plain_attrs, "panel": 0, "transposed": True}
+            rewriter.replace_op(op, rewriter.create("llm.tiled_linear", list(op.operands), attrs))
+
+
+def runs_native(compiler: str | None) -> bool:
+    """Whether programs run with ``compiler`` run the ops' C kernels (``tiled_linear`` over panels):
+    compiled ("cinn", the default) where a C compiler works."""
+    return (compiler or default_compiler()) == "cinn" and compiler_available()
+
+
+def unpack_panel_weights(functions: Any) -> int:
+    """Loaded programs (``jit.load``'s functions) that will run without ``tiled_linear``'s C kernel
+    (``compiler="none"``, or no C compiler here) take their panel-packed weights as ``[in, out]``
+    again, unpacked once here rather than by the reference kernel at every call. Returns how many
+    weights were unpacked (a weight two programs share is unpacked once)."""
+    done: dict[int, np.ndarray] = {}
+    for fn in functions:
+        f = fn.program.function(fn.entry["function"])
+        n_in = len(fn.input_specs)
+        chosen = set()
+        for a in f.args[n_in:]:
+            uses = a.uses
+            if uses and all(
+                op.name == "llm.tiled_linear" and i == 1 and op.plain_attrs["panel"] for op, i in uses
+            ):
+                chosen.add(a)
+        for a in chosen:
+            p, k, c = a.shape
+            a.type = TensorType((k, p * c), a.dtype)
+            w = fn.weights[a.index - n_in]
+            if id(w) not in done:
+                done[id(w)] = np.ascontiguousarray(w.transpose(1, 0, 2).reshape(k, p * c))
+            fn.weights[a.index - n_in] = done[id(w)]
+        apply_patterns(fn.program, [_Unpanel(chosen)], erase_dead=False)
+        fn.program.verify()
+    return len(done)
+
+
 # ---- tracing --------------------------------------------------------------------------------------
 
 _I64 = "int64"
@@ -278,8 +324,7 @@ def trace_programs(
     """
     spec = model_spec(model, block_size, prefill_tile, decode_tile)
     tiles = {"prefill": prefill_tile, "decode": decode_tile}
-    # panel-packed weights where the executor will run tiled_linear's C kernel (compiled programs)
-    native = (compiler or default_compiler()) == "cinn" and compiler_available()
+    native = runs_native(compiler)  # panel-packed weights where the executor runs the C kernel
     lm_weight = model.lm_weight
 
     def prefill(input_ids, positions, slots, block_tables, kv_len, q_start, q_len, logit_rows, pool):

@@ -65,6 +65,38 @@ def test_round_trip_logits_equal_the_training_models(model_file, trained):
             )
 
 
+def test_a_file_with_packed_weights_runs_the_reference_kernels_on_unpacked_ones(model_file, trained):
+    """Served without the C kernel (compiler="none"), panel-packed weights are unpacked once at load:
+    the programs then equal the live model's reference-kernel programs bit for bit."""
+    model, _ = trained
+    served = Engine.from_static(model_file, EngineConfig(max_batch=4, compiler="none"))
+    live = Engine.from_model(model, config=EngineConfig(max_batch=4, compiler="none"))
+    for fn in jit.load(model_file, compiler="none").programs.values():
+        packed = "panel = 16" in str(fn.program)
+        assert packed == available()  # the file itself keeps the panels (exported where cc works)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 4096, n).tolist() for n in (5, 19)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=5)
+    a, b = served.generate(prompts, params), live.generate(prompts, params)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert [c.top for c in x.logprobs] == [c.top for c in y.logprobs]
+
+
+def test_unpacking_rewrites_the_programs_and_their_weights(model_file, trained):
+    from llmkit.infer.programs import unpack_panel_weights
+
+    model, _ = trained
+    sm = jit.load(model_file, compiler="none")
+    n = unpack_panel_weights(sm.programs.values())
+    assert n == (2 * 5 + 1 if available() else 0)  # q, k, v, o, down per layer + lm_head (gate, up: 344)
+    for name, fn in sm.programs.items():
+        assert "panel = 16" not in str(fn.program), name
+    dec = sm.programs["decode"]
+    i = dec.entry["weights"].index(f"model.layers.1.mlp.down_proj.weight.{'P16' if available() else 'T'}")
+    np.testing.assert_array_equal(dec.weights[i], model.model.layers[1].mlp.down_proj.weight.numpy().T)
+
+
 def test_the_file_runs_in_a_process_without_model_code(model_file, tmp_path):
     code = f"""
 import sys

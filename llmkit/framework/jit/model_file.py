@@ -127,7 +127,7 @@ class LoadedFunction:
         self, name: str, program: Program, entry: dict[str, Any], weights: list[Any], compiler: str | None
     ) -> None:
         self.name, self.program, self.entry = name, program, entry
-        self._weights = weights
+        self.weights = weights  # the arrays bound to the function arguments after the inputs
         self._compiler = compiler
         self._executor = None
         self.input_specs = entry["inputs"]
@@ -149,7 +149,7 @@ class LoadedFunction:
             )
         tensors = any(isinstance(x, Tensor) for x in inputs)
         arrays = [x._data if isinstance(x, Tensor) else np.asarray(x) for x in inputs]
-        outs = self.executor.run([*arrays, *self._weights])
+        outs = self.executor.run([*arrays, *self.weights])
         res = [Tensor(o) for o in outs] if tensors else outs
         return res[0] if len(res) == 1 else tuple(res)
 
