@@ -290,7 +290,7 @@ class Replay:
         off = out.ctypes.data - src.ctypes.data
         lo = off + sum(s * (n - 1) for s, n in zip(out.strides, out.shape) if s < 0 and n)
         hi = off + sum(s * (n - 1) for s, n in zip(out.strides, out.shape) if s > 0 and n) + out.itemsize
-        if out.size and (lo < 0 or hi > src.nbytes):
+        if out.size and (lo < 0 or hi > src.nbytes or not np.shares_memory(out, src)):
             raise _Unplannable(f"{st.name} is not a view of its first input")
         if not out.flags.c_contiguous:
             copy = build_c(COPY)
