@@ -36,6 +36,7 @@ from llmkit.framework import backend as B
 from llmkit.framework import jit
 from llmkit.framework.compiler import available as compiler_available
 from llmkit.framework.ir import Program, TensorType
+from llmkit.framework.ir.core import OpResult
 from llmkit.framework.ir.pass_manager import Pass, register_pass
 from llmkit.framework.ir.rewriter import PatternRewriter, RewritePattern, apply_patterns
 from llmkit.framework.jit.compile import default_compiler
@@ -184,7 +185,7 @@ def relayout(a: np.ndarray, layout: str) -> np.ndarray:
 
 
 class _Unpanel(RewritePattern):
-    roots = ("llm.tiled_linear",)
+    roots = ("llm.tiled_linear", "llm.tiled_linear_swiglu")
 
     def __init__(self, args: set) -> None:
         self.args = args
@@ -192,13 +193,48 @@ class _Unpanel(RewritePattern):
     def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
         if op.operands[1] in self.args and op.plain_attrs["panel"]:
             attrs = {**op.plain_attrs, "panel": 0, "transposed": True}
-            rewriter.replace_op(op, rewriter.create("llm.tiled_linear", list(op.operands), attrs))
+            rewriter.replace_op(op, rewriter.create(op.name, list(op.operands), attrs))
+
+
+class _FusedSwiGLU(RewritePattern):
+    roots = ("llm.swiglu",)
+
+    def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
+        gate, up = (v.op if isinstance(v, OpResult) else None for v in op.operands)
+        for lin, v in ((gate, op.operands[0]), (up, op.operands[1])):
+            if lin is None or lin.name != "llm.tiled_linear" or len(lin.operands) != 2:
+                return
+            if lin.plain_attrs["panel"] != PANEL or len(v.uses) != 1:
+                return
+        if gate is up or gate.operands[0] is not up.operands[0] or gate.plain_attrs != up.plain_attrs:
+            return
+        attrs = {k: gate.plain_attrs[k] for k in ("rows", "transposed", "panel")}
+        operands = [gate.operands[0], gate.operands[1], up.operands[1]]
+        rewriter.replace_op(op, rewriter.create("llm.tiled_linear_swiglu", operands, attrs))
+        rewriter.erase_op(gate)
+        rewriter.erase_op(up)
+
+
+@register_pass
+@dataclass
+class FuseSwiGLU(Pass):
+    """``swiglu(tiled_linear(x, Wg), tiled_linear(x, Wu))`` with both weights in panels ->
+    ``tiled_linear_swiglu(x, Wg, Wu)``: one C kernel whose threads finish their own columns (run
+    apart, the SwiGLU kernel read the gate and up halves the other core had just written)."""
+
+    name = "fuse-swiglu"
+
+    def apply(self, program: Program) -> None:
+        apply_patterns(program, [_FusedSwiGLU()], erase_dead=False)
 
 
 def runs_native(compiler: str | None) -> bool:
     """Whether programs run with ``compiler`` run the ops' C kernels (``tiled_linear`` over panels):
     compiled ("cinn", the default) where a C compiler works."""
     return (compiler or default_compiler()) == "cinn" and compiler_available()
+
+
+_PANEL_OPS = {"llm.tiled_linear": (1,), "llm.tiled_linear_swiglu": (1, 2)}  # ops reading panels: operands
 
 
 def unpack_panel_weights(functions: Any) -> int:
@@ -213,9 +249,7 @@ def unpack_panel_weights(functions: Any) -> int:
         chosen = set()
         for a in f.args[n_in:]:
             uses = a.uses
-            if uses and all(
-                op.name == "llm.tiled_linear" and i == 1 and op.plain_attrs["panel"] for op, i in uses
-            ):
+            if uses and all(i in _PANEL_OPS.get(op.name, ()) and op.plain_attrs["panel"] for op, i in uses):
                 chosen.add(a)
         for a in chosen:
             p, k, c = a.shape
@@ -357,6 +391,7 @@ def trace_programs(
             relayout_pass = TransposeWeights(panels=native)
             relayout_pass.apply(cp.program)
             layouts = {i - cp.n_args: v for i, v in relayout_pass.layouts.items()}
+            FuseSwiGLU().apply(cp.program)
             cp.program.verify()
         out[pname] = EngineProgram(cp, layouts)
     return out, spec

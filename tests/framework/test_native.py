@@ -161,6 +161,42 @@ def test_tiled_linear_panel_shapes_and_width_are_checked():
         table()["tiled_linear"].bind({"panel": 8})
 
 
+@pytest.mark.parametrize("m", [1, 5, 8, 16, 33])
+@pytest.mark.parametrize("k,n", [(1, 16), (64, 80), (256, 688), (0, 32)])
+def test_tiled_linear_swiglu_matches_float64_and_rows_are_independent(m, k, n):
+    """The engine's fused MLP: silu(x Wg) * (x Wu) with panel weights, against float64; a row's bits
+    do not depend on the other rows, and its products are tiled_linear's (same chain, same bits)."""
+    rng = np.random.default_rng(m + k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    wg, wu = (rng.standard_normal((k, n)).astype(np.float32) / 8 for _ in range(2))
+    pg, pu = _panels(wg), _panels(wu)
+    assert applies("tiled_linear_swiglu", x, pg, pu, rows=1, panel=16)
+    assert not applies("tiled_linear_swiglu", x, wg, wu, rows=1, transposed=True)  # panels only
+    op = native("tiled_linear_swiglu")
+    got = op(np, x, pg, pu, rows=1, panel=16)
+    a, b = x.astype(np.float64) @ wg, x.astype(np.float64) @ wu
+    np.testing.assert_allclose(got, a / (1 + np.exp(-a)) * b, rtol=1e-5, atol=1e-5 * math.sqrt(max(k, 1)))
+    for i in (0, m - 1):
+        assert np.array_equal(op(np, x[i : i + 1], pg, pu, rows=1, panel=16)[0], got[i])
+    ga = native("tiled_linear")(np, x, pg, rows=1, panel=16)  # the products, as tiled_linear computes them
+    gb = native("tiled_linear")(np, x, pu, rows=1, panel=16)
+    np.testing.assert_allclose(got, ga / (1 + np.exp(-ga.astype(np.float64))) * gb, rtol=2e-6, atol=1e-7)
+
+
+def test_tiled_linear_swiglu_threads_do_not_change_a_bit(monkeypatch):
+    import llmkit.framework.native as native_mod
+
+    rng = np.random.default_rng(11)
+    pg, pu = (_panels(rng.standard_normal((200, 704)).astype(np.float32) / 8) for _ in range(2))
+    for m in (8, 40):
+        x = rng.standard_normal((m, 200)).astype(np.float32)
+        got = {}
+        for n in (1, 2, 3):
+            monkeypatch.setattr(native_mod, "_threads", lambda n=n: n)
+            got[n] = native("tiled_linear_swiglu")(np, x, pg, pu, rows=1, panel=16)
+        assert np.array_equal(got[1], got[2]) and np.array_equal(got[1], got[3])
+
+
 @pytest.mark.parametrize("d", [3, 8, 19, 32, 64, 128])
 def test_paged_attention_decode_matches_float64(d):
     rng = np.random.default_rng(d)

@@ -717,6 +717,31 @@ case(
 )
 
 
+def _tls_ref(x, wg, wu, rows=8, transposed=False, panel=0):
+    def lin(w):
+        if panel:
+            return np.einsum("...i,pic->...pc", x, w).reshape(x.shape[:-1] + (-1,))
+        return np.einsum("...i,io->...o" if transposed else "...i,oi->...o", x, w)
+
+    a, b = lin(wg), lin(wu)
+    return a / (1 + np.exp(-a)) * b
+
+
+case(
+    "tiled_linear_swiglu",
+    lambda rng: [
+        S([r(rng, 2, 3, 4), r(rng, 5, 4), r(rng, 5, 4)], {"rows": 4}),
+        S([r(rng, 3, 4), r(rng, 4, 6), r(rng, 4, 6)], {"rows": 1, "transposed": True}),
+        S(
+            [r(rng, 3, 5), r(rng, 2, 5, 16), r(rng, 2, 5, 16)],
+            {"rows": 2, "panel": 16},
+            keep=((1, 2), (2, 2)),
+        ),
+    ],
+    _tls_ref,
+)
+
+
 def _slot_of(table, pos, block_size):
     return table[pos // block_size] * block_size + pos % block_size
 

@@ -65,3 +65,42 @@ def test_segments_of_several_sequences_match_the_eager_forward(model):
         ra = model(lf.tensor(np.array([a + [11]]))).logits.numpy()[0, -1]
         rb = model(lf.tensor(np.array([b + [12]]))).logits.numpy()[0, -1]
     np.testing.assert_allclose(logits, np.stack([ra, rb]), rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_programs_fuse_the_mlp_and_generate_as_eager(tmp_path):
+    """With the MLP width a multiple of 16 (both weights in panels) compiled programs run
+    swiglu(gate, up) as one tiled_linear_swiglu; generation still equals eager generation, and a
+    file exported so runs with the reference kernels once its panels are unpacked."""
+    if not available():
+        pytest.skip("no working C compiler")
+    from llmkit.framework import jit
+    from llmkit.infer import Engine, EngineConfig, SamplingParams
+    from llmkit.infer.programs import unpack_panel_weights
+    from llmkit.models.llama.generate import generate
+    from llmkit.serve.export import export_model
+    from llmkit.train.corpus import builtin_tokenizer
+
+    from .conftest import tiny_model
+
+    model = tiny_model(intermediate_size=352)
+    for compiler, fused in (("cinn", 2), ("none", 0)):
+        programs, _ = trace_programs(model, compiler=compiler)
+        for p in programs.values():
+            ops = [op.name for op in p.concrete.program.walk()]
+            assert ops.count("llm.tiled_linear_swiglu") == fused and ops.count("llm.swiglu") == 2 - fused
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 4096, n).tolist() for n in (6, 21)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = Engine.from_model(model, config=EngineConfig(max_batch=4)).generate(prompts, params)
+    for p, out in zip(prompts, got):
+        assert out.token_ids == list(generate(model, [p], max_new_tokens=8, params=params)[0])[-8:]
+    path = export_model(model, builtin_tokenizer(4096), tmp_path / "m.llmkit", model_name="m")
+    sm = jit.load(path, compiler="none")
+    assert unpack_panel_weights(sm.programs.values()) == 2 * 7 + 1  # every linear, the MLP's included
+    text = str(sm.programs["decode"].program)
+    assert "panel = 16" not in text and "llm.tiled_linear_swiglu" in text
+    served = Engine.from_static(path, EngineConfig(max_batch=4, compiler="none"))
+    ref = Engine.from_model(model, config=EngineConfig(max_batch=4, compiler="none"))
+    assert [o.token_ids for o in served.generate(prompts, params)] == [
+        o.token_ids for o in ref.generate(prompts, params)
+    ]

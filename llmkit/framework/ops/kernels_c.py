@@ -52,9 +52,7 @@ static inline float KERNEL_FN_hsum(KERNEL_FN_v v) {
 }
 """
 
-TILED_LINEAR = (
-    _VEC
-    + r"""
+_LINEAR = r"""
 #include <stdlib.h>
 #include <string.h>
 /* tiled_linear, any tile size: y[m] = x[m] @ W (+ bias), each row its own product.
@@ -235,6 +233,12 @@ static void KERNEL_FN_nk(const float *x, const float *w, float *y, int64_t M, in
   }
 }
 
+"""
+
+TILED_LINEAR = (
+    _VEC
+    + _LINEAR
+    + r"""
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   const int64_t M = sizes[0], K = sizes[1], N = sizes[2], has_bias = sizes[3];
   const float *x = (const float *)bufs[0], *w = (const float *)bufs[1];
@@ -262,6 +266,45 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
     for (int64_t m = 0; m < M; m++)
       for (int64_t j = 0; j < N; j++) y[m * N + j] = y[m * N + j] + bias[j];
   }
+}
+"""
+)
+
+TILED_LINEAR_SWIGLU = (
+    _VEC
+    + _LINEAR
+    + r"""
+/* tiled_linear_swiglu: y[m, j] = silu(x[m] . Wg[:, j]) * (x[m] . Wu[:, j]), both weights in
+   16-column panels. Each product is tiled_linear's k-ordered FMA chain (KERNEL_FN_pp) and the
+   SwiGLU is computed as the compiler's swiglu kernel does, element by element: a thread finishes its
+   own columns while they are in its cache, and the gate and up products are never stored.
+   bufs: x [M, K], w_gate, w_up [N / 16, K, 16], y [M, N], status. sizes: M, K, N. */
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  const int64_t M = sizes[0], K = sizes[1], N = sizes[2];
+  const float *x = (const float *)bufs[0], *wg = (const float *)bufs[1], *wu = (const float *)bufs[2];
+  float *y = (float *)bufs[3];
+  int64_t *status = (int64_t *)bufs[4];
+  const int64_t blocks = (N + 63) / 64;
+  int64_t nt = 2 * M * N * K < (1 << 17) ? 1 : nthreads < blocks ? nthreads : blocks;
+  if (nt < 1) nt = 1;
+  float *scratch = (float *)malloc(sizeof(float) * (size_t)(nt * 2 * (M > 0 ? M : 1) * 64));
+  if (!scratch) { status[0] = 3; return; }
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+  for (int64_t t = 0; t < nt; t++) {
+    float *g = scratch + t * 2 * M * 64, *u = g + M * 64;
+    for (int64_t b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
+      const int64_t lo = b * 64, w = N - lo < 64 ? N - lo : 64;
+      KERNEL_FN_pp(x, wg + lo * K, g, M, K, w, 64);
+      KERNEL_FN_pp(x, wu + lo * K, u, M, K, w, 64);
+      for (int64_t m = 0; m < M; m++) {
+        const float *gm = g + m * 64, *um = u + m * 64;
+        float *ym = y + m * N + lo;
+#pragma omp simd
+        for (int64_t j = 0; j < w; j++) ym[j] = (gm[j] * (1.0f / (1.0f + expf(-gm[j])))) * um[j];
+      }
+    }
+  }
+  free(scratch);
 }
 """
 )

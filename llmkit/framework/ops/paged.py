@@ -289,7 +289,7 @@ def _tiled_meta(x, weight, bias=None, rows=8, transposed=False, panel=0):
         if weight.ndim != 3 or weight.shape[2] != panel:
             msg = f"tiled_linear: a panel={panel} weight must be [out/{panel}, in, {panel}]"
             raise OpError(msg, x, weight)
-        weight = Meta((weight.shape[0] * panel, weight.shape[1]), weight.dtype)
+        weight = Meta((sym.mul(weight.shape[0], panel), weight.shape[1]), weight.dtype)
     elif transposed and weight.ndim == 2:  # given as [in, out]: check it as the [out, in] it stands for
         weight = Meta((weight.shape[1], weight.shape[0]), weight.dtype)
     return _linear_meta(x, weight, bias)
@@ -365,4 +365,61 @@ defop(
     "C kernel computes each row alone, whatever `rows`). "
     "transposed=True takes the weight as [in_features, out_features] (BLAS's fast layout); "
     "panel=16 as [out_features / 16, in_features, 16] (pack_panels: the C kernel's layout).",
+)
+
+
+# ---- tiled_linear_swiglu --------------------------------------------------------------------------
+
+
+def _tls_meta(x, w_gate, w_up, rows=8, transposed=False, panel=0):
+    if tuple(w_gate.shape) != tuple(w_up.shape) or w_gate.dtype != w_up.dtype:
+        raise OpError(
+            "tiled_linear_swiglu: the gate and up weights must have one shape and dtype", w_gate, w_up
+        )
+    return _tiled_meta(x, w_gate, None, rows, transposed, panel)
+
+
+def _tls_kernel(xp, x, w_gate, w_up, rows=8, transposed=False, panel=0):
+    a = _tiled_kernel(xp, x, w_gate, None, rows, transposed, panel)
+    b = _tiled_kernel(xp, x, w_up, None, rows, transposed, panel)
+    return a * (1 / (1 + xp.exp(-a))) * b
+
+
+def _tls_vjp(g, out, x, w_gate, w_up, rows=8, transposed=False, panel=0):
+    kw = dict(rows=rows, transposed=transposed, panel=panel)
+    a, b = O.tiled_linear(x, w_gate, **kw), O.tiled_linear(x, w_up, **kw)
+    s = O.sigmoid(a)
+    da, db = g * b * s * (1.0 + a * (1.0 - s)), g * a * s  # swiglu's vjp
+    ga, gb = _tiled_vjp(da, a, x, w_gate, None, **kw), _tiled_vjp(db, b, x, w_up, None, **kw)
+    return (lambda: ga[0]() + gb[0](), ga[1], gb[1])
+
+
+def _tls_native_applies(x, w_gate, w_up, rows=8, transposed=False, panel=0):
+    return panel == PANEL and all(t.dtype == _F32 for t in (x, w_gate, w_up))
+
+
+defop(
+    "tiled_linear_swiglu",
+    Kind.OPAQUE,
+    inputs=("x", "w_gate", "w_up"),
+    attrs=[
+        attr("rows", A.INT, 8, lambda v: None if v >= 1 else "must be >= 1"),
+        attr("transposed", A.BOOL, False),
+        attr("panel", A.INT, 0, lambda v: None if v in (0, PANEL) else f"must be 0 or {PANEL}"),
+    ],
+    infer_meta=_tls_meta,
+    kernel=_tls_kernel,
+    native=Native(
+        kernels_c.TILED_LINEAR_SWIGLU,
+        sizes=lambda x, w_gate, w_up, **attrs: [
+            math.prod(x.shape[:-1]),
+            x.shape[-1],
+            w_gate.shape[0] * w_gate.shape[2],
+        ],
+        applies=_tls_native_applies,
+    ),
+    vjp=_tls_vjp,
+    doc="swiglu(tiled_linear(x, w_gate), tiled_linear(x, w_up)) as one op (the engine's MLP with "
+    "both weights in panels: each thread finishes its own columns; the products are never stored). "
+    "Weights and attributes as tiled_linear's, no bias.",
 )
