@@ -342,6 +342,15 @@ def _tiled_sizes(x, weight, bias=None, rows=8, transposed=False, panel=0):
     return [rows, k, n, bias is not None, 2 if panel else int(transposed)]
 
 
+def _tiled_attrs() -> list:
+    """The weight layout attributes of tiled_linear and tiled_linear_swiglu."""
+    return [
+        attr("rows", A.INT, 8, lambda v: None if v >= 1 else "must be >= 1"),
+        attr("transposed", A.BOOL, False),
+        attr("panel", A.INT, 0, lambda v: None if v in (0, PANEL) else f"must be 0 or {PANEL}"),
+    ]
+
+
 def _tiled_native_applies(x, weight, bias=None, rows=8, transposed=False, panel=0):
     # any tile size: the C kernel computes every row alone (the op's contract, for every `rows`)
     return weight.ndim == (3 if panel else 2) and all(t is None or t.dtype == _F32 for t in (x, weight, bias))
@@ -351,11 +360,7 @@ defop(
     "tiled_linear",
     Kind.OPAQUE,
     inputs=("x", "weight", "bias?"),
-    attrs=[
-        attr("rows", A.INT, 8, lambda v: None if v >= 1 else "must be >= 1"),
-        attr("transposed", A.BOOL, False),
-        attr("panel", A.INT, 0, lambda v: None if v in (0, PANEL) else f"must be 0 or {PANEL}"),
-    ],
+    attrs=_tiled_attrs(),
     infer_meta=_tiled_meta,
     kernel=_tiled_kernel,
     native=Native(kernels_c.TILED_LINEAR, sizes=_tiled_sizes, applies=_tiled_native_applies),
@@ -402,11 +407,7 @@ defop(
     "tiled_linear_swiglu",
     Kind.OPAQUE,
     inputs=("x", "w_gate", "w_up"),
-    attrs=[
-        attr("rows", A.INT, 8, lambda v: None if v >= 1 else "must be >= 1"),
-        attr("transposed", A.BOOL, False),
-        attr("panel", A.INT, 0, lambda v: None if v in (0, PANEL) else f"must be 0 or {PANEL}"),
-    ],
+    attrs=_tiled_attrs(),
     infer_meta=_tls_meta,
     kernel=_tls_kernel,
     native=Native(
