@@ -235,7 +235,7 @@ class Replay:
                 outs = [np.zeros(shape, dt) for shape, dt in specs]
                 out_at, status = [None] * len(outs), []
             else:
-                copy = self._view(st, args, attrs, at, arrays)
+                copy = self._movement(st, args, attrs, at, arrays)
                 if copy is None:
                     continue
                 kernel, sizes, outs = copy
@@ -279,7 +279,7 @@ class Replay:
         self.launch_sizes = (_c_int64 * 1)(n)
 
     @staticmethod
-    def _view(st: Any, args: list, attrs: dict, at: dict, arrays: dict) -> tuple | None:
+    def _movement(st: Any, args: list, attrs: dict, at: dict, arrays: dict) -> tuple | None:
         """A movement op whose result is a contiguous piece of its first input costs nothing (None);
         one whose result is a strided view of it (a transpose) becomes a copy: (kernel, sizes, [out])."""
         if st.kind != Kind.MOVEMENT or len(st.outs) != 1 or not args:

@@ -159,6 +159,11 @@ def test_tiled_linear_panel_shapes_and_width_are_checked():
         table()["tiled_linear"].infer_meta(Meta(x.shape, x.dtype), Meta((2, 5, 16), x.dtype), panel=16)
     with pytest.raises(OpError, match="'panel'=8 is invalid: must be 0 or 16"):
         table()["tiled_linear"].bind({"panel": 8})
+    tls = table()["tiled_linear_swiglu"]
+    with pytest.raises(OpError, match="the gate and up weights must have one shape and dtype"):
+        tls.infer_meta(Meta(x.shape, x.dtype), Meta((2, 4, 16), x.dtype), Meta((3, 4, 16), x.dtype), panel=16)
+    with pytest.raises(OpError, match=r"tiled_linear_swiglu: a panel=16 weight must be \[out/16, in, 16\]"):
+        tls.infer_meta(Meta(x.shape, x.dtype), Meta((2, 4, 8), x.dtype), Meta((2, 4, 8), x.dtype), panel=16)
 
 
 @pytest.mark.parametrize("m", [1, 5, 8, 16, 33])

@@ -276,7 +276,8 @@ TILED_LINEAR_SWIGLU = (
     + r"""
 /* tiled_linear_swiglu: y[m, j] = silu(x[m] . Wg[:, j]) * (x[m] . Wu[:, j]), both weights in
    16-column panels. Each product is tiled_linear's k-ordered FMA chain (KERNEL_FN_pp) and the
-   SwiGLU is computed as the compiler's swiglu kernel does, element by element: a thread finishes its
+   SwiGLU is computed as the compiler's swiglu kernel does, element by element (@SIGMOID@: the op
+   table's sigmoid template, filled in where the op is defined): a thread finishes its
    own columns while they are in its cache, and the gate and up products are never stored.
    bufs: x [M, K], w_gate, w_up [N / 16, K, 16], y [M, N], status. sizes: M, K, N. */
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
@@ -300,7 +301,7 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
         const float *gm = g + m * 64, *um = u + m * 64;
         float *ym = y + m * N + lo;
 #pragma omp simd
-        for (int64_t j = 0; j < w; j++) ym[j] = (gm[j] * (1.0f / (1.0f + expf(-gm[j])))) * um[j];
+        for (int64_t j = 0; j < w; j++) ym[j] = (gm[j] * @SIGMOID@) * um[j];
       }
     }
   }

@@ -37,7 +37,7 @@ from .. import backend as B
 from .. import symbolic as sym
 from . import kernels_c
 from .contraction import _linear_meta, _linear_vjp, mm
-from .spec import A, Kind, Meta, Native, OpError, attr, defop, describe, optional, same_dtype
+from .spec import A, Kind, Meta, Native, OpError, attr, defop, describe, get, optional, same_dtype
 from .spec import ops as O
 
 _F32 = np.dtype(np.float32)
@@ -284,10 +284,10 @@ def _unpanel(weight):
     return weight.transpose(1, 0, 2).reshape(weight.shape[1], weight.shape[0] * weight.shape[2])
 
 
-def _tiled_meta(x, weight, bias=None, rows=8, transposed=False, panel=0):
+def _tiled_meta(x, weight, bias=None, rows=8, transposed=False, panel=0, op="tiled_linear"):
     if panel:
         if weight.ndim != 3 or weight.shape[2] != panel:
-            msg = f"tiled_linear: a panel={panel} weight must be [out/{panel}, in, {panel}]"
+            msg = f"{op}: a panel={panel} weight must be [out/{panel}, in, {panel}]"
             raise OpError(msg, x, weight)
         weight = Meta((sym.mul(weight.shape[0], panel), weight.shape[1]), weight.dtype)
     elif transposed and weight.ndim == 2:  # given as [in, out]: check it as the [out, in] it stands for
@@ -381,20 +381,19 @@ def _tls_meta(x, w_gate, w_up, rows=8, transposed=False, panel=0):
         raise OpError(
             "tiled_linear_swiglu: the gate and up weights must have one shape and dtype", w_gate, w_up
         )
-    return _tiled_meta(x, w_gate, None, rows, transposed, panel)
+    return _tiled_meta(x, w_gate, None, rows, transposed, panel, op="tiled_linear_swiglu")
 
 
 def _tls_kernel(xp, x, w_gate, w_up, rows=8, transposed=False, panel=0):
     a = _tiled_kernel(xp, x, w_gate, None, rows, transposed, panel)
     b = _tiled_kernel(xp, x, w_up, None, rows, transposed, panel)
-    return a * (1 / (1 + xp.exp(-a))) * b
+    return get("swiglu").kernel(xp, a, b)
 
 
 def _tls_vjp(g, out, x, w_gate, w_up, rows=8, transposed=False, panel=0):
     kw = dict(rows=rows, transposed=transposed, panel=panel)
     a, b = O.tiled_linear(x, w_gate, **kw), O.tiled_linear(x, w_up, **kw)
-    s = O.sigmoid(a)
-    da, db = g * b * s * (1.0 + a * (1.0 - s)), g * a * s  # swiglu's vjp
+    da, db = get("swiglu").vjp(g, None, a, b)
     ga, gb = _tiled_vjp(da, a, x, w_gate, None, **kw), _tiled_vjp(db, b, x, w_up, None, **kw)
     return (lambda: ga[0]() + gb[0](), ga[1], gb[1])
 
@@ -411,7 +410,7 @@ defop(
     infer_meta=_tls_meta,
     kernel=_tls_kernel,
     native=Native(
-        kernels_c.TILED_LINEAR_SWIGLU,
+        kernels_c.TILED_LINEAR_SWIGLU.replace("@SIGMOID@", get("sigmoid").c.format("gm[j]")),
         sizes=lambda x, w_gate, w_up, **attrs: [
             math.prod(x.shape[:-1]),
             x.shape[-1],
