@@ -64,6 +64,10 @@ def gpu_benchmarks(cp) -> None:
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2048, 4096), dtype=np.float32)
+    xd = cp.asarray(x)
+    t_copy = gpu_timed(cp, lambda: xd.copy())
+    copy_gbps = 2 * xd.nbytes / t_copy / 1e9
+    emit("gpu_smoke", "copy_bandwidth", copy_gbps, "GB/s", note="cupy copy of [2048, 4096] fp32, read+write")
     w = rng.standard_normal(4096, dtype=np.float32)
     items = [("rmsnorm", rms, lambda a, b: lf.ops.rms_norm(a, b, eps=1e-6), [x, w], ())]
     items += [
@@ -82,6 +86,8 @@ def gpu_benchmarks(cp) -> None:
             np.testing.assert_allclose(cp.asnumpy(g), cp.asnumpy(w_), rtol=2e-4, atol=2e-5, err_msg=name)
         t_ref = gpu_timed(cp, lambda: ref(*dev, xp=cp))
         t_cc = gpu_timed(cp, lambda: ex.run(dev))
+        moved = sum(a.nbytes for a in dev) + sum(o.nbytes for o in got)  # each byte once, at least
+        gbps = moved / t_cc / 1e9
         emit(
             "gpu_smoke",
             f"{name}_speedup_over_cupy",
@@ -89,6 +95,8 @@ def gpu_benchmarks(cp) -> None:
             "x",
             cupy_ms=round(t_ref * 1e3, 3),
             compiled_ms=round(t_cc * 1e3, 3),
+            compiled_gbps=round(gbps, 1),
+            of_copy_bandwidth=round(gbps / copy_gbps, 3),
         )
 
 

@@ -3,6 +3,7 @@
 Random token batches of the config's batch_size x seq_len (throughput does not depend on the text).
 Modes: eager (tape autograd); static (the whole step as one traced program, ``--compiler cinn``
 fused and compiled, or ``none``), which also times eager in the same run for the ratio.
+``--device gpu`` runs every variant on the GPU (cupy; PyTorch on CUDA), where one exists.
 ``--torch`` also times Hugging Face transformers on PyTorch in the same process; ``--torch-tuned``
 does so with PyTorch "at its best" as the issue measured it: MKL's check for an Intel CPU answered
 yes (a one-function shim, built here with the C compiler and preloaded by re-executing this script;
@@ -93,18 +94,19 @@ def static_step_fn(llama: LlamaConfig, lr: float, compiler: str):
     return call
 
 
-def torch_step_fn(llama: LlamaConfig, lr: float):
+def torch_step_fn(llama: LlamaConfig, lr: float, device: str = "cpu"):
     import torch
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama.to_dict()))
+    dev = "cuda" if device == "gpu" else "cpu"
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama.to_dict())).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     lossf = torch.nn.CrossEntropyLoss()
 
     def step(x, y):
-        logits = model(torch.from_numpy(x)).logits
-        loss = lossf(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(y).reshape(-1))
+        logits = model(torch.from_numpy(x).to(dev)).logits
+        loss = lossf(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(y).to(dev).reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -189,6 +191,7 @@ def main() -> None:
     p.add_argument("--config", default="configs/bench.yaml")
     p.add_argument("--mode", default="eager", choices=["eager", "static"])
     p.add_argument("--compiler", default="cinn", choices=["cinn", "none"], help="for --mode static")
+    p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--torch", action="store_true", help="also time transformers on PyTorch (same process)")
@@ -203,6 +206,7 @@ def main() -> None:
         a.torch = True
     torch_name = "torch_eager_tuned" if a.torch_tuned else "torch_eager"
     keep_freed_memory()  # every variant under the allocator settings the executor uses
+    lf.set_device(a.device)
     cfg = load_config(a.config)
     llama = model_config(cfg)
     b, s = cfg.train.batch_size, cfg.train.seq_len
@@ -211,7 +215,7 @@ def main() -> None:
         (rng.integers(0, llama.vocab_size, (b, s)), rng.integers(0, llama.vocab_size, (b, s)))
         for _ in range(a.warmup + a.steps)
     ]
-    peak = matmul_peak_flops()
+    peak = matmul_peak_flops(a.device)
     fpt = llama.flops_per_token(s)
     emit(
         "train_throughput",
@@ -221,6 +225,7 @@ def main() -> None:
         params=llama.num_parameters(),
         batch=b,
         seq_len=s,
+        device=a.device,
         **machine(),
     )
     emit("train_throughput", "load_average_1min", os.getloadavg()[0], "")
@@ -233,7 +238,7 @@ def main() -> None:
             step(*batches[0])  # trace (and fuse, compile, tune: cached afterwards)
             emit("train_throughput", f"static_{compiler}_first_step_s", time.perf_counter() - t0, "s")
     if a.torch:
-        steps[torch_name] = torch_step_fn(llama, cfg.optim.lr)
+        steps[torch_name] = torch_step_fn(llama, cfg.optim.lr, a.device)
     medians = measure_interleaved(steps, batches, a.warmup)
     tps = {name: b * s / sec for name, sec in medians.items()}
     for name, sec in medians.items():
@@ -250,7 +255,7 @@ def main() -> None:
         if name.startswith("static"):
             emit("train_throughput", f"{name}_over_eager", tps[name] / tps["eager"], "x", target=2.0)
     for name, step in steps.items():
-        if not name.startswith("torch"):
+        if not name.startswith("torch") and a.device == "cpu":  # host memory (tracemalloc)
             emit("train_throughput", f"{name}_peak_memory_mib", peak_memory(step, batches[0]), "MiB")
     name = "eager" if a.mode == "eager" else f"static_{a.compiler}"
     best = tps[name]
@@ -260,7 +265,7 @@ def main() -> None:
         "torch_2.13_eager_tuned": 10800.0,
         "torch_compile_tuned": 11700.0,
     }
-    for k, v in ref.items():
+    for k, v in ref.items() if a.device == "cpu" else ():
         emit("train_throughput", f"{name}_over_{k}", best / v, "x", reference_tokens_per_s=v)
     # the ceiling here: every training FLOP at this machine's measured matmul peak
     emit("train_throughput", "tokens_per_s_at_matmul_peak", peak / fpt, "tokens/s", note="100% MFU bound")

@@ -39,8 +39,9 @@ class World:
         """
         raise NotImplementedError
 
-    def constant(self, value: Any, dtype: np.dtype) -> Any:
-        """Lift a Python scalar or an array into this world's payload."""
+    def constant(self, value: Any, dtype: np.dtype, like: Any = None) -> Any:
+        """Lift a Python scalar or an array into this world's payload (``like``: a payload of the
+        op's tensor inputs, whose device an eager constant goes to)."""
         raise NotImplementedError
 
     def concrete_error(self, what: str, tensor: Any) -> Exception:
@@ -56,11 +57,13 @@ class EagerWorld(World):
     def run(self, spec: OpSpec, arrays: list[Any], attrs: dict[str, Any], inputs: tuple = ()) -> Any:
         # infer_meta validates the call: one clear error naming the op and the shapes.
         spec.infer_meta(*arrays, **attrs)
-        xp = np
+        xp = np if arrays else B.xp_for(B.get_device())  # no inputs (arange): the current device
         for a in arrays:
             if a is not None and type(a) is not np.ndarray:
                 xp = B.xp_of(a)
                 break
+        if xp is not np:  # an op on the GPU: host arrays among its inputs move there
+            arrays = [xp.asarray(a) if type(a) is np.ndarray else a for a in arrays]
         try:
             out = spec.kernel(xp, *arrays, **attrs)
         except OpError:
@@ -73,8 +76,9 @@ class EagerWorld(World):
             return tuple(o if type(o) is np.ndarray else xp.asarray(o) for o in out)
         return out if type(out) is np.ndarray else xp.asarray(out)
 
-    def constant(self, value: Any, dtype: np.dtype) -> Any:
-        return B.xp_for(B.get_device()).asarray(value, dtype=dtype)
+    def constant(self, value: Any, dtype: np.dtype, like: Any = None) -> Any:
+        xp = B.xp_of(like) if like is not None else B.xp_for(B.get_device())
+        return xp.asarray(value, dtype=dtype)
 
 
 def _describe(a: Any) -> str:
@@ -140,10 +144,12 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
 
     world: World | None = None
     ref = None
+    like = None  # a payload not in numpy (on the GPU, or a tracer): where lifted constants go
     for x in inputs:
         if isinstance(x, Tensor):
             d = x._data
             if type(d) is not np.ndarray:
+                like = d
                 w = _WORLDS.get(type(d))
                 if w is not None:
                     if world is not None and w is not world:
@@ -165,9 +171,9 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
             lifted = True
             if isinstance(x, (list, tuple)) or B.is_array(x):
                 arr = np.asarray(x) if isinstance(x, (list, tuple)) else x
-                payloads.append(world.constant(arr, B.dtype(arr.dtype)))
+                payloads.append(world.constant(arr, B.dtype(arr.dtype), like))
             else:
-                payloads.append(world.constant(x, _scalar_dtype(spec, x, ref)))
+                payloads.append(world.constant(x, _scalar_dtype(spec, x, ref), like))
 
     outs = world.run(spec, payloads, attrs, inputs)
 

@@ -202,6 +202,8 @@ class Executor:
             if type(x) is not np.ndarray:
                 xp = B.xp_of(x)
                 break
+        if xp is not np:  # a program on the GPU: host arrays passed in (token batches) move there
+            inputs = [xp.asarray(x) if type(x) is np.ndarray else x for x in inputs]
         slots: list[Any] = [None] * self.num_slots
         for s, x in zip(self.input_slots, inputs):
             slots[s] = x

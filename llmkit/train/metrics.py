@@ -43,13 +43,24 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return rows
 
 
-@lru_cache(maxsize=1)
-def matmul_peak_flops(n: int = 1024, repeat: int = 5) -> float:
-    """FLOP/s of a float32 n x n matmul on this machine (best of ``repeat``): the MFU denominator."""
-    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+@lru_cache(maxsize=2)
+def matmul_peak_flops(device: str = "cpu", n: int = 1024, repeat: int = 5) -> float:
+    """FLOP/s of a float32 n x n matmul on ``device`` (best of ``repeat``): the MFU denominator.
+    On the GPU the product is 4096 wide (1024 is launch-bound there) and the device is synchronized."""
+    from llmkit.framework import backend as B
+
+    xp = B.xp_for(device)
+    n = n if device == "cpu" else max(n, 4096)
+    a = xp.asarray(np.random.default_rng(0).standard_normal((n, n), dtype=np.float32))
     b = a.T.copy()
-    a @ b  # warm up the BLAS threads
-    best = min(_timed(lambda: a @ b) for _ in range(repeat))
+    sync = (lambda: None) if xp is np else xp.cuda.Device().synchronize
+
+    def product():
+        a @ b
+        sync()
+
+    product()  # warm up the BLAS threads (or cuBLAS's handle)
+    best = min(_timed(product) for _ in range(repeat))
     return 2 * n**3 / best
 
 

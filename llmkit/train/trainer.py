@@ -28,7 +28,7 @@ from llmkit.infer.sampling import SamplingParams
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 from llmkit.models.llama.generate import generate
 
-from .config import TrainConfig, dump_config, resolve_model_config, validate_against_model
+from .config import ConfigError, TrainConfig, dump_config, resolve_model_config, validate_against_model
 from .corpus import builtin_tokenizer
 from .data import BatchSampler, eval_batches, load_token_data
 from .metrics import MetricsLog, matmul_peak_flops
@@ -70,7 +70,10 @@ class Trainer:
         self.cfg, self.quiet = cfg, quiet
         t = cfg.train
         lf.seed(t.seed)
-        lf.set_device(t.device)
+        try:
+            lf.set_device(t.device)
+        except RuntimeError as e:  # no cupy, no CUDA device: the config asked for what is not here
+            raise ConfigError(f"train.device: {e}") from e
         self.out = Path(cfg.out_dir)
         self.tokenizer = build_tokenizer(cfg)
         self.model_config: LlamaConfig = resolve_model_config(cfg, self.tokenizer.vocab_size)
@@ -90,7 +93,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.flops_per_token = self.model_config.flops_per_token(t.seq_len)
-        self.peak_flops = matmul_peak_flops()
+        self.peak_flops = matmul_peak_flops(t.device)
         if t.recompute:
             for layer in self.model.model.layers:
                 layer.recompute()

@@ -180,6 +180,27 @@ def test_gpu_device_error_is_clear_without_cupy():
         lf.zeros(2, device="gpu")
 
 
+@pytest.mark.gpu
+def test_gpu_ops_take_scalars_and_host_arrays_along():
+    if not lf.backend.gpu_available():
+        pytest.skip("no cupy or no CUDA device")
+    x = lf.tensor([1.0, -2.0, 3.0], device="gpu", requires_grad=True)
+    y = lf.ops.where(x > 0, x, 0.5) * 2.0 + lf.tensor(1.0)  # a Python scalar and a 0-d CPU tensor
+    assert y.device == "gpu"
+    np.testing.assert_array_equal(y.numpy(), [3.0, 2.0, 7.0])
+    y.sum().backward()
+    assert x.grad.device == "gpu"
+    np.testing.assert_array_equal(x.grad.numpy(), [2.0, 0.0, 2.0])
+    z = x.detach() + lf.tensor([1.0, 2.0, 3.0])  # a CPU array moves to the GPU, as in JAX
+    assert z.device == "gpu"
+    np.testing.assert_array_equal(z.numpy(), [2.0, 0.0, 6.0])
+    lf.set_device("gpu")
+    try:
+        assert lf.ops.arange(0, 4).device == "gpu"  # an op without inputs: the current device
+    finally:
+        lf.set_device("cpu")
+
+
 def test_bool_of_tensor():
     assert bool(lf.tensor(1.0))
     with pytest.raises(ValueError, match="ambiguous"):

@@ -240,3 +240,13 @@ def test_generate_rejects_a_tokenizer_that_does_not_match_the_model(tmp_path, ca
     builtin_tokenizer(512).save_pretrained(tmp_path / "m")
     assert cli_main(["generate", "--model", str(tmp_path / "m"), "--prompt", "x"]) == 2
     assert "tokenizer vocab (512) does not match the model's (600)" in capsys.readouterr().err
+
+
+def test_gpu_device_without_cupy_is_a_config_error(tmp_path, capsys):
+    import llmkit.framework as lf
+
+    if lf.backend.gpu_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ConfigError, match=r"train.device: device 'gpu' needs cupy"):
+        Trainer(config(tmp_path / "r", device="gpu"), quiet=True)
+    assert not (tmp_path / "r").exists()  # nothing written

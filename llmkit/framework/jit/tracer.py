@@ -126,7 +126,7 @@ class TracerWorld(World):
         op = trace.builder.create(spec, operands, attrs)
         return tuple(op.results) if spec.multi_output else op.results[0]
 
-    def constant(self, value: Any, dtype: np.dtype) -> Any:
+    def constant(self, value: Any, dtype: np.dtype, like: Any = None) -> Any:
         return current_trace().builder.constant(np.asarray(value, dtype=dtype))
 
     def concrete_error(self, what: str, tensor: Any) -> Exception:
