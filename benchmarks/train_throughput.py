@@ -10,8 +10,9 @@ yes (a one-function shim, built here with the C compiler and preloaded by re-exe
 MKL otherwise takes slow generic paths on AMD) and glibc's malloc thresholds raised (the executor
 raises them for the whole process before any step is timed). In one process PyTorch's OpenMP
 threads also sleep at once after each region (the compiler sets ``OMP_WAIT_POLICY=PASSIVE``, one
-libgomp serves both), which costs it 5-8%; so ``--torch-tuned`` then times it once more alone, in
-a process of its own with OpenMP's default policy, right after (``..._own_process``).
+libgomp serves both), which costs it 5-8%; so ``--torch-tuned`` then also times each alone, in a
+process of its own (PyTorch with OpenMP's default policy), ours and PyTorch alternated ``--rounds``
+times so that both see the same stretches of this drifting machine (``..._own_process``, medians).
 
 Run:
   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/train_throughput.py
@@ -133,14 +134,18 @@ def preload_mkl_shim() -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
-def torch_alone(a: argparse.Namespace) -> None:
-    """PyTorch's steps only, in this process (started by --torch-tuned): prints its tokens/s."""
+def alone(a: argparse.Namespace) -> None:
+    """One variant's steps only, in this process (``--alone torch`` / ``--alone static``, started by
+    --torch-tuned): prints its tokens/s."""
     keep_freed_memory()
     cfg = load_config(a.config)
     llama = model_config(cfg)
     b, s = cfg.train.batch_size, cfg.train.seq_len
     rng = np.random.default_rng(0)
-    step = torch_step_fn(llama, cfg.optim.lr)
+    if a.alone == "torch":
+        step = torch_step_fn(llama, cfg.optim.lr)
+    else:
+        step = static_step_fn(llama, cfg.optim.lr, a.compiler)
     times = []
     for i in range(a.warmup + a.steps):
         x, y = rng.integers(0, llama.vocab_size, (b, s)), rng.integers(0, llama.vocab_size, (b, s))
@@ -151,14 +156,26 @@ def torch_alone(a: argparse.Namespace) -> None:
     print(b * s / float(np.median(times)), flush=True)
 
 
-def torch_own_process(a: argparse.Namespace) -> float:
-    """Tokens/s of PyTorch at its best in a process of its own (OpenMP's default wait policy)."""
+def own_process(a: argparse.Namespace, which: str) -> float:
+    """Tokens/s of one variant alone in a process of its own (OpenMP's default wait policy for
+    PyTorch; the compiler sets its own in ours, as in any llmkit process)."""
     env = dict(os.environ)
     if USER_OMP_WAIT_POLICY is None:
         env.pop("OMP_WAIT_POLICY", None)
-    cmd = [sys.executable, sys.argv[0], "--torch-alone", "--config", a.config, "--steps", str(a.steps)]
+    cmd = [sys.executable, sys.argv[0], "--alone", which, "--config", a.config, "--steps", str(a.steps)]
+    cmd += ["--warmup", str(a.warmup), "--compiler", a.compiler]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     return float(out.strip().splitlines()[-1])
+
+
+def alternated_alone(a: argparse.Namespace, rounds: int) -> tuple[list[float], list[float]]:
+    """Ours (static + compiler) and PyTorch each alone in a process of its own, alternated
+    ``rounds`` times, so that both see the same stretches of this drifting machine."""
+    ours, theirs = [], []
+    for _ in range(rounds):
+        ours.append(own_process(a, "static"))
+        theirs.append(own_process(a, "torch"))
+    return ours, theirs
 
 
 def measure_interleaved(steps: dict, batches, warmup: int) -> dict[str, float]:
@@ -196,10 +213,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--torch", action="store_true", help="also time transformers on PyTorch (same process)")
     p.add_argument("--torch-tuned", action="store_true", help="--torch, with MKL's vendor check patched")
-    p.add_argument("--torch-alone", action="store_true", help=argparse.SUPPRESS)  # the own-process run
+    p.add_argument("--rounds", type=int, default=3, help="--torch-tuned: alternated own-process runs")
+    p.add_argument("--alone", choices=["torch", "static"], help=argparse.SUPPRESS)  # an own-process run
     a = p.parse_args()
-    if a.torch_alone:
-        torch_alone(a)
+    if a.alone:
+        alone(a)
         return
     if a.torch_tuned:
         preload_mkl_shim()
@@ -269,16 +287,24 @@ def main() -> None:
         emit("train_throughput", f"{name}_over_{k}", best / v, "x", reference_tokens_per_s=v)
     # the ceiling here: every training FLOP at this machine's measured matmul peak
     emit("train_throughput", "tokens_per_s_at_matmul_peak", peak / fpt, "tokens/s", note="100% MFU bound")
-    if a.torch_tuned:
-        alone = torch_own_process(a)
-        emit("train_throughput", "torch_eager_tuned_own_process_tokens_per_s", alone, "tokens/s")
+    if a.torch_tuned and a.mode == "static":
+        ours, theirs = alternated_alone(a, a.rounds)
+        for label, runs in (("static_" + a.compiler, ours), ("torch_eager_tuned", theirs)):
+            emit(
+                "train_throughput",
+                f"{label}_own_process_tokens_per_s",
+                float(np.median(runs)),
+                "tokens/s",
+                runs=[round(r, 1) for r in runs],
+            )
         emit(
             "train_throughput",
             f"{name}_over_torch_eager_tuned_own_process",
-            best / alone,
+            float(np.median(ours)) / float(np.median(theirs)),
             "x",
             target=1.0,
-            note="PyTorch alone right after, OpenMP's default wait policy",
+            per_round=[round(o / t, 3) for o, t in zip(ours, theirs)],
+            note="each alone in its own process, alternated; medians",
         )
     if a.torch:
         emit(
