@@ -6,7 +6,10 @@ program over the paged KV cache) run in the same process, interleaved, with the 
 and the ratio of the two is the headline figure. The engine runs as configured by default
 (batch-invariant; the compiler's kernels: fused groups, the decode ops' C kernels, the step replayed
 in one C call) and, for comparison, with the op table's reference kernels (``compiler="none"``:
-one-row BLAS products in decode) and with plain GEMMs (no batch-invariance guarantee).
+one-row BLAS products in decode) and with plain GEMMs (no batch-invariance guarantee). Kernel
+threads spin between kernels as in ``llmkit serve`` and ``llmkit generate`` (``--no-spin``: they
+sleep at once, as in training); their spinning after an engine step can take a core from the eager
+step that follows for up to a few hundred microseconds.
 
 Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/decode.py
 """
@@ -22,6 +25,7 @@ from _common import emit, machine
 
 import llmkit.framework as lf
 from llmkit.framework.blas import get_blas_threads, set_blas_threads
+from llmkit.framework.compiler.build import spin_between_kernels
 from llmkit.infer import Engine, EngineConfig, SamplingParams
 from llmkit.models.llama import KVCache, LlamaConfig, LlamaForCausalLM
 
@@ -64,8 +68,12 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions (medians over all)")
     p.add_argument("--blas-threads", type=int, default=1)
+    p.add_argument(
+        "--no-spin", action="store_true", help="kernel threads sleep at once after a kernel (as in training)"
+    )
     a = p.parse_args()
     set_blas_threads(a.blas_threads)
+    spun = False if a.no_spin else spin_between_kernels()  # as llmkit serve / generate run
     lf.seed(0)
     model = LlamaForCausalLM(LlamaConfig.from_preset(a.preset, vocab_size=4096))
     model.eval()
@@ -82,6 +90,7 @@ def main() -> None:
         new_tokens=a.new_tokens,
         blas_threads=get_blas_threads(),
         kernel_threads=CPUS,  # the compiler's kernels (and the engine's C kernels) may use these
+        kernel_threads_spin=spun,
         **machine(),
     )
     emit("decode", "load_average_1min", os.getloadavg()[0], "load", **info)

@@ -15,6 +15,7 @@ import signal
 import time
 
 from llmkit.framework.blas import set_blas_threads
+from llmkit.framework.compiler.build import spin_between_kernels
 from llmkit.infer import Engine, EngineConfig, EngineThread, SamplingParams
 
 log = logging.getLogger("llmkit.serve")
@@ -68,6 +69,7 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     set_blas_threads(a.blas_threads)
+    spin_between_kernels()  # inference only: kernel threads wait for the next kernel spinning
     config = EngineConfig(
         max_batch=a.max_batch,
         max_tokens_per_step=max(a.max_tokens_per_step, a.max_batch + 64),

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +63,33 @@ class _Choice:
     offset: int = 0  # characters of text streamed so far (completions logprobs text_offset)
 
 
+class _Mailbox:
+    """Outputs from the engine thread to one event loop, one loop wake-up per batch: a decode step
+    at batch 32 hands over 32 outputs with one ``call_soon_threadsafe`` (one self-pipe write), not 32."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: deque[tuple[asyncio.Queue, Any]] = deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue, item: Any) -> None:
+        """From any thread: ``queue.put_nowait(item)`` on the loop, soon."""
+        with self._lock:
+            self._items.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, deque()
+            self._scheduled = False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 class _Submission:
     """The engine requests behind one HTTP request, and their outputs on an asyncio queue."""
 
@@ -68,7 +97,7 @@ class _Submission:
         self.serving = serving
         self.arrival = time.monotonic()
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        mailbox = serving.mailbox()
         self.choices: list[_Choice] = []
         self.ids: list[str] = []
         self.prompt_tokens = sum(len(p) for p in prompts)
@@ -78,7 +107,7 @@ class _Submission:
                     i = len(self.choices)
                     self.choices.append(_Choice(i, len(p)))
                     seed = None if params.seed is None else params.seed + j
-                    cb = lambda out, i=i: loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
+                    cb = lambda out, i=i: mailbox.post(self.queue, (i, out))
                     self.ids.append(serving.runner.submit(p, params, callback=cb, seed=seed))
         except BaseException as e:
             self.abort()
@@ -151,6 +180,14 @@ class Serving:
         self.max_queue = max_queue
         self.metrics = metrics or Metrics(self.engine.stats)
         self.closing = False
+        self._mailbox: _Mailbox | None = None
+
+    def mailbox(self) -> _Mailbox:
+        """The mailbox of the running event loop (made on first use; a new loop gets a new one)."""
+        loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = _Mailbox(loop)
+        return self._mailbox
 
     # ---- shared checks -------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:

@@ -100,8 +100,10 @@ def main(argv: list[str]) -> int:
         new = generate(model, [ids], a.max_new_tokens, params, eos_token_id=tok.eos_id)[0]
         print(a.prompt + tok.decode(new))
         return 0
+    from llmkit.framework.compiler.build import spin_between_kernels
     from llmkit.infer import Engine, EngineConfig
 
+    spin_between_kernels()  # an inference-only process
     engine = Engine.from_model(model, tok, EngineConfig(max_batch=1))
     print(a.prompt + engine.generate([ids], params)[0].text)
     return 0

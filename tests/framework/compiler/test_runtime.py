@@ -170,3 +170,37 @@ def test_profile_lists_fused_kernels_with_their_time(tmp_path):
     assert r.returncode == 0, r.stderr
     assert re.search(r"cinn\.fusion\[rms_norm\+softmax\]\s+2\s+\d", r.stdout), r.stdout
     assert re.search(r"cinn: \d+ kernels compiled in [\d.]+ s", r.stderr), r.stderr
+
+
+_SPIN_PROBE = """
+import json, os, sys
+import numpy as np
+from llmkit.framework.compiler import build
+if sys.argv[1] == "after-kernel":
+    import llmkit.framework as lf
+    from llmkit.framework import jit
+    f = jit.to_static(lambda x: lf.ops.exp(x) + 1.0, input_spec=[jit.InputSpec(["N"], "float32")])
+    f(lf.tensor(np.ones(3, np.float32)))  # loads a kernel, and with it libgomp
+applied = build.spin_between_kernels()
+print(json.dumps([applied, os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")]))
+"""
+
+
+@needs_cc
+def test_inference_processes_spin_between_kernels_unless_told_or_too_late(kernel_cache):
+    def probe(when: str, **env: str) -> list:
+        base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        base["LLMKIT_KERNEL_CACHE"] = str(kernel_cache)
+        r = subprocess.run(
+            [sys.executable, "-c", _SPIN_PROBE, when], env={**base, **env}, capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    # before any kernel: spin (and not PASSIVE, which would make libgomp sleep at once anyway)
+    assert probe("before") == [True, None, "20000"]
+    # the user's own settings win
+    assert probe("before", OMP_WAIT_POLICY="ACTIVE") == [False, "ACTIVE", None]
+    assert probe("before", GOMP_SPINCOUNT="5") == [False, "PASSIVE", "5"]
+    # libgomp already read its settings: too late, nothing changes
+    assert probe("after-kernel") == [False, "PASSIVE", None]
