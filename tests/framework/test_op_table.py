@@ -676,6 +676,53 @@ def _sdpa_grad_ref(g, out, q, k, v, mask=None, is_causal=False, scale=None):
 case("scaled_dot_product_attention_grad", _sdpa_grad_samples, _sdpa_grad_ref)
 
 
+def _sdpa_lse_samples(rng):
+    heads = ((0, 1), (1, 1), (2, 1), (0, 3), (1, 3), (2, 3))
+    return [
+        S([r(rng, 2, 4, 3, 2), r(rng, 2, 2, 3, 2), r(rng, 2, 2, 3, 3)], {"is_causal": True}, keep=heads),
+        S([r(rng, 1, 2, 3, 2), r(rng, 1, 2, 5, 2), r(rng, 1, 2, 5, 2)], {"scale": 0.7}, keep=heads),
+        S([r(rng, 1, 2, 2, 2), r(rng, 1, 1, 4, 2), r(rng, 1, 1, 4, 2)], {"is_causal": True}, keep=heads),
+    ]
+
+
+def _sdpa_lse_ref(q, k, v, is_causal=False, scale=None):
+    b, hq, s, d = q.shape
+    hk, t = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    lse = np.zeros((b, hq, s))
+    for bi in range(b):
+        for h in range(hq):
+            for i in range(s):
+                seen = t if not is_causal else i + t - s + 1
+                sc = [q[bi, h, i] @ k[bi, h // (hq // hk), j] * scale for j in range(seen)]
+                lse[bi, h, i] = math.log(sum(math.exp(x) for x in sc))
+    return _sdpa_ref(q, k, v, None, is_causal, scale), lse
+
+
+case("scaled_dot_product_attention_lse", _sdpa_lse_samples, _sdpa_lse_ref)
+
+
+def _sdpa_lse_grad_samples(rng):
+    def sample(b, hq, hk, s, t, d, dv, **attrs):
+        q, k, v = r(rng, b, hq, s, d), r(rng, b, hk, t, d), r(rng, b, hk, t, dv)
+        out, lse = _sdpa_lse_ref(q, k, v, **attrs)  # the forward's own: the kernel relies on them
+        heads = tuple((i, a) for i in range(6) for a in (1, 3) if not (i == 2 and a == 3))
+        return S([r(rng, b, hq, s, dv), out, lse, q, k, v], attrs, keep=heads)
+
+    return [
+        sample(2, 4, 2, 3, 3, 2, 3, is_causal=True),
+        sample(1, 2, 2, 3, 5, 2, 2, scale=0.7),
+        sample(1, 2, 1, 2, 4, 2, 2, is_causal=True),  # a query block after 2 cached keys
+    ]
+
+
+def _sdpa_lse_grad_ref(g, out, lse, q, k, v, is_causal=False, scale=None):
+    return _sdpa_grad_ref(g, out, q, k, v, None, is_causal, scale)
+
+
+case("scaled_dot_product_attention_lse_grad", _sdpa_lse_grad_samples, _sdpa_lse_grad_ref)
+
+
 def _dropout_ref(x, p=0.5, seed=0):
     # Independent check: every output is either 0 or x / (1 - p); compared value-wise below.
     return None

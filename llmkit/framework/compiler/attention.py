@@ -183,7 +183,8 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   const @T@ *restrict k = (const @T@ *)bufs[1];
   const @T@ *restrict v = (const @T@ *)bufs[2];
   @T@ *restrict o = (@T@ *)bufs[3];
-  const int64_t *qs = sizes + 5, *ks = sizes + 9, *vs = sizes + 13, *os = sizes + 17;
+  @T@ *restrict lse = @LSE@ ? (@T@ *)bufs[4] : NULL;  /* each row's log-sum-exp, for the backward */
+  const int64_t *qs = sizes + 5, *ks = sizes + 9, *vs = sizes + 13, *os = sizes + 17, *ls = sizes + 21;
 @PARAMS@
   const int64_t tiles = (S + BR - 1) / BR;
   int64_t parts = (4 * nt + NB * HK - 1) / (NB * HK);
@@ -230,6 +231,9 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
           }
           for (int64_t r = 0; r < rows; r++)
             for (int64_t d = 0; d < DV; d++) oh[(i0 + r) * os[2] + d * os[3]] = acc[r * DVP + d] / l[r];
+          if (@LSE@)
+            for (int64_t r = 0; r < rows; r++)
+              lse[b * ls[0] + h * ls[1] + (i0 + r) * ls[2]] = m[r] + log(l[r]);
         }
       }
     }
@@ -241,16 +245,18 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
 _BACKWARD = r"""
 /* scaled_dot_product_attention_grad (flash): one task per (batch, kv head) */
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  enum { L = @LSE@ };  /* 1: the forward's log-sum-exp is bufs[2] ([B, Hq, S]): no first pass */
   const @T@ *restrict go = (const @T@ *)bufs[0];
   const @T@ *restrict o = (const @T@ *)bufs[1];
-  const @T@ *restrict q = (const @T@ *)bufs[2];
-  const @T@ *restrict k = (const @T@ *)bufs[3];
-  const @T@ *restrict v = (const @T@ *)bufs[4];
-  @T@ *restrict dq = (@T@ *)bufs[5];
-  @T@ *restrict dk = (@T@ *)bufs[6];
-  @T@ *restrict dv = (@T@ *)bufs[7];
-  const int64_t *gs = sizes + 5, *os = sizes + 9, *qs = sizes + 13, *ks = sizes + 17, *vs = sizes + 21;
-  const int64_t *dqs = sizes + 25, *dks = sizes + 29, *dvs = sizes + 33;
+  const @T@ *restrict lse = L ? (const @T@ *)bufs[2] : NULL;
+  const @T@ *restrict q = (const @T@ *)bufs[2 + L];
+  const @T@ *restrict k = (const @T@ *)bufs[3 + L];
+  const @T@ *restrict v = (const @T@ *)bufs[4 + L];
+  @T@ *restrict dq = (@T@ *)bufs[5 + L];
+  @T@ *restrict dk = (@T@ *)bufs[6 + L];
+  @T@ *restrict dv = (@T@ *)bufs[7 + L];
+  const int64_t *gs = sizes + 5, *os = sizes + 9, *ls = sizes + 13, *qs = sizes + 13 + 3 * L;
+  const int64_t *ks = qs + 4, *vs = qs + 8, *dqs = qs + 12, *dks = qs + 16, *dvs = qs + 20;
 @PARAMS@
   #pragma omp parallel num_threads(nt)
   {
@@ -290,13 +296,19 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
           memset(dqb, 0, sizeof(@T@) * BR * DP);
           int64_t kend = T;
           if (causal) kend = i0 + rows + OFF < 0 ? 0 : i0 + rows + OFF < T ? i0 + rows + OFF : T;
-          for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 1: each row's log-sum-exp */
-            const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-            attn_mm_@S@(rows, D, BC, qb, DP, kT + j0, LT, sb, BC, 0);
-            for (int64_t r = 0; r < rows; r++)
-              attn_online_@S@(sb + r * BC, attn_visible(causal, i0 + r, OFF, j0, cols), BC, &m[r], &l[r], 0);
+          if (L) {  /* the forward kept each row's log-sum-exp */
+            for (int64_t r = 0; r < rows; r++) m[r] = lse[b * ls[0] + h * ls[1] + (i0 + r) * ls[2]];
+          } else {
+            for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 1: each row's log-sum-exp */
+              const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
+              attn_mm_@S@(rows, D, BC, qb, DP, kT + j0, LT, sb, BC, 0);
+              for (int64_t r = 0; r < rows; r++) {
+                const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
+                attn_online_@S@(sb + r * BC, n, BC, &m[r], &l[r], 0);
+              }
+            }
+            for (int64_t r = 0; r < rows; r++) m[r] += log(l[r]);
           }
-          for (int64_t r = 0; r < rows; r++) m[r] += log(l[r]);
           for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 2: the gradients */
             const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
             attn_mm_@S@(rows, D, BC, qb, DP, kT + j0, LT, sb, BC, 0);
@@ -340,10 +352,11 @@ class Attention:
     """The kernel template of one attention op (forward or backward): when it applies, its C
     source for an op, and how to call it on arrays."""
 
-    def __init__(self, op: str, body: str, n_in: int) -> None:
+    def __init__(self, op: str, body: str, n_in: int, lse: bool = False) -> None:
         self.op = op  # the op-table name it implements
         self.body = body
         self.n_in = n_in  # tensor inputs without a mask
+        self.lse = lse  # the forward writes each row's log-sum-exp / the backward reads it
 
     def applies(self, op: Operation) -> bool:
         if op.name != f"llm.{self.op}" or len(op.operands) != self.n_in:
@@ -374,6 +387,7 @@ class Attention:
             "@BR@": str(BR),
             "@BC@": str(BC),
             "@CAUSAL@": "1" if attrs.get("is_causal") else "0",
+            "@LSE@": "1" if self.lse else "0",
             "@SCALE@": f"(({ctype}){float(np.asarray(scale, dt))!r})",
         }
         src = _HELPERS + self.body
@@ -384,8 +398,10 @@ class Attention:
     def run(self, fn: Any, arrays: tuple, nthreads: int) -> tuple | np.ndarray:
         """Call the compiled kernel on numpy arrays (any strides); returns the outputs."""
         q, k, v = arrays[-3:]
-        if self.n_in == 3:
+        if self.body is _FORWARD:
             outs = [np.empty(q.shape[:3] + v.shape[3:], q.dtype)]
+            if self.lse:
+                outs.append(np.empty(q.shape[:3], q.dtype))
         else:
             outs = [np.empty(q.shape, q.dtype), np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)]
         every = [
@@ -402,3 +418,6 @@ class Attention:
 
 FORWARD = Attention("scaled_dot_product_attention", _FORWARD, 3)
 BACKWARD = Attention("scaled_dot_product_attention_grad", _BACKWARD, 5)
+FORWARD_LSE = Attention("scaled_dot_product_attention_lse", _FORWARD, 3, lse=True)
+BACKWARD_LSE = Attention("scaled_dot_product_attention_lse_grad", _BACKWARD, 6, lse=True)
+TEMPLATES = (FORWARD, BACKWARD, FORWARD_LSE, BACKWARD_LSE)

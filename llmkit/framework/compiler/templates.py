@@ -10,10 +10,13 @@ fused as usual, and on GPU arrays the group runs the op's reference kernel.
 
 from __future__ import annotations
 
-from ..ir import Operation
+from dataclasses import dataclass
+
+from ..ir import Builder, Operation, Pass, Program, register_pass
+from ..ir.core import OpResult
 from . import attention
 
-TEMPLATES = {t.op: t for t in (attention.FORWARD, attention.BACKWARD)}
+TEMPLATES = {t.op: t for t in attention.TEMPLATES}
 
 
 def template_for(op: Operation) -> attention.Attention | None:
@@ -21,3 +24,52 @@ def template_for(op: Operation) -> attention.Attention | None:
     spec = op.opdef.spec
     t = TEMPLATES.get(spec.name) if spec is not None else None
     return t if t is not None and t.applies(op) else None
+
+
+def keep_attention_lse(program: Program) -> int:
+    """Pair each attention backward with its forward: where ``scaled_dot_product_attention_grad``
+    (no mask, compiled by its template) differentiates the output of a
+    ``scaled_dot_product_attention`` of the same q, k, v and attributes, both become the ``_lse``
+    forms: the forward also returns each row's log-sum-exp, and the backward takes it instead of
+    recomputing it (a pass over every key, about a fifth of the backward). Returns the pairs."""
+    n = 0
+    for f in program.functions.values():
+        for grad in list(f.body):
+            if grad.name != "llm.scaled_dot_product_attention_grad" or template_for(grad) is None:
+                continue
+            out = grad.operands[1]
+            fwd = out.op if isinstance(out, OpResult) else None
+            if (
+                fwd is None
+                or fwd.name != "llm.scaled_dot_product_attention"
+                or template_for(fwd) is None
+                or list(fwd.operands) != list(grad.operands[2:5])
+                or fwd.plain_attrs != grad.plain_attrs
+            ):
+                continue
+            attrs = dict(fwd.plain_attrs)
+            pair = Builder.before_op(fwd).create(
+                "scaled_dot_product_attention_lse", list(fwd.operands), attrs
+            )
+            fwd.results[0].replace_all_uses_with(pair.results[0])
+            fwd.erase()
+            g, _, q, k, v = grad.operands
+            new = Builder.before_op(grad).create(
+                "scaled_dot_product_attention_lse_grad", [g, pair.results[0], pair.results[1], q, k, v], attrs
+            )
+            for old, r in zip(grad.results, new.results):
+                old.replace_all_uses_with(r)
+            grad.erase()
+            n += 1
+    return n
+
+
+@register_pass
+@dataclass
+class AttentionLse(Pass):
+    """``attention-lse``: :func:`keep_attention_lse` (before ``decompose``)."""
+
+    name = "attention-lse"
+
+    def apply(self, program: Program) -> None:
+        keep_attention_lse(program)

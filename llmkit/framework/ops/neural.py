@@ -320,16 +320,25 @@ def _sdpa_scale(q, scale):
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
-def _sdpa_kernel(xp, q, k, v, attn_mask=None, is_causal=False, scale=None):
+def _sdpa_scores(xp, q, k, attn_mask, is_causal, scale):
+    """(q k^T) * scale + mask as [B, Hq, S, T] (masked scores -inf), and q * scale grouped per kv
+    head [B, Hkv, G*S, D]: query heads sharing a kv head are stacked as rows, one GEMM per
+    (batch, kv head)."""
     b, hq, s, d = q.shape
     hk, t = k.shape[1], k.shape[2]
-    # Query heads sharing a kv head are stacked as rows: one GEMM per (batch, kv head).
-    scores = xp.matmul(q.reshape(b, hk, hq // hk * s, d), xp.swapaxes(k, -1, -2)).reshape(b, hq, s, t)
-    scores *= _sdpa_scale(q, scale)
+    qs = q.reshape(b, hk, hq // hk * s, d) * _sdpa_scale(q, scale)
+    scores = xp.matmul(qs, xp.swapaxes(k, -1, -2)).reshape(b, hq, s, t)
     if attn_mask is not None:
         scores = xp.where(attn_mask, scores, -xp.inf) if attn_mask.dtype == bool else scores + attn_mask
     if is_causal:  # aligned to the bottom right: query i sees keys j <= i + (t - s)
         scores = xp.where(xp.tri(s, t, t - s, dtype=bool), scores, -xp.inf)
+    return scores, qs
+
+
+def _sdpa_kernel(xp, q, k, v, attn_mask=None, is_causal=False, scale=None):
+    b, hq, s, _ = q.shape
+    hk, t = k.shape[1], k.shape[2]
+    scores, _ = _sdpa_scores(xp, q, k, attn_mask, is_causal, scale)
     p = _softmax_kernel(xp, scores, -1).astype(q.dtype, copy=False)
     return mm(xp, p.reshape(b, hk, hq // hk * s, t), v).reshape(b, hq, s, v.shape[-1])
 
@@ -343,6 +352,11 @@ def _sdpa_probs(qs, k, attn_mask, is_causal, shape):
     """softmax(qs k^T + mask) as [B, Hq, S, T], for queries already grouped and scaled:
     qs = group(q) * scale. Scaling q ([.., D]) instead of the scores ([.., T]) saves a pass over
     the largest tensor of attention."""
+    return O.softmax(_sdpa_masked_scores(qs, k, attn_mask, is_causal, shape), axis=-1)
+
+
+def _sdpa_masked_scores(qs, k, attn_mask, is_causal, shape):
+    """qs k^T + mask as [B, Hq, S, T] (masked scores -inf), for grouped, scaled queries qs."""
     b, hq, s = shape
     scores = O.reshape(O.matmul(qs, k, transpose_y=True), [b, hq, s, k.shape[2]])
     if attn_mask is not None:
@@ -355,7 +369,7 @@ def _sdpa_probs(qs, k, attn_mask, is_causal, shape):
         rows = O.unsqueeze(O.arange(sym.sub(t, s), t), axis=1)  # i + (t - s)
         cols = O.unsqueeze(O.arange(0, t), axis=0)
         scores = O.where(cols <= rows, scores, O.full([], float("-inf"), dtype=qs.dtype))
-    return O.softmax(scores, axis=-1)
+    return scores
 
 
 def _scaled_queries(q, k, scale):
@@ -407,16 +421,11 @@ def _sdpa_grad_meta(g, out, q, k, v, attn_mask=None, is_causal=False, scale=None
 
 
 def _sdpa_grad_kernel(xp, g, out, q, k, v, attn_mask=None, is_causal=False, scale=None):
-    b, hq, s, d = q.shape
+    b, hq, s, _ = q.shape
     hk, t, dv = k.shape[1], k.shape[2], v.shape[3]
     rows = hq // hk * s  # the query heads of a kv head stacked as rows, as in the forward
     sc = _sdpa_scale(q, scale)
-    qs = q.reshape(b, hk, rows, d) * sc
-    scores = xp.matmul(qs, xp.swapaxes(k, -1, -2)).reshape(b, hq, s, t)
-    if attn_mask is not None:
-        scores = xp.where(attn_mask, scores, -xp.inf) if attn_mask.dtype == bool else scores + attn_mask
-    if is_causal:
-        scores = xp.where(xp.tri(s, t, t - s, dtype=bool), scores, -xp.inf)
+    scores, qs = _sdpa_scores(xp, q, k, attn_mask, is_causal, scale)
     p = _softmax_kernel(xp, scores, -1).astype(q.dtype, copy=False).reshape(b, hk, rows, t)
     gg = g.reshape(b, hk, rows, dv)
     dp = xp.matmul(gg, xp.swapaxes(v, -1, -2))
@@ -473,6 +482,76 @@ defop(
     doc="(dq, dk, dv) of out = scaled_dot_product_attention(q, k, v, ...) for the output gradient g: "
     "with P the probabilities and dS = P * (g v^T - rowsum(g * out)), dq = dS k * scale, dk = dS^T q "
     "* scale, dv = P^T g (grouped-query heads summed per kv head).",
+)
+
+
+# The same pair with each row's log-sum-exp handed from the forward to the backward (as flash
+# attention does): the compiler's ``attention-lse`` rewrite puts these in place of a forward and
+# backward of the same q, k, v (no mask), so the backward kernel skips the pass over the keys that
+# recomputes it. Eagerly they are the ops above plus the log-sum-exp; their gradients differentiate
+# their decompositions (nothing on the training path needs them: the rewrite runs after autodiff).
+
+
+def _lse_meta(q, k, v, is_causal=False, scale=None):
+    out = _sdpa_meta(q, k, v, None, is_causal, scale)
+    return out, Meta(tuple(q.shape[:3]), q.dtype)
+
+
+def _lse_kernel(xp, q, k, v, is_causal=False, scale=None):
+    scores, _ = _sdpa_scores(xp, q, k, None, is_causal, scale)
+    from .reduce import _logsumexp_kernel
+
+    lse = _logsumexp_kernel(xp, scores, axis=-1).astype(q.dtype, copy=False)
+    return _sdpa_kernel(xp, q, k, v, None, is_causal, scale), lse
+
+
+def _lse_decompose(q, k, v, is_causal=False, scale=None):
+    shape = (q.shape[0], q.shape[1], q.shape[2])
+    scores = _sdpa_masked_scores(_scaled_queries(q, k, scale), k, None, is_causal, shape)
+    return _sdpa_decompose(q, k, v, None, is_causal, scale), O.logsumexp(scores, axis=-1)
+
+
+defop(
+    "scaled_dot_product_attention_lse",
+    Kind.OPAQUE,
+    inputs=("q", "k", "v"),
+    attrs=[attr("is_causal", A.BOOL, False), attr("scale", optional(A.FLOAT), None)],
+    infer_meta=_lse_meta,
+    kernel=_lse_kernel,
+    decompose=_lse_decompose,
+    vjp=_vjp_of_decomposition(_lse_decompose),
+    multi_output=True,
+    doc="(out, lse): scaled_dot_product_attention(q, k, v) without a mask, and each query row's "
+    "log-sum-exp of its scaled (and causally masked) scores, [B, Hq, S].",
+)
+
+
+def _lse_grad_meta(g, out, lse, q, k, v, is_causal=False, scale=None):
+    metas = _sdpa_grad_meta(g, out, q, k, v, None, is_causal, scale)
+    if tuple(lse.shape) != tuple(q.shape[:3]) or lse.dtype != q.dtype:
+        raise OpError("scaled_dot_product_attention_lse_grad: lse must be [B, Hq, S] in q's dtype", lse, q)
+    return metas
+
+
+def _lse_grad_decompose(g, out, lse, q, k, v, is_causal=False, scale=None):
+    return _sdpa_grad_decompose(g, out, q, k, v, None, is_causal, scale)
+
+
+defop(
+    "scaled_dot_product_attention_lse_grad",
+    Kind.OPAQUE,
+    inputs=("g", "out", "lse", "q", "k", "v"),
+    nondiff={2},
+    attrs=[attr("is_causal", A.BOOL, False), attr("scale", optional(A.FLOAT), None)],
+    infer_meta=_lse_grad_meta,
+    kernel=lambda xp, g, out, lse, q, k, v, is_causal=False, scale=None: _sdpa_grad_kernel(
+        xp, g, out, q, k, v, None, is_causal, scale
+    ),
+    decompose=_lse_grad_decompose,
+    vjp=_vjp_of_decomposition(_lse_grad_decompose),
+    multi_output=True,
+    doc="scaled_dot_product_attention_grad (no mask) given the forward's (out, lse): the same (dq, dk, "
+    "dv); lse, the rows' log-sum-exp, lets the compiled kernel skip recomputing it.",
 )
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import llmkit.framework as lf
-from llmkit.framework import optim
+from llmkit.framework import compiler, ir, optim
 
 from .conftest import needs_cc
 from .harness import Case, assert_same, build_all, count_kernels, run
@@ -207,3 +207,58 @@ def test_one_kernel_serves_every_size(built):
         x = r(rng, (n, m), np.float32)
         assert_same(run(b.fused, [x]), run(b.reference, [x]), np.dtype("float32"))
     assert STATS.compiled == before  # no new kernel for new sizes
+
+
+_PAIR = """module {
+  func @main(%q: f32[B, 2, S, 4], %k: f32[B, 2, S, 4], %v: f32[B, 2, S, 4], %g: f32[B, 2, S, 4],
+             %m: f32[B, 2, S, S]) -> (f32[B, 2, S, 4], f32[B, 2, S, 4]) {
+    %0 = llm.scaled_dot_product_attention(%q, %k, %v FWD) {is_causal = true} : f32[B, 2, S, 4]
+    %1, %2, %3 = llm.scaled_dot_product_attention_grad(%g, OUT, %q, KEYS, %v GRAD) {is_causal = true} : f32[B, 2, S, 4], f32[B, 2, S, 4], f32[B, 2, S, 4]
+    return %0, %1
+  }
+}"""  # noqa: E501
+
+
+@pytest.mark.parametrize(
+    "fwd, out, keys, grad, pairs",
+    [
+        ("", "%0", "%k", "", 1),  # a backward of its forward: paired
+        ("", "%g", "%k", "", 0),  # the output is not the forward's
+        ("", "%0", "%q", "", 0),  # other keys
+        (", %m", "%0", "%k", ", %m", 0),  # a mask: no kernel template, decomposed instead
+    ],
+)
+def test_attention_backward_takes_the_forwards_log_sum_exp(fwd, out, keys, grad, pairs):
+    from llmkit.framework.compiler.templates import keep_attention_lse
+
+    text = _PAIR.replace("FWD", fwd).replace("OUT", out).replace("KEYS", keys).replace("GRAD", grad)
+    p = ir.parse(text)
+    assert keep_attention_lse(p) == pairs
+    p.verify()
+    names = [op.name for op in p.walk()]
+    assert ("llm.scaled_dot_product_attention_lse_grad" in names) == bool(pairs)
+    assert ("llm.scaled_dot_product_attention_grad" in names) == (not pairs)
+
+
+def test_paired_attention_runs_the_lse_kernels_and_its_lse_equals_the_reference(built):
+    """The sdpa case above (forward and gradients) ran as the _lse pair; the log-sum-exp the
+    forward kernel writes equals the reference kernel's."""
+    b = built[("sdpa", "float32")]
+    inner = [op.name for op in b.fused.walk()]
+    assert "llm.scaled_dot_product_attention_lse" in inner
+    assert "llm.scaled_dot_product_attention_lse_grad" in inner
+    assert "llm.scaled_dot_product_attention_grad" not in inner
+    rng = np.random.default_rng(4)
+    q, k, v = (r(rng, (2, h, 11, 8), np.float32) for h in (4, 2, 2))
+    p = ir.parse(
+        """module {
+  func @main(%q: f32[2, 4, 11, 8], %k: f32[2, 2, 11, 8], %v: f32[2, 2, 11, 8]) -> (f32[2, 4, 11, 8], f32[2, 4, 11]) {
+    %0, %1 = llm.scaled_dot_product_attention_lse(%q, %k, %v) {is_causal = true} : f32[2, 4, 11, 8], f32[2, 4, 11]
+    return %0, %1
+  }
+}"""  # noqa: E501
+    )
+    fused = compiler.compile_program(p)
+    out, lse = run(fused, [q, k, v])
+    want_out, want_lse = run(p, [q, k, v])
+    assert_same([out, lse], [want_out, want_lse], np.dtype("float32"), "attention with lse")
