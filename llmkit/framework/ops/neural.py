@@ -336,9 +336,12 @@ def _sdpa_scores(xp, q, k, attn_mask, is_causal, scale):
 
 
 def _sdpa_kernel(xp, q, k, v, attn_mask=None, is_causal=False, scale=None):
-    b, hq, s, _ = q.shape
-    hk, t = k.shape[1], k.shape[2]
-    scores, _ = _sdpa_scores(xp, q, k, attn_mask, is_causal, scale)
+    return _sdpa_out(xp, _sdpa_scores(xp, q, k, attn_mask, is_causal, scale)[0], q, v)
+
+
+def _sdpa_out(xp, scores, q, v):
+    b, hq, s, t = scores.shape
+    hk = v.shape[1]
     p = _softmax_kernel(xp, scores, -1).astype(q.dtype, copy=False)
     return mm(xp, p.reshape(b, hk, hq // hk * s, t), v).reshape(b, hq, s, v.shape[-1])
 
@@ -498,11 +501,11 @@ def _lse_meta(q, k, v, is_causal=False, scale=None):
 
 
 def _lse_kernel(xp, q, k, v, is_causal=False, scale=None):
-    scores, _ = _sdpa_scores(xp, q, k, None, is_causal, scale)
     from .reduce import _logsumexp_kernel
 
+    scores, _ = _sdpa_scores(xp, q, k, None, is_causal, scale)
     lse = _logsumexp_kernel(xp, scores, axis=-1).astype(q.dtype, copy=False)
-    return _sdpa_kernel(xp, q, k, v, None, is_causal, scale), lse
+    return _sdpa_out(xp, scores, q, v), lse
 
 
 def _lse_decompose(q, k, v, is_causal=False, scale=None):
