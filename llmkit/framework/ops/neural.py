@@ -294,6 +294,11 @@ defop(
 # ---- scaled dot-product attention --------------------------------------------------------------
 
 
+def _attention_attrs():
+    """The attributes every attention op takes (forward, backward, and their log-sum-exp forms)."""
+    return [attr("is_causal", A.BOOL, False), attr("scale", optional(A.FLOAT), None)]
+
+
 def _sdpa_meta(q, k, v, attn_mask=None, is_causal=False, scale=None):
     _floating("scaled_dot_product_attention", q, k, v)
     same_dtype("scaled_dot_product_attention", q, k, v)
@@ -397,7 +402,7 @@ defop(
     Kind.OPAQUE,
     inputs=("q", "k", "v", "attn_mask?"),
     nondiff={3},
-    attrs=[attr("is_causal", A.BOOL, False), attr("scale", optional(A.FLOAT), None)],
+    attrs=_attention_attrs(),
     infer_meta=_sdpa_meta,
     kernel=_sdpa_kernel,
     decompose=_sdpa_decompose,
@@ -476,7 +481,7 @@ defop(
     Kind.OPAQUE,
     inputs=("g", "out", "q", "k", "v", "attn_mask?"),
     nondiff={5},
-    attrs=[attr("is_causal", A.BOOL, False), attr("scale", optional(A.FLOAT), None)],
+    attrs=_attention_attrs(),
     infer_meta=_sdpa_grad_meta,
     kernel=_sdpa_grad_kernel,
     decompose=_sdpa_grad_decompose,
@@ -518,7 +523,7 @@ defop(
     "scaled_dot_product_attention_lse",
     Kind.OPAQUE,
     inputs=("q", "k", "v"),
-    attrs=[attr("is_causal", A.BOOL, False), attr("scale", optional(A.FLOAT), None)],
+    attrs=_attention_attrs(),
     infer_meta=_lse_meta,
     kernel=_lse_kernel,
     decompose=_lse_decompose,
@@ -545,7 +550,7 @@ defop(
     Kind.OPAQUE,
     inputs=("g", "out", "lse", "q", "k", "v"),
     nondiff={2},
-    attrs=[attr("is_causal", A.BOOL, False), attr("scale", optional(A.FLOAT), None)],
+    attrs=_attention_attrs(),
     infer_meta=_lse_grad_meta,
     kernel=lambda xp, g, out, lse, q, k, v, is_causal=False, scale=None: _sdpa_grad_kernel(
         xp, g, out, q, k, v, None, is_causal, scale
