@@ -5,7 +5,9 @@ is given, starts ``llmkit serve`` on a free loopback port, measures its cold sta
 the first answered request), then runs closed-loop clients at each concurrency: every client sends
 streaming completions (token-id prompts, ``ignore_eos``, a fixed ``max_tokens``) back to back.
 TTFT is send -> first token chunk; ITL is the gap between consecutive token chunks. Clients run in
-this process on the same machine, so they share its cores with the server.
+this process on the same machine, so they share its cores with the server. Levels run in rounds
+(``--rounds``, every level once per round) and the figures are medians over rounds: one level
+alone lasts a few seconds, and this VM's speed drifts by 20-40% between minutes.
 
 Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/serve_load.py
 """
@@ -182,6 +184,7 @@ def main() -> None:
     p.add_argument(
         "--min-requests", type=int, default=16, help="per level at least (one client's run is short, noisy)"
     )
+    p.add_argument("--rounds", type=int, default=3, help="every level once per round; medians over rounds")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     a = p.parse_args()
@@ -199,35 +202,50 @@ def main() -> None:
             **info,
         )
         emit("serve_load", "load_average_1min", os.getloadavg()[0], "load")
-        tps = {}
+        tps: dict[int, list[float]] = {c: [] for c in a.concurrency}
+        runs: dict[int, list[dict]] = {c: [] for c in a.concurrency}
         try:
             asyncio.run(level(port, 1, 1, a.prompt_len, 8))  # warm-up
-            for c in a.concurrency:
-                per_client = max(a.requests_per_client, -(-a.min_requests // c))
-                s = asyncio.run(level(port, c, per_client, a.prompt_len, a.max_tokens))
-                tps[c] = s["tokens"] / s["wall"]
-                ms = lambda xs, q: round(float(np.percentile(xs, q)) * 1e3, 2)
-                emit(
-                    "serve_load",
-                    f"c{c}_output_tokens_per_s",
-                    tps[c],
-                    "tokens/s",
-                    concurrency=c,
-                    requests=c * per_client,
-                    ttft_p50_ms=ms(s["ttft"], 50),
-                    ttft_p99_ms=ms(s["ttft"], 99),
-                    itl_p50_ms=ms(s["itl"], 50),
-                    itl_p99_ms=ms(s["itl"], 99),
-                    wall_s=round(s["wall"], 2),
-                    **info,
-                )
+            for _ in range(a.rounds):  # every level once per round: each sees the same stretches of the VM
+                for c in a.concurrency:
+                    per_client = max(a.requests_per_client, -(-a.min_requests // c))
+                    s = asyncio.run(level(port, c, per_client, a.prompt_len, a.max_tokens))
+                    s["requests"] = c * per_client
+                    tps[c].append(s["tokens"] / s["wall"])
+                    runs[c].append(s)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
+        ms = lambda xs, q: round(float(np.percentile(xs, q)) * 1e3, 2)
+        for c in a.concurrency:
+            every = {k: [x for s in runs[c] for x in s[k]] for k in ("ttft", "itl")}
+            emit(
+                "serve_load",
+                f"c{c}_output_tokens_per_s",
+                float(np.median(tps[c])),
+                "tokens/s",
+                concurrency=c,
+                rounds=[round(t) for t in tps[c]],
+                requests=sum(s["requests"] for s in runs[c]),
+                ttft_p50_ms=ms(every["ttft"], 50),
+                ttft_p99_ms=ms(every["ttft"], 99),
+                itl_p50_ms=ms(every["itl"], 50),
+                itl_p99_ms=ms(every["itl"], 99),
+                wall_s=round(sum(s["wall"] for s in runs[c]), 2),
+                **info,
+            )
         if 1 in tps:
             for c in tps:
                 if c != 1:
-                    emit("serve_load", f"c{c}_over_c1_throughput", tps[c] / tps[1], "x")
+                    per_round = [t / t1 for t, t1 in zip(tps[c], tps[1])]
+                    emit(
+                        "serve_load",
+                        f"c{c}_over_c1_throughput",
+                        float(np.median(per_round)),
+                        "x",
+                        per_round=[round(x, 2) for x in per_round],
+                        note="median over rounds of the ratio within a round",
+                    )
 
 
 if __name__ == "__main__":
