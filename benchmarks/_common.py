@@ -33,6 +33,16 @@ def emit(benchmark: str, metric: str, value: float, unit: str, **extra: Any) -> 
     print(json.dumps(row), flush=True)
 
 
+def emit_paired_ratio(
+    benchmark: str, metric: str, ours: list[float], theirs: list[float], **extra: Any
+) -> None:
+    """The median over rounds of ours / theirs within each round (the two measured in the same
+    stretch of this drifting VM), with every round's ratio."""
+    per_round = [o / t for o, t in zip(ours, theirs)]
+    rounded = [round(r, 3) for r in per_round]
+    emit(benchmark, metric, statistics.median(per_round), "x", per_round=rounded, **extra)
+
+
 def machine() -> dict[str, Any]:
     return {
         "python": platform.python_version(),

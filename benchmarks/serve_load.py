@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from _common import emit, machine
+from _common import emit, emit_paired_ratio, machine
 
 
 def export_bench_model(out: Path) -> Path:
@@ -237,15 +237,7 @@ def main() -> None:
         if 1 in tps:
             for c in tps:
                 if c != 1:
-                    per_round = [t / t1 for t, t1 in zip(tps[c], tps[1])]
-                    emit(
-                        "serve_load",
-                        f"c{c}_over_c1_throughput",
-                        float(np.median(per_round)),
-                        "x",
-                        per_round=[round(x, 2) for x in per_round],
-                        note="median over rounds of the ratio within a round",
-                    )
+                    emit_paired_ratio("serve_load", f"c{c}_over_c1_throughput", tps[c], tps[1])
 
 
 if __name__ == "__main__":

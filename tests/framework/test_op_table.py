@@ -723,6 +723,16 @@ def _sdpa_lse_grad_ref(g, out, lse, q, k, v, is_causal=False, scale=None):
 case("scaled_dot_product_attention_lse_grad", _sdpa_lse_grad_samples, _sdpa_lse_grad_ref)
 
 
+def test_attention_lse_grad_names_a_wrong_lse():
+    rng = np.random.default_rng(0)
+    q, k, v = (lf.tensor(r(rng, 1, 2, 3, 4).astype(np.float32)) for _ in range(3))
+    out, lse = lf.ops.scaled_dot_product_attention_lse(q, k, v, is_causal=True)
+    with pytest.raises(lf.OpError, match=r"_lse_grad: lse must be \[B, Hq, S\] in q's dtype"):
+        lf.ops.scaled_dot_product_attention_lse_grad(out, out, out, q, k, v)  # lse given the output
+    with pytest.raises(lf.OpError, match=r"_lse_grad: lse must be \[B, Hq, S\] in q's dtype"):
+        lf.ops.scaled_dot_product_attention_lse_grad(out, out, lse.astype("float64"), q, k, v)
+
+
 def _dropout_ref(x, p=0.5, seed=0):
     # Independent check: every output is either 0 or x / (1 - p); compared value-wise below.
     return None

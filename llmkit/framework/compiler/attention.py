@@ -398,7 +398,7 @@ class Attention:
     def run(self, fn: Any, arrays: tuple, nthreads: int) -> tuple | np.ndarray:
         """Call the compiled kernel on numpy arrays (any strides); returns the outputs."""
         q, k, v = arrays[-3:]
-        if self.body is _FORWARD:
+        if self.n_in == 3:
             outs = [np.empty(q.shape[:3] + v.shape[3:], q.dtype)]
             if self.lse:
                 outs.append(np.empty(q.shape[:3], q.dtype))
