@@ -114,11 +114,12 @@ def _panels(w_in_out: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("m", [1, 2, 6, 8, 15, 16, 40])
-@pytest.mark.parametrize("k,n", [(1, 16), (63, 32), (200, 208), (256, 688), (0, 16)])
+@pytest.mark.parametrize("m", [1, 2, 6, 8, 15, 16, 40, 400])
+@pytest.mark.parametrize("k,n", [(1, 16), (63, 32), (200, 208), (256, 688), (700, 48), (0, 16)])
 def test_tiled_linear_panels_match_float64_and_the_other_layouts_bits(m, k, n):
     """Weights packed in 16-column panels: the same values, and the same bits as [in, out] and as
-    each row alone (every output is the same k-ordered chain of FMAs in every path)."""
+    each row alone (every output is the same k-ordered chain of FMAs in every path: panels taken
+    whole, and from 2^18 floats of x (m 400, k 700) in chunks of k)."""
     from llmkit.framework.ops.paged import pack_panels
 
     rng = np.random.default_rng(m + 3 * k + n)
