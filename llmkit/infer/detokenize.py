@@ -1,7 +1,12 @@
 """Incremental detokenization with stop strings: token ids in, stable text deltas out.
 
-Text is decoded from every generated token so far (sentencepiece is exact on the whole sequence),
-and a delta is released only when it can no longer change or be cut:
+Text is decoded in a window of the last tokens: the window ``ids[prefix:]`` is decoded once per
+token, and the new text is what follows ``decode(ids[prefix:read])``, where ``read`` is where the
+text last ended on a whole character. The window keeps at least one token before ``read`` as
+context: sentencepiece drops a word's leading space at the start of a decode (Llama's dummy
+prefix), and the context keeps the space inside the window. Appended, the windows give the decode
+of the whole sequence, at a bounded cost per token (decoding everything again cost O(length)). A
+delta is released only when it can no longer change or be cut:
 
 - a trailing U+FFFD is an incomplete UTF-8 character (byte-fallback pieces): held back;
 - a suffix that is the start of a stop string is held back until the next token decides;
@@ -15,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+WINDOW = 16  # tokens a decode window grows to before it starts again from its last token
+
 
 class Detokenizer:
     """``add(token) -> (delta, stopped)``; ``finish() -> delta`` releases what was held back."""
@@ -25,6 +32,9 @@ class Detokenizer:
         self._longest = max((len(s) for s in self.stop), default=0)
         self.ids: list[int] = []
         self.text = ""  # the output text so far (ends before a stop string once stopped)
+        self._stable = ""  # the text of ids[:read]
+        self._prefix = self._read = 0  # the decode window: ids[prefix:] (see the module docstring)
+        self._before = 0  # characters of decode(ids[prefix:read])
         self._sent = 0  # characters of self.text already released
         self.stopped = False
 
@@ -35,7 +45,8 @@ class Detokenizer:
         if visible:
             self.ids.append(int(token_id))
             if self.tokenizer is not None:  # no tokenizer: token ids only, no text
-                self.text = self.tokenizer.decode(self.ids)
+                tail = self._window()
+                self.text = self._stable + tail
         if self.stop:
             hit = self._find_stop()
             if hit is not None:
@@ -47,6 +58,26 @@ class Detokenizer:
     def finish(self) -> str:
         """The rest of the text (at the end of generation nothing is pending any more)."""
         return self._release(len(self.text))
+
+    def _window(self) -> str:
+        """The text of ids[read:] (one decode of the window); moves the window on when it ends on a
+        whole character."""
+        text = self.tokenizer.decode(self.ids[self._prefix :])
+        tail = text[self._before :]
+        if not tail or tail.endswith("\ufffd"):
+            return tail
+        self._stable += tail
+        self._read = len(self.ids)
+        if self._read - self._prefix <= WINDOW:
+            self._before = len(text)  # the next window starts where this one did
+            return ""
+        start = self._read - 1  # a new window: the last token as context, or more when it decodes
+        before = self.tokenizer.decode(self.ids[start : self._read])  # to nothing (a control token
+        while not before and start > 0:  # keeps no leading space)
+            start -= 1
+            before = self.tokenizer.decode(self.ids[start : self._read])
+        self._prefix, self._before = start, len(before)
+        return ""
 
     def _find_stop(self) -> int | None:
         # A new stop string can only end in text not yet released, so search from there back.

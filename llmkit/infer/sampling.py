@@ -146,10 +146,14 @@ class Sampler:
         self._counts: dict[int, int] = {}
 
     def penalize(self, logits: np.ndarray) -> np.ndarray:
-        """Float64 logits with this request's penalties applied."""
+        """The logits with this request's penalties applied (in float64; the row itself when no
+        penalty applies: argmax and ``probabilities`` read it as it is)."""
         p = self.params
+        rep = p.repetition_penalty != 1.0 and self._seen
+        if not rep and not ((p.presence_penalty or p.frequency_penalty) and self._counts):
+            return logits
         z = logits.astype(np.float64)
-        if p.repetition_penalty != 1.0 and self._seen:
+        if rep:
             ids = np.fromiter(self._seen, np.int64)
             v = z[ids]
             z[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)

@@ -52,6 +52,53 @@ def test_incomplete_characters_are_held_back():
     assert d.add(ord("b")) == ("\ufffdb", False)
 
 
+def _dummy_prefix_tokenizer() -> Tokenizer:
+    """A sentencepiece model with Meta's ``add_dummy_prefix``: decode drops a leading space."""
+    import io
+
+    import sentencepiece as spm
+
+    lines = ["Once upon a time there was a little cat.", "The cat sat on the mat, and  the dog ran."] * 40
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=buf, vocab_size=320, model_type="bpe",
+        byte_fallback=True, add_dummy_prefix=True, character_coverage=1.0, num_threads=1, minloglevel=2,
+    )  # fmt: skip
+    return Tokenizer(buf.getvalue())
+
+
+@pytest.mark.parametrize("window", [1, 16])
+@pytest.mark.parametrize("which", ["builtin", "dummy_prefix"])
+def test_windowed_deltas_add_up_to_the_decode_of_the_whole_sequence(tok, which, window, monkeypatch):
+    """The detokenizer decodes a window of the last tokens; its deltas must still equal
+    sentencepiece's decode of all the ids: words' leading spaces (which a Llama tokenizer drops at
+    the start of a decode), characters split into byte-fallback pieces, bare "▁" pieces, control
+    tokens (they decode to nothing)."""
+    import numpy as np
+
+    from llmkit.infer import detokenize
+
+    monkeypatch.setattr(detokenize, "WINDOW", window)  # 1: a new window at every token
+    t = Tokenizer.of(tok) if which == "builtin" else _dummy_prefix_tokenizer()
+    if which == "dummy_prefix":
+        assert t.decode(t.encode("the cat", add_bos=False)[1:]) == "cat"  # the case the window is for
+    text = "Once upon a time, é€ 漢字 —  two  spaces\nnew line 123"
+    cases = [t.encode(text, add_bos=False), t.encode(" " + text, add_bos=False)]
+    rng = np.random.default_rng(0)
+    specials = [t.bos_id, t.eos_id, t.encode(" the", add_bos=False)[-1], *t.encode("€", add_bos=False)]
+    for _ in range(30):  # random ids, weighted towards the awkward ones
+        ids = rng.integers(0, t.vocab_size, 40).tolist()
+        for i in rng.integers(0, 40, 12):
+            ids[i] = specials[rng.integers(len(specials))]
+        cases.append(ids)
+    for ids in cases:
+        d = Detokenizer(t)
+        deltas = [d.add(i)[0] for i in ids] + [d.finish()]
+        assert "".join(deltas) == t.decode(ids) == d.text, ids
+        for n in range(1, len(ids)):  # what is released so far is a prefix of the final text
+            assert t.decode(ids).startswith("".join(deltas[:n]))
+
+
 def test_tokenizer_wrapper_matches_llama_tokenizer(tok):
     t = Tokenizer.of(tok)
     text = "Hello, world! 123 é€"
