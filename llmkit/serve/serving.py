@@ -447,26 +447,30 @@ class Serving:
         extra = {"usage": None} if include_usage else {}
 
         async def gen() -> AsyncIterator[str]:
+            # Events that are ready together go out as one body write (one send): the outputs
+            # already queued, and the last token with the finish chunk, usage and [DONE].
             try:
-                for body in first:  # chat: the first delta of every choice carries the role
-                    yield _sse({**body, **extra})
+                events = [_sse({**body, **extra}) for body in first]  # chat: the role comes first
                 while not sub.done:
-                    i, out = await sub.next(None)
+                    if not events or sub.queue.empty():
+                        if events:
+                            yield "".join(events)
+                            events = []
+                        i, out = await sub.next(None)
+                    else:
+                        i, out = sub.queue.get_nowait()
                     c = sub.apply(i, out)
                     if c.finish_reason == FinishReason.ERROR:
-                        yield _sse(
-                            error_body(
-                                "the engine failed while generating; see the server log", "server_error"
-                            )
-                        )
+                        msg = "the engine failed while generating; see the server log"
+                        events.append(_sse(error_body(msg, "server_error")))
                         break
-                    for body in chunks(i, c, out):
-                        yield _sse({**body, **extra})
+                    events += [_sse({**body, **extra}) for body in chunks(i, c, out)]
                     c.offset += len(out.new_text)
                 else:
                     if include_usage:
-                        yield _sse({**head, "choices": [], "usage": sub.usage(n)})
-                yield "data: [DONE]\n\n"
+                        events.append(_sse({**head, "choices": [], "usage": sub.usage(n)}))
+                events.append("data: [DONE]\n\n")
+                yield "".join(events)
             finally:
                 if not sub.done:
                     sub.abort()

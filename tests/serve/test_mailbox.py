@@ -42,3 +42,72 @@ def test_a_burst_of_outputs_wakes_the_loop_once_and_arrives_in_order():
     got_a, got_b, wakeups = asyncio.run(main())
     assert got_a == list(range(32)) and got_b == [-i for i in range(32)]
     assert wakeups == 2
+
+
+class _FakeRunner:
+    """Just enough of an EngineThread for Serving: submit records the callbacks."""
+
+    alive = True
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.callbacks: list = []
+        self.aborted: list[str] = []
+        self.engine = SimpleNamespace(
+            tokenizer=SimpleNamespace(token_text=str),
+            model_name="m",
+            max_model_len=64,
+            spec=SimpleNamespace(vocab_size=100),
+            generation_defaults={},
+            stats=lambda: {"waiting": 0},
+        )
+
+    def submit(self, prompt, params, callback, seed=None) -> str:
+        self.callbacks.append(callback)
+        return f"r{len(self.callbacks)}"
+
+    def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+
+def _output(i: int, text: str, finished: bool = False):
+    from llmkit.infer import RequestOutput
+
+    reason = "length" if finished else None
+    return RequestOutput("r1", [i], text, None, finished, reason, 3, i + 1, 0)
+
+
+def test_stream_events_that_are_ready_together_go_out_in_one_write():
+    """A stream sends one body message per batch of ready events: tokens queued while the loop was
+    busy, and the last token (with its finish_reason) with the usage chunk and [DONE]."""
+    import json
+
+    from llmkit.serve.protocol import CompletionRequest
+    from llmkit.serve.serving import Serving
+
+    async def main() -> list[str]:
+        runner = _FakeRunner()
+        serving = Serving(runner)  # type: ignore[arg-type]
+        req = CompletionRequest(
+            model="m", prompt=[1, 2, 3], max_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
+        gen = await serving.completions(req, disconnected=None)  # type: ignore[arg-type]
+        (post,) = runner.callbacks
+        post(_output(0, "a"))
+        post(_output(1, "b"))  # two tokens ready before the stream first runs
+        writes = [await gen.__anext__()]
+        post(_output(2, "c"))
+        writes.append(await gen.__anext__())
+        post(_output(3, "d", finished=True))
+        writes.append(await gen.__anext__())
+        assert [w async for w in gen] == []
+        return writes
+
+    writes = asyncio.run(main())
+    events = [[e for e in w.split("\n\n") if e] for w in writes]
+    assert [len(e) for e in events] == [2, 1, 3]  # a+b | c | d with its finish_reason, usage, [DONE]
+    chunks = [json.loads(e[6:]) for w in events for e in w if e != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "abcd"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 4 and events[-1][-1] == "data: [DONE]"
