@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -82,10 +83,15 @@ def start(model_file: Path, port: int, max_batch: int) -> tuple[subprocess.Popen
             time.sleep(0.02)
 
 
+_EMPTY_TEXT = re.compile(rb'"text":\s*""')
+
+
 class Connection:
     """A keep-alive HTTP/1.1 connection that streams one SSE response at a time: a lean load
-    generator (it shares the machine's two cores with the server; httpx's streaming took about half
-    a core at 32 streams, this a fraction of that). Reads chunked or content-length bodies."""
+    generator, since it shares the machine's two cores with the server. It reads whatever has
+    arrived in one call and finds the events in it, without decoding the chunked framing or the
+    JSON (at 32 streams 60 us of CPU per token against 72 for reading line by line and parsing
+    every chunk, which itself took about a third of httpx's; the rest is asyncio and the socket)."""
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
@@ -93,7 +99,8 @@ class Connection:
         self.writer: asyncio.StreamWriter | None = None
 
     async def stream(self, path: str, body: dict) -> AsyncIterator[bytes]:
-        """POST ``body`` as JSON; yields the response body's SSE lines as they arrive."""
+        """POST ``body`` as JSON; yields the payload of every SSE event (after ``data: ``) as it
+        arrives."""
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         data = json.dumps(body).encode()
@@ -110,20 +117,27 @@ class Connection:
         while (line := await reader.readline()) not in (b"\r\n", b""):
             k, _, v = line.decode().partition(":")
             headers[k.strip().lower()] = v.strip()
+        if headers.get("transfer-encoding") != "chunked":
+            rest = await reader.readexactly(int(headers.get("content-length", 0)))
+            for event in rest.split(b"\n\n"):
+                if (i := event.find(b"data: ")) >= 0:
+                    yield event[i + 6 :]
+            return
+        # Chunked: events end with a blank line; the chunk-size lines between them are skipped by
+        # looking for "data: ", and the body ends with the last chunk, "0" and a blank line.
         pending = b""
-        if headers.get("transfer-encoding") == "chunked":
-            while size := int((await reader.readline()).strip(), 16):
-                pending += (await reader.readexactly(size + 2))[:-2]  # the chunk, less its CRLF
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    if line:
-                        yield line
-            await reader.readline()  # the blank line after the last chunk
-        else:
-            pending = await reader.readexactly(int(headers.get("content-length", 0)))
-        for line in pending.split(b"\n"):
-            if line:
-                yield line
+        while True:
+            got = await reader.read(1 << 16)
+            if not got:
+                raise RuntimeError("the server closed the stream")
+            pending += got
+            end = pending.endswith(b"\r\n0\r\n\r\n")
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if (i := event.find(b"data: ")) >= 0:
+                    yield event[i + 6 :]
+            if end:
+                return
 
 
 async def client(conn: Connection, path: str, prompts: list[list[int]], max_tokens: int, stats: dict) -> None:
@@ -138,11 +152,9 @@ async def client(conn: Connection, path: str, prompts: list[list[int]], max_toke
         }
         t0 = time.perf_counter()
         last = None
-        async for line in conn.stream(path, body):
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if not chunk["choices"] or not chunk["choices"][0]["text"]:
+        async for event in conn.stream(path, body):
+            # a token's chunk has text; skip [DONE] and chunks whose text is still held back
+            if not event.startswith(b"{") or _EMPTY_TEXT.search(event):
                 continue
             t = time.perf_counter()
             if last is None:
