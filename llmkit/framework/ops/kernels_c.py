@@ -332,57 +332,78 @@ PAGED_ATTENTION = (
    bufs: q [B, HQ, S, D], pool [L, 2, NB, BS, HK, D], block_tables [NS, MB], kv_len [NS],
          (q_start [NS], q_len [NS],) out [B, HQ, S, D], status.
    sizes: B, HQ, S, D, NB, BS, HK, MB, layer, scale (double bits), segmented, NS. */
-/* One (token, kv head): the G query heads that share it. D is a constant where it is inlined. */
-static inline __attribute__((always_inline)) void KERNEL_FN_head(
+/* One query token, all its heads, a KV block at a time: a block's rows (every kv head's key or
+   value of BS positions, contiguous) are read once, for all the heads, while they are in L1;
+   going head by head over the whole sequence read each row in HK strided passes. Every score and
+   every output element is still the same chain as one head alone would compute: a score is one
+   dot product (8 lanes, then the fixed tree), the outputs add the positions in order (a block
+   continues from the running sums it stored). D is a constant where it is inlined.
+   q: head hq at q + hq * qstride; out likewise; p: scratch [HQ][t]. */
+static inline __attribute__((always_inline)) void KERNEL_FN_token(
     const float *q, int64_t qstride, const float *keys, const float *values, const int64_t *blocks,
-    int64_t t, int64_t BS, int64_t row, int64_t block, int64_t G, float scale, float *out,
+    int64_t t, int64_t BS, int64_t row, int64_t block, int64_t HK, int64_t G, float scale, float *out,
     int64_t ostride, float *p, const int64_t D) {
-  const int64_t d8 = D - D % 8;
-  for (int64_t i = 0; i < t; i++) { /* scores: each key read once for the G heads */
-    const float *k = keys + blocks[i / BS] * block + (i % BS) * row;
-    for (int64_t g = 0; g < G; g++) {
-      const float *qv = q + g * qstride;
-      float s = 0.0f;
-      if (d8) {
-        KERNEL_FN_v acc = KERNEL_FN_splat(0.0f);
-        for (int64_t d = 0; d < d8; d += 8)
-          acc = KERNEL_FN_mac(acc, KERNEL_FN_ld(qv + d), KERNEL_FN_ld(k + d));
-        s = KERNEL_FN_hsum(acc);
+  const int64_t d8 = D - D % 8, HQ = HK * G;
+  for (int64_t i0 = 0; i0 < t; i0 += BS) { /* scores */
+    const int64_t i1 = i0 + BS < t ? i0 + BS : t;
+    const float *kb = keys + blocks[i0 / BS] * block;
+    for (int64_t h = 0; h < HK; h++)
+      for (int64_t g = 0; g < G; g++) {
+        const float *qv = q + (h * G + g) * qstride;
+        float *ph = p + (h * G + g) * t;
+        for (int64_t i = i0; i < i1; i++) {
+          const float *k = kb + (i - i0) * row + h * D;
+          float s = 0.0f;
+          if (d8) {
+            KERNEL_FN_v acc = KERNEL_FN_splat(0.0f);
+            for (int64_t d = 0; d < d8; d += 8)
+              acc = KERNEL_FN_mac(acc, KERNEL_FN_ld(qv + d), KERNEL_FN_ld(k + d));
+            s = KERNEL_FN_hsum(acc);
+          }
+          for (int64_t d = d8; d < D; d++) s = KERNEL_FN_smac(s, qv[d], k[d]);
+          ph[i] = s * scale;
+        }
       }
-      for (int64_t d = d8; d < D; d++) s = KERNEL_FN_smac(s, qv[d], k[d]);
-      p[g * t + i] = s * scale;
-    }
   }
-  for (int64_t g = 0; g < G; g++) {
-    float *pg = p + g * t, top = -INFINITY, sum = 0.0f;
+  for (int64_t hq = 0; hq < HQ; hq++) { /* softmax of each head's scores */
+    float *pg = p + hq * t, top = -INFINITY, sum = 0.0f;
 #pragma omp simd reduction(max : top)
     for (int64_t i = 0; i < t; i++) top = pg[i] > top ? pg[i] : top;
 #pragma omp simd
     for (int64_t i = 0; i < t; i++) pg[i] = expf(pg[i] - top);
     for (int64_t i = 0; i < t; i++) sum = sum + pg[i];
     for (int64_t i = 0; i < t; i++) pg[i] = pg[i] / sum;
-    float *o = out + g * ostride;
-    if (D == 32 || D == 64) { /* the output row in registers over the whole key loop */
-      KERNEL_FN_v acc[8];
-      for (int64_t c = 0; c < D / 8; c++) acc[c] = KERNEL_FN_splat(0.0f);
-      for (int64_t i = 0; i < t; i++) {
-        const float *v = values + blocks[i / BS] * block + (i % BS) * row;
-        const KERNEL_FN_v pi = KERNEL_FN_splat(pg[i]);
-        for (int64_t c = 0; c < D / 8; c++)
-          acc[c] = KERNEL_FN_mac(acc[c], pi, KERNEL_FN_ld(v + 8 * c));
+  }
+  for (int64_t i0 = 0; i0 < t; i0 += BS) { /* values, in position order */
+    const int64_t i1 = i0 + BS < t ? i0 + BS : t;
+    const float *vb = values + blocks[i0 / BS] * block;
+    for (int64_t h = 0; h < HK; h++)
+      for (int64_t g = 0; g < G; g++) {
+        const float *pg = p + (h * G + g) * t;
+        float *o = out + (h * G + g) * ostride;
+        if (D == 32 || D == 64) { /* the output row in registers over the block */
+          KERNEL_FN_v acc[8];
+          for (int64_t c = 0; c < D / 8; c++)
+            acc[c] = i0 ? KERNEL_FN_ld(o + 8 * c) : KERNEL_FN_splat(0.0f);
+          for (int64_t i = i0; i < i1; i++) {
+            const float *v = vb + (i - i0) * row + h * D;
+            const KERNEL_FN_v pi = KERNEL_FN_splat(pg[i]);
+            for (int64_t c = 0; c < D / 8; c++) acc[c] = KERNEL_FN_mac(acc[c], pi, KERNEL_FN_ld(v + 8 * c));
+          }
+          for (int64_t c = 0; c < D / 8; c++) KERNEL_FN_st(o + 8 * c, acc[c]);
+          continue;
+        }
+        if (i0 == 0)
+          for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        for (int64_t i = i0; i < i1; i++) {
+          const float *v = vb + (i - i0) * row + h * D;
+          const KERNEL_FN_v pi = KERNEL_FN_splat(pg[i]);
+          int64_t d = 0;
+          for (; d < d8; d += 8)
+            KERNEL_FN_st(o + d, KERNEL_FN_mac(KERNEL_FN_ld(o + d), pi, KERNEL_FN_ld(v + d)));
+          for (; d < D; d++) o[d] = KERNEL_FN_smac(o[d], pg[i], v[d]);
+        }
       }
-      for (int64_t c = 0; c < D / 8; c++) KERNEL_FN_st(o + 8 * c, acc[c]);
-      continue;
-    }
-    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-    for (int64_t i = 0; i < t; i++) {
-      const float *v = values + blocks[i / BS] * block + (i % BS) * row;
-      const KERNEL_FN_v pi = KERNEL_FN_splat(pg[i]);
-      int64_t d = 0;
-      for (; d < d8; d += 8)
-        KERNEL_FN_st(o + d, KERNEL_FN_mac(KERNEL_FN_ld(o + d), pi, KERNEL_FN_ld(v + d)));
-      for (; d < D; d++) o[d] = KERNEL_FN_smac(o[d], pg[i], v[d]);
-    }
   }
 }
 
@@ -430,13 +451,13 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   for (int64_t n = 0; n < N; n++) work += seg[n] >= 0 ? len[n] * HQ : 0;
   int64_t nt = work < 4096 ? 1 : nthreads < N ? nthreads : N;
   if (nt < 1) nt = 1;
-  float *scratch = (float *)malloc(nt * G * longest * sizeof(float));
+  float *scratch = (float *)malloc(nt * HQ * longest * sizeof(float));
   if (!scratch) { status[0] = 3; free(seg); return; }
   const int64_t hs = S * D; /* between consecutive heads of q and out */
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
   for (int64_t n = 0; n < N; n++) {
 #ifdef _OPENMP
-    float *p = scratch + omp_get_thread_num() * G * longest;
+    float *p = scratch + omp_get_thread_num() * HQ * longest;
 #else
     float *p = scratch;
 #endif
@@ -447,17 +468,14 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
     }
     const int64_t t = len[n];
     const int64_t *blocks = tables + seg[n] * MB;
-    for (int64_t h = 0; h < HK; h++) {
-      const int64_t at = ((b * HQ + h * G) * S + s) * D;
-      const float *kh = keys + h * D, *vh = values + h * D;
-#define KERNEL_FN_HEAD(DIM) \
-  KERNEL_FN_head(q + at, hs, kh, vh, blocks, t, BS, row, block, G, scale, out + at, hs, p, DIM)
-      switch (D) { /* head dims inlined as constants: loops unrolled, rows kept in registers */
-        case 32: KERNEL_FN_HEAD(32); break;
-        case 64: KERNEL_FN_HEAD(64); break;
-        case 128: KERNEL_FN_HEAD(128); break;
-        default: KERNEL_FN_HEAD(D);
-      }
+    const int64_t at = (b * HQ * S + s) * D; /* head 0 of token n in q and out */
+#define KERNEL_FN_TOKEN(DIM) \
+  KERNEL_FN_token(q + at, hs, keys, values, blocks, t, BS, row, block, HK, G, scale, out + at, hs, p, DIM)
+    switch (D) { /* head dims inlined as constants: loops unrolled, rows kept in registers */
+      case 32: KERNEL_FN_TOKEN(32); break;
+      case 64: KERNEL_FN_TOKEN(64); break;
+      case 128: KERNEL_FN_TOKEN(128); break;
+      default: KERNEL_FN_TOKEN(D);
     }
   }
   free(scratch);
