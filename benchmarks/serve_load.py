@@ -196,7 +196,7 @@ def main() -> None:
     p.add_argument(
         "--min-requests", type=int, default=16, help="per level at least (one client's run is short, noisy)"
     )
-    p.add_argument("--rounds", type=int, default=3, help="every level once per round; medians over rounds")
+    p.add_argument("--rounds", type=int, default=5, help="every level once per round; medians over rounds")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     a = p.parse_args()
