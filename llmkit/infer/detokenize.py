@@ -71,9 +71,10 @@ class Detokenizer:
         if self._read - self._prefix <= WINDOW:
             self._before = len(text)  # the next window starts where this one did
             return ""
-        start = self._read - 1  # a new window: the last token as context, or more when it decodes
-        before = self.tokenizer.decode(self.ids[start : self._read])  # to nothing (a control token
-        while not before and start > 0:  # keeps no leading space)
+        # A new window: the last token as context, or more while that decodes to nothing (a
+        # control token keeps no leading space).
+        start, before = self._read, ""
+        while not before and start > 0:
             start -= 1
             before = self.tokenizer.decode(self.ids[start : self._read])
         self._prefix, self._before = start, len(before)

@@ -150,14 +150,15 @@ class Sampler:
         penalty applies: argmax and ``probabilities`` read it as it is)."""
         p = self.params
         rep = p.repetition_penalty != 1.0 and self._seen
-        if not rep and not ((p.presence_penalty or p.frequency_penalty) and self._counts):
+        counted = (p.presence_penalty or p.frequency_penalty) and self._counts
+        if not rep and not counted:
             return logits
         z = logits.astype(np.float64)
         if rep:
             ids = np.fromiter(self._seen, np.int64)
             v = z[ids]
             z[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and self._counts:
+        if counted:
             ids = np.fromiter(self._counts, np.int64)
             counts = np.fromiter(self._counts.values(), np.float64)
             z[ids] -= p.presence_penalty + p.frequency_penalty * counts

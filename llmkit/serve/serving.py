@@ -452,13 +452,10 @@ class Serving:
             try:
                 events = [_sse({**body, **extra}) for body in first]  # chat: the role comes first
                 while not sub.done:
-                    if not events or sub.queue.empty():
-                        if events:
-                            yield "".join(events)
-                            events = []
-                        i, out = await sub.next(None)
-                    else:
-                        i, out = sub.queue.get_nowait()
+                    if events and sub.queue.empty():
+                        yield "".join(events)
+                        events = []
+                    i, out = await sub.next(None)  # (at once when one is queued)
                     c = sub.apply(i, out)
                     if c.finish_reason == FinishReason.ERROR:
                         msg = "the engine failed while generating; see the server log"

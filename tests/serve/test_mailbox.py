@@ -1,4 +1,5 @@
-"""The engine thread hands outputs to the event loop in batches: one wake-up, every item, in order."""
+"""Outputs in batches: the engine thread wakes the event loop once per step (every item, in order),
+and a stream writes the events it has ready in one body message."""
 
 from __future__ import annotations
 
