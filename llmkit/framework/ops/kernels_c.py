@@ -13,6 +13,8 @@ of its own row.
 
 from __future__ import annotations
 
+from ..par import DECLARE as _PAR
+
 # Multiply-accumulate helpers: fused (one rounding) where the CPU has FMA, else multiply then add;
 # the vector lanes and the scalar tails round the same way, so a column's result does not depend
 # on whether it fell in a vector or in the tail.
@@ -238,32 +240,53 @@ static void KERNEL_FN_nk(const float *x, const float *w, float *y, int64_t M, in
 
 """
 
+# Columns per claim of the thread pool (``par.py``) in the products below: whole 16-column panels,
+# as many as make about 32K multiply-adds (a claim costs one compare-and-swap), 64 without panels.
+_CHUNK = r"""
+static inline int64_t KERNEL_FN_chunk_cols(int64_t M, int64_t K, int panels) {
+  if (!panels) return 64;
+  const int64_t per = 16 * (M * K > 0 ? M * K : 1), g = (32768 + per - 1) / per;
+  return 16 * (g < 8 ? g : 8);
+}
+"""
+
 TILED_LINEAR = (
     _VEC
     + _LINEAR
+    + _PAR
+    + _CHUNK
     + r"""
+typedef struct {
+  const float *x, *w;
+  float *y, *bufs;
+  int64_t M, K, N, mode, cols, buf;
+} KERNEL_FN_job;
+
+/* one claim: columns c * cols .. of y, each computed as above whoever computes it */
+static void KERNEL_FN_cols(void *arg, int64_t c, int64_t worker) {
+  const KERNEL_FN_job *j = (const KERNEL_FN_job *)arg;
+  const int64_t M = j->M, K = j->K, N = j->N, lo = c * j->cols, hi = lo + j->cols < N ? lo + j->cols : N;
+  if (j->mode == 2) KERNEL_FN_pp(j->x, j->w + lo * K, j->y + lo, M, K, hi - lo, N);
+  else if (j->mode == 1 && j->bufs)
+    KERNEL_FN_knp(j->x, j->w + lo, j->y + lo, M, K, hi - lo, N, j->bufs + worker * j->buf);
+  else if (j->mode == 1) KERNEL_FN_kn(j->x, j->w + lo, j->y + lo, M, K, hi - lo, N);
+  else KERNEL_FN_nk(j->x, j->w + lo * K, j->y + lo, M, K, hi - lo, N);
+}
+
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
-  const int64_t M = sizes[0], K = sizes[1], N = sizes[2], has_bias = sizes[3];
-  const float *x = (const float *)bufs[0], *w = (const float *)bufs[1];
+  const int64_t M = sizes[0], K = sizes[1], N = sizes[2], has_bias = sizes[3], mode = sizes[4];
   float *y = (float *)bufs[2 + has_bias];
-  /* Threads take whole 64-column blocks; every y[m, j] is computed as above whoever computes it.
-     From 128K multiply-adds: in a replayed decode step (threads kept busy kernel after kernel) that
-     measured faster at batch 8 than 4M, though a lone call of that size is faster on one thread. */
-  const int64_t blocks = (N + 63) / 64;
-  int64_t nt = M * N * K < (1 << 17) ? 1 : nthreads < blocks ? nthreads : blocks;
+  /* Threads from 128K multiply-adds: in a replayed decode step (threads kept busy kernel after
+     kernel) that measured faster at batch 8 than 4M, though a lone call of that size is faster on
+     one thread. */
+  const int64_t cols = KERNEL_FN_chunk_cols(M, K, mode == 2), chunks = (N + cols - 1) / cols;
+  int64_t nt = M * N * K < (1 << 17) ? 1 : nthreads < chunks ? nthreads : chunks;
   if (nt < 1) nt = 1;
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-  for (int64_t t = 0; t < nt; t++) {
-    const int64_t lo = blocks * t / nt * 64, end = blocks * (t + 1) / nt * 64, hi = end < N ? end : N;
-    if (sizes[4] == 2) KERNEL_FN_pp(x, w + lo * K, y + lo, M, K, hi - lo, N);
-    else if (sizes[4] && M >= KERNEL_FN_PACK_ROWS) {
-      float *buf = (float *)malloc(sizeof(float) * KERNEL_FN_KC * ((hi - lo) / 8 * 8 + 16));
-      if (buf) KERNEL_FN_knp(x, w + lo, y + lo, M, K, hi - lo, N, buf);
-      else KERNEL_FN_kn(x, w + lo, y + lo, M, K, hi - lo, N);
-      free(buf);
-    } else if (sizes[4]) KERNEL_FN_kn(x, w + lo, y + lo, M, K, hi - lo, N);
-    else KERNEL_FN_nk(x, w + lo * K, y + lo, M, K, hi - lo, N);
-  }
+  KERNEL_FN_job job = {(const float *)bufs[0], (const float *)bufs[1], y, NULL, M, K, N, mode, cols,
+                       KERNEL_FN_KC * (cols / 8 * 8 + 16)};
+  if (mode == 1 && M >= KERNEL_FN_PACK_ROWS) job.bufs = (float *)malloc(sizeof(float) * nt * job.buf);
+  llmkit_par_for(chunks, nt, KERNEL_FN_cols, &job);
+  free(job.bufs);
   if (has_bias) {
     const float *bias = (const float *)bufs[2];
     for (int64_t m = 0; m < M; m++)
@@ -276,51 +299,59 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
 TILED_LINEAR_SWIGLU = (
     _VEC
     + _LINEAR
+    + _PAR
+    + _CHUNK
     + r"""
 /* tiled_linear_swiglu: y[m, j] = silu(x[m] . Wg[:, j]) * (x[m] . Wu[:, j]), both weights in
    16-column panels. Each product is tiled_linear's k-ordered FMA chain (KERNEL_FN_pp) and the
    SwiGLU is computed as the compiler's swiglu kernel does, element by element (@SIGMOID@: the op
    table's sigmoid template, filled in where the op is defined): a thread finishes its
-   own columns while they are in its cache, and the gate and up products are never stored.
+   own columns while they are in its cache, and the gate and up products are never stored
+   (claims of whole panels, as tiled_linear's).
    bufs: x [M, K], w_gate, w_up [N / 16, K, 16], y [M, N], status. sizes: M, K, N. */
+typedef struct {
+  const float *x, *wg, *wu;
+  float *y, *scratch;
+  int64_t M, K, N, cols;
+} KERNEL_FN_job;
+
+static void KERNEL_FN_cols(void *arg, int64_t c, int64_t worker) {
+  const KERNEL_FN_job *job = (const KERNEL_FN_job *)arg;
+  const int64_t M = job->M, K = job->K, N = job->N, cols = job->cols;
+  const int64_t lo = c * cols, w = N - lo < cols ? N - lo : cols;
+  float *g = job->scratch + worker * 2 * M * cols, *u = g + M * cols;
+  KERNEL_FN_pp(job->x, job->wg + lo * K, g, M, K, w, cols);
+  KERNEL_FN_pp(job->x, job->wu + lo * K, u, M, K, w, cols);
+  for (int64_t m = 0; m < M; m++) {
+    const float *gm = g + m * cols, *um = u + m * cols;
+    float *ym = job->y + m * N + lo;
+#pragma omp simd
+    for (int64_t j = 0; j < w; j++) ym[j] = (gm[j] * @SIGMOID@) * um[j];
+  }
+}
+
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   const int64_t M = sizes[0], K = sizes[1], N = sizes[2];
-  const float *x = (const float *)bufs[0], *wg = (const float *)bufs[1], *wu = (const float *)bufs[2];
-  float *y = (float *)bufs[3];
   int64_t *status = (int64_t *)bufs[4];
-  const int64_t blocks = (N + 63) / 64;
-  int64_t nt = 2 * M * N * K < (1 << 17) ? 1 : nthreads < blocks ? nthreads : blocks;
+  const int64_t cols = KERNEL_FN_chunk_cols(M, 2 * K, 1), chunks = (N + cols - 1) / cols;
+  int64_t nt = 2 * M * N * K < (1 << 17) ? 1 : nthreads < chunks ? nthreads : chunks;
   if (nt < 1) nt = 1;
-  float *scratch = (float *)malloc(sizeof(float) * (size_t)(nt * 2 * (M > 0 ? M : 1) * 64));
-  if (!scratch) { status[0] = 3; return; }
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-  for (int64_t t = 0; t < nt; t++) {
-    float *g = scratch + t * 2 * M * 64, *u = g + M * 64;
-    for (int64_t b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
-      const int64_t lo = b * 64, w = N - lo < 64 ? N - lo : 64;
-      KERNEL_FN_pp(x, wg + lo * K, g, M, K, w, 64);
-      KERNEL_FN_pp(x, wu + lo * K, u, M, K, w, 64);
-      for (int64_t m = 0; m < M; m++) {
-        const float *gm = g + m * 64, *um = u + m * 64;
-        float *ym = y + m * N + lo;
-#pragma omp simd
-        for (int64_t j = 0; j < w; j++) ym[j] = (gm[j] * @SIGMOID@) * um[j];
-      }
-    }
-  }
-  free(scratch);
+  KERNEL_FN_job job = {(const float *)bufs[0], (const float *)bufs[1], (const float *)bufs[2],
+                       (float *)bufs[3], NULL, M, K, N, cols};
+  job.scratch = (float *)malloc(sizeof(float) * (size_t)(nt * 2 * (M > 0 ? M : 1) * cols));
+  if (!job.scratch) { status[0] = 3; return; }
+  llmkit_par_for(chunks, nt, KERNEL_FN_cols, &job);
+  free(job.scratch);
 }
 """
 )
 
 PAGED_ATTENTION = (
     _VEC
+    + _PAR
     + r"""
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 /* paged_attention, one query token at a time, as the reference does for it: scores q.k * scale,
    minus their max, exp, divided by their sum, then the values summed with those weights in
    position order. Decode (every token its own segment): token n = (b, s) attends to positions
@@ -407,6 +438,38 @@ static inline __attribute__((always_inline)) void KERNEL_FN_token(
   }
 }
 
+typedef struct {
+  const float *q;
+  float *out;
+  const float *keys, *values;
+  const int64_t *tables, *seg, *len;
+  float *scratch;
+  int64_t per_worker, S, D, MB, BS, row, block, HK, G;
+  float scale;
+} KERNEL_FN_job;
+
+/* one claim: query token n */
+static void KERNEL_FN_one(void *arg, int64_t n, int64_t worker) {
+  const KERNEL_FN_job *j = (const KERNEL_FN_job *)arg;
+  const int64_t S = j->S, D = j->D, HQ = j->HK * j->G, b = n / S, s = n % S;
+  if (j->seg[n] < 0) { /* in no segment: zeros, as the reference */
+    for (int64_t h = 0; h < HQ; h++) memset(j->out + ((b * HQ + h) * S + s) * D, 0, sizeof(float) * D);
+    return;
+  }
+  const int64_t *blocks = j->tables + j->seg[n] * j->MB;
+  const int64_t at = (b * HQ * S + s) * D, hs = S * D; /* head 0 of token n in q and out; between heads */
+  float *p = j->scratch + worker * j->per_worker;
+#define KERNEL_FN_TOKEN(DIM)                                                                             \
+  KERNEL_FN_token(j->q + at, hs, j->keys, j->values, blocks, j->len[n], j->BS, j->row, j->block, j->HK, \
+                  j->G, j->scale, j->out + at, hs, p, DIM)
+  switch (D) { /* head dims inlined as constants: loops unrolled, rows kept in registers */
+    case 32: KERNEL_FN_TOKEN(32); break;
+    case 64: KERNEL_FN_TOKEN(64); break;
+    case 128: KERNEL_FN_TOKEN(128); break;
+    default: KERNEL_FN_TOKEN(D);
+  }
+}
+
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   const int64_t B = sizes[0], HQ = sizes[1], S = sizes[2], D = sizes[3], NB = sizes[4], BS = sizes[5];
   const int64_t HK = sizes[6], MB = sizes[7], layer = sizes[8], G = HQ / HK;
@@ -453,31 +516,9 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   if (nt < 1) nt = 1;
   float *scratch = (float *)malloc(nt * HQ * longest * sizeof(float));
   if (!scratch) { status[0] = 3; free(seg); return; }
-  const int64_t hs = S * D; /* between consecutive heads of q and out */
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-  for (int64_t n = 0; n < N; n++) {
-#ifdef _OPENMP
-    float *p = scratch + omp_get_thread_num() * HQ * longest;
-#else
-    float *p = scratch;
-#endif
-    const int64_t b = n / S, s = n % S;
-    if (seg[n] < 0) { /* in no segment: zeros, as the reference */
-      for (int64_t h = 0; h < HQ; h++) memset(out + ((b * HQ + h) * S + s) * D, 0, sizeof(float) * D);
-      continue;
-    }
-    const int64_t t = len[n];
-    const int64_t *blocks = tables + seg[n] * MB;
-    const int64_t at = (b * HQ * S + s) * D; /* head 0 of token n in q and out */
-#define KERNEL_FN_TOKEN(DIM) \
-  KERNEL_FN_token(q + at, hs, keys, values, blocks, t, BS, row, block, HK, G, scale, out + at, hs, p, DIM)
-    switch (D) { /* head dims inlined as constants: loops unrolled, rows kept in registers */
-      case 32: KERNEL_FN_TOKEN(32); break;
-      case 64: KERNEL_FN_TOKEN(64); break;
-      case 128: KERNEL_FN_TOKEN(128); break;
-      default: KERNEL_FN_TOKEN(D);
-    }
-  }
+  KERNEL_FN_job job = {q, out, keys, values, tables, seg, len, scratch, HQ * longest,
+                       S, D, MB, BS, row, block, HK, G, scale};
+  llmkit_par_for(N, nt, KERNEL_FN_one, &job);
   free(scratch);
   free(seg);
 }

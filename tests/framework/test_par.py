@@ -1,0 +1,141 @@
+"""The kernels' thread pool (``framework/par.py``): every chunk of every loop runs exactly once, on
+a worker index below the loop's thread count, whoever claims it; two callers at once, loops opened
+inside a chunk, more chunks than one claim word counts, and a forked child all still do.
+
+The probe kernel below counts, per chunk, how often it ran (an atomic add) and which worker ran it
+last; the counts expected are worked out here in numpy from the loop sizes alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+from llmkit.framework import par
+from llmkit.framework.compiler import available
+from llmkit.framework.native import build_c
+
+pytestmark = pytest.mark.skipif(not available(), reason="no working C compiler")
+
+PROBE = (
+    "#include <stdatomic.h>\n"
+    + par.DECLARE
+    + r"""
+typedef struct {
+  _Atomic int64_t *hits;
+  int64_t *who, spin, nested, threads;
+} KERNEL_FN_ctx;
+
+static void KERNEL_FN_leaf(void *arg, int64_t i, int64_t worker) {
+  KERNEL_FN_ctx *c = (KERNEL_FN_ctx *)arg;
+  atomic_fetch_add(&c->hits[i], 1);
+  c->who[i] = worker;
+  for (volatile int64_t k = 0; k < c->spin; k++) {
+  }
+}
+
+/* a chunk that opens a loop of its own over chunks 0 .. i */
+static void KERNEL_FN_outer(void *arg, int64_t i, int64_t worker) {
+  KERNEL_FN_ctx *c = (KERNEL_FN_ctx *)arg;
+  (void)worker;
+  llmkit_par_for(i + 1, c->threads, KERNEL_FN_leaf, c);
+}
+
+/* bufs: hits [n] int64, who [n] int64, status. sizes: n, loops, spin, nested.
+   Loop j (of `loops`) covers chunks 0 .. n - (j * 7919) % n - 1 (nested: 0 .. n-1, whose chunk i
+   opens a loop over 0 .. i). */
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  KERNEL_FN_ctx c = {(_Atomic int64_t *)bufs[0], (int64_t *)bufs[1], sizes[2], sizes[3], nthreads};
+  for (int64_t j = 0; j < sizes[1]; j++) {
+    if (sizes[3]) llmkit_par_for(sizes[0], nthreads, KERNEL_FN_outer, &c);
+    else llmkit_par_for(sizes[0] - (j * 7919) % sizes[0], nthreads, KERNEL_FN_leaf, &c);
+  }
+}
+"""
+)
+
+
+def run(n: int, loops: int, threads: int, spin: int = 0, nested: bool = False) -> tuple[np.ndarray, ...]:
+    fn = build_c(PROBE)
+    hits = np.zeros(n, np.int64)
+    who = np.full(n, -1, np.int64)
+    status = np.zeros(3, np.int64)
+    bufs = (ctypes.c_void_p * 3)(hits.ctypes.data, who.ctypes.data, status.ctypes.data)
+    fn(bufs, (ctypes.c_int64 * 4)(n, loops, spin, int(nested)), threads)
+    return hits, who
+
+
+def expected(n: int, loops: int) -> np.ndarray:
+    sizes = n - (np.arange(loops, dtype=np.int64) * 7919) % n
+    return (np.arange(n)[:, None] < sizes[None, :]).sum(axis=1)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_every_chunk_of_every_loop_runs_once_on_a_worker_below_the_thread_count(threads):
+    n, loops = 97, 3000
+    hits, who = run(n, loops, threads, spin=200)
+    np.testing.assert_array_equal(hits, expected(n, loops))
+    assert who[hits > 0].min() >= 0 and who.max() < threads
+    if threads > 1:  # the helpers did take part (thousands of loops, each chunk a few µs)
+        assert who.max() >= 1
+        assert par.helpers() >= 1
+
+
+def test_single_chunk_loops_and_one_thread_run_on_the_caller():
+    hits, who = run(1, 50, 4)
+    assert hits.tolist() == [50] and who.tolist() == [0]
+    hits, who = run(64, 10, 1)
+    np.testing.assert_array_equal(hits, expected(64, 10))
+    assert set(who[hits > 0].tolist()) == {0}
+
+
+def test_more_chunks_than_one_claim_word_counts_are_claimed_in_groups():
+    n = (1 << 19) + 12345  # past the 19-bit claim counter
+    hits, who = run(n, 1, 2)
+    assert hits.min() == 1 and hits.max() == 1
+    assert who.max() < 2
+
+
+def test_a_chunk_that_opens_a_loop_runs_it_on_its_own_thread():
+    n = 40
+    hits, _ = run(n, 3, 2, nested=True)
+    # loop over 0..n-1, chunk i opens 0..i: chunk k runs (n - k) times per outer loop
+    np.testing.assert_array_equal(hits, 3 * (n - np.arange(n)))
+
+
+def test_two_callers_at_once_both_get_every_chunk():
+    results: dict[int, tuple] = {}
+
+    def caller(k: int) -> None:
+        results[k] = run(61 + k, 1500, 2, spin=100)
+
+    ts = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for k, (hits, who) in results.items():
+        np.testing.assert_array_equal(hits, expected(61 + k, 1500))
+        assert who.max() < 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_starts_its_own_helpers():
+    run(50, 100, 2)  # helpers running in the parent
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork of a multi-threaded process
+        pid = os.fork()
+    if pid == 0:  # the child: its helpers did not come along; a parallel loop must still finish
+        try:
+            hits, who = run(50, 500, 2, spin=200)
+            ok = np.array_equal(hits, expected(50, 500)) and who.max() >= 1 and par.helpers() >= 1
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
