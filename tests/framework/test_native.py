@@ -204,13 +204,16 @@ def test_tiled_linear_swiglu_threads_do_not_change_a_bit(monkeypatch):
 
 
 @pytest.mark.parametrize("d", [3, 8, 19, 32, 64, 128])
-def test_paged_attention_decode_matches_float64(d):
+@pytest.mark.parametrize("bs,hq,hk", [(4, 4, 2), (16, 4, 2), (16, 20, 4), (16, 3, 3), (8, 6, 2)])
+def test_paged_attention_decode_matches_float64(d, bs, hq, hk):
+    # blocks of 8 and 16 positions take the eight-scores-at-a-time path (with tails: 9, 12 and 1
+    # keys; 41 with bs 16), 20 query heads sum their softmax in two groups, g 2 and 3 pair heads
     rng = np.random.default_rng(d)
-    b, hq, hk, nb, bs, layers = 3, 4, 2, 6, 4, 2
+    b, nb, layers = 3, 6, 2
     q = rng.standard_normal((b, hq, 1, d)).astype(np.float32)
     pool = rng.standard_normal((layers, 2, nb, bs, hk, d)).astype(np.float32)
     tables = np.array([[5, 1, 0], [2, 3, 4], [0, 0, 0]], np.int64)
-    kv_len = np.array([9, 12, 1], np.int64)
+    kv_len = np.array([9, 12 if bs < 16 else 41, 1], np.int64)
     assert applies("paged_attention", q, pool, tables, kv_len, layer=1)
     got = native("paged_attention")(np, q, pool, tables, kv_len, layer=1)
     want = _paged_attention_ref(q.astype(np.float64), pool.astype(np.float64), tables, kv_len, layer=1)

@@ -52,6 +52,25 @@ static inline float KERNEL_FN_hsum(KERNEL_FN_v v) {
   return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 #endif
 }
+/* the 8 sums hsum(a[0]) .. hsum(a[7]) as one vector, each by the same tree (a transpose on the way) */
+static inline KERNEL_FN_v KERNEL_FN_hsum8(const KERNEL_FN_v *a) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 p[4]; /* pair (2r, 2r+1): [l0+l4, l1+l5, l2+l6, l3+l7] of each */
+  for (int r = 0; r < 4; r++)
+    p[r] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * r], a[2 * r + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * r], a[2 * r + 1], 0x31));
+  /* (l0+l4)+(l2+l6) and (l1+l5)+(l3+l7): [A0 B0 A2 B2 | A1 B1 A3 B3], then for 4..7 */
+  const __m256 q0 = _mm256_add_ps(_mm256_shuffle_ps(p[0], p[1], 0x44), _mm256_shuffle_ps(p[0], p[1], 0xEE));
+  const __m256 q1 = _mm256_add_ps(_mm256_shuffle_ps(p[2], p[3], 0x44), _mm256_shuffle_ps(p[2], p[3], 0xEE));
+  /* A + B: [s0 s2 s4 s6 | s1 s3 s5 s7], then into order */
+  const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(q0, q1, 0x88), _mm256_shuffle_ps(q0, q1, 0xDD));
+  return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+#else
+  float l[8];
+  for (int r = 0; r < 8; r++) l[r] = KERNEL_FN_hsum(a[r]);
+  return KERNEL_FN_ld(l);
+#endif
+}
 """
 
 _LINEAR = r"""
@@ -382,7 +401,19 @@ static inline __attribute__((always_inline)) void KERNEL_FN_token(
       for (int64_t g = 0; g < G; g++) {
         const float *qv = q + (h * G + g) * qstride;
         float *ph = p + (h * G + g) * t;
-        for (int64_t i = i0; i < i1; i++) {
+        int64_t i = i0;
+        if (D % 8 == 0) /* eight positions at a time: their sums in one transposed tree */
+          for (; i + 8 <= i1; i += 8) {
+            KERNEL_FN_v acc[8];
+            for (int r = 0; r < 8; r++) acc[r] = KERNEL_FN_splat(0.0f);
+            for (int64_t d = 0; d < D; d += 8) {
+              const KERNEL_FN_v qd = KERNEL_FN_ld(qv + d);
+              for (int r = 0; r < 8; r++)
+                acc[r] = KERNEL_FN_mac(acc[r], qd, KERNEL_FN_ld(kb + (i - i0 + r) * row + h * D + d));
+            }
+            KERNEL_FN_st(ph + i, KERNEL_FN_hsum8(acc) * KERNEL_FN_splat(scale));
+          }
+        for (; i < i1; i++) {
           const float *k = kb + (i - i0) * row + h * D;
           float s = 0.0f;
           if (d8) {
@@ -396,14 +427,24 @@ static inline __attribute__((always_inline)) void KERNEL_FN_token(
         }
       }
   }
-  for (int64_t hq = 0; hq < HQ; hq++) { /* softmax of each head's scores */
-    float *pg = p + hq * t, top = -INFINITY, sum = 0.0f;
+  for (int64_t hq = 0; hq < HQ; hq++) { /* softmax of each head's scores: exp(s - max) ... */
+    float *pg = p + hq * t, top = -INFINITY;
 #pragma omp simd reduction(max : top)
     for (int64_t i = 0; i < t; i++) top = pg[i] > top ? pg[i] : top;
 #pragma omp simd
     for (int64_t i = 0; i < t; i++) pg[i] = expf(pg[i] - top);
-    for (int64_t i = 0; i < t; i++) sum = sum + pg[i];
-    for (int64_t i = 0; i < t; i++) pg[i] = pg[i] / sum;
+  }
+  for (int64_t h0 = 0; h0 < HQ; h0 += 16) { /* ... / their sum, in position order, 16 heads side by side */
+    const int64_t h1 = h0 + 16 < HQ ? h0 + 16 : HQ;
+    float sum[16];
+    for (int64_t hq = h0; hq < h1; hq++) sum[hq - h0] = 0.0f;
+    for (int64_t i = 0; i < t; i++)
+      for (int64_t hq = h0; hq < h1; hq++) sum[hq - h0] = sum[hq - h0] + p[hq * t + i];
+    for (int64_t hq = h0; hq < h1; hq++) {
+      float *pg = p + hq * t;
+      const float s = sum[hq - h0];
+      for (int64_t i = 0; i < t; i++) pg[i] = pg[i] / s;
+    }
   }
   for (int64_t i0 = 0; i0 < t; i0 += BS) { /* values, in position order */
     const int64_t i1 = i0 + BS < t ? i0 + BS : t;
@@ -412,6 +453,30 @@ static inline __attribute__((always_inline)) void KERNEL_FN_token(
       for (int64_t g = 0; g < G; g++) {
         const float *pg = p + (h * G + g) * t;
         float *o = out + (h * G + g) * ostride;
+        if (D == 32 && g + 1 < G) { /* two heads' output rows in registers over the block (one value row) */
+          const float *pg2 = pg + t;
+          float *o2 = o + ostride;
+          KERNEL_FN_v a0[4], a1[4];
+          for (int c = 0; c < 4; c++) {
+            a0[c] = i0 ? KERNEL_FN_ld(o + 8 * c) : KERNEL_FN_splat(0.0f);
+            a1[c] = i0 ? KERNEL_FN_ld(o2 + 8 * c) : KERNEL_FN_splat(0.0f);
+          }
+          for (int64_t i = i0; i < i1; i++) {
+            const float *v = vb + (i - i0) * row + h * D;
+            const KERNEL_FN_v p0 = KERNEL_FN_splat(pg[i]), p1 = KERNEL_FN_splat(pg2[i]);
+            for (int c = 0; c < 4; c++) {
+              const KERNEL_FN_v vc = KERNEL_FN_ld(v + 8 * c);
+              a0[c] = KERNEL_FN_mac(a0[c], p0, vc);
+              a1[c] = KERNEL_FN_mac(a1[c], p1, vc);
+            }
+          }
+          for (int c = 0; c < 4; c++) {
+            KERNEL_FN_st(o + 8 * c, a0[c]);
+            KERNEL_FN_st(o2 + 8 * c, a1[c]);
+          }
+          g++;
+          continue;
+        }
         if (D == 32 || D == 64) { /* the output row in registers over the block */
           KERNEL_FN_v acc[8];
           for (int64_t c = 0; c < D / 8; c++)
