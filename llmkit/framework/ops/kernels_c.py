@@ -259,13 +259,15 @@ static void KERNEL_FN_nk(const float *x, const float *w, float *y, int64_t M, in
 
 """
 
-# Columns per claim of the thread pool (``par.py``) in the products below: whole 16-column panels,
-# as many as make about 32K multiply-adds (a claim costs one compare-and-swap), 64 without panels.
+# Columns per claim of the thread pool (``par.py``) in the products below: whole 16-column panels
+# (64-column blocks without panels), at least about 32K multiply-adds and at most about 8 claims per
+# thread (a claim moves one cache line between the cores: the lm_head at batch 8 in 16-column
+# claims took 10% longer).
 _CHUNK = r"""
-static inline int64_t KERNEL_FN_chunk_cols(int64_t M, int64_t K, int panels) {
-  if (!panels) return 64;
-  const int64_t per = 16 * (M * K > 0 ? M * K : 1), g = (32768 + per - 1) / per;
-  return 16 * (g < 8 ? g : 8);
+static inline int64_t KERNEL_FN_chunk_cols(int64_t M, int64_t K, int64_t N, int64_t nt, int panels) {
+  const int64_t unit = panels ? 16 : 64, units = (N + unit - 1) / unit, per = unit * (M * K > 0 ? M * K : 1);
+  const int64_t by_work = (32768 + per - 1) / per, by_count = (units + 8 * nt - 1) / (8 * nt);
+  return unit * (by_work > by_count ? by_work : by_count);
 }
 """
 
@@ -298,9 +300,9 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   /* Threads from 128K multiply-adds: in a replayed decode step (threads kept busy kernel after
      kernel) that measured faster at batch 8 than 4M, though a lone call of that size is faster on
      one thread. */
-  const int64_t cols = KERNEL_FN_chunk_cols(M, K, mode == 2), chunks = (N + cols - 1) / cols;
-  int64_t nt = M * N * K < (1 << 17) ? 1 : nthreads < chunks ? nthreads : chunks;
-  if (nt < 1) nt = 1;
+  int64_t nt = M * N * K < (1 << 17) || nthreads < 1 ? 1 : nthreads;
+  const int64_t cols = KERNEL_FN_chunk_cols(M, K, N, nt, mode == 2), chunks = (N + cols - 1) / cols;
+  if (nt > chunks) nt = chunks > 0 ? chunks : 1;
   KERNEL_FN_job job = {(const float *)bufs[0], (const float *)bufs[1], y, NULL, M, K, N, mode, cols,
                        KERNEL_FN_KC * (cols / 8 * 8 + 16)};
   if (mode == 1 && M >= KERNEL_FN_PACK_ROWS) job.bufs = (float *)malloc(sizeof(float) * nt * job.buf);
@@ -352,9 +354,9 @@ static void KERNEL_FN_cols(void *arg, int64_t c, int64_t worker) {
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   const int64_t M = sizes[0], K = sizes[1], N = sizes[2];
   int64_t *status = (int64_t *)bufs[4];
-  const int64_t cols = KERNEL_FN_chunk_cols(M, 2 * K, 1), chunks = (N + cols - 1) / cols;
-  int64_t nt = 2 * M * N * K < (1 << 17) ? 1 : nthreads < chunks ? nthreads : chunks;
-  if (nt < 1) nt = 1;
+  int64_t nt = 2 * M * N * K < (1 << 17) || nthreads < 1 ? 1 : nthreads;
+  const int64_t cols = KERNEL_FN_chunk_cols(M, 2 * K, N, nt, 1), chunks = (N + cols - 1) / cols;
+  if (nt > chunks) nt = chunks > 0 ? chunks : 1;
   KERNEL_FN_job job = {(const float *)bufs[0], (const float *)bufs[1], (const float *)bufs[2],
                        (float *)bufs[3], NULL, M, K, N, cols};
   job.scratch = (float *)malloc(sizeof(float) * (size_t)(nt * 2 * (M > 0 ? M : 1) * cols));
