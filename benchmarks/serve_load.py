@@ -9,7 +9,11 @@ this process on the same machine, so they share its cores with the server. Level
 (``--rounds``, every level once per round) and the figures are medians over rounds: one level
 alone lasts a few seconds, and this VM's speed drifts by 20-40% between minutes.
 
-Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/serve_load.py
+``--engine-only`` runs the same clients (same prompts, levels and rounds) against the engine the
+server would load, stepped in this process without HTTP (``engine_`` figures): the ceiling the
+server's own work is measured against.
+
+Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/serve_load.py [--engine-only]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -166,13 +171,16 @@ async def client(conn: Connection, path: str, prompts: list[list[int]], max_toke
         stats["tokens"] += max_tokens
 
 
-async def level(port: int, concurrency: int, per_client: int, prompt_len: int, max_tokens: int) -> dict:
+def client_prompts(concurrency: int, per_client: int, prompt_len: int) -> list[list[list[int]]]:
     rng = np.random.default_rng(concurrency)
+    one = lambda: rng.integers(3, 4096, prompt_len).tolist()
+    return [[one() for _ in range(per_client)] for _ in range(concurrency)]
+
+
+async def level(port: int, concurrency: int, per_client: int, prompt_len: int, max_tokens: int) -> dict:
     stats: dict = {"ttft": [], "itl": [], "tokens": 0, "chunks": 0}
     conns = [Connection("127.0.0.1", port) for _ in range(concurrency)]
-    prompts = [
-        [rng.integers(3, 4096, prompt_len).tolist() for _ in range(per_client)] for _ in range(concurrency)
-    ]
+    prompts = client_prompts(concurrency, per_client, prompt_len)
     t0 = time.perf_counter()
     try:
         await asyncio.gather(
@@ -182,6 +190,41 @@ async def level(port: int, concurrency: int, per_client: int, prompt_len: int, m
         for c in conns:
             if c.writer is not None:
                 c.writer.close()
+    stats["wall"] = time.perf_counter() - t0
+    return stats
+
+
+def engine_level(engine: Any, concurrency: int, per_client: int, prompt_len: int, max_tokens: int) -> dict:
+    """``level`` without HTTP: each client's next request goes in as its last one finishes, and
+    this thread steps the engine; a token's time is the end of the step that made it."""
+    from llmkit.infer import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    stats: dict = {"ttft": [], "itl": [], "tokens": 0, "chunks": 0}
+    todo = [iter(p) for p in client_prompts(concurrency, per_client, prompt_len)]
+    live: dict[str, list] = {}  # request id -> [client, sent, last token time]
+
+    def submit(k: int) -> None:
+        prompt = next(todo[k], None)
+        if prompt is not None:
+            live[engine.add_request(prompt, params)] = [k, time.perf_counter(), None]
+
+    t0 = time.perf_counter()
+    for k in range(concurrency):
+        submit(k)
+    while live:
+        outs = engine.step()
+        t = time.perf_counter()
+        for out in outs:
+            st = live[out.request_id]
+            if out.new_token_ids:
+                stats["ttft" if st[2] is None else "itl"].append(t - (st[1] if st[2] is None else st[2]))
+                st[2] = t
+                stats["chunks"] += 1
+            if out.finished:
+                stats["tokens"] += out.num_output_tokens
+                del live[out.request_id]
+                submit(st[0])
     stats["wall"] = time.perf_counter() - t0
     return stats
 
@@ -199,41 +242,50 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="every level once per round; medians over rounds")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--engine-only", action="store_true", help="the same load on the engine, without HTTP")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_file = a.model_file or export_bench_model(Path(tmp) / "bench.llmkit")
-        port = free_port()
-        proc, cold = start(model_file, port, max_batch=max(a.concurrency))
         info = dict(prompt_len=a.prompt_len, max_tokens=a.max_tokens, **machine())
-        emit(
-            "serve_load",
-            "cold_start_s",
-            cold,
-            "s",
-            note="process start to the first answered request",
-            **info,
-        )
+        proc = None
+        if a.engine_only:
+            from llmkit.serve.server import load_engine, parse_args
+
+            engine = load_engine(parse_args([str(model_file), "--max-batch", str(max(a.concurrency))]))
+        else:
+            port = free_port()
+            proc, cold = start(model_file, port, max_batch=max(a.concurrency))
+            note = "process start to the first answered request"
+            emit("serve_load", "cold_start_s", cold, "s", note=note, **info)
+
+        def run_level(c: int, per_client: int, prompt_len: int, max_tokens: int) -> dict:
+            if proc is None:
+                return engine_level(engine, c, per_client, prompt_len, max_tokens)
+            return asyncio.run(level(port, c, per_client, prompt_len, max_tokens))
+
+        prefix = "engine_" if a.engine_only else ""
         emit("serve_load", "load_average_1min", os.getloadavg()[0], "load")
         tps: dict[int, list[float]] = {c: [] for c in a.concurrency}
         runs: dict[int, list[dict]] = {c: [] for c in a.concurrency}
         try:
-            asyncio.run(level(port, 1, 1, a.prompt_len, 8))  # warm-up
+            run_level(1, 1, a.prompt_len, 8)  # warm-up
             for _ in range(a.rounds):  # every level once per round: each sees the same stretches of the VM
                 for c in a.concurrency:
                     per_client = max(a.requests_per_client, -(-a.min_requests // c))
-                    s = asyncio.run(level(port, c, per_client, a.prompt_len, a.max_tokens))
+                    s = run_level(c, per_client, a.prompt_len, a.max_tokens)
                     s["requests"] = c * per_client
                     tps[c].append(s["tokens"] / s["wall"])
                     runs[c].append(s)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
         ms = lambda xs, q: round(float(np.percentile(xs, q)) * 1e3, 2)
         for c in a.concurrency:
             every = {k: [x for s in runs[c] for x in s[k]] for k in ("ttft", "itl")}
             emit(
                 "serve_load",
-                f"c{c}_output_tokens_per_s",
+                f"{prefix}c{c}_output_tokens_per_s",
                 float(np.median(tps[c])),
                 "tokens/s",
                 concurrency=c,
@@ -249,7 +301,7 @@ def main() -> None:
         if 1 in tps:
             for c in tps:
                 if c != 1:
-                    emit_paired_ratio("serve_load", f"c{c}_over_c1_throughput", tps[c], tps[1])
+                    emit_paired_ratio("serve_load", f"{prefix}c{c}_over_c1_throughput", tps[c], tps[1])
 
 
 if __name__ == "__main__":

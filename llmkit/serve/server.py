@@ -59,15 +59,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str]) -> int:
-    a = parse_args(argv)
-    import uvicorn
-
-    from .app import build_app
-    from .serving import Serving
-
-    t0 = time.perf_counter()
-    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+def load_engine(a: argparse.Namespace) -> Engine:
+    """The engine ``llmkit serve`` runs for these arguments, warmed up (``benchmarks/serve_load.py
+    --engine-only`` drives the same one without HTTP)."""
     set_blas_threads(a.blas_threads)
     spin_between_kernels()  # inference only: kernel threads wait for the next kernel spinning
     config = EngineConfig(
@@ -85,6 +79,19 @@ def main(argv: list[str]) -> int:
         [[engine.tokenizer.bos_id]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     )
     engine.reset_prefix_cache()
+    return engine
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    import uvicorn
+
+    from .app import build_app
+    from .serving import Serving
+
+    t0 = time.perf_counter()
+    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = load_engine(a)
     runner = EngineThread(engine).start()
     app = build_app(Serving(runner, max_queue=a.max_queue), api_key=a.api_key, drain_timeout=a.drain_timeout)
     serving = app.state.serving
