@@ -181,8 +181,11 @@ if sys.argv[1] == "after-kernel":
     from llmkit.framework import jit
     f = jit.to_static(lambda x: lf.ops.exp(x) + 1.0, input_spec=[jit.InputSpec(["N"], "float32")])
     f(lf.tensor(np.ones(3, np.float32)))  # loads a kernel, and with it libgomp
+from llmkit.framework import par
+before = par._spin_ns
 applied = build.spin_between_kernels()
-print(json.dumps([applied, os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")]))
+env = [os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")]
+print(json.dumps([applied, *env, before, par._spin_ns == build.SPIN_NS]))
 """
 
 
@@ -197,10 +200,11 @@ def test_inference_processes_spin_between_kernels_unless_told_or_too_late(kernel
         assert r.returncode == 0, r.stderr[-2000:]
         return json.loads(r.stdout.strip().splitlines()[-1])
 
-    # before any kernel: spin (and not PASSIVE, which would make libgomp sleep at once anyway)
-    assert probe("before") == [True, None, "20000"]
-    # the user's own settings win
-    assert probe("before", OMP_WAIT_POLICY="ACTIVE") == [False, "ACTIVE", None]
-    assert probe("before", GOMP_SPINCOUNT="5") == [False, "PASSIVE", "5"]
-    # libgomp already read its settings: too late, nothing changes
-    assert probe("after-kernel") == [False, "PASSIVE", None]
+    # before any kernel: spin (and not PASSIVE, which would make libgomp sleep at once anyway);
+    # the thread pool's helpers (which sleep at once by default) spin in every case
+    assert probe("before") == [True, None, "20000", 0, True]
+    # the user's own OpenMP settings win
+    assert probe("before", OMP_WAIT_POLICY="ACTIVE") == [False, "ACTIVE", None, 0, True]
+    assert probe("before", GOMP_SPINCOUNT="5") == [False, "PASSIVE", "5", 0, True]
+    # libgomp already read its settings: too late for OpenMP, not for the pool
+    assert probe("after-kernel") == [False, "PASSIVE", None, 0, True]
