@@ -138,7 +138,9 @@ static void *helper(void *arg) {
   return NULL;
 }
 
-static void after_fork_in_child(void) { /* the helpers did not come along */
+static void after_fork_in_child(void) { /* the helpers did not come along, nor the loop's caller */
+  const uint64_t job = (atomic_load(&P.state) >> (NEXT_BITS + COUNT_BITS)) + 1;
+  atomic_store(&P.state, job << (NEXT_BITS + COUNT_BITS)); /* no chunk of a parent's loop is left */
   atomic_store(&P.started, 0);
   atomic_store(&P.sleepers, 0);
   atomic_store(&P.busy, 0);
