@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -60,6 +61,16 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
 )
 
 
+@pytest.fixture(autouse=True)
+def helpers_spin():
+    """Helpers stay awake between loops (as in inference processes), so that they do take chunks
+    of these short loops however slowly the machine wakes threads."""
+    before = par._spin_ns
+    par.set_spin(200_000)
+    yield
+    par.set_spin(before)
+
+
 def run(n: int, loops: int, threads: int, spin: int = 0, nested: bool = False) -> tuple[np.ndarray, ...]:
     fn = build_c(PROBE)
     hits = np.zeros(n, np.int64)
@@ -75,14 +86,28 @@ def expected(n: int, loops: int) -> np.ndarray:
     return (np.arange(n)[:, None] < sizes[None, :]).sum(axis=1)
 
 
+def a_helper_takes_part(threads: int, seconds: float = 30.0) -> bool:
+    """Whether a helper runs some chunk of these loops within ``seconds``: on a loaded machine the
+    caller may well do every chunk of a loop itself (the point of the pool), so keep trying; every
+    try's counts must be right."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        hits, who = run(97, 300, threads, spin=2000)
+        if not np.array_equal(hits, expected(97, 300)) or who.max() >= threads:
+            return False
+        if who.max() >= 1:
+            return True
+    return False
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
 def test_every_chunk_of_every_loop_runs_once_on_a_worker_below_the_thread_count(threads):
     n, loops = 97, 3000
     hits, who = run(n, loops, threads, spin=200)
     np.testing.assert_array_equal(hits, expected(n, loops))
     assert who[hits > 0].min() >= 0 and who.max() < threads
-    if threads > 1:  # the helpers did take part (thousands of loops, each chunk a few µs)
-        assert who.max() >= 1
+    if threads > 1:
+        assert a_helper_takes_part(threads)
         assert par.helpers() >= 1
 
 
@@ -132,8 +157,8 @@ def test_a_forked_child_starts_its_own_helpers():
         pid = os.fork()
     if pid == 0:  # the child: its helpers did not come along; a parallel loop must still finish
         try:
-            hits, who = run(50, 500, 2, spin=200)
-            ok = np.array_equal(hits, expected(50, 500)) and who.max() >= 1 and par.helpers() >= 1
+            hits, _ = run(50, 500, 2, spin=200)
+            ok = np.array_equal(hits, expected(50, 500)) and a_helper_takes_part(2) and par.helpers() >= 1
         except BaseException:
             ok = False
         os._exit(0 if ok else 1)
