@@ -12,8 +12,9 @@ finds nothing left and goes back to waiting. Which thread computes a chunk never
 result: a kernel's chunks are independent (columns of a product, query tokens of attention), each
 computed the same way by whoever claims it.
 
-One pool per process, in its own shared library (built with the kernels' compiler, loaded with
-``RTLD_GLOBAL`` before any kernel, so every kernel library binds to it). Helpers start at the first
+One pool per process, in its own shared library (``compiler.build`` compiles it into the kernel
+cache and loads it with ``RTLD_GLOBAL`` before any kernel, so every kernel library binds to it).
+Helpers start at the first
 parallel loop, as many as it asks for less one; each spins a while after its last chunk
 (``set_spin``: inference processes, see ``build.spin_between_kernels``), then sleeps on a futex.
 Two callers at once (two Python threads running kernels), or a chunk that opens a loop itself, run
@@ -28,10 +29,6 @@ fn, ctx)`` calls ``fn(ctx, chunk, worker)`` once for every chunk in ``0 .. n-1``
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -211,33 +208,18 @@ _lib: Any = None
 _spin_ns = 0
 
 
-def load(tc: Any, cache: Path) -> Any:
-    """Build (once per toolchain, into the kernel cache) and load the pool, globally; None if the
-    compiler cannot build it (the kernels that need it then fail to load and fall back)."""
+def loaded() -> bool:
+    return _lib is not None
+
+
+def attach(so: Path) -> None:
+    """Load the built pool, globally (``compiler.build`` builds it into the kernel cache)."""
     global _lib
-    if _lib is not None:
-        return _lib
-    tag = hashlib.sha256((tc.ident + SOURCE).encode()).hexdigest()[:20]
-    so = cache / f"par_{tag}.so"
-    if not so.exists():
-        fd, c_path = tempfile.mkstemp(suffix=".c", dir=cache)
-        with os.fdopen(fd, "w") as f:
-            f.write(SOURCE)
-        tmp = cache / f"par_{tag}.{os.getpid()}.tmp.so"
-        try:
-            cmd = [tc.cc, *tc.flags, c_path, "-o", str(tmp), "-lpthread"]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        finally:
-            os.unlink(c_path)
-        if r.returncode != 0:
-            return None
-        os.replace(tmp, so)
     lib = ctypes.CDLL(str(so), mode=ctypes.RTLD_GLOBAL)
     lib.llmkit_par_set_spin.argtypes = [ctypes.c_int64]
     lib.llmkit_par_helpers.restype = ctypes.c_int64
     lib.llmkit_par_set_spin(_spin_ns)
     _lib = lib
-    return lib
 
 
 def set_spin(ns: int) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -164,3 +166,24 @@ def test_a_forked_child_starts_its_own_helpers():
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+_NO_POOL = """
+import warnings
+from llmkit.framework import par
+par.SOURCE = "this is not C"  # the pool fails to compile
+from llmkit.framework.native import build_c
+from llmkit.framework.ops.spec import table
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    fn = build_c(table()["tiled_linear"].native.source)
+said = " | ".join(str(x.message) for x in w)
+print(fn is None, "thread pool failed to compile" in said, "does not load" in said)
+"""
+
+
+def test_without_the_pool_its_kernels_fall_back_to_the_reference_with_warnings(tmp_path):
+    env = {**os.environ, "LLMKIT_KERNEL_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", _NO_POOL], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["True", "True", "True"]

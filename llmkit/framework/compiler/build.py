@@ -213,7 +213,7 @@ def build(sources: dict[str, str]) -> dict[str, Any]:
     if tc is None:
         return dict.fromkeys(sources)
     d = cache_dir()
-    par.load(tc, d)  # before any kernel: they bind to its symbols
+    _load_pool(tc, d)
     out: dict[str, Any] = {}
     missing = {}
     for name, src in sources.items():
@@ -263,32 +263,50 @@ def build(sources: dict[str, str]) -> dict[str, Any]:
 _last_error: dict[str, str] = {}
 
 
+def _compile(tc: Toolchain, source: str, so: Path, libs: tuple[str, ...] = ()) -> str | None:
+    """Compile ``source`` into the shared library ``so`` (written whole, then renamed into place:
+    a reader never sees half a library); the compiler's output if it failed, else None."""
+    fd, c_path = tempfile.mkstemp(suffix=".c", dir=so.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(source)
+    tmp = so.with_name(f"{so.stem}.{os.getpid()}.tmp.so")
+    try:
+        cmd = [tc.cc, *tc.flags, c_path, "-o", str(tmp), *tc.libs, *libs]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    finally:
+        os.unlink(c_path)
+    if r.returncode != 0:
+        return r.stderr or r.stdout
+    os.replace(tmp, so)
+    return None
+
+
+def _load_pool(tc: Toolchain, d: Path) -> None:
+    """The kernels' thread pool (``framework/par.py``), built once per toolchain into the cache and
+    loaded before any kernel: kernels bind to its symbols (without it they fail to load, and fall
+    back with the warning ``build`` gives)."""
+    if par.loaded():
+        return
+    so = d / f"par_{hashlib.sha256((tc.ident + par.SOURCE).encode()).hexdigest()[:20]}.so"
+    err = None if so.exists() else _compile(tc, par.SOURCE, so, ("-lpthread",))
+    if err is not None:
+        warn_once("par", f"cinn: the kernels' thread pool failed to compile.\n{err[:2000]}")
+        return
+    par.attach(so)
+
+
 def _run_parallel(tc: Toolchain, batches: list[dict[str, str]]) -> list[bool]:
     """Compile each batch into one shared library, linked from ``<name>.so`` for each kernel."""
     d = cache_dir()
 
     def one(batch: dict[str, str]) -> bool:
         src = PRELUDE + "\n".join(batch.values())
-        tag = hashlib.sha256((tc.ident + src).encode()).hexdigest()[:20]
-        lib = d / f"lib_{tag}.so"
-        fd, c_path = tempfile.mkstemp(suffix=".c", dir=d)
-        with os.fdopen(fd, "w") as f:
-            f.write(src)
-        tmp = d / f"lib_{tag}.{os.getpid()}.tmp.so"
-        try:
-            r = subprocess.run(
-                [tc.cc, *tc.flags, c_path, "-o", str(tmp), *tc.libs],
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-        finally:
-            os.unlink(c_path)
-        if r.returncode != 0:
+        lib = d / f"lib_{hashlib.sha256((tc.ident + src).encode()).hexdigest()[:20]}.so"
+        err = _compile(tc, src, lib)
+        if err is not None:
             for n in batch:
-                _last_error[n] = r.stderr or r.stdout
+                _last_error[n] = err
             return False
-        os.replace(tmp, lib)
         for n in batch:
             tmp_link = d / f"{n}.{os.getpid()}.tmp.so"
             if tmp_link.is_symlink() or tmp_link.exists():
