@@ -173,8 +173,9 @@ async def client(conn: Connection, path: str, prompts: list[list[int]], max_toke
 
 def client_prompts(concurrency: int, per_client: int, prompt_len: int) -> list[list[list[int]]]:
     rng = np.random.default_rng(concurrency)
-    one = lambda: rng.integers(3, 4096, prompt_len).tolist()
-    return [[one() for _ in range(per_client)] for _ in range(concurrency)]
+    return [
+        [rng.integers(3, 4096, prompt_len).tolist() for _ in range(per_client)] for _ in range(concurrency)
+    ]
 
 
 async def level(port: int, concurrency: int, per_client: int, prompt_len: int, max_tokens: int) -> dict:
