@@ -167,6 +167,34 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+_HOLE = "\x00"  # stands for a token event's text in its template (JSON writes it as "\u0000")
+
+
+class _Events:
+    """A stream's SSE events. Most of a stream is token events that differ only in their text and
+    choice index: each index's event is serialized once as a template, and a token's event is
+    that template around ``json.dumps(text)``, the same bytes ``_sse`` writes for the whole event
+    at a tenth of the cost (one stream's events are a third of the event loop's time per token at
+    32 streams otherwise)."""
+
+    def __init__(self, event: Callable[[int, str], dict[str, Any]], extra: dict[str, Any]) -> None:
+        self.event, self.extra = event, extra
+        self._templates: dict[int, tuple[str, str] | None] = {}
+
+    def __call__(self, body: dict[str, Any]) -> str:
+        return _sse({**body, **self.extra})
+
+    def token(self, i: int, text: str) -> str:
+        """The event of choice ``i``'s token ``text`` (no logprobs, no finish_reason)."""
+        t = self._templates.get(i, False)
+        if t is False:
+            parts = self(self.event(i, _HOLE)).split(json.dumps(_HOLE))
+            t = self._templates[i] = (parts[0], parts[1]) if len(parts) == 2 else None
+        if t is None:  # the head itself holds the hole's text: no template
+            return self(self.event(i, text))
+        return t[0] + json.dumps(text) + t[1]
+
+
 class Serving:
     """Engine glue for the OpenAI endpoints (HTTP-free: the app maps it to routes)."""
 
@@ -306,27 +334,21 @@ class Serving:
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         if req.stream:
 
-            def chunks(i: int, c: _Choice, out: RequestOutput) -> list[dict[str, Any]]:
+            def event(i: int, text: str, logprobs: Any = None, reason: str | None = None) -> dict[str, Any]:
+                choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+                return {**head, "choices": [choice]}
+
+            def chunks(ev: _Events, i: int, c: _Choice, out: RequestOutput) -> list[str]:
                 if not (out.new_text or out.new_token_ids or out.finished):
                     return []
+                if req.logprobs is None and c.finish_reason is None:
+                    return [ev.token(i, out.new_text)]
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = completion_logprobs(out.new_logprobs or [], text_of, c.offset)
-                return [
-                    {
-                        **head,
-                        "choices": [
-                            {
-                                "index": i,
-                                "text": out.new_text,
-                                "logprobs": logprobs,
-                                "finish_reason": c.finish_reason,
-                            }
-                        ],
-                    }
-                ]
+                return [ev(event(i, out.new_text, logprobs, c.finish_reason))]
 
-            return self._stream(sub, chunks, head, req.include_usage, req.n)
+            return self._stream(sub, event, chunks, head, req.include_usage, req.n)
         await self._collect(sub, disconnected)
         choices = [
             {
@@ -367,31 +389,20 @@ class Serving:
 
         if req.stream:
 
-            def chunks(i: int, c: _Choice, out: RequestOutput) -> list[dict[str, Any]]:
+            def event(i: int, text: str, logprobs: Any = None) -> dict[str, Any]:
+                choice = {"index": i, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
+                return {**head, "choices": [choice]}
+
+            def chunks(ev: _Events, i: int, c: _Choice, out: RequestOutput) -> list[str]:
                 out_chunks = []
                 if out.new_text or (req.logprobs and out.new_token_ids):
-                    out_chunks.append(
-                        {
-                            **head,
-                            "choices": [
-                                {
-                                    "index": i,
-                                    "delta": {"content": out.new_text},
-                                    "logprobs": lp(out.new_logprobs or []),
-                                    "finish_reason": None,
-                                }
-                            ],
-                        }
-                    )
+                    if req.logprobs:
+                        out_chunks.append(ev(event(i, out.new_text, lp(out.new_logprobs or []))))
+                    else:
+                        out_chunks.append(ev.token(i, out.new_text))
                 if out.finished:
-                    out_chunks.append(
-                        {
-                            **head,
-                            "choices": [
-                                {"index": i, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}
-                            ],
-                        }
-                    )
+                    finish = {"index": i, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}
+                    out_chunks.append(ev({**head, "choices": [finish]}))
                 return out_chunks
 
             first = [
@@ -408,7 +419,7 @@ class Serving:
                 }
                 for c in sub.choices
             ]
-            return self._stream(sub, chunks, head, req.include_usage, req.n, first)
+            return self._stream(sub, event, chunks, head, req.include_usage, req.n, first)
         await self._collect(sub, disconnected)
         choices = [
             {
@@ -438,19 +449,20 @@ class Serving:
     def _stream(
         self,
         sub: _Submission,
-        chunks: Callable[[int, _Choice, RequestOutput], list[dict[str, Any]]],
+        event: Callable[[int, str], dict[str, Any]],
+        chunks: Callable[[_Events, int, _Choice, RequestOutput], list[str]],
         head: dict[str, Any],
         include_usage: bool,
         n: int,
         first: list[dict[str, Any]] = (),  # type: ignore[assignment]
     ) -> AsyncIterator[str]:
-        extra = {"usage": None} if include_usage else {}
+        ev = _Events(event, {"usage": None} if include_usage else {})
 
         async def gen() -> AsyncIterator[str]:
             # Events that are ready together go out as one body write (one send): the outputs
             # already queued, and the last token with the finish chunk, usage and [DONE].
             try:
-                events = [_sse({**body, **extra}) for body in first]  # chat: the role comes first
+                events = [ev(body) for body in first]  # chat: the role comes first
                 while not sub.done:
                     if events and sub.queue.empty():
                         yield "".join(events)
@@ -461,7 +473,7 @@ class Serving:
                         msg = "the engine failed while generating; see the server log"
                         events.append(_sse(error_body(msg, "server_error")))
                         break
-                    events += [_sse({**body, **extra}) for body in chunks(i, c, out)]
+                    events += chunks(ev, i, c, out)
                     c.offset += len(out.new_text)
                 else:
                     if include_usage:

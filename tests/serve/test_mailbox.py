@@ -112,3 +112,30 @@ def test_stream_events_that_are_ready_together_go_out_in_one_write():
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "abcd"
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 4 and events[-1][-1] == "data: [DONE]"
+
+
+_TEXTS = ["", "a", " word", 'quote " and \\ back', "line\nbreak\ttab", "é ü 中文 🙂", "\x00\x01 nul", "</s>"]
+
+
+def test_token_events_from_templates_are_the_whole_events_bytes():
+    """A token's event is its choice's template around the JSON of its text: byte for byte what
+    serializing the whole event gives, for any text (escapes, non-ASCII, a NUL like the template's
+    hole), any choice index, with and without the usage field, and when the head holds the hole."""
+    import json
+
+    from llmkit.serve.serving import _Events
+
+    for rid in ["cmpl-1", "cmpl-\x00"]:  # the second cannot be templated (falls back, same bytes)
+        head = {"id": rid, "object": "text_completion", "created": 5, "model": "m"}
+
+        def event(i: int, text: str) -> dict:
+            return {**head, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]}
+
+        for extra in ({}, {"usage": None}):
+            ev = _Events(event, extra)
+            for i in (0, 3):
+                for text in _TEXTS:
+                    got = ev.token(i, text)
+                    whole = {**event(i, text), **extra}
+                    assert got == f"data: {json.dumps(whole, separators=(',', ':'))}\n\n"
+                    assert json.loads(got[6:]) == whole and got.endswith("}\n\n")
