@@ -141,9 +141,18 @@ class Sampler:
     ) -> None:
         self.params = params
         seed = params.seed if seed is None else seed
-        self.rng = np.random.default_rng(None if seed is None else seed % (1 << 64))
+        self._seed = None if seed is None else seed % (1 << 64)
+        self._rng: np.random.Generator | None = None
         self._seen = set(int(t) for t in prompt_ids) if params.repetition_penalty != 1.0 else set()
         self._counts: dict[int, int] = {}
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """The request's generator, made at its first draw (greedy requests never make one: 20-30
+        us a request, on the thread that submits it)."""
+        if self._rng is None:
+            self._rng = np.random.default_rng(self._seed)
+        return self._rng
 
     def penalize(self, logits: np.ndarray) -> np.ndarray:
         """The logits with this request's penalties applied (in float64; the row itself when no

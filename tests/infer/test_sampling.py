@@ -112,3 +112,23 @@ def test_stop_normalized():
     assert SamplingParams(stop="x").stop == ("x",)
     with pytest.raises(ValueError, match="non-empty"):
         SamplingParams(stop=("",))
+
+
+def test_a_greedy_sampler_makes_no_generator_and_a_seeded_one_draws_as_an_eager_one():
+    """The generator is made at the first draw: greedy requests never pay for one, and a seeded
+    request's draws are those of numpy's generator seeded the same, made up front."""
+    import numpy as np
+
+    from llmkit.infer import Sampler, SamplingParams
+
+    logits = np.linspace(-1.0, 1.0, 50, dtype=np.float32)
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    assert greedy(logits).token_id == 49 and greedy._rng is None
+    p = SamplingParams(temperature=1.0, seed=11)
+    s = Sampler(p)
+    got = [s(logits).token_id for _ in range(20)]
+    z = logits.astype(np.float64)
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    rng = np.random.default_rng(11)
+    assert got == [int(rng.choice(50, p=probs)) for _ in range(20)]
