@@ -32,6 +32,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ("llmkit.framework.io", "SafetensorsError"),
         ("llmkit.train.config", "ConfigError"),
         ("llmkit.train.data", "DataError"),
+        ("llmkit.train.checkpoint", "ResumeError"),
         ("llmkit.models.llama.config", "LlamaConfigError"),
         ("llmkit.models.llama.checkpoint", "CheckpointError"),
         ("llmkit.framework.jit", "FormatError"),

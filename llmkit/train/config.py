@@ -168,13 +168,25 @@ class TrainSection(_Section):
 
 
 class ParallelSection(_Section):
-    """Placeholder for the parallelism issue: degrees only, checked for range."""
+    """Degrees of parallelism. Training runs in one process for now: any value other than the
+    default (one process, no sharding) is refused here, the one place to lift when it lands."""
 
     dp: int = Field(1, gt=0)  # data parallel
     tp: int = Field(1, gt=0)  # tensor parallel
     pp: int = Field(1, gt=0)  # pipeline stages
     sharding_stage: int = Field(0, ge=0, le=3)  # ZeRO stage; 0 = off
     nproc: int = Field(1, gt=0)  # processes to launch
+
+    @model_validator(mode="after")
+    def _not_yet_supported(self) -> ParallelSection:
+        for name, field in type(self).model_fields.items():
+            value = getattr(self, name)
+            if value != field.default:
+                raise ValueError(
+                    f"parallel.{name}={value}: parallel training is not yet supported "
+                    f"(llmkit trains in one process); remove the key or set it to {field.default}"
+                )
+        return self
 
 
 class TrainConfig(_Section):
@@ -220,6 +232,11 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | tuple[str, 
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} not found") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        where = f"byte {e.start}: {e.reason}"
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({where})") from None
     try:
         raw = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
@@ -287,6 +304,45 @@ def validate_against_model(cfg: TrainConfig, llama: LlamaConfig) -> None:
             f"train.seq_len ({cfg.train.seq_len}) exceeds model.max_position_embeddings "
             f"({llama.max_position_embeddings})"
         )
+
+
+# What a resumed run cannot change, and why: a whole section or one dotted key. Everything else a
+# resumed run's config changes applies from the checkpoint's step on (see docs/train.md).
+FIXED_ON_RESUME: dict[str, str] = {
+    "model": "the checkpoint's weights are that model",
+    "tokenizer": "the checkpoint's embeddings are indexed by that tokenizer's pieces",
+    "optim.name": "the checkpoint holds that optimizer's state",
+    "train.seed": "it chose the initial weights and the batches of the steps already taken",
+}
+
+
+def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[tuple[str, Any, Any]]:
+    """The (dotted key, saved value, new value) of every setting `cfg` changes from the config a
+    checkpoint was written with (`saved`, as `model_dump(mode="json")` gave it).
+
+    Raises ConfigError naming the first key that cannot change on resume (FIXED_ON_RESUME).
+    """
+    old, new = _flatten(saved), _flatten(cfg.model_dump(mode="json"))
+    changes = [(k, old.get(k), new.get(k)) for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+    for key, before, after in changes:
+        for fixed, why in FIXED_ON_RESUME.items():
+            if key == fixed or key.startswith(fixed + "."):
+                raise ConfigError(
+                    f"{key} cannot change on --resume (checkpoint: {before!r}, now: {after!r}): {why}; "
+                    "train in a new out_dir instead"
+                )
+    return changes
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optim": {"lr": 1}} -> {"optim.lr": 1}; lists stay values."""
+    flat: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            flat.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            flat[prefix + k] = v
+    return flat
 
 
 def _apply_override(raw: dict[str, Any], override: str) -> None:

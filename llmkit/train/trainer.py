@@ -3,17 +3,22 @@
 One step = ``grad_accum`` micro-batches (forward, backward), global-norm clipping, an optimizer
 step and a schedule step. Every ``log_every`` steps a line goes to ``metrics.jsonl`` (step, loss,
 lr, tokens/s, MFU...); every ``eval_every`` steps the validation loss and perplexity; every
-``save_every`` steps (and at the end, and on Ctrl-C) a checkpoint that ``--resume`` continues
-exactly: weights in the Hugging Face layout, optimizer and schedule state, data position and RNG.
+``save_every`` steps (and at the end, and on SIGINT or SIGTERM) a checkpoint that ``--resume``
+continues exactly (checkpoint.py).
+
+A step is all or nothing. Its batches are drawn by position and the sampler moves only when the
+step is done; a signal stops training only between steps (the step in flight finishes), and a
+second one aborts the step in flight, which is rolled back. So a checkpoint's weights, optimizer,
+schedule, data position and RNG always describe the same step.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import os
-import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,24 +28,86 @@ from tqdm import tqdm
 
 import llmkit.framework as lf
 from llmkit.framework import optim
-from llmkit.framework.files import atomic_dir
 from llmkit.infer.sampling import SamplingParams
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 from llmkit.models.llama.generate import generate
 
-from .config import ConfigError, TrainConfig, dump_config, resolve_model_config, validate_against_model
+from . import checkpoint
+from .config import (
+    ConfigError,
+    TrainConfig,
+    dump_config,
+    resolve_model_config,
+    resume_changes,
+    validate_against_model,
+)
 from .corpus import builtin_tokenizer
 from .data import BatchSampler, eval_batches, load_token_data
 from .metrics import MetricsLog, matmul_peak_flops
 
-CHECKPOINTS = "checkpoints"
-TRAINER_STATE = "trainer_state.json"
+
+class Interrupted(KeyboardInterrupt):
+    """``fit()`` stopped by a signal; the checkpoint of ``step`` was saved at ``path``."""
+
+    def __init__(self, signum: int, step: int, path: Path) -> None:
+        super().__init__(f"{signal.Signals(signum).name} at step {step}")
+        self.signum, self.step, self.path = signum, step, path
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while training, as a context manager around ``fit``'s loop.
+
+    The first signal is recorded (``signum``): the loop finishes the step in flight, saves and
+    stops. A second signal while an ``abortable()`` block runs (a step, an evaluation) raises
+    KeyboardInterrupt there; anywhere else it is recorded too. Outside the main thread, where Python
+    cannot install handlers, signals keep their usual behaviour.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._abortable = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None and self._abortable:
+            self._abortable = False  # one KeyboardInterrupt, never a second inside the rollback
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
+
+    @contextlib.contextmanager
+    def abortable(self):
+        self._abortable = True
+        try:
+            yield
+        finally:
+            self._abortable = False
 
 
 def build_tokenizer(cfg: TrainConfig) -> LlamaTokenizer:
     if cfg.tokenizer.path == "builtin":
-        return builtin_tokenizer(cfg.tokenizer.vocab_size, cache_dir=cfg.data.cache_dir)
+        try:
+            return builtin_tokenizer(cfg.tokenizer.vocab_size, cache_dir=cfg.data.cache_dir)
+        except ValueError as e:  # sentencepiece cannot make that many pieces from the corpus
+            raise ConfigError(f"tokenizer.vocab_size: {e}") from None
     return LlamaTokenizer.from_pretrained(cfg.tokenizer.path)
+
+
+def check_out_dir(out: Path) -> None:
+    """out_dir must be a directory, or creatable as one (no file in its place or on its path)."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"out_dir {str(out)!r}: {str(existing)!r} is a file, not a directory")
 
 
 def build_optimizer(cfg: TrainConfig, model: LlamaForCausalLM) -> optim.Optimizer:
@@ -67,6 +134,8 @@ class Trainer:
     """Builds everything a run needs from its config, then ``fit()`` trains."""
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> None:
+        """``resume``: continue from the newest checkpoint in ``cfg.out_dir``, with the settings of
+        ``cfg``; ``resumed_from`` and ``resume_changes`` then say from where and what changed."""
         self.cfg, self.quiet = cfg, quiet
         t = cfg.train
         lf.seed(t.seed)
@@ -75,6 +144,10 @@ class Trainer:
         except RuntimeError as e:  # no cupy, no CUDA device: the config asked for what is not here
             raise ConfigError(f"train.device: {e}") from e
         self.out = Path(cfg.out_dir)
+        check_out_dir(self.out)
+        self.resumed_from: Path | None = checkpoint.latest(self.out) if resume else None
+        self.resume_changes: list[str] = []
+        saved = self._check_resume(self.resumed_from) if self.resumed_from is not None else None
         self.tokenizer = build_tokenizer(cfg)
         self.model_config: LlamaConfig = resolve_model_config(cfg, self.tokenizer.vocab_size)
         validate_against_model(cfg, self.model_config)
@@ -98,11 +171,33 @@ class Trainer:
             for layer in self.model.model.layers:
                 layer.recompute()
         self.step_fn = self._static_step() if t.mode == "static" else self._eager_step
-        if resume:
-            self._resume()
+        # What a step rebinds: held before each step so that an aborted one can be rolled back.
+        self._state = [
+            *self.model.parameters(),
+            *(v for state in self.optimizer.states for v in state.values()),
+            *self.optimizer.lr_tensors,
+            self.optimizer.step_count,
+        ]
+        self._saved_step: int | None = None
+        if saved is not None:
+            checkpoint.load(self, self.resumed_from, saved)
+            self._saved_step = self.step
+            was, now = saved.optimizer.param_groups[0]["lr"], self.optimizer.param_groups[0]["lr"]
+            if now != was:
+                self.resume_changes.append(f"lr at step {self.step} {was:.4g} -> {now:.4g}")
         self.out.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, self.out / "config.yaml")
         self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate_after=self.step)
+
+    def _check_resume(self, path: Path) -> checkpoint.TrainerState:
+        """Read the checkpoint's state; refuse the config changes that cannot apply, list the rest."""
+        saved = checkpoint.read_state(path)
+        if self.cfg.train.steps < saved.step:
+            steps = self.cfg.train.steps
+            raise ConfigError(f"train.steps ({steps}) is below the step of {path} ({saved.step})")
+        if saved.config is not None:
+            self.resume_changes = [f"{k} {a} -> {b}" for k, a, b in resume_changes(saved.config, self.cfg)]
+        return saved
 
     # ---- one step ------------------------------------------------------------------------------
     def _eager_step(self, batches: list[tuple[np.ndarray, np.ndarray]]) -> tuple[float, float]:
@@ -171,9 +266,39 @@ class Trainer:
         return float(np.mean(losses))
 
     # ---- the loop --------------------------------------------------------------------------------
+    def train_step(self, stop: StopSignals | None = None) -> tuple[float, float, float]:
+        """One optimizer step, all or nothing: (loss, grad norm, lr it ran at).
+
+        The rebound state is held before the step runs (``set_value`` and static programs rebind
+        arrays, never write into them, so holding them is a snapshot): a KeyboardInterrupt anywhere
+        inside restores the state of the step before and propagates.
+        """
+        ga = self.cfg.train.grad_accum
+        first = self.sampler.step
+        batches = [self.sampler.batch(i) for i in range(first, first + ga)]
+        lr = self.optimizer.param_groups[0]["lr"]
+        before, rng = [t.detach() for t in self._state], lf.backend.get_rng_state()
+        try:
+            with stop.abortable() if stop is not None else contextlib.nullcontext():
+                loss, gnorm = self.step_fn(batches)
+        except KeyboardInterrupt:
+            for t, value in zip(self._state, before, strict=True):
+                t.set_value(value)
+            lf.backend.set_rng_state(rng)
+            self.optimizer.zero_grad()
+            raise
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss} at step {self.step + 1}; lower optim.lr?")
+        self.sampler.step = first + ga
+        self.schedule.step()
+        self.step += 1
+        self.tokens_seen += ga * self.cfg.train.batch_size * self.cfg.train.seq_len
+        return loss, gnorm, lr
+
     def fit(self) -> dict[str, Any]:
+        """Train to ``train.steps``. On SIGINT or SIGTERM: finish the step in flight (roll it back on
+        a second signal), save a checkpoint and raise ``Interrupted``."""
         t = self.cfg.train
-        tokens_per_step = t.batch_size * t.seq_len * t.grad_accum
         bar = tqdm(
             total=t.steps,
             initial=self.step,
@@ -184,60 +309,52 @@ class Trainer:
         )
         last: dict[str, Any] = {}
         window_t, window_tokens = time.perf_counter(), 0
-        interrupted = False
-        previous = signal.getsignal(signal.SIGINT)
-        try:
-            while self.step < t.steps:
-                lr = self.optimizer.param_groups[0]["lr"]
-                batches = [next(self.sampler) for _ in range(t.grad_accum)]
-                loss, gnorm = self.step_fn(batches)
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss became {loss} at step {self.step + 1}; lower optim.lr?")
-                self.schedule.step()
-                self.step += 1
-                self.tokens_seen += tokens_per_step
-                window_tokens += tokens_per_step
-                row: dict[str, Any] = {}
-                if self.step % t.log_every == 0 or self.step == t.steps:
-                    dt = time.perf_counter() - window_t
-                    tps = window_tokens / dt if dt > 0 else 0.0
-                    row = {
-                        "step": self.step,
-                        "loss": loss,
-                        "lr": lr,
-                        "grad_norm": gnorm,
-                        "tokens_per_s": tps,
-                        "mfu": tps * self.flops_per_token / self.peak_flops,
-                        "tokens": self.tokens_seen,
-                    }
-                    window_t, window_tokens = time.perf_counter(), 0
-                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                    val = self.evaluate()
-                    row.update(step=self.step, eval_loss=val, eval_ppl=math.exp(min(val, 50.0)))
-                    window_t = time.perf_counter()  # eval time is not training throughput
-                if row:
-                    self.metrics.write(row)
-                    last.update(row)
-                    bar.set_postfix(
-                        {
-                            k: _fmt(last[k])
-                            for k in ("loss", "lr", "tokens_per_s", "mfu", "eval_loss")
-                            if k in last
-                        },
-                        refresh=False,
-                    )
-                bar.update(1)
-                if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
-                    self.save_checkpoint()
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            bar.close()
-            signal.signal(signal.SIGINT, previous)
-        # A second Ctrl-C while saving must not leave a half-written checkpoint: atomic_dir sees to it.
-        self.save_checkpoint()
-        if interrupted:
-            raise KeyboardInterrupt
+        with StopSignals() as stop:
+            try:
+                while self.step < t.steps and stop.signum is None:
+                    tokens = self.tokens_seen
+                    loss, gnorm, lr = self.train_step(stop)
+                    window_tokens += self.tokens_seen - tokens
+                    row: dict[str, Any] = {}
+                    if self.step % t.log_every == 0 or self.step == t.steps:
+                        dt = time.perf_counter() - window_t
+                        tps = window_tokens / dt if dt > 0 else 0.0
+                        row = {
+                            "step": self.step,
+                            "loss": loss,
+                            "lr": lr,
+                            "grad_norm": gnorm,
+                            "tokens_per_s": tps,
+                            "mfu": tps * self.flops_per_token / self.peak_flops,
+                            "tokens": self.tokens_seen,
+                        }
+                        window_t, window_tokens = time.perf_counter(), 0
+                    if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                        with stop.abortable():
+                            val = self.evaluate()
+                        row.update(step=self.step, eval_loss=val, eval_ppl=math.exp(min(val, 50.0)))
+                        window_t = time.perf_counter()  # eval time is not training throughput
+                    if row:
+                        self.metrics.write(row)
+                        last.update(row)
+                        bar.set_postfix(
+                            {
+                                k: _fmt(last[k])
+                                for k in ("loss", "lr", "tokens_per_s", "mfu", "eval_loss")
+                                if k in last
+                            },
+                            refresh=False,
+                        )
+                    bar.update(1)
+                    if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
+                        self.save_checkpoint()
+            except KeyboardInterrupt:  # a second signal (or one outside the main thread)
+                stop.signum = stop.signum or signal.SIGINT
+            finally:
+                bar.close()
+            path = self.save_checkpoint()  # signals stay deferred: a save is never cut short
+        if stop.signum is not None:
+            raise Interrupted(stop.signum, self.step, path)
         sample = self.sample_text()
         (self.out / "sample.txt").write_text(sample + "\n")
         if not self.quiet:
@@ -257,50 +374,12 @@ class Trainer:
         return prompt + self.tokenizer.decode(new)
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def checkpoint_dir(self, step: int) -> Path:
-        return self.out / CHECKPOINTS / f"step-{step:08d}"
-
     def save_checkpoint(self) -> Path:
-        """Write the whole state of the run at ``self.step`` atomically; keep the newest ``keep_last``."""
-        path = self.checkpoint_dir(self.step)
-        with atomic_dir(path) as tmp:
-            self.model.save_pretrained(tmp / "model")
-            self.tokenizer.save_pretrained(tmp / "model")
-            tensors, meta = optim.flatten_state_dict(self.optimizer.state_dict())
-            lf.save(tensors, tmp / "optimizer.safetensors")
-            state = {
-                "step": self.step,
-                "tokens_seen": self.tokens_seen,
-                "optimizer": meta,
-                "schedule": self.schedule.state_dict(),
-                "sampler": self.sampler.state_dict(),
-                "rng": lf.backend.get_rng_state(),
-            }
-            (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
-        ckpts = sorted((self.out / CHECKPOINTS).glob("step-*"))
-        for old in ckpts[: -self.cfg.train.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-        return path
-
-    def _resume(self) -> None:
-        ckpts = sorted((self.out / CHECKPOINTS).glob("step-*")) if (self.out / CHECKPOINTS).is_dir() else []
-        if not ckpts:
-            raise FileNotFoundError(f"--resume: no checkpoint under {self.out / CHECKPOINTS}")
-        self.load_checkpoint(ckpts[-1])
-
-    def load_checkpoint(self, path: Path) -> None:
-        state = json.loads((path / TRAINER_STATE).read_text())
-        loaded = LlamaForCausalLM.from_pretrained(path / "model")
-        if loaded.config.to_dict() != self.model_config.to_dict():
-            raise ValueError(f"{path}: the checkpoint's model config differs from this run's config")
-        self.model.load_state_dict(loaded.state_dict())
-        self.optimizer.load_state_dict(
-            optim.unflatten_state_dict(lf.load(path / "optimizer.safetensors"), state["optimizer"])
-        )
-        self.schedule.load_state_dict(state["schedule"])
-        self.sampler.load_state_dict(state["sampler"])
-        lf.backend.set_rng_state(state["rng"])
-        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        """Save the run at ``self.step`` (once per step) and prune to the newest ``keep_last``."""
+        if self._saved_step != self.step:
+            checkpoint.save(self)
+            self._saved_step = self.step
+        return checkpoint.checkpoint_dir(self.out, self.step)
 
 
 def _fmt(v: Any) -> str:

@@ -9,46 +9,13 @@ import numpy as np
 import pytest
 
 from llmkit.cli import main as cli_main
-from llmkit.train.config import ConfigError, parse_config
+from llmkit.train.checkpoint import ResumeError
+from llmkit.train.config import ConfigError
 from llmkit.train.data import DataError
 from llmkit.train.metrics import read_metrics
 from llmkit.train.trainer import Trainer
 
-MICRO = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 64,
-}
-
-
-def config(out_dir, **train):
-    raw = {
-        "model": {"preset": "tiny", **MICRO},
-        "tokenizer": {"path": "builtin", "vocab_size": 512},
-        "optim": {"lr": 3e-3},
-        "schedule": {"name": "cosine", "warmup_steps": 3},
-        "train": {
-            "steps": 30,
-            "batch_size": 4,
-            "seq_len": 16,
-            "eval_every": 10,
-            "eval_steps": 2,
-            "log_every": 1,
-            "save_every": 5,
-            "keep_last": 10,
-            "seed": 0,
-            **train,
-        },
-        "out_dir": str(out_dir),
-    }
-    return parse_config(raw)
-
-
-def losses(run_dir):
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+from .runs import MICRO, config, losses
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +91,7 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path):
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint"):
+    with pytest.raises(ResumeError, match="--resume: no checkpoint"):
         Trainer(config(tmp_path / "r"), resume=True, quiet=True)
 
 
