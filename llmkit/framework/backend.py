@@ -65,6 +65,13 @@ def is_integer(d: Any) -> bool:
     return dtype(d) in INT_DTYPES
 
 
+def accumulation_dtype(d: Any) -> np.dtype:
+    """The dtype sums over ``d`` run in: float32 for 16-bit floats (a running bfloat16 sum of ones
+    stops growing at 256: it has 8 bits of mantissa), ``d`` itself otherwise."""
+    d = dtype(d)
+    return DTYPES["float32"] if d in FLOAT_DTYPES and d.itemsize < 4 else d
+
+
 _state = threading.local()
 
 

@@ -47,8 +47,9 @@ def _same_meta(name):
 
 
 def _softmax_kernel(xp, x, axis=-1):
+    dtype, x = x.dtype, x.astype(B.accumulation_dtype(x.dtype), copy=False)
     e = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
-    return e / xp.sum(e, axis=axis, keepdims=True)
+    return (e / xp.sum(e, axis=axis, keepdims=True)).astype(dtype, copy=False)
 
 
 def _softmax_decompose(x, axis=-1):
@@ -69,8 +70,9 @@ defop(
 
 
 def _log_softmax_kernel(xp, x, axis=-1):
+    dtype, x = x.dtype, x.astype(B.accumulation_dtype(x.dtype), copy=False)
     s = x - xp.max(x, axis=axis, keepdims=True)
-    return s - xp.log(xp.sum(xp.exp(s), axis=axis, keepdims=True))
+    return (s - xp.log(xp.sum(xp.exp(s), axis=axis, keepdims=True))).astype(dtype, copy=False)
 
 
 def _log_softmax_decompose(x, axis=-1):
@@ -147,6 +149,7 @@ def _ce_meta(logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="
 
 
 def _ce_kernel(xp, logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
+    dtype, logits = logits.dtype, logits.astype(B.accumulation_dtype(logits.dtype), copy=False)
     valid = labels != ignore_index
     safe = xp.where(valid, labels, 0)
     m = xp.max(logits, axis=-1, keepdims=True)
@@ -158,11 +161,11 @@ def _ce_kernel(xp, logits, labels, ignore_index=-100, label_smoothing=0.0, reduc
         nll = (1.0 - label_smoothing) * nll + label_smoothing * smooth
     nll = xp.where(valid, nll, 0).astype(logits.dtype, copy=False)
     if reduction == "none":
-        return nll
+        return nll.astype(dtype, copy=False)
     total = xp.sum(nll, dtype=logits.dtype)
     if reduction == "sum":
-        return total
-    return (total / xp.asarray(xp.sum(valid), dtype=logits.dtype)).astype(logits.dtype)
+        return total.astype(dtype)
+    return (total / xp.asarray(xp.sum(valid), dtype=logits.dtype)).astype(dtype)
 
 
 def _ce_parts(logits, labels, ignore_index, label_smoothing):
@@ -437,7 +440,7 @@ def _sdpa_grad_kernel(xp, g, out, q, k, v, attn_mask=None, is_causal=False, scal
     p = _softmax_kernel(xp, scores, -1).astype(q.dtype, copy=False).reshape(b, hk, rows, t)
     gg = g.reshape(b, hk, rows, dv)
     dp = xp.matmul(gg, xp.swapaxes(v, -1, -2))
-    dp -= xp.sum(g * out, axis=-1).reshape(b, hk, rows, 1)
+    dp -= xp.sum(g * out, axis=-1, dtype=dp.dtype).reshape(b, hk, rows, 1)
     ds = p * dp  # d(scores), scores = qs k^T
     ds = ds.astype(q.dtype, copy=False)
     dq = mm(xp, ds, k).reshape(q.shape) * q.dtype.type(sc)

@@ -45,11 +45,13 @@ def _extreme_vjp(g, out, x, axis, keepdim):
 
 
 def _sum_kernel(xp, x, axis=None, keepdim=False):
-    return xp.sum(x, axis=axis, keepdims=keepdim, dtype=x.dtype)
+    acc = B.accumulation_dtype(x.dtype)
+    return xp.sum(x, axis=axis, keepdims=keepdim, dtype=acc).astype(x.dtype, copy=False)
 
 
 def _mean_kernel(xp, x, axis=None, keepdim=False):
-    return xp.mean(x, axis=axis, keepdims=keepdim, dtype=x.dtype)
+    acc = B.accumulation_dtype(x.dtype)
+    return xp.mean(x, axis=axis, keepdims=keepdim, dtype=acc).astype(x.dtype, copy=False)
 
 
 reduction("sum", _sum_kernel, _sum_vjp, reducer="sum")
@@ -71,9 +73,10 @@ reduction(
 
 
 def _logsumexp_kernel(xp, x, axis=None, keepdim=False):
+    dtype, x = x.dtype, x.astype(B.accumulation_dtype(x.dtype), copy=False)
     m = xp.max(x, axis=axis, keepdims=True)
     m = xp.where(xp.isfinite(m), m, 0)  # all -inf rows give -inf, not nan
-    out = xp.log(xp.sum(xp.exp(x - m), axis=axis, keepdims=True)) + m
+    out = (xp.log(xp.sum(xp.exp(x - m), axis=axis, keepdims=True)) + m).astype(dtype, copy=False)
     return out if keepdim else xp.squeeze(out, axis=axis)
 
 
