@@ -323,12 +323,16 @@ def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[tuple[str, A
     Raises ConfigError naming the first key that cannot change on resume (FIXED_ON_RESUME).
     """
     old, new = _flatten(saved), _flatten(cfg.model_dump(mode="json"))
-    changes = [(k, old.get(k), new.get(k)) for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+    changes = [
+        (k, old.get(k, "unset"), new.get(k, "unset"))
+        for k in dict.fromkeys([*old, *new])
+        if old.get(k) != new.get(k)
+    ]
     for key, before, after in changes:
         for fixed, why in FIXED_ON_RESUME.items():
             if key == fixed or key.startswith(fixed + "."):
                 raise ConfigError(
-                    f"{key} cannot change on --resume (checkpoint: {before!r}, now: {after!r}): {why}; "
+                    f"{key} cannot change on --resume (checkpoint: {before}, now: {after}): {why}; "
                     "train in a new out_dir instead"
                 )
     return changes

@@ -192,11 +192,11 @@ class Trainer:
     def _check_resume(self, path: Path) -> checkpoint.TrainerState:
         """Read the checkpoint's state; refuse the config changes that cannot apply, list the rest."""
         saved = checkpoint.read_state(path)
+        if saved.config is not None:
+            self.resume_changes = [f"{k} {a} -> {b}" for k, a, b in resume_changes(saved.config, self.cfg)]
         if self.cfg.train.steps < saved.step:
             steps = self.cfg.train.steps
             raise ConfigError(f"train.steps ({steps}) is below the step of {path} ({saved.step})")
-        if saved.config is not None:
-            self.resume_changes = [f"{k} {a} -> {b}" for k, a, b in resume_changes(saved.config, self.cfg)]
         return saved
 
     # ---- one step ------------------------------------------------------------------------------
