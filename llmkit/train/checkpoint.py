@@ -111,7 +111,8 @@ def read_state(path: Path) -> TrainerState:
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(map(str, err["loc"]))
-        raise ResumeError(f"{file}: {where + ': ' if where else ''}{err['msg']}") from None
+        message = err["msg"].removeprefix("Value error, ")
+        raise ResumeError(f"{file}: {where + ': ' if where else ''}{message}") from None
 
 
 def save(trainer: Trainer) -> Path:
@@ -140,7 +141,10 @@ def save(trainer: Trainer) -> Path:
 def load(trainer: Trainer, path: Path, state: TrainerState) -> None:
     """Restore the state of checkpoint ``path`` into the trainer, keeping the hyperparameters of its
     config (optimizer groups and schedule settings); ResumeError names the first bad file."""
-    loaded = LlamaForCausalLM.from_pretrained(path / "model")
+    try:
+        loaded = LlamaForCausalLM.from_pretrained(path / "model")
+    except ValueError as e:  # a bad config.json or weights file; the message names it
+        raise ResumeError(f"cannot load the checkpoint's model: {e}") from None
     saved, own = loaded.config.to_dict(), trainer.model_config.to_dict()
     for key in own:
         if saved.get(key) != own[key]:
@@ -148,9 +152,9 @@ def load(trainer: Trainer, path: Path, state: TrainerState) -> None:
                 f"{path / 'model' / 'config.json'}: {key} is {saved.get(key)!r}, "
                 f"this run's model has {own[key]!r}"
             )
-    opt = trainer.optimizer
+    opt, tensors = trainer.optimizer, lf.load(path / OPTIMIZER)
     try:
-        opt_state = optim.unflatten_state_dict(lf.load(path / OPTIMIZER), state.optimizer.model_dump())
+        opt_state = optim.unflatten_state_dict(tensors, state.optimizer.model_dump())
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         opt.load_state_dict(opt_state)  # checks everything before it changes anything
     except ValueError as e:

@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
         description="Train a Llama model. Overrides use dotted keys: optim.lr=1e-3 train.steps=50.",
     )
     p.add_argument("config", help="YAML run config (see configs/)")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     p.add_argument(
         "--resume",
         action="store_true",

@@ -12,6 +12,7 @@ from llmkit.models.llama.config import LlamaConfig
 from llmkit.train.config import (
     ConfigError,
     ModelSection,
+    ParallelSection,
     dump_config,
     load_config,
     parse_config,
@@ -171,6 +172,24 @@ def test_file_errors(tmp_path: Path) -> None:
     bad.write_text("")
     with pytest.raises(ConfigError, match="config error: model: required key is missing"):
         load_config(bad)
+    bad.write_bytes("model: {preset: tiny}\nout_dir: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"config file '.*bad.yaml' is not UTF-8 text \(byte 34: invalid"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"config error: config file '.*': Is a directory"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("dp", 2), ("tp", 4), ("pp", 2), ("sharding_stage", 1), ("nproc", 2)]
+)
+def test_parallel_training_is_refused_until_it_exists(minimal: Path, key: str, value: int) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(minimal, [f"parallel.{key}={value}"])
+    assert str(info.value).startswith(
+        f"config error: parallel.{key}={value}: parallel training is not yet supported"
+    )
+    default = ParallelSection.model_fields[key].default
+    assert getattr(load_config(minimal, [f"parallel.{key}={default}"]).parallel, key) == default  # what runs
 
 
 def test_dump_and_load_round_trip(minimal: Path, tmp_path: Path) -> None:
