@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ class StopSignals:
         self.signum = self.signum or signum
 
     @contextlib.contextmanager
-    def abortable(self):
+    def abortable(self) -> Iterator[None]:
         self._abortable = True
         try:
             yield
@@ -330,8 +331,13 @@ class Trainer:
                         }
                         window_t, window_tokens = time.perf_counter(), 0
                     if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                        with stop.abortable():
-                            val = self.evaluate()
+                        try:
+                            with stop.abortable():
+                                val = self.evaluate()
+                        except KeyboardInterrupt:  # the step is done: keep its line
+                            if row:
+                                self.metrics.write(row)
+                            raise
                         row.update(step=self.step, eval_loss=val, eval_ppl=math.exp(min(val, 50.0)))
                         window_t = time.perf_counter()  # eval time is not training throughput
                     if row:

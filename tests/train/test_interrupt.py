@@ -30,7 +30,7 @@ MODES = {"eager": {}, "static": {"mode": "static", "compiler": "none"}}
 
 
 def run_config(out, mode, **train):
-    return config(out, steps=STEPS, save_every=0, eval_every=0, **MODES[mode], **train)
+    return config(out, **{"steps": STEPS, "save_every": 0, "eval_every": 0, **MODES[mode], **train})
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +135,44 @@ def test_interrupt_anywhere_in_a_step_resumes_exactly(mode, point, action, refer
     assert resumed.step == saved
     resumed.fit()
     assert losses(out) == reference(mode)
+
+
+@pytest.mark.parametrize("action", ["signal", "abort"])
+def test_interrupt_while_the_static_step_is_traced(action, reference, tmp_path):
+    """Step 1 of a static run traces (and compiles) the program: a signal there lets it finish; a
+    second one aborts the trace, and the run resumes from step 0."""
+    out = tmp_path / "run"
+    trainer = Trainer(run_config(out, "static"), quiet=True)
+    fired = []
+
+    def during_trace(layer, args):
+        if not fired:
+            fired.append(1)
+            interrupt(action)
+
+    trainer.model.model.register_forward_pre_hook(during_trace)
+    with pytest.raises(Interrupted) as stopped:
+        trainer.fit()
+    assert stopped.value.step == (1 if action == "signal" else 0)
+    Trainer(run_config(out, "static"), resume=True, quiet=True).fit()
+    assert losses(out) == reference("static")
+
+
+def test_two_signals_during_an_evaluation_keep_the_finished_step(reference, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    trainer = Trainer(run_config(out, "eager", eval_every=AT), quiet=True)
+    evaluate = trainer.evaluate
+
+    def interrupted_evaluate():
+        interrupt("abort")
+        return evaluate()
+
+    monkeypatch.setattr(trainer, "evaluate", interrupted_evaluate)
+    with pytest.raises(Interrupted) as stopped:
+        trainer.fit()
+    assert stopped.value.step == AT and sorted(losses(out)) == list(range(1, AT + 1))
+    Trainer(run_config(out, "eager", eval_every=AT), resume=True, quiet=True).fit()
+    assert losses(out) == reference("eager")
 
 
 def test_sigterm_stops_like_sigint(reference, tmp_path, monkeypatch):
