@@ -42,6 +42,12 @@ class Where:
     def ckpt(self) -> Path:
         return self.run / "checkpoints" / "step-00000002"
 
+    def file(self, name: str) -> Path:
+        return self.ckpt / name
+
+    def truncate(self, name: str) -> None:
+        self.file(name).write_bytes(self.file(name).read_bytes()[:100])
+
     def state(self, **changes) -> None:
         """Rewrite the checkpoint's trainer_state.json with top-level keys changed."""
         path = self.ckpt / "trainer_state.json"
@@ -54,6 +60,11 @@ class Row:
     expect: str  # in the one stderr line
     setup: Callable[[Where], object] | None = None
     resume: bool = False  # start from a copy of the finished run
+
+
+def damaged(expect: str, damage: Callable[[Where], object]) -> Row:
+    """``--resume`` from a copy of the finished run whose checkpoint ``damage`` broke."""
+    return Row(["{cfg}", "--resume"], expect, damage, resume=True)
 
 
 def write(name: str, data: str | bytes) -> Callable[[Where], object]:
@@ -157,64 +168,34 @@ ROWS: dict[str, Row] = {
     "resume without checkpoint": Row(
         ["{cfg}", "--resume"], "--resume: no checkpoint under {run}/checkpoints"
     ),
-    "trainer_state not JSON": Row(
-        ["{cfg}", "--resume"],
+    "trainer_state not JSON": damaged(
         "step-00000002/trainer_state.json: not valid JSON",
-        lambda w: (w.ckpt / "trainer_state.json").write_text('{"step": 2,'),
-        resume=True,
+        lambda w: w.file("trainer_state.json").write_text("{"),
     ),
-    "trainer_state missing": Row(
-        ["{cfg}", "--resume"],
+    "trainer_state missing": damaged(
         "trainer_state.json: missing (an incomplete checkpoint?)",
-        lambda w: (w.ckpt / "trainer_state.json").unlink(),
-        resume=True,
+        lambda w: w.file("trainer_state.json").unlink(),
     ),
-    "trainer_state a list": Row(
-        ["{cfg}", "--resume"],
+    "trainer_state a list": damaged(
         "trainer_state.json: Input should be a valid dictionary",
-        lambda w: (w.ckpt / "trainer_state.json").write_text("[]"),
-        resume=True,
+        lambda w: w.file("trainer_state.json").write_text("[]"),
     ),
-    "step not a number": Row(
-        ["{cfg}", "--resume"],
-        "trainer_state.json: step: Input should be a valid integer",
-        lambda w: w.state(step="2"),
-        resume=True,
+    "step not a number": damaged(
+        "trainer_state.json: step: Input should be a valid integer", lambda w: w.state(step="2")
     ),
-    "parts at other steps": Row(
-        ["{cfg}", "--resume"],
-        "its parts are at different steps (trainer 5, optimizer 2, schedule 2)",
-        lambda w: w.state(step=5),
-        resume=True,
+    "parts at other steps": damaged(
+        "its parts are at different steps (trainer 5, optimizer 2, schedule 2)", lambda w: w.state(step=5)
     ),
-    "rng state broken": Row(
-        ["{cfg}", "--resume"], "trainer_state.json: rng:", lambda w: w.state(rng={}), resume=True
+    "rng state broken": damaged("trainer_state.json: rng:", lambda w: w.state(rng={})),
+    "optimizer file missing": damaged(
+        "optimizer.safetensors", lambda w: w.file("optimizer.safetensors").unlink()
     ),
-    "optimizer file missing": Row(
-        ["{cfg}", "--resume"],
-        "optimizer.safetensors",
-        lambda w: (w.ckpt / "optimizer.safetensors").unlink(),
-        resume=True,
+    "optimizer file truncated": damaged(
+        "optimizer.safetensors: the header length", lambda w: w.truncate("optimizer.safetensors")
     ),
-    "optimizer file truncated": Row(
-        ["{cfg}", "--resume"],
-        "optimizer.safetensors",
-        lambda w: (w.ckpt / "optimizer.safetensors").write_bytes(
-            (w.ckpt / "optimizer.safetensors").read_bytes()[:100]
-        ),
-        resume=True,
-    ),
-    "weights missing": Row(
-        ["{cfg}", "--resume"],
-        "model.safetensors",
-        lambda w: (w.ckpt / "model" / "model.safetensors").unlink(),
-        resume=True,
-    ),
-    "model config corrupt": Row(
-        ["{cfg}", "--resume"],
-        "config.json",
-        lambda w: (w.ckpt / "model" / "config.json").write_text("{"),
-        resume=True,
+    "weights missing": damaged("model.safetensors", lambda w: w.file("model/model.safetensors").unlink()),
+    "model config corrupt": damaged(
+        "model/config.json: invalid JSON", lambda w: w.file("model/config.json").write_text("{")
     ),
     "resume changes the model": Row(
         ["{cfg}", "--resume", "model.hidden_size=64"],
@@ -248,17 +229,23 @@ def write_config(directory: Path, out_dir: Path) -> Path:
     return path
 
 
-def run_row(row: Row, w: Where, finished: Path | None) -> tuple[int, str]:
+def prepare(row: Row, w: Where, finished: Path | None) -> tuple[list[str], str]:
+    """Set the row's files up; its arguments and expected text with the paths filled in."""
     write_config(w.tmp, w.run)
     if row.resume:
         shutil.copytree(finished, w.run)
     if row.setup is not None:
         row.setup(w)
-    args = [a.format(tmp=w.tmp, cfg=w.cfg, run=w.run) for a in row.args]
+    fill = {"tmp": w.tmp, "cfg": w.cfg, "run": w.run}
+    return [a.format(**fill) for a in row.args], row.expect.format(**fill)
+
+
+def run_row(row: Row, w: Where, finished: Path | None) -> tuple[int, str]:
+    args, expect = prepare(row, w, finished)
     try:
-        return cli_main(["train", *args]), row.expect.format(tmp=w.tmp, cfg=w.cfg, run=w.run)
+        return cli_main(["train", *args]), expect
     except SystemExit as e:  # argparse exits
-        return int(e.code), row.expect.format(tmp=w.tmp, cfg=w.cfg, run=w.run)
+        return int(e.code), expect
 
 
 @pytest.mark.parametrize("name", list(ROWS))
@@ -294,13 +281,7 @@ def test_vocab_larger_than_the_corpus_allows(tmp_path, capsys):
 
 @pytest.mark.parametrize("name", ["config not UTF-8", "trainer_state not JSON"])
 def test_bad_input_in_a_subprocess(name, tmp_path, finished_run):
-    row = ROWS[name]
-    w = Where(tmp_path)
-    write_config(w.tmp, w.run)
-    if row.resume:
-        shutil.copytree(finished_run, w.run)
-    row.setup(w)
-    args = [a.format(tmp=w.tmp, cfg=w.cfg, run=w.run) for a in row.args]
+    args, expect = prepare(ROWS[name], Where(tmp_path), finished_run)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(
         [sys.executable, "-m", "llmkit.cli", "train", *args],
@@ -311,4 +292,4 @@ def test_bad_input_in_a_subprocess(name, tmp_path, finished_run):
     )
     assert done.returncode == 2
     (line,) = done.stderr.splitlines()
-    assert row.expect.format(tmp=w.tmp, cfg=w.cfg, run=w.run) in line and "Traceback" not in done.stderr
+    assert expect in line and "Traceback" not in done.stderr
