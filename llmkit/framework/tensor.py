@@ -72,6 +72,21 @@ class Tensor:
         return B.is_array(self._data)
 
     @property
+    def mesh(self) -> Any:
+        """The ProcessMesh of a distributed tensor (None for others)."""
+        return getattr(self._data, "mesh", None)
+
+    @property
+    def placements(self) -> Any:
+        """The placements of a distributed tensor, one per mesh dim (None for others)."""
+        return getattr(self._data, "placements", None)
+
+    def local(self) -> Tensor:
+        """This rank's shard of a distributed tensor (the tensor itself for others)."""
+        local = getattr(self._data, "local", None)
+        return self if local is None else Tensor(local())
+
+    @property
     def stop_gradient(self) -> bool:
         """Paddle's spelling of ``not requires_grad``."""
         return not self.requires_grad

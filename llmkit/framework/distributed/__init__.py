@@ -1,0 +1,33 @@
+"""Auto-parallel: ``import llmkit.framework.distributed as dist``.
+
+A program is written for one device; a few tensors are placed on a :class:`ProcessMesh` with
+placements (``Replicate()``, ``Shard(dim)``, ``Partial(op)``, one per mesh dim), and the framework
+moves values between layouts. The backend (``init``) is ``sim`` (every rank in this process),
+``mpi`` (one process per rank under ``mpiexec``) or ``nccl`` (GPUs). See docs/parallel.md.
+"""
+
+from ..placement import Partial, Placement, ProcessMesh, Replicate, Shard
+from .api import from_local, local_shards, reshard, shard_tensor, unshard
+from .comm import CollectiveError, get_backend, get_rank, get_world_size, init, run_ranks, timeout
+from .dist_array import DistArray
+
+__all__ = [
+    "CollectiveError",
+    "DistArray",
+    "Partial",
+    "Placement",
+    "ProcessMesh",
+    "Replicate",
+    "Shard",
+    "from_local",
+    "get_backend",
+    "get_rank",
+    "get_world_size",
+    "init",
+    "local_shards",
+    "reshard",
+    "run_ranks",
+    "shard_tensor",
+    "timeout",
+    "unshard",
+]
