@@ -1,46 +1,57 @@
-"""Writing files and directories so that nothing already written is ever lost.
+"""Writing files and directories so that nothing already written is ever lost, even by a crash.
 
-``atomic_write(path, data)`` replaces a file with new bytes in one rename.
-``atomic_dir(path)`` yields a fresh temporary directory next to ``path``; when the block finishes
-without an error it replaces ``path`` in two renames (the old one is kept until the new one is in
-place), and on any error the temporary directory is removed and ``path`` is untouched.
+``atomic_write(path, data)`` / ``atomic_open(path)`` replace a file with new bytes in one rename.
+
+``atomic_dir(path)`` yields a fresh temporary directory next to ``path``. When the block finishes
+without an error, every file and directory in it is fsynced, then it takes ``path``'s place:
+
+- ``path`` is new: one rename;
+- ``path`` is an existing directory: one atomic exchange of the two names where the OS has one
+  (Linux ``renameat2(RENAME_EXCHANGE)``), so ``path`` is never missing; elsewhere two renames,
+  ``path -> .<name>.old`` then ``tmp -> path``. A crash between those two leaves ``.<name>.old``;
+  :func:`recover` moves it back (the next ``atomic_dir`` on ``path`` and the loaders call it).
+
+On any error the temporary directory is removed and ``path`` is as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
+import secrets
 import shutil
-import tempfile
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 
-@contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
+def _old(path: Path) -> Path:
+    """Where the two-rename fallback parks the directory being replaced."""
+    return path.parent / f".{path.name}.old"
+
+
+def recover(path: str | os.PathLike[str]) -> None:
+    """Finish a replacement of directory ``path`` that a crash interrupted between its two renames.
+
+    ``.<name>.old`` without ``path``: the new directory never arrived, so the old one goes back.
+    Both present: the new one is in place and only the old one's removal was lost.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
-    try:
-        yield tmp
-        _fsync_dir(tmp)
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    old = _old(path)
+    if not old.is_dir():
+        return
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(old, path)
+        _fsync(path.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's entries to disk (a no-op where a directory cannot be opened)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -48,9 +59,80 @@ def _fsync_dir(path: Path) -> None:
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        if not path.is_dir():  # some filesystems refuse fsync on directories; never on files
+            raise
     finally:
         os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every directory bottom-up, ``root`` last."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            if not os.path.islink(os.path.join(dirpath, name)):
+                _fsync(Path(dirpath, name))
+        _fsync(Path(dirpath))
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` in one step; False where the OS or filesystem cannot."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # not here: fall back to two renames
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(b))
+
+
+def _swap_in(tmp: Path, path: Path) -> None:
+    """Put directory ``tmp`` at ``path``; the directory that ``path`` held (if any) ends at ``tmp``."""
+    if not path.exists():
+        os.rename(tmp, path)
+    elif not _exchange(tmp, path):
+        old = _old(path)
+        os.replace(path, old)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.replace(old, path)
+            raise
+        os.replace(old, tmp)
+    _fsync(path.parent)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} exists and is not a directory; refusing to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    recover(path)
+    while True:  # mkdir, not mkdtemp: the directory gets the mode any new directory gets
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        with contextlib.suppress(FileExistsError):
+            tmp.mkdir()
+            break
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        _swap_in(tmp, path)
+    finally:
+        _remove(tmp)  # the failed write, or the directory that was replaced
 
 
 @contextlib.contextmanager
@@ -62,15 +144,16 @@ def atomic_open(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:  # "x": never clobber anything; the mode any new file gets
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync(path.parent)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .. import backend as B
-from ..files import atomic_dir
+from ..files import atomic_dir, recover
 from ..io import SafetensorsError, load, save
 from ..ir import Program, parse
 from ..ir.errors import IRError
@@ -196,6 +196,7 @@ def load_model(
 ) -> StaticModel:
     """Read a static model directory written by ``jit.save`` (checks format, version and checksums)."""
     path = Path(path)
+    recover(path)  # a save that a crash interrupted
     mpath = path / MANIFEST
     if not path.is_dir() or not mpath.is_file():
         raise FormatError(

@@ -17,7 +17,7 @@ import numpy as np
 
 import llmkit.framework as lf
 from llmkit.framework import backend as B
-from llmkit.framework.files import atomic_dir
+from llmkit.framework.files import atomic_dir, recover
 
 from .config import LlamaConfig
 
@@ -49,6 +49,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
 def load_pretrained(cls: type, path: str | os.PathLike[str], dtype: Any = None) -> Any:
     """Build ``cls(config)`` from a checkpoint directory; weights cast to ``dtype`` (default float32)."""
     path = Path(path)
+    recover(path)  # a save that a crash interrupted
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
     config = LlamaConfig.from_json_file(path / "config.json")
