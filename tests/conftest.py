@@ -5,10 +5,13 @@ tokenizer is trained once per session."""
 from __future__ import annotations
 
 import atexit
+import copy
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,3 +38,61 @@ def builtin_tok(session_cache_dir: Path):
 @pytest.fixture(scope="session")
 def tok(builtin_tok):
     return builtin_tok
+
+
+# ---- fuzzing JSON files (manifests, configs) --------------------------------------------------------
+
+_JSON_VALUES: list[Any] = [None, True, False, 0, -1, 1, 2**70, 1.5, "", "x", "..", "../x", "/etc/passwd"]
+_JSON_VALUES += ["a/b", "\x00", "\udcff", "\ud800", "forward.pir", "weights.safetensors", "notes.txt"]
+_JSON_VALUES += [
+    "manifest.json",
+    "main",
+    "float32",
+    "N",
+    [],
+    {},
+    [1],
+    ["x"],
+    {"a": 1},
+    {"shape": [], "dtype": "x"},
+]
+_JSON_KEYS = [v for v in _JSON_VALUES if isinstance(v, str)] + ["extra", "files", "file", "weights"]
+
+
+def _json_positions(obj: Any, path: tuple = ()) -> list[tuple]:
+    """Every position below the root of a JSON tree, as a key path."""
+    out = []
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        out += [(*path, k), *_json_positions(v, (*path, k))]
+    return out
+
+
+def _mutate_json(tree: dict | list, rng: random.Random) -> None:
+    """One random change in place: a value replaced, a key or element deleted, a key renamed or added."""
+    positions = _json_positions(tree)
+    if not positions:
+        tree.append(1) if isinstance(tree, list) else tree.update(x=1)
+        return
+    *parents, key = rng.choice(positions)
+    parent = tree
+    for k in parents:
+        parent = parent[k]
+    value = copy.deepcopy(rng.choice(_JSON_VALUES))
+    kind = rng.randrange(4)
+    if kind == 0:
+        parent[key] = value
+    elif kind == 1:
+        del parent[key]
+    elif isinstance(parent, list):
+        parent.insert(rng.randrange(len(parent) + 1), value)
+    elif kind == 2:
+        parent[rng.choice(_JSON_KEYS)] = parent.pop(key)
+    else:
+        parent[rng.choice(_JSON_KEYS)] = value
+
+
+@pytest.fixture(scope="session")
+def mutate_json():
+    """``mutate_json(tree, rng)``: one random change of a parsed JSON object (types, keys, values, names)."""
+    return _mutate_json

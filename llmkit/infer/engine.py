@@ -27,14 +27,14 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
 from .blocks import BlockManager
 from .chat import ChatTemplate
 from .detokenize import Detokenizer
-from .programs import BLOCK_SIZE, DECODE_TILE, PREFILL_TILE, runs_native, unpack_panel_weights
+from .programs import BLOCK_SIZE, DECODE_TILE, PREFILL_TILE, ModelSpec, runs_native, unpack_panel_weights
 from .request import Completion, FinishReason, Request, RequestOutput
 from .runner import DecodeBatch, ModelRunner, PrefillBatch
 from .sampling import Sampler, SamplingParams, merge_stop_ids
@@ -138,19 +138,15 @@ class Engine:
 
         config = config or EngineConfig()
         sm = jit.load(path, compiler=config.compiler)
+        spec, tokenizer = _check_static(sm)
         if not runs_native(config.compiler):
             unpack_panel_weights(sm.programs.values())  # the reference kernels read [in, out]
         meta = sm.metadata
-        if "engine" not in meta:
-            raise jit.FormatError(
-                f"{path}: not an inference model file (no engine metadata); write one with llmkit export"
-            )
-        e = meta["engine"]
-        max_len = min(config.max_model_len or e["max_model_len"], e["max_model_len"])
-        runner = ModelRunner.from_static(sm, cls._num_blocks(config, max_len, e["block_size"]))
+        max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
+        runner = ModelRunner.from_static(sm, cls._num_blocks(config, max_len, spec.block_size))
         return cls(
             runner,
-            Tokenizer(sm.file("tokenizer.model")),
+            tokenizer,
             config,
             model_name=meta.get("model_name", "model"),
             chat_template=ChatTemplate.from_dict(meta.get("chat_template")),
@@ -380,3 +376,85 @@ class Engine:
             "generated_tokens": self.num_generated_tokens,
             "steps": self.num_steps,
         }
+
+
+class _EngineFields(TypedDict):
+    engine: ModelSpec  # the programs' cache geometry and context
+
+
+class StaticMetadata(_EngineFields, total=False):
+    """The metadata ``llmkit export`` writes into a static model file's manifest for the engine."""
+
+    model_name: str
+    chat_template: ChatTemplate
+    generation: dict[str, float]  # sampling defaults: temperature, top_p, top_k
+    eos_token_ids: list[int]
+
+
+def _check_static(sm: Any) -> tuple[ModelSpec, Tokenizer]:
+    """The engine's view of a loaded static model file, every part checked (:class:`FormatError`
+    naming the field): the metadata's schema and values, the programs' KV pool and logits against
+    the metadata, the tokenizer against the vocabulary."""
+    from llmkit.framework.jit import FormatError
+    from llmkit.framework.jit.model_file import check_json
+
+    where = f"{sm.path / 'manifest.json'}"
+    meta = sm.metadata
+    if "engine" not in meta:
+        raise FormatError(
+            f"{sm.path}: not an inference model file (no engine metadata); write one with llmkit export"
+        )
+    check_json(meta, StaticMetadata, where, "metadata")
+    spec = ModelSpec.from_dict(meta["engine"])
+    for k, v in spec.to_dict().items():
+        if isinstance(v, int) and v < 1 and not (k.endswith("_tile") and v == 0):
+            raise FormatError(f"{where}: metadata.engine.{k}: must be positive, got {v}")
+    template = ChatTemplate.from_dict(meta.get("chat_template"))
+    for k in ("user", "assistant", "system"):
+        try:
+            getattr(template, k).format(content="")
+        except (AttributeError, KeyError, IndexError, ValueError) as e:
+            raise FormatError(
+                f"{where}: metadata.chat_template.{k}: not a template with only {{content}} ({e!r})"
+            ) from None
+    gen = meta.get("generation", {})
+    try:
+        SamplingParams(**{k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen})
+    except (TypeError, ValueError) as e:
+        raise FormatError(f"{where}: metadata.generation: {e}") from None
+    bad = [t for t in meta.get("eos_token_ids", ()) if not 0 <= t < spec.vocab_size]
+    if bad:
+        raise FormatError(
+            f"{where}: metadata.eos_token_ids: {bad[0]} is not a token id (vocabulary of {spec.vocab_size})"
+        )
+    pool = list(spec.pool_shape(0))
+    for name in ("prefill", "decode"):
+        fn = sm.programs.get(name)
+        if fn is None:
+            raise FormatError(f"{where}: programs: no {name!r} program; write the file with llmkit export")
+        got, logits = fn.input_specs[-1], fn.output_specs[0]
+        shape = list(got["shape"])
+        if (
+            len(shape) != len(pool)
+            or shape[:2] + shape[3:] != pool[:2] + pool[3:]
+            or got["dtype"] != spec.dtype
+        ):
+            raise FormatError(
+                f"{where}: metadata.engine: {spec.dtype}{pool} (blocks at dim 2) does not match the {name} "
+                f"program's KV pool {got['dtype']}{shape}"
+            )
+        if logits["shape"][-1:] != [spec.vocab_size]:
+            raise FormatError(
+                f"{where}: metadata.engine.vocab_size: {spec.vocab_size}, but the {name} program's logits "
+                f"are {logits['shape']}"
+            )
+    try:
+        tokenizer = Tokenizer(sm.file("tokenizer.model"))
+    except RuntimeError as e:  # sentencepiece: "could not parse ModelProto"
+        raise FormatError(f"{sm.path}: tokenizer.model is not a sentencepiece model ({e})") from None
+    if tokenizer.vocab_size != spec.vocab_size:
+        raise FormatError(
+            f"{sm.path}: tokenizer.model has {tokenizer.vocab_size} pieces, the programs "
+            f"{spec.vocab_size} logits"
+        )
+    return spec, tokenizer

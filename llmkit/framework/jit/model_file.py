@@ -15,12 +15,16 @@ code. Truncated, corrupted or newer-version files fail with :class:`FormatError`
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import re
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -40,6 +44,103 @@ WEIGHTS = "weights.safetensors"
 
 class FormatError(ValueError):
     """A static model file that cannot be read: missing parts, bad checksums, a newer format."""
+
+
+class TensorSpec(TypedDict):
+    shape: list[int | str]  # a str is a symbolic dim ("N")
+    dtype: str
+
+
+class ArgSpec(TensorSpec):
+    name: str
+
+
+class ProgramEntry(TypedDict):
+    file: str  # <program>.pir
+    function: str  # the function of that file to run
+    inputs: list[ArgSpec]  # the function's first arguments, given by the caller
+    weights: list[str]  # names in the weights file bound to the remaining arguments, in order
+    outputs: list[TensorSpec]
+
+
+class Manifest(TypedDict):
+    """``manifest.json``, as :func:`check_json` checks it."""
+
+    format: str  # FORMAT
+    format_version: int  # 1 .. FORMAT_VERSION
+    programs: dict[str, ProgramEntry]
+    weights: str  # the safetensors file's name
+    files: dict[str, str]  # every other file's name -> its sha256 (hex)
+    metadata: dict[str, Any]  # the saver's, free-form
+
+
+_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number"}
+_JSON_KINDS.update({bool: "true or false", type(None): "null"})
+_SHA256 = re.compile("[0-9a-f]{64}")
+
+
+def _kind(value: Any) -> str:
+    return _JSON_KINDS.get(type(value), type(value).__name__)
+
+
+def _is(value: Any, t: type) -> bool:
+    """JSON's view of ``isinstance``: true and false are not integers; an integer is a number."""
+    if isinstance(value, bool) and t is not bool:
+        return False
+    return isinstance(value, (int, float) if t is float else t)
+
+
+def check_json(value: Any, hint: Any, file: str, field: str = "") -> None:
+    """Raise :class:`FormatError` naming ``file`` and the field unless parsed JSON ``value`` has type
+    ``hint``: a JSON scalar type, a union of them, ``list[T]``, ``dict[str, T]``, ``Any``, or a
+    TypedDict or dataclass (an object with those fields, the ones without a default required)."""
+
+    def fail(what: str) -> FormatError:
+        return FormatError(f"{file}: {field or 'the top level'}: {what}")
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return
+    if origin in (typing.Union, types.UnionType):
+        if not any(_is(value, t) for t in args):
+            raise fail(f"expected {' or '.join(_JSON_KINDS[t] for t in args)}, got {_kind(value)}")
+    elif origin is list or origin is dict or typing.is_typeddict(hint) or dataclasses.is_dataclass(hint):
+        want = list if origin is list else dict
+        if not isinstance(value, want):
+            raise fail(f"expected {_JSON_KINDS[want]}, got {_kind(value)}")
+        sub = f"{field}." if field else ""
+        if origin is list:
+            for i, v in enumerate(value):
+                check_json(v, args[0], file, f"{field}[{i}]")
+        elif origin is dict:
+            for k, v in value.items():
+                check_json(v, args[1], file, sub + k)
+        else:
+            for k, t in typing.get_type_hints(hint).items():
+                if k in value:
+                    check_json(value[k], t, file, sub + k)
+                elif k in _required(hint):
+                    raise FormatError(f"{file}: {sub + k}: a required field is missing")
+    elif not _is(value, hint):
+        raise fail(f"expected {_JSON_KINDS[hint]}, got {_kind(value)}")
+
+
+def _required(record: Any) -> set[str]:
+    if typing.is_typeddict(record):
+        return set(record.__required_keys__)
+    none = dataclasses.MISSING
+    return {f.name for f in dataclasses.fields(record) if f.default is none and f.default_factory is none}
+
+
+def _check_file_name(path: Path, name: str, where: str) -> None:
+    """A listed file must be a plain name of a file inside ``path`` (no ``..``, ``/`` or links out)."""
+    if name in ("", ".", "..", MANIFEST) or any(c in name for c in "/\\\0"):
+        raise FormatError(f"{where}: {name!r} is not the plain name of a file in the model directory")
+    f = path / name
+    if not f.is_file():
+        raise FormatError(f"{path}: file {name!r} listed in the manifest is missing")
+    if f.resolve().parent != path.resolve():
+        raise FormatError(f"{where}: {name!r} links outside the model directory")
 
 
 def _sha256(path: Path) -> str:
@@ -169,10 +270,14 @@ class StaticModel:
         self.metadata = manifest.get("metadata", {})
 
     def file(self, name: str) -> bytes:
-        """An extra file shipped in the model directory (checksummed at load)."""
-        if name not in self.manifest["files"]:
-            raise KeyError(f"{self.path}: no file {name!r} in the manifest")
-        return (self.path / name).read_bytes()
+        """An extra file shipped in the model directory (its bytes checked against the manifest)."""
+        digest = self.manifest["files"].get(name)
+        if digest is None:
+            raise FormatError(f"{self.path}: no file {name!r} in the manifest")
+        data = (self.path / name).read_bytes()
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise FormatError(f"{self.path}: {name} is corrupted (sha256 does not match the manifest)")
+        return data
 
     def __call__(self, *inputs: Any) -> Any:
         fn = self.programs.get("forward") or (
@@ -188,13 +293,15 @@ class StaticModel:
         return f"<StaticModel {self.path} programs={list(self.programs)}>"
 
 
-def load_model(
-    path: str | os.PathLike[str],
-    compiler: str | None = None,
-    device: str = "cpu",
-    verify_checksums: bool = True,
-) -> StaticModel:
-    """Read a static model directory written by ``jit.save`` (checks format, version and checksums)."""
+def load_model(path: str | os.PathLike[str], compiler: str | None = None, device: str = "cpu") -> StaticModel:
+    """Read a static model directory written by ``jit.save``, trusting nothing in it.
+
+    The manifest must have the schema of :class:`Manifest` and a version this llmkit reads; every
+    file the loader reads (programs, weights, extra files) must be listed in ``files`` under a plain
+    name inside the directory and match its sha256; each program's function must take exactly the
+    listed inputs and weights, with the listed shapes and dtypes. Anything else is a
+    :class:`FormatError` naming the file and the field.
+    """
     path = Path(path)
     recover(path)  # a save that a crash interrupted
     mpath = path / MANIFEST
@@ -204,50 +311,82 @@ def load_model(
             "write one with llmkit.jit.save or `llmkit export`"
         )
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = json.loads(mpath.read_bytes().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FormatError(f"{mpath}: not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise FormatError(
-            f"{mpath}: not an llmkit static model manifest (format {manifest.get('format')!r})"
-            if isinstance(manifest, dict)
-            else f"{mpath}: not a manifest object"
-        )
+        what = repr(manifest.get("format")) if isinstance(manifest, dict) else f"a JSON {_kind(manifest)}"
+        raise FormatError(f"{mpath}: not an llmkit static model manifest (format {what})")
     version = manifest.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
         raise FormatError(
             f"{path}: written in static-model format version {version}, but this llmkit reads "
             f"up to version {FORMAT_VERSION}; upgrade llmkit"
         )
-    try:
-        files: dict[str, str] = manifest["files"]
-        entries: dict[str, Any] = manifest["programs"]
-        wfile = manifest["weights"]
-    except KeyError as e:
-        raise FormatError(f"{mpath}: missing field {e.args[0]!r}") from None
+    check_json(manifest, Manifest, str(mpath))
+    if version < 1:
+        raise FormatError(f"{mpath}: format_version: must be at least 1, got {version}")
+    files, entries, wfile = manifest["files"], manifest["programs"], manifest["weights"]
     for name, digest in files.items():
-        f = path / name
-        if not f.is_file():
-            raise FormatError(f"{path}: file {name!r} listed in the manifest is missing")
-        if verify_checksums and _sha256(f) != digest:
+        _check_file_name(path, name, f"{mpath}: files")
+        if not _SHA256.fullmatch(digest):
+            raise FormatError(f"{mpath}: files.{name}: not a sha256 hex digest: {digest!r}")
+    reads = {wfile: "weights", **{e["file"]: f"programs.{p}.file" for p, e in entries.items()}}
+    for name, field in reads.items():
+        if name not in files:
+            raise FormatError(f"{mpath}: {field}: {name!r} is not listed (with its sha256) in files")
+    for name, digest in files.items():
+        if _sha256(path / name) != digest:
             raise FormatError(f"{path}: {name} is corrupted (sha256 does not match the manifest)")
     try:
         weights = {k: t._data for k, t in load(path / wfile, device=device).items()}
     except SafetensorsError as e:
         raise FormatError(f"{path}: weights unreadable: {e}") from None
-    programs = {}
-    for pname, entry in entries.items():
-        try:
-            program = parse((path / entry["file"]).read_text())
-        except IRError as e:
-            raise FormatError(f"{path}: program {pname!r} does not parse: {e}") from None
-        missing = [w for w in entry["weights"] if w not in weights]
-        if missing:
-            raise FormatError(f"{path}: program {pname!r} needs weights missing from {wfile}: {missing[:5]}")
-        programs[pname] = LoadedFunction(
-            pname, program, entry, [weights[w] for w in entry["weights"]], compiler
-        )
+    programs = {
+        pname: _load_program(path, pname, entry, weights, wfile, compiler) for pname, entry in entries.items()
+    }
     return StaticModel(path, manifest, programs, weights)
+
+
+def _load_program(
+    path: Path, pname: str, entry: dict[str, Any], weights: dict[str, Any], wfile: str, compiler: str | None
+) -> LoadedFunction:
+    """One program of the manifest, parsed and checked against its entry (arguments, outputs, weights)."""
+    where = f"{path / MANIFEST}: programs.{pname}"
+    try:
+        program = parse((path / entry["file"]).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{path}: program {pname!r}: {entry['file']} is not UTF-8 text ({e})") from None
+    except IRError as e:
+        raise FormatError(f"{path}: program {pname!r} does not parse: {e}") from None
+    fn = program.functions.get(entry["function"])
+    if fn is None:
+        raise FormatError(
+            f"{where}.function: {entry['file']} has no function {entry['function']!r} "
+            f"(it has {', '.join(map(repr, program.functions)) or 'none'})"
+        )
+    n_in, names = len(entry["inputs"]), entry["weights"]
+    if len(fn.args) != n_in + len(names):
+        raise FormatError(
+            f"{where}: {n_in} inputs and {len(names)} weights, but {entry['file']}'s function takes "
+            f"{len(fn.args)} arguments"
+        )
+    if entry["inputs"] != [{"name": a.name, **_spec(a.type)} for a in fn.args[:n_in]]:
+        raise FormatError(f"{where}.inputs: do not match the arguments of {entry['file']}'s function")
+    if entry["outputs"] != [_spec(v.type) for v in fn.outputs]:
+        raise FormatError(f"{where}.outputs: do not match the results of {entry['file']}'s function")
+    bound = []
+    for i, (w, a) in enumerate(zip(names, fn.args[n_in:])):
+        if w not in weights:
+            raise FormatError(f"{where}.weights[{i}]: {w!r} is not in {wfile}")
+        have, want = _spec(weights[w]), _spec(a.type)
+        if have != want:
+            raise FormatError(
+                f"{where}.weights[{i}]: {w!r} is {have['dtype']}{have['shape']} in the weights file, "
+                f"but {entry['file']} takes {want['dtype']}{want['shape']}"
+            )
+        bound.append(weights[w])
+    return LoadedFunction(pname, program, entry, bound, compiler)
 
 
 def save_static(

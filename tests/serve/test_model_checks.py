@@ -1,0 +1,120 @@
+"""What ``llmkit serve`` loads is checked, not trusted: the engine's metadata, the programs it runs and
+the tokenizer, against each other; a corrupted or malformed file is a FormatError naming the field."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmkit.framework import jit
+from llmkit.infer import Engine, EngineConfig, SamplingParams
+
+CONFIG = EngineConfig(max_batch=1, compiler="none")
+
+
+@pytest.fixture
+def copied(model_file: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(model_file, tmp_path / "m.llmkit"))
+
+
+def rewrite(path: Path, change: Any) -> None:
+    m = json.loads((path / "manifest.json").read_text())
+    change(m)
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def test_a_corrupted_weights_file_is_refused(copied):
+    w = copied / "weights.safetensors"
+    data = bytearray(w.read_bytes())
+    data[len(data) // 2] ^= 1
+    w.write_bytes(bytes(data))
+    with pytest.raises(jit.FormatError, match="weights.safetensors is corrupted"):
+        Engine.from_static(copied, CONFIG)
+    rewrite(copied, lambda m: m.update(files={}))
+    with pytest.raises(jit.FormatError, match="is not listed"):
+        Engine.from_static(copied, CONFIG)
+
+
+def test_a_tokenizer_that_does_not_fit_is_refused(copied):
+    (copied / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    digest = hashlib.sha256(b"not a sentencepiece model").hexdigest()
+    rewrite(copied, lambda m: m["files"].update({"tokenizer.model": digest}))
+    with pytest.raises(jit.FormatError, match="tokenizer.model is not a sentencepiece model"):
+        Engine.from_static(copied, CONFIG)
+    rewrite(copied, lambda m: m["files"].pop("tokenizer.model"))
+    with pytest.raises(jit.FormatError, match="no file 'tokenizer.model' in the manifest"):
+        Engine.from_static(copied, CONFIG)
+
+
+def meta(key: str, value: Any):
+    def change(m: dict) -> None:
+        *parents, last = key.split(".")
+        d = m["metadata"]
+        for k in parents:
+            d = d[k]
+        if value is None:
+            del d[last]
+        else:
+            d[last] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (meta("engine", None), "not an inference model file"),
+        (meta("engine", [1]), "metadata.engine: expected an object, got an array"),
+        (meta("engine.num_layers", None), "metadata.engine.num_layers: a required field is missing"),
+        (meta("engine.num_layers", 3), r"does not match the prefill program's KV pool"),
+        (meta("engine.head_dim", "32"), "metadata.engine.head_dim: expected an integer, got a string"),
+        (meta("engine.block_size", -16), "metadata.engine.block_size: must be positive, got -16"),
+        (meta("engine.dtype", "bfloat16"), r"does not match the prefill program's KV pool"),
+        (
+            meta("engine.vocab_size", 4000),
+            r"metadata.engine.vocab_size: 4000, but the prefill program's logits",
+        ),
+        (meta("chat_template.user", "[INST] {x} [/INST]"), "metadata.chat_template.user: not a template"),
+        (meta("chat_template.bos_each_turn", "yes"), "chat_template.bos_each_turn: expected true or false"),
+        (meta("generation", {"temperature": -1}), "metadata.generation: temperature must be >= 0"),
+        (meta("generation", {"top_k": "5"}), r"metadata.generation.top_k: expected a number"),
+        (meta("eos_token_ids", [2, 99999]), "metadata.eos_token_ids: 99999 is not a token id"),
+        (meta("model_name", 7), "metadata.model_name: expected a string"),
+        (lambda m: m["programs"].pop("decode"), "programs: no 'decode' program"),
+    ],
+)
+def test_each_bad_engine_field_is_named(copied, change, message):
+    rewrite(copied, change)
+    with pytest.raises(jit.FormatError, match=message):
+        Engine.from_static(copied, CONFIG)
+
+
+def test_random_mutations_of_an_exported_manifest_raise_only_format_errors(copied, mutate_json):
+    rng = random.Random(1616)
+    original = json.loads((copied / "manifest.json").read_text())
+    refused = loaded = 0
+    for i in range(60):
+        m = copy.deepcopy(original)
+        meta = m["metadata"]  # the engine's fields get most of the mutations
+        target = [m, meta, meta, meta["engine"], meta["chat_template"]][i % 5]
+        for _ in range(rng.randint(1, 2)):
+            mutate_json(target, rng)
+        (copied / "manifest.json").write_text(json.dumps(m))
+        try:
+            engine = Engine.from_static(copied, CONFIG)
+        except jit.FormatError:
+            refused += 1
+            continue
+        except Exception as e:
+            pytest.fail(f"mutation {i}: {type(e).__name__}: {e}\n{json.dumps(m['metadata'])[:2000]}")
+        loaded += 1
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        assert len(engine.generate([[engine.tokenizer.bos_id, 50]], params)[0].token_ids) == 1
+    assert refused >= 20 and loaded >= 10, (refused, loaded)
