@@ -4,18 +4,21 @@
 ``GET  /v1/models``        the one model this server runs
 ``POST /v1/completions``   text or token-id prompts; ``stream: true`` for SSE
 ``POST /v1/chat/completions``  messages rendered with the model file's chat template
-``GET  /health``           liveness, queue sizes, and whether model code was imported
-``GET  /metrics``          Prometheus text format
+``GET  /health``           200 ``{"status": "ok"}`` while the engine runs, else 503; details
+                           (model, queue sizes, ...) only for callers holding the API key, if set
+``GET  /metrics``          Prometheus text format (needs the API key, if set)
 =========================  ==========================================================
 
 Every error is OpenAI's body ``{"error": {...}}``: 400 for bad input (malformed JSON, unknown
 model, out-of-range parameters, prompts or max_tokens beyond the context), 401 for a missing or
-wrong API key (when one is set; /health and /metrics stay open), 429 when the queue is full.
+wrong API key (when one is set), 413 for a body over ``max_request_bytes``, 429 when the queue is
+full, 500 with a request id (the traceback goes to the server log under that id, never to the client).
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,10 +31,25 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import CONTENT_TYPE
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import (
+    MAX_REQUEST_BYTES,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    new_id,
+)
 from .serving import ClientGone, Serving
 
+log = logging.getLogger("llmkit.serve")
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/models": "models"}
+_PROTECTED = ("/v1/", "/metrics")  # paths that need the API key, when one is set
+
+
+def _has_key(headers: Headers, api_key: str) -> bool:
+    given = headers.get("authorization", "")
+    token = given[7:] if given.lower().startswith("bearer ") else ""
+    return hmac.compare_digest(token.encode(), api_key.encode())
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -54,13 +72,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{field}: {msg}", field
 
 
-class _AuthAndCount:
-    """The API key check on /v1/ routes and the request counter, as plain ASGI: Starlette's
-    ``BaseHTTPMiddleware`` would pass every streamed chunk through an extra task and memory
-    stream (a sixth of the event loop's time per token at 32 streams)."""
+class _Gate:
+    """The API key check, the request body's size limit and the request counter, as plain ASGI:
+    Starlette's ``BaseHTTPMiddleware`` would pass every streamed chunk through an extra task and
+    memory stream (a sixth of the event loop's time per token at 32 streams)."""
 
-    def __init__(self, app: Any, serving: Serving, api_key: str | None) -> None:
-        self.app, self.serving, self.api_key = app, serving, api_key
+    def __init__(self, app: Any, serving: Serving, api_key: str | None, max_request_bytes: int) -> None:
+        self.app, self.serving, self.api_key, self.limit = app, serving, api_key, max_request_bytes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -68,31 +86,84 @@ class _AuthAndCount:
             return
         path = scope["path"]
         endpoint = _ENDPOINTS.get(path)
-        status = [500]
+        sent = [500]
 
         async def counting_send(message: dict) -> None:
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
+                sent[0] = message["status"]
             await send(message)
 
+        async def refuse(status: int, msg: str, code: str) -> None:
+            await JSONResponse(error_body(msg, code=code), status_code=status)(scope, receive, counting_send)
+
         try:
-            if self.api_key is not None and path.startswith("/v1/"):
-                given = Headers(scope=scope).get("authorization", "")
-                token = given[7:] if given.lower().startswith("bearer ") else ""
-                if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-                    what = "Missing API key" if not given else "Incorrect API key provided"
-                    msg = f"{what}: pass it as 'Authorization: Bearer <key>'"
-                    body = error_body(msg, code="invalid_api_key")
-                    await JSONResponse(body, status_code=401)(scope, receive, counting_send)
+            headers = Headers(scope=scope)
+            if (
+                self.api_key is not None
+                and path.startswith(_PROTECTED)
+                and not _has_key(headers, self.api_key)
+            ):
+                what = "Incorrect API key provided" if headers.get("authorization") else "Missing API key"
+                await refuse(401, f"{what}: pass it as 'Authorization: Bearer <key>'", code="invalid_api_key")
+                return
+            size = headers.get("content-length")
+            if size is not None and size.isdigit() and int(size) > self.limit:
+                await refuse(413, self._too_large(), code="request_too_large")
+                return
+            if size is None and headers.get("transfer-encoding", "").lower() == "chunked":
+                body = await self._read(receive)
+                if body is None:
+                    await refuse(413, self._too_large(), code="request_too_large")
                     return
+                receive = _replay(body, receive)
             await self.app(scope, receive, counting_send)
         finally:
             if endpoint is not None:
-                self.serving.metrics.requests.labels(endpoint, str(status[0])).inc()
+                self.serving.metrics.requests.labels(endpoint, str(sent[0])).inc()
+
+    def _too_large(self) -> str:
+        return (
+            f"the request body is larger than this server's limit of {self.limit} bytes (--max-request-bytes)"
+        )
+
+    async def _read(self, receive: Any) -> bytes | None:
+        """A chunked body, or None once it passes the limit."""
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"".join(parts)  # the client went away: the app sees an empty body
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return None
+            parts.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return b"".join(parts)
 
 
-def build_app(serving: Serving, api_key: str | None = None, drain_timeout: float = 30.0) -> FastAPI:
+def _replay(body: bytes, receive: Any) -> Any:
+    """A ``receive`` that gives the body already read, then whatever the client sends next."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+def build_app(
+    serving: Serving,
+    api_key: str | None = None,
+    drain_timeout: float = 30.0,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+) -> FastAPI:
     """The app; its lifespan stops the engine thread (in-flight requests get ``drain_timeout`` s)."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key is empty: pass None to serve without one")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -121,22 +192,35 @@ def build_app(serving: Serving, api_key: str | None = None, drain_timeout: float
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return error(500, error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+        rid = new_id("req")
+        log.error("request %s (%s %s) failed", rid, request.method, request.url.path, exc_info=exc)
+        msg = f"internal server error; the server log has the details under request id {rid}"
+        return JSONResponse(
+            error_body(msg, type="server_error", code="internal_error"),
+            status_code=500,
+            headers={"x-request-id": rid},
+        )
 
-    app.add_middleware(_AuthAndCount, serving=serving, api_key=api_key)
+    app.add_middleware(_Gate, serving=serving, api_key=api_key, max_request_bytes=max_request_bytes)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        stats = serving.engine.stats()
-        return {
-            "status": "ok" if serving.runner.alive and not serving.closing else "closing",
-            "model": serving.model_name,
-            "running": stats["running"],
-            "waiting": stats["waiting"],
-            "kv_blocks_used": stats["kv_blocks_used"],
-            "model_code_imported": any(m.startswith("llmkit.models") for m in sys.modules),
-            "last_engine_error": None if serving.runner.error is None else repr(serving.runner.error),
-        }
+    async def health(request: Request) -> JSONResponse:
+        if serving.closing:
+            status = "closing"
+        else:
+            status = "ok" if serving.runner.alive else "engine stopped"
+        body: dict[str, Any] = {"status": status}
+        if api_key is None or _has_key(request.headers, api_key):
+            stats = serving.engine.stats()
+            body |= {
+                "model": serving.model_name,
+                "running": stats["running"],
+                "waiting": stats["waiting"],
+                "kv_blocks_used": stats["kv_blocks_used"],
+                "model_code_imported": any(m.startswith("llmkit.models") for m in sys.modules),
+                "last_engine_error": None if serving.runner.error is None else repr(serving.runner.error),
+            }
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_REQUEST_BYTES = 4 << 20  # a request body's default limit (about a million tokens of text)
 
 
 class APIError(Exception):

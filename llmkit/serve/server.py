@@ -18,6 +18,8 @@ from llmkit.framework.blas import set_blas_threads
 from llmkit.framework.compiler.build import spin_between_kernels
 from llmkit.infer import Engine, EngineConfig, EngineThread, SamplingParams
 
+from .protocol import MAX_REQUEST_BYTES
+
 log = logging.getLogger("llmkit.serve")
 
 
@@ -30,8 +32,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--api-key",
-        default=os.environ.get("LLMKIT_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $LLMKIT_API_KEY, else none)",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* and /metrics, and for /health's details "
+        "(default: $LLMKIT_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=MAX_REQUEST_BYTES,
+        help=f"larger request bodies get a 413 (default: {MAX_REQUEST_BYTES})",
     )
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 429")
@@ -56,7 +65,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown"
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.api_key is None:
+        a.api_key = os.environ.get("LLMKIT_API_KEY")
+        source = "$LLMKIT_API_KEY"
+    else:
+        source = "--api-key"
+    if a.api_key is not None and not a.api_key.strip():
+        p.error(
+            f"{source} is empty: an empty key would let anyone in; set a key, or unset it to serve "
+            "without authentication"
+        )
+    if a.max_request_bytes < 1:
+        p.error(f"--max-request-bytes must be positive, got {a.max_request_bytes}")
+    return a
 
 
 def load_engine(a: argparse.Namespace) -> Engine:
@@ -93,7 +115,12 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = load_engine(a)
     runner = EngineThread(engine).start()
-    app = build_app(Serving(runner, max_queue=a.max_queue), api_key=a.api_key, drain_timeout=a.drain_timeout)
+    app = build_app(
+        Serving(runner, max_queue=a.max_queue),
+        api_key=a.api_key,
+        drain_timeout=a.drain_timeout,
+        max_request_bytes=a.max_request_bytes,
+    )
     serving = app.state.serving
 
     class Server(uvicorn.Server):

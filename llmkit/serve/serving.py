@@ -323,7 +323,9 @@ class Serving:
     # ---- /v1/completions -----------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, disconnected: Disconnected) -> Any:
         self._check_model(req.model)
-        prompts = self._encode_prompts(req.prompt)
+        # Tokenizing runs on a worker thread (sentencepiece releases the GIL): a long prompt does
+        # not hold up the event loop, which serves every other client.
+        prompts = await asyncio.to_thread(self._encode_prompts, req.prompt)
         params = self._params(
             req, prompts, req.max_tokens or DEFAULT_COMPLETION_TOKENS, "prompt", req.logprobs
         )
@@ -364,10 +366,9 @@ class Serving:
     # ---- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, disconnected: Disconnected) -> Any:
         self._check_model(req.model)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            ids = self.engine.chat_template.render(
-                [{"role": m.role, "content": m.text()} for m in req.messages], self.tokenizer
-            )
+            ids = await asyncio.to_thread(self.engine.chat_template.render, messages, self.tokenizer)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
         top = (req.top_logprobs or 0) if req.logprobs else None

@@ -28,7 +28,7 @@ def aclient(server):
 def test_models_and_health(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    h = httpx.get(server.url + "/health").json()
+    h = httpx.get(server.url + "/health", headers=server.headers()).json()
     assert h["status"] == "ok" and h["model"] == "tiny"
     assert h["model_code_imported"] is False  # the server runs the model file alone
 
@@ -242,12 +242,12 @@ def test_api_key_is_required(server):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
-    assert httpx.get(server.url + "/health").status_code == 200  # health and metrics stay open
+    assert httpx.get(server.url + "/health").status_code == 200  # health stays open (status only)
 
 
 def test_metrics_in_prometheus_text(client, server):
     client.completions.create(model="tiny", prompt="metrics", max_tokens=3, temperature=0)
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=server.headers()).text
     for name in (
         "llmkit_requests_total",
         "llmkit_requests_running",
