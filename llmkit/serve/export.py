@@ -27,6 +27,7 @@ from llmkit.framework.jit.model_file import MANIFEST, save_programs
 from llmkit.framework.tensor import Tensor
 from llmkit.infer.chat import ChatTemplate
 from llmkit.infer.programs import BLOCK_SIZE, relayout, trace_programs
+from llmkit.infer.sampling import SamplingParams
 
 
 class ExportError(ValueError):
@@ -39,17 +40,21 @@ def _generation_defaults(model_dir: Path) -> dict[str, Any]:
     if not f.is_file():
         return {}
     try:
-        g = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{f}: not valid JSON ({e})") from None
-    out: dict[str, Any] = {}
+        g = json.loads(f.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ExportError(f"{f}: not valid JSON text ({e})") from None
+    if not isinstance(g, dict):
+        raise ExportError(f"{f}: expected a JSON object, got {type(g).__name__}")
+    out: dict[str, Any] = {k: g[k] for k in ("temperature", "top_p", "top_k") if g.get(k) is not None}
     if g.get("do_sample") is False:
         out["temperature"] = 0.0
-    elif "temperature" in g:
-        out["temperature"] = float(g["temperature"])
-    for k in ("top_p", "top_k"):
-        if k in g:
-            out[k] = g[k]
+    for k, v in out.items():
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ExportError(f"{f}: {k}: expected a number, got {v!r}")
+    try:
+        SamplingParams(**out)
+    except ValueError as e:
+        raise ExportError(f"{f}: {e}") from None
     return out
 
 
@@ -123,6 +128,8 @@ def main(argv: list[str]) -> int:
     src, out = Path(a.model), Path(a.out)
     if out.exists() and not (out / MANIFEST).is_file():
         raise ExportError(f"--out {out} exists and is not a static model file; refusing to replace it")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ExportError(f"--out {out}: {out.parent} is a file, not a directory")
     if out.resolve() == src.resolve():
         raise ExportError("--out must differ from --model")
     if a.block_size < 1:

@@ -154,7 +154,7 @@ _SWAPPED = ["bias", "weight"]
         ),
         ("programs/forward/weights", ["weight", "nope"], r"weights\[1\]: 'nope' is not in"),
         ("programs/forward/weights", _SWAPPED, r"weights\[0\]: 'bias' is float32\[3\] in the weights file"),
-        ("programs/forward/file", "notes.txt", "program 'forward' does not parse"),
+        ("programs/forward/file", "notes.txt", r"program 'forward' \(notes.txt\) does not parse"),
         ("weights", _DELETE, "weights: a required field is missing"),
         ("weights", "notes.txt", "weights unreadable"),
         ("weights", ["weights.safetensors"], "weights: expected a string, got an array"),

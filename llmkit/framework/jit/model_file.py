@@ -306,6 +306,11 @@ def load_model(path: str | os.PathLike[str], compiler: str | None = None, device
     recover(path)  # a save that a crash interrupted
     mpath = path / MANIFEST
     if not path.is_dir() or not mpath.is_file():
+        if (path / "config.json").is_file():
+            raise FormatError(
+                f"{path}: a model directory (config.json), not a static model file; write one with "
+                f"`llmkit export --model {path} --out {path.name}.llmkit`"
+            )
         raise FormatError(
             f"{path}: not a static model directory (no {MANIFEST}); "
             "write one with llmkit.jit.save or `llmkit export`"
@@ -358,7 +363,8 @@ def _load_program(
     except UnicodeDecodeError as e:
         raise FormatError(f"{path}: program {pname!r}: {entry['file']} is not UTF-8 text ({e})") from None
     except IRError as e:
-        raise FormatError(f"{path}: program {pname!r} does not parse: {e}") from None
+        first = str(e).splitlines()[0]  # the position and the problem (the rest quotes the text)
+        raise FormatError(f"{path}: program {pname!r} ({entry['file']}) does not parse: {first}") from None
     fn = program.functions.get(entry["function"])
     if fn is None:
         raise FormatError(

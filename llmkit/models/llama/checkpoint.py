@@ -51,7 +51,14 @@ def load_pretrained(cls: type, path: str | os.PathLike[str], dtype: Any = None) 
     path = Path(path)
     recover(path)  # a save that a crash interrupted
     if not path.is_dir():
+        if path.exists():
+            raise NotADirectoryError(f"{path} is a file, not a model directory")
         raise FileNotFoundError(f"model directory {path} does not exist")
+    if not (path / "config.json").exists() and (path / "manifest.json").is_file():
+        raise CheckpointError(
+            f"{path} is a static model file (written by `llmkit export`), not a model directory: "
+            "`llmkit serve` runs it; export and generate read the trainer's model directory"
+        )
     config = LlamaConfig.from_json_file(path / "config.json")
     files = _weight_files(path)
     target = B.dtype(dtype or "float32")

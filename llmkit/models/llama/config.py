@@ -37,6 +37,10 @@ ROPE_SCALING_FIELDS: dict[str, tuple[str, ...]] = {
 _HF_CONSUMED_KEYS = ("architectures", "model_type", "rope_parameters", "dtype")
 
 
+class LlamaConfigError(ValueError):
+    """A Llama config that cannot be used: the message names the field (and the file, when read from one)."""
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """Hyperparameters of a Llama decoder, named and defaulted as in `transformers.LlamaConfig`.
@@ -84,35 +88,39 @@ class LlamaConfig:
             object.__setattr__(self, "num_key_value_heads", heads)
         _check_positive_int("num_key_value_heads", self.num_key_value_heads)
         if heads % self.num_key_value_heads:
-            raise ValueError(
+            raise LlamaConfigError(
                 f"LlamaConfig: num_key_value_heads ({self.num_key_value_heads}) must divide "
                 f"num_attention_heads ({heads}): each K/V head serves a whole group of query heads"
             )
         if self.head_dim is None:
             if self.hidden_size % heads:
-                raise ValueError(
+                raise LlamaConfigError(
                     f"LlamaConfig: num_attention_heads ({heads}) must divide hidden_size "
                     f"({self.hidden_size}), or set head_dim explicitly"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // heads)
         _check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
-            raise ValueError(f"LlamaConfig: head_dim ({self.head_dim}) must be even: RoPE rotates pairs")
+            raise LlamaConfigError(
+                f"LlamaConfig: head_dim ({self.head_dim}) must be even: RoPE rotates pairs"
+            )
         for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"LlamaConfig: {name} must be a positive number, got {value!r}")
+                raise LlamaConfigError(f"LlamaConfig: {name} must be a positive number, got {value!r}")
             object.__setattr__(self, name, float(value))
         for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"LlamaConfig: {name} must be true or false, got {getattr(self, name)!r}")
+                raise LlamaConfigError(
+                    f"LlamaConfig: {name} must be true or false, got {getattr(self, name)!r}"
+                )
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(
+            raise LlamaConfigError(
                 f"LlamaConfig: hidden_act {self.hidden_act!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
             )
         if self.torch_dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
+            raise LlamaConfigError(
                 f"LlamaConfig: torch_dtype {self.torch_dtype!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_DTYPES)})"
             )
@@ -130,7 +138,7 @@ class LlamaConfig:
     def from_preset(cls, name: str, **overrides: Any) -> LlamaConfig:
         """The named flavor from `PRESETS`, with `overrides` applied to its fields."""
         if name not in PRESETS:
-            raise ValueError(f"unknown Llama preset {name!r}; known presets: {', '.join(PRESETS)}")
+            raise LlamaConfigError(f"unknown Llama preset {name!r}; known presets: {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
     @classmethod
@@ -144,7 +152,7 @@ class LlamaConfig:
         d = dict(d)
         model_type = d.get("model_type", "llama")
         if model_type != "llama":
-            raise ValueError(f"LlamaConfig: model_type is {model_type!r}, expected 'llama'")
+            raise LlamaConfigError(f"LlamaConfig: model_type is {model_type!r}, expected 'llama'")
         if d.get("torch_dtype") is None and d.get("dtype") is not None:
             d["torch_dtype"] = d["dtype"]
         if d.get("rope_parameters") is not None:
@@ -160,14 +168,17 @@ class LlamaConfig:
         """Read a `config.json` file (see `from_dict`)."""
         path = Path(path)
         try:
-            d = json.loads(path.read_text(encoding="utf-8"))
+            d = json.loads(path.read_bytes().decode("utf-8"))
         except FileNotFoundError:
             raise FileNotFoundError(f"no model config at {path}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON: {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise LlamaConfigError(f"{path}: not valid JSON text: {e}") from None
         if not isinstance(d, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
-        return cls.from_dict(d)
+            raise LlamaConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
+        try:
+            return cls.from_dict(d)
+        except LlamaConfigError as e:
+            raise LlamaConfigError(f"{path}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """The Hugging Face `config.json` dict, in the classic spelling every loader reads."""
@@ -236,12 +247,12 @@ class LlamaConfig:
 
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"LlamaConfig: {name} must be a positive integer, got {value!r}")
+        raise LlamaConfigError(f"LlamaConfig: {name} must be a positive integer, got {value!r}")
 
 
 def _check_token_id(name: str, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"LlamaConfig: {name} must be a non-negative integer or null, got {value!r}")
+        raise LlamaConfigError(f"LlamaConfig: {name} must be a non-negative integer or null, got {value!r}")
 
 
 def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -252,41 +263,43 @@ def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | 
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
-        raise ValueError(f"LlamaConfig: rope_scaling must be null or a mapping, got {scaling!r}")
+        raise LlamaConfigError(f"LlamaConfig: rope_scaling must be null or a mapping, got {scaling!r}")
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type == "default":
         return None
     if rope_type not in ROPE_SCALING_FIELDS:
-        raise ValueError(
+        raise LlamaConfigError(
             f"LlamaConfig: rope_scaling type {rope_type!r} is not supported "
             f"(supported: {', '.join(ROPE_SCALING_FIELDS)})"
         )
     for key in ROPE_SCALING_FIELDS[rope_type]:
         value = scaling.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(
+            raise LlamaConfigError(
                 f"LlamaConfig: rope_scaling[{key!r}] must be a positive number for "
                 f"rope_type {rope_type!r}, got {value!r}"
             )
     if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
-        raise ValueError("LlamaConfig: rope_scaling high_freq_factor must exceed low_freq_factor")
+        raise LlamaConfigError("LlamaConfig: rope_scaling high_freq_factor must exceed low_freq_factor")
     return {"rope_type": rope_type, **{k: v for k, v in scaling.items() if k not in ("type", "rope_type")}}
 
 
 def _merge_rope_parameters(d: dict[str, Any], params: Any) -> None:
     """Fold a newer-style `rope_parameters` dict into `rope_theta` / `rope_scaling` of `d`."""
     if not isinstance(params, dict) or "rope_theta" not in params:
-        raise ValueError(f"LlamaConfig: rope_parameters must be a mapping with rope_theta, got {params!r}")
+        raise LlamaConfigError(
+            f"LlamaConfig: rope_parameters must be a mapping with rope_theta, got {params!r}"
+        )
     theta = params["rope_theta"]
     if d.get("rope_theta", theta) != theta:
-        raise ValueError(
+        raise LlamaConfigError(
             f"LlamaConfig: rope_theta ({d['rope_theta']}) disagrees with rope_parameters.rope_theta ({theta})"
         )
     d["rope_theta"] = theta
     scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     if scaling.get("rope_type", scaling.get("type", "default")) != "default":
         if d.get("rope_scaling") not in (None, scaling):
-            raise ValueError(
+            raise LlamaConfigError(
                 f"LlamaConfig: rope_scaling ({d['rope_scaling']}) disagrees with rope_parameters ({params})"
             )
         d["rope_scaling"] = scaling

@@ -93,9 +93,15 @@ def main(argv: list[str]) -> int:
             f"tokenizer vocab ({tok.vocab_size}) does not match the model's ({model.config.vocab_size})"
         )
     ids = tok.encode(a.prompt, add_bos=True)
-    params = SamplingParams(
-        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, max_tokens=a.max_new_tokens
-    )
+    room = model.config.max_position_embeddings - len(ids)
+    if a.max_new_tokens > room:
+        p.error(f"--max-new-tokens {a.max_new_tokens}: at most {room} fit after this {len(ids)}-token prompt")
+    try:
+        params = SamplingParams(
+            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, max_tokens=a.max_new_tokens
+        )
+    except ValueError as e:
+        p.error(str(e))
     if a.eager:
         new = generate(model, [ids], a.max_new_tokens, params, eos_token_id=tok.eos_id)[0]
         print(a.prompt + tok.decode(new))

@@ -25,6 +25,11 @@ from llmkit.framework.files import atomic_write
 
 MODEL_FILE = "tokenizer.model"
 
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be used (the message names the file)."""
+
+
 # sentencepiece trainer options for new tokenizers: Llama 2's recipe, changed where noted.
 TRAINER_SETTINGS: dict[str, Any] = {
     "model_type": "bpe",
@@ -71,7 +76,7 @@ class LlamaTokenizer:
         try:
             return cls(file.read_bytes())
         except RuntimeError:  # sentencepiece: "could not parse ModelProto"
-            raise ValueError(f"cannot load tokenizer: {file} is not a sentencepiece model") from None
+            raise TokenizerError(f"cannot load tokenizer: {file} is not a sentencepiece model") from None
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> Path:
         """Write `directory/tokenizer.model` atomically; return its path."""
