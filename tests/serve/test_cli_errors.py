@@ -163,7 +163,7 @@ def test_missing_or_wrong_files_exit_2_with_one_line(
     argv = {
         "export": ["export", "--model", str(path), "--out", str(tmp_path / "out.llmkit")],
         "generate": ["generate", "--model", str(path), "--prompt", "Once", "--max-new-tokens", "2"],
-        "serve": ["serve", str(path), "--port", "1"],
+        "serve": ["serve", str(path), "--host", "256.0.0.1"],  # a file that loads cannot bind: no hang
     }[command]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
