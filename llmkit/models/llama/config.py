@@ -172,7 +172,7 @@ class LlamaConfig:
         except FileNotFoundError:
             raise FileNotFoundError(f"no model config at {path}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise LlamaConfigError(f"{path}: not valid JSON text: {e}") from None
+            raise LlamaConfigError(f"{path}: invalid JSON: {e}") from None
         if not isinstance(d, dict):
             raise LlamaConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
         try:
