@@ -398,7 +398,7 @@ def _check_static(sm: Any) -> tuple[ModelSpec, Tokenizer]:
     from llmkit.framework.jit import FormatError
     from llmkit.framework.jit.model_file import check_json
 
-    where = f"{sm.path / 'manifest.json'}"
+    where = str(sm.path / "manifest.json")
     meta = sm.metadata
     if "engine" not in meta:
         raise FormatError(
@@ -430,8 +430,11 @@ def _check_static(sm: Any) -> tuple[ModelSpec, Tokenizer]:
     pool = list(spec.pool_shape(0))
     for name in ("prefill", "decode"):
         fn = sm.programs.get(name)
-        if fn is None:
-            raise FormatError(f"{where}: programs: no {name!r} program; write the file with llmkit export")
+        if fn is None or not fn.input_specs or not fn.output_specs:
+            raise FormatError(
+                f"{where}: programs: no {name!r} program of the engine's signature; write the file with "
+                "llmkit export"
+            )
         got, logits = fn.input_specs[-1], fn.output_specs[0]
         shape = list(got["shape"])
         if (

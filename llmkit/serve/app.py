@@ -86,15 +86,16 @@ class _Gate:
             return
         path = scope["path"]
         endpoint = _ENDPOINTS.get(path)
-        sent = [500]
+        status = [500]
 
         async def counting_send(message: dict) -> None:
             if message["type"] == "http.response.start":
-                sent[0] = message["status"]
+                status[0] = message["status"]
             await send(message)
 
-        async def refuse(status: int, msg: str, code: str) -> None:
-            await JSONResponse(error_body(msg, code=code), status_code=status)(scope, receive, counting_send)
+        async def refuse(http_status: int, msg: str, code: str) -> None:
+            response = JSONResponse(error_body(msg, code=code), status_code=http_status)
+            await response(scope, receive, counting_send)
 
         try:
             headers = Headers(scope=scope)
@@ -119,7 +120,7 @@ class _Gate:
             await self.app(scope, receive, counting_send)
         finally:
             if endpoint is not None:
-                self.serving.metrics.requests.labels(endpoint, str(sent[0])).inc()
+                self.serving.metrics.requests.labels(endpoint, str(status[0])).inc()
 
     def _too_large(self) -> str:
         return (
@@ -205,10 +206,7 @@ def build_app(
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        if serving.closing:
-            status = "closing"
-        else:
-            status = "ok" if serving.runner.alive else "engine stopped"
+        status = "closing" if serving.closing else "ok" if serving.runner.alive else "engine stopped"
         body: dict[str, Any] = {"status": status}
         if api_key is None or _has_key(request.headers, api_key):
             stats = serving.engine.stats()
