@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 import llmkit.framework as lf
 from llmkit.framework import optim
-from llmkit.framework.files import atomic_dir
+from llmkit.framework.files import atomic_dir, recover
 from llmkit.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -87,7 +87,11 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
 def checkpoints(out_dir: Path) -> list[Path]:
     """The run's checkpoints, oldest first (temporary and replaced directories start with a dot)."""
     root = out_dir / CHECKPOINTS
-    return sorted(p for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    for parked in root.glob(".step-*.old"):  # a replacement a crash interrupted: finish it first
+        recover(root / parked.name[1 : -len(".old")])
+    return sorted(p for p in root.glob("step-*") if p.is_dir())
 
 
 def latest(out_dir: Path) -> Path:

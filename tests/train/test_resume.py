@@ -136,3 +136,17 @@ def test_cli_resume_with_overrides_in_any_order_prints_the_changes(tmp_path, cap
     assert lines[0] == f"resume: step 6 from {out / 'checkpoints' / 'step-00000006'}"
     assert lines[1].startswith("resume: train.steps 6 -> 8, lr at step 6 ")
     assert "done: step 8" in lines[-1]
+
+
+def test_listing_checkpoints_finishes_a_replacement_a_crash_interrupted(tmp_path):
+    # The two-rename fallback of files.atomic_dir parks the old directory as .<name>.old; a crash
+    # before the new one arrives leaves only that: the run's checkpoint list must bring it back.
+    from llmkit.train.checkpoint import checkpoints
+
+    root = tmp_path / "checkpoints"
+    (root / "step-00000002").mkdir(parents=True)
+    (root / ".step-00000004.old").mkdir()
+    (root / ".step-00000004.old" / "trainer_state.json").write_text("{}")
+    assert [p.name for p in checkpoints(tmp_path)] == ["step-00000002", "step-00000004"]
+    assert (root / "step-00000004" / "trainer_state.json").exists()
+    assert not (root / ".step-00000004.old").exists()
