@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import tracemalloc
+import weakref
 
 import numpy as np
 import pytest
@@ -53,6 +55,25 @@ def test_one_trace_serves_every_batch_and_length():
             np.testing.assert_array_equal(out.numpy(), model(lf.tensor(ids)).logits.numpy())
     assert f.trace_count == 1
     assert "i64[B, S]" in str(f.program)
+
+
+@pytest.mark.parametrize("compiler", ["none", None])
+def test_a_calls_outputs_are_freed_as_soon_as_the_caller_drops_them(compiler):
+    """Nothing of a call outlives it but what it returns, with the cyclic GC off: a call that kept
+    its outputs until the next collection made every call of a large function page-fault a fresh
+    output buffer (rms_norm on [2048, 4096] at 10x its compiled time)."""
+    f = jit.to_static(lambda x: {"a": (x * 2.0, [x + 1.0]), "n": 3}, compiler=compiler)
+    x = lf.ones(64, 8)
+    f(x)
+    gc.disable()
+    try:
+        out = f(x)
+        assert out["n"] == 3
+        arrays = [weakref.ref(t._data) for t in (out["a"][0], out["a"][1][0])]
+        del out
+        assert [r() for r in arrays] == [None, None]
+    finally:
+        gc.enable()
 
 
 def test_without_input_spec_shapes_are_guards():
