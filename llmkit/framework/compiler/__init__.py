@@ -14,7 +14,8 @@ The pipeline, one named stage per file::
 ``compile_program(program)`` runs it all (``jit.to_static(..., compiler="cinn")`` does it for
 you); ``fuse_program(program)`` stops after grouping (what the golden tests print);
 ``kernels(program)`` gives each group's loop IR for reading. Without a C compiler everything
-runs the reference kernels and says so once.
+runs the reference kernels and says so once; so does a kernel that fails to compile or load, or a
+group that cannot be lowered (a ``FallbackWarning``, which the test suite makes an error).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from ..ir import Pass, PassManager, Program, register_pass
 from ..ir.passes.cse import cse_block
 from . import build
-from .build import STATS, cache_dir, set_cache_dir
+from .build import STATS, FallbackWarning, cache_dir, set_cache_dir
 from .decompose import Decompose
 from .fuse import Fuse
 from .loop_ir import Kernel
@@ -37,6 +38,7 @@ from .templates import AttentionLse
 __all__ = [
     "STATS",
     "CinnFuse",
+    "FallbackWarning",
     "Kernel",
     "LowerError",
     "available",

@@ -38,14 +38,40 @@ from .codegen_c import PRELUDE
 
 log = logging.getLogger("llmkit.compiler")
 
-# OpenMP threads that spin after a kernel would steal the core BLAS's threads need next (and the
-# reverse; a training step at 2x its time with OMP_WAIT_POLICY=ACTIVE): idle kernel threads sleep
-# at once. libgomp reads this once, when it loads with the first kernel.
-_USER_OMP = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 SPIN_COUNT = 20000  # libgomp spin iterations (a few hundred microseconds here) before a thread sleeps
 SPIN_NS = 200_000  # how long the thread pool's helpers (framework/par.py) spin, likewise
+
+
+def _libgomp_loaded() -> bool:
+    """Whether the system's libgomp (the one kernels link) is loaded; wheels that bundle a renamed
+    copy (sentencepiece's ``libgomp-<hash>.so``) have their own, which kernels never use. (torch
+    bundles one named ``libgomp.so.1``: kernels loaded after ``import torch`` use that one.)"""
+    try:
+        with open("/proc/self/maps") as f:
+            return any(os.path.basename(line.split()[-1]).startswith("libgomp.so") for line in f)
+    except OSError:
+        return True  # cannot tell: leave the process as it is
+
+
+# OpenMP threads that spin after a kernel would steal the core BLAS's threads need next (and the
+# reverse; a training step at 2x its time with OMP_WAIT_POLICY=ACTIVE): idle kernel threads sleep
+# at once. libgomp reads this once, when it loads; that is with the first kernel, unless a library
+# imported earlier loaded it (torch does): then the first kernel warns (``_load_pool``).
+_USER_OMP = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+_OMP_TOO_LATE = _libgomp_loaded() and all(v is None for v in _USER_OMP.values())
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+OMP_TOO_LATE = (
+    "cinn: OpenMP (libgomp) was loaded before llmkit could set OMP_WAIT_POLICY=PASSIVE (by a library "
+    "imported first, such as torch), so idle kernel threads spin after every kernel on the cores BLAS "
+    "needs next; set OMP_WAIT_POLICY=PASSIVE in the environment, or import llmkit.framework.compiler "
+    "before that library"
+)
+
+
+class FallbackWarning(RuntimeWarning):
+    """Compiled work runs the reference kernels instead (no C compiler, a kernel that failed to
+    compile or to load, a group the compiler could not lower): still correct, much slower. The
+    test suite turns it into an error (pyproject.toml), so a compiled path cannot pass on fallbacks."""
 
 
 def spin_between_kernels() -> bool:
@@ -62,16 +88,6 @@ def spin_between_kernels() -> bool:
     os.environ.pop("OMP_WAIT_POLICY", None)
     os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
     return True
-
-
-def _libgomp_loaded() -> bool:
-    """Whether the system's libgomp (the one kernels link) is loaded; wheels that bundle a renamed
-    copy (sentencepiece's ``libgomp-<hash>.so``) have their own, which kernels never use."""
-    try:
-        with open("/proc/self/maps") as f:
-            return any(os.path.basename(line.split()[-1]).startswith("libgomp.so") for line in f)
-    except OSError:
-        return True  # cannot tell: leave the process as it is
 
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
@@ -98,10 +114,10 @@ class Stats:
 STATS = Stats()
 
 
-def warn_once(key: str, message: str) -> None:
+def warn_once(key: str, message: str, category: type[Warning] = FallbackWarning) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(message, category, stacklevel=3)
 
 
 def set_cache_dir(path: str | os.PathLike | None) -> None:
@@ -287,6 +303,8 @@ def _load_pool(tc: Toolchain, d: Path) -> None:
     back with the warning ``build`` gives)."""
     if par.loaded():
         return
+    if _OMP_TOO_LATE:
+        warn_once("omp-too-late", OMP_TOO_LATE, RuntimeWarning)
     so = d / f"par_{hashlib.sha256((tc.ident + par.SOURCE).encode()).hexdigest()[:20]}.so"
     err = None if so.exists() else _compile(tc, par.SOURCE, so, ("-lpthread",))
     if err is not None:

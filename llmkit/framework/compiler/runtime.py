@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import logging
 import os
 import sys
 import weakref
@@ -34,7 +33,6 @@ from .schedule import build as build_kernel
 from .schedule import coalesce, strategies
 from .templates import template_for
 
-log = logging.getLogger("llmkit.compiler")
 CPUS = int(os.environ.get("LLMKIT_CINN_THREADS", 0)) or os.cpu_count() or 1  # threads a kernel may use
 _KERNELS: weakref.WeakKeyDictionary[Operation, FusedKernel] = weakref.WeakKeyDictionary()
 PLACEHOLDER = "KERNEL_FN"
@@ -244,7 +242,8 @@ def compile_groups(groups: list[Operation]) -> int:
         try:
             low = lower(op)
         except LowerError as e:
-            log.info("cinn: group %s runs unfused: %s", op.attributes.get("name"), e)
+            name = op.attributes["name"].value if "name" in op.attributes else "?"
+            B.warn_once(f"unfused:{name}", f"cinn: group {name} runs the reference kernels: {e}")
             continue
         cands = kernel_sources(low)
         pending.append((op, low, cands))

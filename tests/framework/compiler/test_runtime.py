@@ -11,6 +11,7 @@ import sys
 import warnings
 
 import numpy as np
+import pytest
 
 import llmkit.framework as lf
 from llmkit.framework import compiler, jit
@@ -175,6 +176,7 @@ def test_profile_lists_fused_kernels_with_their_time(tmp_path):
 _SPIN_PROBE = """
 import json, os, sys
 import numpy as np
+import pytest
 from llmkit.framework.compiler import build
 if sys.argv[1] == "after-kernel":
     import llmkit.framework as lf
@@ -208,3 +210,93 @@ def test_inference_processes_spin_between_kernels_unless_told_or_too_late(kernel
     assert probe("before", GOMP_SPINCOUNT="5") == [False, "PASSIVE", "5", 0, True]
     # libgomp already read its settings: too late for OpenMP, not for the pool
     assert probe("after-kernel") == [False, "PASSIVE", None, 0, True]
+
+
+def test_fallbacks_fail_the_tests_that_meet_them():
+    # pyproject.toml makes the warning an error: a test of a compiled path cannot pass on fallbacks
+    with pytest.raises(compiler.FallbackWarning):
+        warnings.warn("cinn: a group runs the reference kernels", compiler.FallbackWarning, stacklevel=1)
+
+
+@needs_cc
+def test_a_group_that_cannot_be_lowered_says_so(monkeypatch):
+    from llmkit.framework.compiler import build
+
+    def refuse(op, *a, **k):
+        raise compiler.LowerError("no rule for this group")
+
+    monkeypatch.setattr(runtime, "lower", refuse)
+    monkeypatch.setattr(build, "_warned", set())
+    x, w = _xw()
+    f = jit.to_static(norm_softmax, compiler="cinn")
+    with pytest.raises(compiler.FallbackWarning, match=r"rms_norm\+softmax runs the reference kernels"):
+        f(lf.tensor(x), lf.tensor(w))
+
+
+@needs_cc
+def test_a_kernel_that_fails_to_compile_fails_a_compiled_test(monkeypatch):
+    from llmkit.framework.compiler import build
+
+    real = runtime.render_c
+    monkeypatch.setattr(runtime, "render_c", lambda k: real(k).replace("{", "{ not C;", 1))
+    monkeypatch.setattr(build, "_warned", set())
+    f = jit.to_static(lambda x: O.tanh(x) * 5.0 - 2.0, compiler="cinn")
+    with pytest.raises(compiler.FallbackWarning, match="failed to compile"):
+        f(lf.ones(3, 4))
+
+
+_THREADS_PROBE = """
+import ctypes, json, resource, sys, tempfile, time, warnings
+warnings.simplefilter("always")
+if sys.argv[1] == "openmp-first":
+    ctypes.CDLL("libgomp.so.1")  # as a library imported before llmkit (torch) does
+import numpy as np
+import pytest
+import llmkit.framework as lf
+from llmkit.framework import jit, par
+f = jit.to_static(lambda x: lf.ops.exp(x) + 1.0, input_spec=[jit.InputSpec(["N"], "float32")])
+if sys.argv[2] == "jit.load":
+    f = jit.load(jit.save(f, tempfile.mkdtemp() + "/m"))
+x = np.ones(1 << 20, np.float32)
+f(x)  # the first compiled call: loads the kernels, and with them OpenMP
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+idle = 0.0
+for _ in range(5):  # CPU time between kernels: what idle kernel threads burn
+    f(x)
+    t = cpu()
+    time.sleep(0.04)
+    idle += cpu() - t
+print(json.dumps({"idle_cpu_s": idle, "pool_spin_ns": par._spin_ns}), flush=True)
+ctypes.CDLL("libgomp.so.1").omp_display_env(1)  # libgomp's own account of its settings (stderr)
+"""
+
+
+@needs_cc
+@pytest.mark.parametrize("way", ["to_static", "jit.load"])
+def test_kernel_threads_sleep_between_kernels_in_a_fresh_process(way, tmp_path):
+    """The threading actually in effect after the first compiled call, read back from libgomp and
+    seen in what idle kernel threads cost (both threads on, untuned: a fresh kernel cache)."""
+
+    def probe(order: str, **env: str) -> tuple[dict, str]:
+        base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        base.update(LLMKIT_KERNEL_CACHE=str(tmp_path / order), LLMKIT_CINN_TUNE="0", **env)
+        r = subprocess.run(
+            [sys.executable, "-c", _THREADS_PROBE, order, way], env=base, capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+    got, said = probe("llmkit-first")
+    assert "OMP_WAIT_POLICY = 'PASSIVE'" in said and "GOMP_SPINCOUNT = '0'" in said, said
+    assert got["pool_spin_ns"] == 0 and got["idle_cpu_s"] < 0.01, got  # spinning: ~5 ms per gap here
+    assert "OpenMP (libgomp) was loaded before llmkit" not in said
+    # OpenMP loaded by another library first: its settings are final; the first kernel says so once
+    got, said = probe("openmp-first")
+    assert said.count("OpenMP (libgomp) was loaded before llmkit") == 1, said
+    assert "GOMP_SPINCOUNT = '0'" not in said
+    # ... unless the user gave the policy, which then holds
+    got, said = probe("openmp-first", OMP_WAIT_POLICY="PASSIVE")
+    assert "GOMP_SPINCOUNT = '0'" in said and "was loaded before llmkit" not in said, said
+    assert got["idle_cpu_s"] < 0.01, got
