@@ -347,3 +347,13 @@ def test_saving_a_training_step_is_refused(tmp_path):
     f(lf.ones(2))
     with pytest.raises(ValueError, match="updates captured state"):
         jit.save(f, tmp_path / "m")
+
+
+def test_llmkit_jit_is_the_public_name_of_framework_jit():
+    import llmkit.jit as public
+
+    assert public.__all__ == jit.__all__ and "to_static" in public.__all__
+    for name in jit.__all__:
+        assert getattr(public, name) is getattr(jit, name), name
+    f = public.to_static(lambda x: x * 2.0 + 1.0, input_spec=[public.InputSpec(["N"], "float32")])
+    np.testing.assert_array_equal(f(lf.tensor(np.arange(3, dtype=np.float32))).numpy(), [1.0, 3.0, 5.0])
