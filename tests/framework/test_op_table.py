@@ -9,6 +9,10 @@ values equal an independent numpy float64 formula written below (and float32 run
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -907,12 +911,43 @@ def _outs(out):
     return out if isinstance(out, tuple) else (out,)
 
 
+def seed_of(name: str) -> int:
+    """A seed per op that every process agrees on (``hash(str)`` changes with each interpreter),
+    so a failing sample reproduces."""
+    return zlib.crc32(name.encode())
+
+
 def _samples(name):
-    rng = np.random.default_rng(abs(hash(name)) % 2**32)
-    return CASES[name].samples(rng)
+    return CASES[name].samples(np.random.default_rng(seed_of(name)))
 
 
 OPS = sorted(table())
+
+
+_DIGEST = """
+import hashlib, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import test_op_table as t
+h = hashlib.sha256()
+for name in t.OPS:
+    for s in t._samples(name):
+        for a in s.inputs:
+            h.update(b"-" if a is None else np.ascontiguousarray(a).tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_every_process_draws_the_same_samples():
+    """A failure seen once reproduces: string hashing differs per interpreter, the samples must not."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    digests = set()
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        r = subprocess.run([sys.executable, "-c", _DIGEST, here], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        digests.add(r.stdout.strip())
+    assert len(digests) == 1
 
 
 @pytest.mark.parametrize("name", OPS)
