@@ -938,6 +938,7 @@ print(h.hexdigest())
 """
 
 
+@pytest.mark.slow
 def test_every_process_draws_the_same_samples():
     """A failure seen once reproduces: string hashing differs per interpreter, the samples must not."""
     here = os.path.dirname(os.path.abspath(__file__))
