@@ -29,7 +29,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [FileNotFoundError, NotADirectoryError, IsADirectoryError]
     for mod, name in [
         ("llmkit.framework.ops.spec", "OpError"),
-        ("llmkit.framework.io", "SafetensorsError"),
+        ("llmkit.framework.serialization", "SafetensorsError"),
         ("llmkit.train.config", "ConfigError"),
         ("llmkit.train.data", "DataError"),
         ("llmkit.train.checkpoint", "ResumeError"),

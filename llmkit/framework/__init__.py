@@ -28,7 +28,7 @@ from .tensor import Parameter, Tensor, _install_methods
 _install_methods()
 
 from . import nn, optim  # noqa: E402  (they build on the names above)
-from .io import load, save  # noqa: E402
+from .serialization import load, save  # noqa: E402
 
 __all__ = [
     "OpError",

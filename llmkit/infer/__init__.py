@@ -15,12 +15,13 @@
 Nothing here imports ``llmkit.models`` or any HTTP code: the server and RLHF both build on it.
 """
 
+from llmkit.tokenizer import Tokenizer
+
 from .background import EngineThread
 from .chat import ChatTemplate, ChatTemplateError
 from .engine import Engine, EngineConfig
 from .request import Completion, FinishReason, RequestOutput
 from .sampling import Sampler, SamplingParams, TokenChoice, sample
-from .tokenizer import Tokenizer
 
 __all__ = [
     "ChatTemplate",

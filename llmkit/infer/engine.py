@@ -31,6 +31,8 @@ from typing import Any, TypedDict
 
 import numpy as np
 
+from llmkit.tokenizer import Tokenizer
+
 from .blocks import BlockManager
 from .chat import ChatTemplate
 from .detokenize import Detokenizer
@@ -39,7 +41,6 @@ from .request import Completion, FinishReason, Request, RequestOutput
 from .runner import DecodeBatch, ModelRunner, PrefillBatch
 from .sampling import Sampler, SamplingParams, merge_stop_ids
 from .scheduler import Scheduler
-from .tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ def save_checkpoint(d: Path, model: nn.Layer, opt: optim.Optimizer, sched: optim
 
 def load_checkpoint(d: Path, model: nn.Layer, opt: optim.Optimizer, sched: optim.LRScheduler) -> None:
     model.load_state_dict(lf.load(d / "model.safetensors"))
-    meta = json.loads(lf.io.load_metadata(d / "optimizer.safetensors")["optimizer"])
+    meta = json.loads(lf.serialization.load_metadata(d / "optimizer.safetensors")["optimizer"])
     opt.load_state_dict(optim.unflatten_state_dict(lf.load(d / "optimizer.safetensors"), meta))
     trainer = json.loads((d / "trainer.json").read_text())
     sched.load_state_dict(trainer["schedule"])

@@ -30,9 +30,9 @@ import numpy as np
 
 from .. import backend as B
 from ..files import atomic_dir, recover
-from ..io import SafetensorsError, load, save
 from ..ir import Program, parse
 from ..ir.errors import IRError
+from ..serialization import SafetensorsError, load, save
 from ..tensor import Tensor
 from .static_function import ConcreteProgram
 

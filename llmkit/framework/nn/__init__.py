@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from . import functional, init
+from .basic import GELU, Dropout, Embedding, Linear, ReLU, RMSNorm, SiLU
 from .container import LayerDict, LayerList, ModuleDict, ModuleList, Sequential
 from .layer import HookHandle, IncompatibleKeys, Layer, Module, StateDictError
-from .layers import GELU, Dropout, Embedding, Linear, ReLU, RMSNorm, SiLU
 
 __all__ = [
     "GELU",

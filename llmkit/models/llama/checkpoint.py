@@ -43,7 +43,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
     single = path / WEIGHTS
     if not single.exists():
         raise FileNotFoundError(f"{path}: no {WEIGHTS} or {INDEX} (is this a Hugging Face model directory?)")
-    return {name: single for name in lf.io.safe_open(single)}
+    return {name: single for name in lf.serialization.safe_open(single)}
 
 
 def load_pretrained(cls: type, path: str | os.PathLike[str], dtype: Any = None) -> Any:

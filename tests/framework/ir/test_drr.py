@@ -10,7 +10,11 @@ import pytest
 
 from llmkit.framework import ir
 from llmkit.framework.ir import drr
-from llmkit.framework.ir.passes.fuse import MATMUL_ADD_TO_LINEAR, MATMUL_T_ADD_TO_LINEAR, SILU_MUL_TO_SWIGLU
+from llmkit.framework.ir.passes.fuse_patterns import (
+    MATMUL_ADD_TO_LINEAR,
+    MATMUL_T_ADD_TO_LINEAR,
+    SILU_MUL_TO_SWIGLU,
+)
 
 from .helpers import assert_same_outputs, inputs_for
 

@@ -184,7 +184,7 @@ def test_state_dict_save_load_into_a_fresh_optimizer_continues_bit_identically(m
     )
 
     loaded = lf.load(tmp_path / "ckpt.safetensors")
-    meta = json.loads(lf.io.load_metadata(tmp_path / "ckpt.safetensors")["optimizer"])
+    meta = json.loads(lf.serialization.load_metadata(tmp_path / "ckpt.safetensors")["optimizer"])
     resumed = make_params(SHAPES, "float32")
     for i, p in enumerate(resumed):
         p.set_value(loaded.pop(f"param.{i}").numpy().copy())

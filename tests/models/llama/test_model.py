@@ -203,7 +203,7 @@ def test_save_and_load_pretrained_round_trip(tmp_path, shard):
         assert files == ["config.json", "model.safetensors"]
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
-    assert lf.io.load_metadata(next((tmp_path / "m").glob("*.safetensors"))) == {"format": "pt"}
+    assert lf.serialization.load_metadata(next((tmp_path / "m").glob("*.safetensors"))) == {"format": "pt"}
     loaded = LlamaForCausalLM.from_pretrained(tmp_path / "m")
     for k, v in model.state_dict().items():
         np.testing.assert_array_equal(loaded.state_dict()[k].numpy(), v.numpy())
@@ -252,7 +252,7 @@ def test_corrupted_weights_are_a_clear_error(tmp_path, damage):
     f = tmp_path / "m" / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\xff" * 8 + data[8:])
-    with pytest.raises(lf.io.SafetensorsError, match="model.safetensors"):
+    with pytest.raises(lf.serialization.SafetensorsError, match="model.safetensors"):
         LlamaForCausalLM.from_pretrained(tmp_path / "m")
 
 

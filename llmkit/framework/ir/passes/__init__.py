@@ -16,7 +16,7 @@ from .canonicalize import Canonicalize
 from .cse import CSE
 from .dce import DCE
 from .fold import FoldConstants
-from .fuse import FusePatterns
+from .fuse_patterns import FusePatterns
 from .shapes import SimplifyShapes
 
 __all__ = ["CSE", "DCE", "Canonicalize", "FoldConstants", "FusePatterns", "SimplifyShapes"]

@@ -12,8 +12,8 @@ import pytest
 import safetensors.numpy
 
 import llmkit.framework as lf
-from llmkit.framework import io
-from llmkit.framework.io import SafetensorsError
+from llmkit.framework import serialization
+from llmkit.framework.serialization import SafetensorsError
 
 
 def sample() -> dict[str, np.ndarray]:
@@ -50,7 +50,7 @@ def test_round_trip_every_dtype(tmp_path, mmap):
     assert_same(got, data)
     assert all(type(t._data) is np.ndarray for t in got.values())
     assert got["f32"]._data.flags.writeable is (not mmap)  # mapped tensors are read-only views
-    assert io.load_metadata(path) == {"format": "np", "step": "3"}
+    assert serialization.load_metadata(path) == {"format": "np", "step": "3"}
 
 
 def test_files_from_the_safetensors_library_load_bit_exactly(tmp_path):
@@ -58,7 +58,7 @@ def test_files_from_the_safetensors_library_load_bit_exactly(tmp_path):
     path = tmp_path / "lib.safetensors"
     safetensors.numpy.save_file(data, str(path), metadata={"who": "library"})
     assert_same(lf.load(path), data)
-    assert io.load_metadata(path) == {"who": "library"}
+    assert serialization.load_metadata(path) == {"who": "library"}
 
 
 def test_our_files_read_back_with_the_safetensors_library(tmp_path):
@@ -89,7 +89,7 @@ def test_hand_built_file_with_bf16_and_padding(tmp_path):
     head += b" " * (-len(head) % 8)  # writers pad the header with spaces for alignment
     path = tmp_path / "hand.safetensors"
     path.write_bytes(build(head, bf.tobytes() + i16.tobytes()))
-    with io.safe_open(path) as f:
+    with serialization.safe_open(path) as f:
         assert list(f) == ["w", "n"] and f.shape("n") == (2, 2) and f.metadata() == {"k": "v"}
         np.testing.assert_array_equal(f["w"].numpy(), bf)
         np.testing.assert_array_equal(f["n"].numpy(), i16)
@@ -161,7 +161,7 @@ GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
 def test_corrupt_files_raise_one_clear_error_naming_the_file(tmp_path, content, message):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(content)
-    for read in (lf.load, io.load_metadata, io.safe_open):
+    for read in (lf.load, serialization.load_metadata, serialization.safe_open):
         with pytest.raises(SafetensorsError, match=message) as info:
             read(path)
         assert str(info.value).startswith(f"{path}: ")
@@ -170,7 +170,7 @@ def test_corrupt_files_raise_one_clear_error_naming_the_file(tmp_path, content, 
 def test_lazy_file_reads_only_what_is_asked(tmp_path):
     path = tmp_path / "lazy.safetensors"
     lf.save({"a": lf.ones(3), "b": lf.zeros(2, 2)}, path)
-    f = io.safe_open(path, mmap=False)
+    f = serialization.safe_open(path, mmap=False)
     assert len(f) == 2 and "b" in f and repr(f).endswith("2 tensors, device='cpu')")
     with open(path, "r+b") as raw:  # corrupting a's bytes after opening: b is still fine
         raw.seek(os.path.getsize(path) - 20)
