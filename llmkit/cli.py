@@ -35,7 +35,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ("llmkit.train.checkpoint", "ResumeError"),
         ("llmkit.models.llama.config", "LlamaConfigError"),
         ("llmkit.models.llama.checkpoint", "CheckpointError"),
-        ("llmkit.models.llama.tokenizer", "TokenizerError"),
+        ("llmkit.tokenizer", "TokenizerError"),
         ("llmkit.framework.jit", "FormatError"),
         ("llmkit.serve.export", "ExportError"),
     ]:

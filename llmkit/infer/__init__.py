@@ -9,7 +9,7 @@
 ``detokenize``         incremental text with stop strings
 ``engine``             Engine: from_model (live weights) / from_static (the model file)
 ``background``         EngineThread: steps an engine on a thread (the server's driver)
-``tokenizer, chat``    sentencepiece from bytes, chat templates as data
+``chat``               chat templates as data (``Tokenizer`` is ``llmkit.tokenizer``'s)
 =====================  ===========================================================================
 
 Nothing here imports ``llmkit.models`` or any HTTP code: the server and RLHF both build on it.

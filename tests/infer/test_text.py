@@ -1,6 +1,8 @@
-"""Incremental detokenization with stop strings, the tokenizer wrapper, and chat templates."""
+"""Incremental detokenization with stop strings, the tokenizer's token bytes, and chat templates."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -99,8 +101,9 @@ def test_windowed_deltas_add_up_to_the_decode_of_the_whole_sequence(tok, which, 
             assert t.decode(ids).startswith("".join(deltas[:n]))
 
 
-def test_tokenizer_wrapper_matches_llama_tokenizer(tok):
-    t = Tokenizer.of(tok)
+def test_tokenizer_of_and_token_bytes(tok):
+    assert Tokenizer.of(tok) is tok  # LlamaTokenizer is the one Tokenizer class
+    t = Tokenizer.of(SimpleNamespace(model_proto=tok.model_proto))  # anything holding a model_proto
     text = "Hello, world! 123 é€"
     assert t.encode(text) == tok.encode(text) and t.decode(t.encode(text)) == text
     assert (t.bos_id, t.eos_id, t.vocab_size) == (tok.bos_id, tok.eos_id, tok.vocab_size)

@@ -157,13 +157,6 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def reset() -> None:
-    """Forget the detected compiler (tests switch ``LLMKIT_CC`` and call this)."""
-    global _toolchain
-    _toolchain = "unset"
-    _warned.clear()
-
-
 def toolchain() -> Toolchain | None:
     """The working C toolchain, or None (no compiler, or it cannot build a test kernel)."""
     global _toolchain

@@ -510,15 +510,3 @@ def walk_stmts(body: list):
         yield s
         if isinstance(s, Loop):
             yield from walk_stmts(s.body)
-
-
-def stmt_exprs(s: Any) -> list[Expr]:
-    if isinstance(s, Loop):
-        return [s.extent, s.start]
-    if isinstance(s, Let):
-        return [s.value]
-    if isinstance(s, Accum):
-        return [s.value]
-    if isinstance(s, Store):
-        return [s.index, s.value]
-    return []

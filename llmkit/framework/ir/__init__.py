@@ -48,7 +48,7 @@ from .attributes import (
 )
 from .builder import Builder
 from .core import Block, BlockArgument, Operation, OpResult, Region, Value, paused_gc
-from .dialects.builtin import ConstantOp, FuncOp, ModuleOp, ParameterOp, ReturnOp
+from .dialects.builtin import ConstantOp, FuncOp, ModuleOp, ReturnOp
 from .dialects.cinn import FusionOp
 from .dialects.llm import LlmOp, op_class
 from .errors import IRError, ParseError, VerifyError
@@ -89,7 +89,6 @@ __all__ = [
     "OpView",
     "OpaqueAttr",
     "Operation",
-    "ParameterOp",
     "ParseError",
     "Pass",
     "PassManager",

@@ -72,12 +72,6 @@ class Builder:
             raise IRError(f"{op.name} is not in a block")
         return cls(op.parent, op)
 
-    @classmethod
-    def after_op(cls, op: Operation) -> Builder:
-        if op.parent is None:
-            raise IRError(f"{op.name} is not in a block")
-        return cls(op.parent, op.next)
-
     def insert(self, op: Operation) -> Operation:
         if self.block is None:
             raise IRError("the builder has no insertion point")

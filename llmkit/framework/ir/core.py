@@ -24,7 +24,7 @@ import numpy as np
 
 from .attributes import Attribute, to_attr
 from .errors import IRError
-from .types import TensorType, Type
+from .types import Type
 
 if TYPE_CHECKING:
     from .opdef import OpDef
@@ -502,7 +502,3 @@ class Region:
             for op in b:
                 nb.append(op.clone(mapping))
         return out
-
-
-def is_tensor(v: Value) -> bool:
-    return isinstance(v.type, TensorType)

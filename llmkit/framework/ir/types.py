@@ -171,8 +171,3 @@ class ScalarType(Type):
 
     def __repr__(self) -> str:
         return f"ScalarType({self})"
-
-
-def tensor_type_of(meta: Any) -> TensorType:
-    """The TensorType of anything with ``.shape`` and ``.dtype`` (a Meta, an array, a Value)."""
-    return TensorType(meta.shape, meta.dtype)

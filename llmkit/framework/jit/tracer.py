@@ -160,10 +160,6 @@ class tracing:
         _local.stack.pop()
 
 
-def is_tracing() -> bool:
-    return bool(getattr(_local, "stack", None))
-
-
 def _sanitize(name: str) -> str:
     out = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
     return out if out and not out[0].isdigit() else f"v{out}"

@@ -482,6 +482,7 @@ def _vjp_of_decomposition(decompose):
 defop(
     "scaled_dot_product_attention_grad",
     Kind.OPAQUE,
+    traits={"internal"},
     inputs=("g", "out", "q", "k", "v", "attn_mask?"),
     nondiff={5},
     attrs=_attention_attrs(),
@@ -525,6 +526,7 @@ def _lse_decompose(q, k, v, is_causal=False, scale=None):
 defop(
     "scaled_dot_product_attention_lse",
     Kind.OPAQUE,
+    traits={"internal"},
     inputs=("q", "k", "v"),
     attrs=_attention_attrs(),
     infer_meta=_lse_meta,
@@ -551,6 +553,7 @@ def _lse_grad_decompose(g, out, lse, q, k, v, is_causal=False, scale=None):
 defop(
     "scaled_dot_product_attention_lse_grad",
     Kind.OPAQUE,
+    traits={"internal"},
     inputs=("g", "out", "lse", "q", "k", "v"),
     nondiff={2},
     attrs=_attention_attrs(),

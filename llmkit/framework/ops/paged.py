@@ -124,7 +124,7 @@ defop(
         sizes=_write_sizes,
         applies=lambda pool, k, v, slots, **attrs: slots.dtype == _I64,
     ),
-    traits={"inplace_input0"},
+    traits={"inplace_input0", "internal"},
     doc="The pool with this step's keys/values stored: k, v [B, Hkv, S, D] go to pool[layer, 0/1] at "
     "flat slots [B*S] (block * block_size + offset; -1 = do not store). With inplace=True the kernel "
     "writes into the pool it is given and returns it: the caller donates that value.",
@@ -247,6 +247,7 @@ def _attn_native_applies(q, pool, block_tables, kv_len, q_start=None, q_len=None
 defop(
     "paged_attention",
     Kind.OPAQUE,
+    traits={"internal"},
     inputs=("q", "pool", "block_tables", "kv_len", "q_start?", "q_len?"),
     attrs=[
         attr("layer", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0"),
@@ -359,6 +360,7 @@ def _tiled_native_applies(x, weight, bias=None, rows=8, transposed=False, panel=
 defop(
     "tiled_linear",
     Kind.OPAQUE,
+    traits={"internal"},
     inputs=("x", "weight", "bias?"),
     attrs=_tiled_attrs(),
     infer_meta=_tiled_meta,
@@ -405,6 +407,7 @@ def _tls_native_applies(x, w_gate, w_up, rows=8, transposed=False, panel=0):
 defop(
     "tiled_linear_swiglu",
     Kind.OPAQUE,
+    traits={"internal"},
     inputs=("x", "w_gate", "w_up"),
     attrs=_tiled_attrs(),
     infer_meta=_tls_meta,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from .adamw import SGD, AdamW
+from .adamw import AdamW
 from .clip import clip_grad_norm_
 from .lr_scheduler import ConstantLR, LinearDecay, LRScheduler, WarmupCosine
 from .optimizer import Optimizer, compute_dtype, flatten_state_dict, unflatten_state_dict
+from .sgd import SGD
 
 __all__ = [
     "SGD",

@@ -1,9 +1,10 @@
-"""LlamaTokenizer: a sentencepiece BPE model, plus training one with Llama's settings.
+"""Llama's tokenizer: a sentencepiece BPE model (``llmkit.tokenizer.Tokenizer``), and training one.
 
-Meta's Llama 1/2 tokenizers are sentencepiece BPE models (`tokenizer.model`); this class reads them
-as they are. `train_tokenizer` makes new ones with the same recipe, except `add_dummy_prefix=False`
-so that decoding inverts encoding exactly: decode(encode(text)) == text for every string that does
-not contain U+2581 ("▁", which sentencepiece uses to mark spaces and so turns into a space).
+Meta's Llama 1/2 tokenizers are sentencepiece BPE models (`tokenizer.model`); ``LlamaTokenizer``
+(the one tokenizer class, under its Hugging Face name) reads them as they are. `train_tokenizer`
+makes new ones with the same recipe, except `add_dummy_prefix=False` so that decoding inverts
+encoding exactly: decode(encode(text)) == text for every string that does not contain U+2581
+("▁", which sentencepiece uses to mark spaces and so turns into a space).
 
 Special ids of trained models: unk 0, bos 1, eos 2, and no pad piece (pad_id is None), as in Meta's
 Llama 2 tokenizer; packed pretraining needs no padding and inference masks padded positions, so any
@@ -12,23 +13,17 @@ id can fill them.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import sentencepiece as spm
 
-from llmkit.framework.files import atomic_write
+from llmkit.tokenizer import Tokenizer, TokenizerError
 
-MODEL_FILE = "tokenizer.model"
-
-
-class TokenizerError(ValueError):
-    """A tokenizer file that cannot be used (the message names the file)."""
-
+LlamaTokenizer = Tokenizer
+__all__ = ["TRAINER_SETTINGS", "LlamaTokenizer", "TokenizerError", "train_tokenizer"]
 
 # sentencepiece trainer options for new tokenizers: Llama 2's recipe, changed where noted.
 TRAINER_SETTINGS: dict[str, Any] = {
@@ -52,106 +47,6 @@ TRAINER_SETTINGS: dict[str, Any] = {
     "train_extremely_large_corpus": False,
     "minloglevel": 2,  # errors only; sentencepiece is chatty
 }
-
-
-class LlamaTokenizer:
-    """Text <-> token ids with a sentencepiece model.
-
-    The serialized model is kept (`model_proto`), so the tokenizer can be saved and hashed (data
-    caches are keyed by `sha256`) without the file it came from.
-    """
-
-    def __init__(self, model_proto: bytes) -> None:
-        self.model_proto = bytes(model_proto)
-        self._sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike[str]) -> LlamaTokenizer:
-        """Load `path/tokenizer.model` (or `path` itself when it is the model file)."""
-        path = Path(path)
-        file = path / MODEL_FILE if path.is_dir() else path
-        if not file.is_file():
-            where = f"no {MODEL_FILE} in {path}" if path.is_dir() else f"{path} does not exist"
-            raise FileNotFoundError(f"cannot load tokenizer: {where}")
-        try:
-            return cls(file.read_bytes())
-        except RuntimeError:  # sentencepiece: "could not parse ModelProto"
-            raise TokenizerError(f"cannot load tokenizer: {file} is not a sentencepiece model") from None
-
-    def save_pretrained(self, directory: str | os.PathLike[str]) -> Path:
-        """Write `directory/tokenizer.model` atomically; return its path."""
-        file = Path(directory) / MODEL_FILE
-        atomic_write(file, self.model_proto)
-        return file
-
-    @property
-    def sha256(self) -> str:
-        """Hex digest of the model bytes: identifies the tokenizer in cache keys."""
-        return hashlib.sha256(self.model_proto).hexdigest()
-
-    @property
-    def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
-
-    @property
-    def bos_id(self) -> int:
-        return self._sp.bos_id()
-
-    @property
-    def eos_id(self) -> int:
-        return self._sp.eos_id()
-
-    @property
-    def unk_id(self) -> int:
-        return self._sp.unk_id()
-
-    @property
-    def pad_id(self) -> int | None:
-        """The pad piece's id, or None when the model has none (Llama's convention)."""
-        pad = self._sp.pad_id()
-        return None if pad < 0 else pad
-
-    def id_to_piece(self, token_id: int) -> str:
-        self._check_ids([token_id])
-        return self._sp.id_to_piece(int(token_id))
-
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = False) -> list[int]:
-        """Token ids of `text`, optionally wrapped in bos/eos."""
-        return self._sp.encode(text, add_bos=add_bos, add_eos=add_eos)
-
-    def encode_batch(
-        self, texts: Sequence[str], add_bos: bool = True, add_eos: bool = False, num_threads: int = -1
-    ) -> list[list[int]]:
-        """`encode` of each text, on `num_threads` sentencepiece threads (-1: one per core)."""
-        return self._sp.encode(list(texts), add_bos=add_bos, add_eos=add_eos, num_threads=num_threads)
-
-    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
-        """The text of `ids`. Control pieces (bos, eos) are dropped, or with skip_special=False
-        written as their pieces ("<s>", "</s>")."""
-        ids = [int(i) for i in ids]
-        self._check_ids(ids)
-        if skip_special:
-            return self._sp.decode(ids)  # sentencepiece decodes control pieces to ""
-        parts, run = [], []
-        for i in ids:
-            if self._sp.is_control(i):
-                parts += [self._sp.decode(run), self._sp.id_to_piece(i)]
-                run = []
-            else:
-                run.append(i)
-        return "".join([*parts, self._sp.decode(run)])
-
-    def decode_batch(self, batch: Iterable[Iterable[int]], skip_special: bool = True) -> list[str]:
-        return [self.decode(ids, skip_special=skip_special) for ids in batch]
-
-    def _check_ids(self, ids: Sequence[int]) -> None:
-        n = self.vocab_size
-        bad = [i for i in ids if not 0 <= i < n]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {n} pieces")
-
-    def __repr__(self) -> str:
-        return f"LlamaTokenizer(vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"
 
 
 def train_tokenizer(

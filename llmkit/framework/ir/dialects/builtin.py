@@ -166,15 +166,6 @@ class ConstantOp(OpView):
         return self.op.attributes["value"].value
 
 
-class ParameterOp(OpView):
-    __slots__ = ()
-    OP_NAME = "builtin.parameter"
-
-    @property
-    def param_name(self) -> str:
-        return self.op.attributes["name"].value
-
-
 class ReturnOp(OpView):
     __slots__ = ()
     OP_NAME = "builtin.return"
