@@ -38,13 +38,7 @@ class Tokenizer:
     def __init__(self, model_proto: bytes) -> None:
         self.model_proto = bytes(model_proto)
         self._sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
-        self.vocab_size: int = self._sp.get_piece_size()
-        self.bos_id: int = self._sp.bos_id()
-        self.eos_id: int = self._sp.eos_id()
-        self.unk_id: int = self._sp.unk_id()
-        pad = self._sp.pad_id()
-        self.pad_id: int | None = None if pad < 0 else pad  # None: no pad piece (Llama's convention)
-        self._bytes: list[bytes | None] = [None] * self.vocab_size
+        self._bytes: list[bytes | None] = [None] * self._sp.get_piece_size()
 
     @classmethod
     def of(cls, tokenizer: Any) -> Tokenizer:
@@ -81,6 +75,28 @@ class Tokenizer:
     def sha256(self) -> str:
         """Hex digest of the model bytes: identifies the tokenizer in cache keys."""
         return hashlib.sha256(self.model_proto).hexdigest()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def bos_id(self) -> int:
+        return self._sp.bos_id()
+
+    @property
+    def eos_id(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def unk_id(self) -> int:
+        return self._sp.unk_id()
+
+    @property
+    def pad_id(self) -> int | None:
+        """The pad piece's id, or None when the model has none (Llama's convention)."""
+        pad = self._sp.pad_id()
+        return None if pad < 0 else pad
 
     def id_to_piece(self, token_id: int) -> str:
         self._check_ids([token_id])
