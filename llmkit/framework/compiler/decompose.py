@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ir import Builder, Operation, Program
+from ..ir.opdef import Trait
 from ..ir.pass_manager import Pass, register_pass
 from .templates import template_for
 
@@ -62,17 +63,21 @@ def decompose_op(op: Operation, origins: dict[Operation, str]) -> bool:
 
 
 def detach_constant(op: Operation) -> bool:
-    """``zeros_like(x)``/``ones_like(x)`` of a static shape -> ``full``: the value does not depend
-    on x (its C template reads no operand), and keeping x as an operand would order the constant
-    after x — a false dependency that blocks fusion (the loss gradient's seed waits for the loss)."""
+    """``zeros_like(x)``/``ones_like(x)`` (a ``splat`` op with an operand) of a static shape ->
+    ``full``: the value does not depend on x, and keeping x as an operand would order the constant
+    after x — a false dependency that blocks fusion (the loss gradient's seed waits for the loss).
+    Shape-only ops (numel) are left to ``simplify-shapes``."""
     spec = op.opdef.spec
-    if spec is None or spec.c is None or not op.operands or "{0}" in spec.c or "{" in spec.c:
+    if spec is None or spec.splat is None or not op.operands or Trait.SHAPE_ONLY in op.opdef.traits:
         return False
     t = op.results[0].type
     if not all(isinstance(d, int) for d in t.shape):
         return False
-    b = Builder.before_op(op)
-    new = b.create("full", [], {"shape": list(t.shape), "value": float(spec.c), "dtype": t.dtype}).results[0]
+    value = spec.splat(*op.operands, **op.plain_attrs)
+    if value is None:
+        return False
+    attrs = {"shape": list(t.shape), "value": float(value), "dtype": t.dtype}
+    new = Builder.before_op(op).create("full", [], attrs).results[0]
     op.results[0].replace_all_uses_with(new)
     op.erase()
     return True

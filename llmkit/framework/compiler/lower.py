@@ -200,10 +200,6 @@ class Lowering:
         spec = op.opdef.spec
         attrs = op.plain_attrs
         if r == "ew":
-            if spec.name == "cast":
-                return L.Cast(
-                    self.value(op.operands[0], self.ix.broadcast(idx, _shape(op.operands[0]))), v.type.dtype
-                )
             return self.template(op, idx)
         if r == "view":
             metas = [Meta(a.type.shape, a.type.dtype) for a in op.operands]

@@ -18,13 +18,17 @@ from .types import Type
 
 
 class Trait:
-    """Trait names (strings, so op-table traits map onto them directly)."""
+    """Trait names (strings, so op-table traits map onto them directly: ``ops.spec.TRAITS``)."""
 
     PURE = "Pure"  # no side effects: removable when unused, mergeable when equal (DCE, CSE)
     RECURSIVELY_PURE = "RecursivelyPure"  # pure exactly when every op in its regions is
     COMMUTATIVE = "Commutative"  # f(a, b) == f(b, a)
     ASSOCIATIVE = "Associative"  # f(f(a, b), c) == f(a, f(b, c))
     IDEMPOTENT = "Idempotent"  # f(a, a) == a
+    INVOLUTION = "Involution"  # f(f(x)) == x
+    SAME_TYPE_NOOP = "SameTypeNoop"  # a result with its operand's type is that operand
+    SHAPE_ATTR = "ShapeAttr"  # the `shape` attribute is the result's shape (-1: a dim inferred)
+    SHAPE_ONLY = "ShapeOnly"  # the result depends on the operands' shapes, not their values
     ELEMENTWISE = "Elementwise"  # out[i] = f(in[i], ...) with broadcasting
     SAME_SHAPE = "SameShape"  # the result has the shape of the (single) operand
     TERMINATOR = "Terminator"  # ends a block; nothing may follow it

@@ -47,20 +47,12 @@ def _nan_first(expr: str) -> str:
 
 # ---- arithmetic ---------------------------------------------------------------------------------
 
+_AC = {"commutative", "associative"}  # +, *, and, or
+
+binary("add", lambda xp, a, b: a + b, lambda g, out, a, b: (g, g), c="({0}+{1})", traits=_AC, identity=0)
+binary("sub", lambda xp, a, b: a - b, lambda g, out, a, b: (g, -g), c="({0}-{1})", identity=0)
 binary(
-    "add",
-    lambda xp, a, b: a + b,
-    lambda g, out, a, b: (g, g),
-    c="({0}+{1})",
-    traits={"commutative", "associative"},
-)
-binary("sub", lambda xp, a, b: a - b, lambda g, out, a, b: (g, -g), c="({0}-{1})")
-binary(
-    "mul",
-    lambda xp, a, b: a * b,
-    lambda g, out, a, b: (g * b, g * a),
-    c="({0}*{1})",
-    traits={"commutative", "associative"},
+    "mul", lambda xp, a, b: a * b, lambda g, out, a, b: (g * b, g * a), c="({0}*{1})", traits=_AC, identity=1
 )
 binary(
     "div",
@@ -68,6 +60,7 @@ binary(
     lambda g, out, a, b: (g / b, lambda: -(g * out) / b),
     c="({0}/{1})",
     floating=True,
+    identity=1,
 )
 binary(
     "pow",
@@ -91,7 +84,7 @@ binary(
     traits={"commutative", "associative", "idempotent"},
 )
 
-unary("neg", lambda xp, x: -x, lambda g, out, x: (-g,), c="(-{0})", floating=False)
+unary("neg", lambda xp, x: -x, lambda g, out, x: (-g,), c="(-{0})", floating=False, traits={"involution"})
 unary("abs", lambda xp, x: xp.abs(x), lambda g, out, x: (g * O.sign(x),), c="fabs({0})", floating=False)
 unary(
     "sign",
@@ -217,37 +210,21 @@ compare("greater", lambda xp, a, b: a > b, "({0}>{1})")
 compare("greater_equal", lambda xp, a, b: a >= b, "({0}>={1})")
 
 
-def _bool_meta(name):
+def logical(name, inputs, kernel, c, **kw):
+    """An op on bool tensors (numpy broadcasting), giving bool."""
+
     def infer(*xs):
         for x in xs:
             if x.dtype != B.DTYPES["bool"]:
                 raise OpError(f"{name}: expects bool tensors, got {describe(x)}")
         return elementwise_meta(name, *xs)
 
-    return infer
+    return defop(name, Kind.ELEMENTWISE, inputs=inputs, kernel=kernel, infer_meta=infer, c=c, **kw)
 
 
-defop(
-    "logical_and",
-    Kind.ELEMENTWISE,
-    inputs=("x", "y"),
-    kernel=lambda xp, a, b: a & b,
-    infer_meta=_bool_meta("logical_and"),
-    c="({0}&&{1})",
-    traits={"commutative", "associative"},
-)
-defop(
-    "logical_or",
-    Kind.ELEMENTWISE,
-    inputs=("x", "y"),
-    kernel=lambda xp, a, b: a | b,
-    infer_meta=_bool_meta("logical_or"),
-    c="({0}||{1})",
-    traits={"commutative", "associative"},
-)
-defop(
-    "logical_not", Kind.ELEMENTWISE, kernel=lambda xp, x: ~x, infer_meta=_bool_meta("logical_not"), c="(!{0})"
-)
+logical("logical_and", ("x", "y"), lambda xp, a, b: a & b, "({0}&&{1})", traits=_AC)
+logical("logical_or", ("x", "y"), lambda xp, a, b: a | b, "({0}||{1})", traits=_AC)
+logical("logical_not", ("x",), lambda xp, x: ~x, "(!{0})")
 
 
 def _where_meta(cond, x, y):
@@ -284,6 +261,7 @@ defop(
     infer_meta=lambda x, dtype: Meta(x.shape, dtype),
     vjp=_cast_vjp,
     c="(({ctype}){0})",
+    traits={"same_type_noop"},
 )
 
 
@@ -299,6 +277,7 @@ def _like(name, value):
         infer_meta=_like_meta,
         kernel=lambda xp, x, dtype=None: xp.full(x.shape, value, x.dtype if dtype is None else dtype),
         c=str(value),
+        splat=lambda x, dtype=None: value,
         doc=f"A tensor of {value}s shaped like x; gradients stop here.",
     )
 
@@ -323,5 +302,7 @@ defop(
     kernel=_full_kernel,
     infer_meta=_full_meta,
     c="{value}",
+    traits={"constant_like"},
+    splat=lambda shape, value, dtype: value,
     doc="A tensor of one value; the shape may hold symbolic dims.",
 )

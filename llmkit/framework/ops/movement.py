@@ -116,6 +116,7 @@ defop(
     kernel=lambda xp, x, shape: xp.reshape(x, shape),
     vjp=lambda g, out, x, shape: (O.reshape(g, x.shape),),
     index_map=_view_index,
+    traits={"same_type_noop", "shape_attr"},
     doc="Same elements, new shape (row-major); one entry may be -1.",
 )
 
@@ -167,6 +168,7 @@ defop(
     kernel=_expand_kernel,
     vjp=lambda g, out, x, shape: (g,),  # autograd sums the gradient back to x's shape
     index_map=_expand_index,
+    traits={"same_type_noop", "shape_attr"},
     doc="Broadcast to a larger shape (numpy broadcast_to); -1 keeps a dim.",
 )
 
@@ -189,6 +191,7 @@ defop(
     kernel=lambda xp, x, axis=None: xp.reshape(x, _squeeze_meta(x, axis).shape),
     vjp=lambda g, out, x, axis: (O.reshape(g, x.shape),),
     index_map=_view_index,
+    traits={"same_type_noop"},
     doc="Drop size-1 axes.",
 )
 
@@ -330,16 +333,19 @@ def _concat_vjp(g, out, *xs, axis=0):
     return O.split(g, tuple(x.shape[ax] for x in xs), axis=ax)
 
 
-defop(
-    "concat",
-    Kind.MOVEMENT,
-    inputs=("*xs",),
-    attrs=[attr("axis", A.INT, 0)],
-    infer_meta=_concat_meta,
-    kernel=lambda xp, *xs, axis=0: xp.concatenate(xs, axis=axis),
-    vjp=_concat_vjp,
-    index_map=_concat_index,
-    doc="Join tensors along an existing axis.",
+def join(name, xp_fn, infer_meta, vjp, index_map, doc):
+    """An op joining a list of tensors along ``axis`` with ``xp.<xp_fn>``: ``name([x, y, ...], axis=0)``."""
+
+    def kernel(xp, *xs, axis=0):
+        return getattr(xp, xp_fn)(xs, axis=axis)
+
+    attrs = [attr("axis", A.INT, 0)]
+    return defop(name, Kind.MOVEMENT, inputs=("*xs",), attrs=attrs, kernel=kernel, infer_meta=infer_meta,
+                 vjp=vjp, index_map=index_map, doc=doc)  # fmt: skip
+
+
+join(
+    "concat", "concatenate", _concat_meta, _concat_vjp, _concat_index, "Join tensors along an existing axis."
 )
 
 
@@ -360,17 +366,7 @@ def _stack_vjp(g, out, *xs, axis=0):
     return tuple(O.reshape(p, x.shape) for p, x in zip(parts, xs))
 
 
-defop(
-    "stack",
-    Kind.MOVEMENT,
-    inputs=("*xs",),
-    attrs=[attr("axis", A.INT, 0)],
-    infer_meta=_stack_meta,
-    kernel=lambda xp, *xs, axis=0: xp.stack(xs, axis=axis),
-    vjp=_stack_vjp,
-    index_map=_stack_index,
-    doc="Join same-shaped tensors along a new axis.",
-)
+join("stack", "stack", _stack_meta, _stack_vjp, _stack_index, "Join same-shaped tensors along a new axis.")
 
 
 def _num_or_sections(v):

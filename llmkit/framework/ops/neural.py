@@ -36,14 +36,18 @@ def _floating(name, *xs):
 # ---- softmax family ----------------------------------------------------------------------------
 
 
-def _same_meta(name):
+def normalizer(name, kernel, decompose, vjp, doc):
+    """softmax-like: a floating x normalized along ``axis`` (not empty), same shape and dtype."""
+
     def infer(x, axis=-1):
         _floating(name, x)
         if x.shape[norm_axis(name, axis, x.ndim)] == 0:
             raise OpError(f"{name}: axis {axis} is empty", x)
         return Meta(x.shape, x.dtype)
 
-    return infer
+    attrs = [attr("axis", A.INT, -1)]
+    return defop(name, Kind.OPAQUE, attrs=attrs, infer_meta=infer, kernel=kernel, decompose=decompose,
+                 vjp=vjp, doc=doc)  # fmt: skip
 
 
 def _softmax_kernel(xp, x, axis=-1):
@@ -57,18 +61,6 @@ def _softmax_decompose(x, axis=-1):
     return e / O.sum(e, axis=axis, keepdim=True)
 
 
-defop(
-    "softmax",
-    Kind.OPAQUE,
-    attrs=[attr("axis", A.INT, -1)],
-    infer_meta=_same_meta("softmax"),
-    kernel=_softmax_kernel,
-    decompose=_softmax_decompose,
-    vjp=lambda g, out, x, axis: (out * (g - O.sum(g * out, axis=axis, keepdim=True)),),
-    doc="exp(x - max) / sum(exp(x - max)) along axis.",
-)
-
-
 def _log_softmax_kernel(xp, x, axis=-1):
     dtype, x = x.dtype, x.astype(B.accumulation_dtype(x.dtype), copy=False)
     s = x - xp.max(x, axis=axis, keepdims=True)
@@ -80,16 +72,12 @@ def _log_softmax_decompose(x, axis=-1):
     return s - O.log(O.sum(O.exp(s), axis=axis, keepdim=True))
 
 
-defop(
-    "log_softmax",
-    Kind.OPAQUE,
-    attrs=[attr("axis", A.INT, -1)],
-    infer_meta=_same_meta("log_softmax"),
-    kernel=_log_softmax_kernel,
-    decompose=_log_softmax_decompose,
-    vjp=lambda g, out, x, axis: (g - O.exp(out) * O.sum(g, axis=axis, keepdim=True),),
-    doc="x - logsumexp(x) along axis.",
-)
+normalizer("softmax", _softmax_kernel, _softmax_decompose,
+           lambda g, out, x, axis: (out * (g - O.sum(g * out, axis=axis, keepdim=True)),),
+           "exp(x - max) / sum(exp(x - max)) along axis.")  # fmt: skip
+normalizer("log_softmax", _log_softmax_kernel, _log_softmax_decompose,
+           lambda g, out, x, axis: (g - O.exp(out) * O.sum(g, axis=axis, keepdim=True),),
+           "x - logsumexp(x) along axis.")  # fmt: skip
 
 
 # ---- rms_norm ----------------------------------------------------------------------------------

@@ -70,6 +70,17 @@ def _host(x) -> np.ndarray:
     return x if type(x) is np.ndarray else B.to_numpy(x)
 
 
+def engine_op(name, inputs, attrs, infer_meta, kernel, doc, *, traits=(), **kw):
+    """An op of the inference engine's programs: opaque, ``inference`` (a hand-written kernel keeps
+    its contract) and ``internal`` (programs use it, users do not)."""
+    traits = {"inference", "internal", *traits}
+    return defop(name, Kind.OPAQUE, inputs=inputs, attrs=attrs, infer_meta=infer_meta, kernel=kernel,
+                 traits=traits, doc=doc, **kw)  # fmt: skip
+
+
+_LAYER = attr("layer", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0")
+
+
 # ---- paged_kv_write -----------------------------------------------------------------------------
 
 
@@ -109,22 +120,18 @@ def _write_sizes(pool, k, v, slots, layer=0, inplace=False):
     return [b, h, s, d, pool.shape[2] * pool.shape[3], pool.itemsize, layer, pool.nbytes]
 
 
-defop(
+engine_op(
     "paged_kv_write",
-    Kind.OPAQUE,
-    inputs=("pool", "k", "v", "slots"),
-    attrs=[
-        attr("layer", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0"),
-        attr("inplace", A.BOOL, False),
-    ],
-    infer_meta=_write_meta,
-    kernel=_write_kernel,
+    ("pool", "k", "v", "slots"),
+    [_LAYER, attr("inplace", A.BOOL, False)],
+    _write_meta,
+    _write_kernel,
+    traits={"inplace_input0"},
     native=Native(
         kernels_c.PAGED_KV_WRITE,
         sizes=_write_sizes,
         applies=lambda pool, k, v, slots, **attrs: slots.dtype == _I64,
     ),
-    traits={"inplace_input0", "internal"},
     doc="The pool with this step's keys/values stored: k, v [B, Hkv, S, D] go to pool[layer, 0/1] at "
     "flat slots [B*S] (block * block_size + offset; -1 = do not store). With inplace=True the kernel "
     "writes into the pool it is given and returns it: the caller donates that value.",
@@ -244,17 +251,12 @@ def _attn_native_applies(q, pool, block_tables, kv_len, q_start=None, q_len=None
     return q.dtype == pool.dtype == _F32 and all(ints)
 
 
-defop(
+engine_op(
     "paged_attention",
-    Kind.OPAQUE,
-    traits={"internal"},
-    inputs=("q", "pool", "block_tables", "kv_len", "q_start?", "q_len?"),
-    attrs=[
-        attr("layer", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0"),
-        attr("scale", optional(A.FLOAT), None),
-    ],
-    infer_meta=_attn_meta,
-    kernel=_attn_kernel,
+    ("q", "pool", "block_tables", "kv_len", "q_start?", "q_len?"),
+    [_LAYER, attr("scale", optional(A.FLOAT), None)],
+    _attn_meta,
+    _attn_kernel,
     native=Native(kernels_c.PAGED_ATTENTION, sizes=_attn_sizes, applies=_attn_native_applies),
     doc="Causal attention of q [B, Hq, S, D] against a paged KV pool, segment by segment. Segment i is the "
     "query tokens [q_start[i], q_start[i] + q_len[i]) of the flattened B*S tokens (one row of B); its "
@@ -343,13 +345,11 @@ def _tiled_sizes(x, weight, bias=None, rows=8, transposed=False, panel=0):
     return [rows, k, n, bias is not None, 2 if panel else int(transposed)]
 
 
-def _tiled_attrs() -> list:
-    """The weight layout attributes of tiled_linear and tiled_linear_swiglu."""
-    return [
-        attr("rows", A.INT, 8, lambda v: None if v >= 1 else "must be >= 1"),
-        attr("transposed", A.BOOL, False),
-        attr("panel", A.INT, 0, lambda v: None if v in (0, PANEL) else f"must be 0 or {PANEL}"),
-    ]
+_TILED_ATTRS = [  # the weight layout attributes of tiled_linear and tiled_linear_swiglu
+    attr("rows", A.INT, 8, lambda v: None if v >= 1 else "must be >= 1"),
+    attr("transposed", A.BOOL, False),
+    attr("panel", A.INT, 0, lambda v: None if v in (0, PANEL) else f"must be 0 or {PANEL}"),
+]
 
 
 def _tiled_native_applies(x, weight, bias=None, rows=8, transposed=False, panel=0):
@@ -357,14 +357,12 @@ def _tiled_native_applies(x, weight, bias=None, rows=8, transposed=False, panel=
     return weight.ndim == (3 if panel else 2) and all(t is None or t.dtype == _F32 for t in (x, weight, bias))
 
 
-defop(
+engine_op(
     "tiled_linear",
-    Kind.OPAQUE,
-    traits={"internal"},
-    inputs=("x", "weight", "bias?"),
-    attrs=_tiled_attrs(),
-    infer_meta=_tiled_meta,
-    kernel=_tiled_kernel,
+    ("x", "weight", "bias?"),
+    _TILED_ATTRS,
+    _tiled_meta,
+    _tiled_kernel,
     native=Native(kernels_c.TILED_LINEAR, sizes=_tiled_sizes, applies=_tiled_native_applies),
     vjp=_tiled_vjp,
     doc="x @ weight.T + bias (as linear), computed in matrix products of exactly `rows` rows (the last "
@@ -404,14 +402,12 @@ def _tls_native_applies(x, w_gate, w_up, rows=8, transposed=False, panel=0):
     return panel == PANEL and all(t.dtype == _F32 for t in (x, w_gate, w_up))
 
 
-defop(
+engine_op(
     "tiled_linear_swiglu",
-    Kind.OPAQUE,
-    traits={"internal"},
-    inputs=("x", "w_gate", "w_up"),
-    attrs=_tiled_attrs(),
-    infer_meta=_tls_meta,
-    kernel=_tls_kernel,
+    ("x", "w_gate", "w_up"),
+    _TILED_ATTRS,
+    _tls_meta,
+    _tls_kernel,
     native=Native(
         kernels_c.TILED_LINEAR_SWIGLU.replace("@SIGMOID@", get("sigmoid").c.format("gm[j]")),
         sizes=lambda x, w_gate, w_up, **attrs: [

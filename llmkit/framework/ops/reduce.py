@@ -5,6 +5,7 @@ from __future__ import annotations
 from math import prod
 
 from .. import backend as B
+from .. import symbolic as sym
 from .spec import A, Kind, Meta, OpError, attr, defop, describe, norm_axes, norm_axis, optional, reduce_shape
 from .spec import ops as O
 
@@ -14,11 +15,11 @@ def _keep(g, x, axis, keepdim):
     return g if keepdim else O.reshape(g, reduce_shape("reduce", x.shape, axis, True))
 
 
-def reduction(name, kernel, vjp=None, *, floating=False, numeric=True, out_dtype=None, identity=True, **kw):
-    """A reduction op; ``identity=False`` for those with no value over an empty axis (max, min)."""
+def reduction(name, kernel, vjp=None, *, floating=False, numeric=True, out_dtype=None, empty=True, **kw):
+    """A reduction op; ``empty=False`` for those with no value over an empty axis (max, min)."""
 
     def infer(x, axis=None, keepdim=False):
-        if not identity and any(x.shape[a] == 0 for a in norm_axes(name, axis, x.ndim)):
+        if not empty and any(x.shape[a] == 0 for a in norm_axes(name, axis, x.ndim)):
             raise OpError(f"{name}: cannot reduce an empty axis (it has no identity)", x)
         if floating and not B.is_floating(x.dtype):
             raise OpError(f"{name}: expects a floating tensor, got {describe(x)}")
@@ -56,20 +57,19 @@ def _mean_kernel(xp, x, axis=None, keepdim=False):
 
 reduction("sum", _sum_kernel, _sum_vjp, reducer="sum")
 reduction("mean", _mean_kernel, _mean_vjp, floating=True, reducer="mean")
-reduction(
-    "max",
-    lambda xp, x, axis=None, keepdim=False: xp.max(x, axis=axis, keepdims=keepdim),
-    _extreme_vjp,
-    reducer="max",
-    identity=False,
-)
-reduction(
-    "min",
-    lambda xp, x, axis=None, keepdim=False: xp.min(x, axis=axis, keepdims=keepdim),
-    _extreme_vjp,
-    reducer="min",
-    identity=False,
-)
+
+
+def extreme(name):
+    """max or min over axes: xp.<name>, the gradient shared between tied extremes."""
+
+    def kernel(xp, x, axis=None, keepdim=False):
+        return getattr(xp, name)(x, axis=axis, keepdims=keepdim)
+
+    return reduction(name, kernel, _extreme_vjp, reducer=name, empty=False)
+
+
+extreme("max")
+extreme("min")
 
 
 def _logsumexp_kernel(xp, x, axis=None, keepdim=False):
@@ -91,7 +91,7 @@ reduction(
     "logsumexp",
     _logsumexp_kernel,
     floating=True,
-    identity=False,
+    empty=False,
     decompose=_logsumexp_decompose,
     vjp=lambda g, out, x, axis, keepdim: (
         _keep(g, x, axis, keepdim) * O.exp(x - _keep(out, x, axis, keepdim)),
@@ -131,12 +131,19 @@ def _numel_kernel(xp, x, axis=None):
     return xp.asarray(prod(x.shape[a] for a in axes), dtype=x.dtype)
 
 
+def _numel_value(x, axis=None):
+    n = sym.product(x.shape[a] for a in norm_axes("numel", axis, x.ndim))
+    return n if isinstance(n, int) else None  # known when the counted dims are static
+
+
 defop(
     "numel",
     Kind.OPAQUE,
     attrs=[attr("axis", A.AXES, None)],
     kernel=_numel_kernel,
     infer_meta=_numel_meta,
+    traits={"shape_only"},
+    splat=_numel_value,
     doc="Number of elements in the given axes as a 0-d tensor of x's dtype (sizes may be symbolic).",
 )
 

@@ -209,6 +209,30 @@ def attr(name: str, type: AttrType, default: Any = REQUIRED, check=None) -> Attr
     return AttrSpec(name, type, default, check)
 
 
+# -------------------------------------------------------------------------------------- traits
+
+# What an op may declare about itself (``defop(..., traits={...})``). Passes and the compiler read
+# these, never op names, so a new op gets a rewrite by declaring its trait; PIR gives every llm op
+# its traits in CamelCase (``"same_type_noop"`` -> ``SameTypeNoop``). Facts with a value are spec
+# fields instead: ``identity`` (x op e == x) and ``splat`` (the one value of every element).
+TRAITS: dict[str, str] = {
+    "commutative": "f(a, b) == f(b, a)",
+    "associative": "f(f(a, b), c) == f(a, f(b, c))",
+    "idempotent": "f(a, a) == a",
+    "involution": "f(f(x)) == x (canonicalize drops the pair)",
+    "same_type_noop": "a result with its input's type is that input (canonicalize forwards it)",
+    "shape_attr": "the `shape` attribute is the result's shape, -1 for a dim it infers (simplify-shapes "
+    "writes the dim)",
+    "shape_only": "the result depends on the inputs' shapes, not their values (simplify-shapes folds "
+    "its splat value where known)",
+    "constant_like": "no inputs: its value is known when the program is built",
+    "inplace_input0": "may return input 0 itself, written in place (the caller donates it)",
+    "internal": "programs use it (backward, compiler, engine), users do not: it is no Tensor method",
+    "inference": "an op of the inference engine's programs (batch-invariant by contract), with a "
+    "hand-written kernel",
+}
+
+
 # ------------------------------------------------------------------------------- native kernels
 
 
@@ -262,7 +286,10 @@ class OpSpec:
     # The compiler fuses such ops as index arithmetic; ``ix`` offers dim(), reshape(), broadcast().
     index_map: Callable[..., Any] | None = None
     native: Native | None = None  # a hand-written C kernel (see Native)
-    traits: frozenset[str] = frozenset()
+    traits: frozenset[str] = frozenset()  # names from TRAITS
+    identity: Any = None  # binary ops: x op identity == x (and identity op x == x when commutative)
+    # (*metas, **attrs) -> the one value every element of the result holds, or None where unknown
+    splat: Callable[..., Any] | None = None
     nondiff: frozenset[int] = frozenset()  # input positions that never get a gradient
     multi_output: bool = False
     doc: str = ""
@@ -352,6 +379,8 @@ def defop(
     index_map: Callable[..., Any] | None = None,
     native: Native | None = None,
     traits: Sequence[str] = (),
+    identity: Any = None,
+    splat: Callable[..., Any] | None = None,
     nondiff: Sequence[int] = (),
     multi_output: bool = False,
     doc: str = "",
@@ -365,6 +394,9 @@ def defop(
         raise ValueError(f"op {name!r} is declared twice")
     if kind not in Kind.ALL:
         raise ValueError(f"op {name!r}: unknown kind {kind!r}")
+    unknown = set(traits) - set(TRAITS)
+    if unknown:
+        raise ValueError(f"op {name!r}: unknown trait(s) {sorted(unknown)}; the known ones are in TRAITS")
     spec = OpSpec(
         name=name,
         kind=kind,
@@ -379,6 +411,8 @@ def defop(
         index_map=index_map,
         native=native,
         traits=frozenset(traits),
+        identity=identity,
+        splat=splat,
         nondiff=frozenset(nondiff),
         multi_output=multi_output,
         doc=doc,

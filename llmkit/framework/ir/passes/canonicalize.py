@@ -1,18 +1,24 @@
 """``canonicalize``: local simplifications, applied to a fixpoint by the worklist driver.
 
-- identities: ``x*1``, ``1*x``, ``x/1``, ``x+0``, ``0+x``, ``x-0`` -> ``x`` (when the result has
-  x's type, so broadcasting did not grow it); ``neg(neg(x))`` -> ``x``
-- no-op movement: ``cast`` to x's dtype, ``reshape``/``expand``/``squeeze`` to x's shape,
-  ``transpose`` by the identity, a full ``slice``, ``concat`` of one tensor -> ``x``
-- chains (DRR rules): ``transpose(transpose(x, p), q)`` -> ``transpose(x, p∘q)``;
+What an op allows is read from its op-table spec, never from its name:
+
+- identity elements (``spec.identity``): ``x op e`` -> ``x``, and ``e op x`` -> ``x`` for commutative
+  ops (``x*1``, ``x/1``, ``x+0``, ``0+x``, ``x-0``), when the result has x's type (broadcasting
+  did not grow it)
+- involutions (trait ``involution``): ``f(f(x))`` -> ``x`` (``neg(neg(x))``)
+- trait ``same_type_noop``: a result with its input's type is the input (``cast`` to x's dtype,
+  ``reshape``/``expand``/``squeeze`` to x's shape)
+- per-op rules: ``transpose`` by the identity, a full ``slice``, ``concat`` of one tensor -> ``x``;
+  chains (DRR): ``transpose(transpose(x, p), q)`` -> ``transpose(x, p∘q)``,
   ``reshape(reshape(x, a), b)`` -> ``reshape(x, b)``
 - order: a constant operand of a commutative op moves to the right (so CSE and the rules above
   see one form)
 - dead pure ops are erased along the way.
 
-"One" and "zero" are splat constants: a ``builtin.constant`` whose elements are all equal, an
-``llm.full``, ``llm.ones_like`` / ``llm.zeros_like``. Note ``x + 0.0`` -> ``x`` keeps every value
-except the sign of a negative zero (as compilers do under no-signed-zeros).
+"One" and "zero" are splat values: a ``builtin.constant`` whose elements are all equal, or an op
+whose ``splat`` rule knows its value (``full``, ``ones_like``, ``zeros_like``). Note ``x + 0.0``
+-> ``x`` keeps every value except the sign of a negative zero (as compilers do under
+no-signed-zeros).
 """
 
 from __future__ import annotations
@@ -27,21 +33,16 @@ from ..pass_manager import Pass, register_pass
 from ..program import Program
 from ..rewriter import PatternRewriter, RewritePattern, apply_patterns, pattern
 
-_SPLATS = {
-    "llm.zeros_like": lambda op: 0,
-    "llm.ones_like": lambda op: 1,
-    "llm.full": lambda op: op.plain_attrs["value"],
-    "builtin.constant": lambda op: op.attributes["value"].splat(),
-}
-
 
 def splat_value(v: Value) -> Any:
     """The single value every element of ``v`` holds when that is known at compile time."""
     op = getattr(v, "op", None)
     if op is None:
         return None
-    f = _SPLATS.get(op.name)
-    return None if f is None else f(op)
+    if op.name == "builtin.constant":
+        return op.attributes["value"].splat()
+    spec = op.opdef.spec
+    return None if spec is None or spec.splat is None else spec.splat(*op._operands, **op.plain_attrs)
 
 
 def _is(v: Value, target: float) -> bool:
@@ -55,26 +56,30 @@ def _forward(op: Operation, rw: PatternRewriter, x: Value) -> None:
         rw.replace_op(op, [x])
 
 
-@pattern("llm.add", "llm.sub", "llm.mul", "llm.div")
-def binary_identity(op: Operation, rw: PatternRewriter) -> None:
+@pattern()
+def identity_element(op: Operation, rw: PatternRewriter) -> None:
+    spec = op.opdef.spec
+    if spec is None or spec.identity is None:
+        return
     a, b = op._operands
-    unit = 1 if op.name in ("llm.mul", "llm.div") else 0
-    if _is(b, unit):
+    if _is(b, spec.identity):
         _forward(op, rw, a)
-    elif op.name in ("llm.add", "llm.mul") and _is(a, unit):
+    elif Trait.COMMUTATIVE in op.opdef.traits and _is(a, spec.identity):
         _forward(op, rw, b)
 
 
-@pattern("llm.neg")
-def double_negation(op: Operation, rw: PatternRewriter) -> None:
-    inner = getattr(op._operands[0], "op", None)
-    if inner is not None and inner.name == "llm.neg":
-        _forward(op, rw, inner._operands[0])
+@pattern()
+def involution(op: Operation, rw: PatternRewriter) -> None:
+    if Trait.INVOLUTION in op.opdef.traits:
+        inner = getattr(op._operands[0], "op", None)
+        if inner is not None and inner.name == op.name:
+            _forward(op, rw, inner._operands[0])
 
 
-@pattern("llm.cast", "llm.reshape", "llm.expand", "llm.squeeze")
+@pattern()
 def same_type_noop(op: Operation, rw: PatternRewriter) -> None:
-    _forward(op, rw, op._operands[0])
+    if Trait.SAME_TYPE_NOOP in op.opdef.traits:
+        _forward(op, rw, op._operands[0])
 
 
 @pattern("llm.transpose")
@@ -90,15 +95,15 @@ def full_slice(op: Operation, rw: PatternRewriter) -> None:
         _forward(op, rw, op._operands[0])
 
 
-@pattern("llm.concat", "llm.stack")
+@pattern("llm.concat")
 def single_concat(op: Operation, rw: PatternRewriter) -> None:
-    if len(op._operands) == 1 and op.name == "llm.concat":
+    if len(op._operands) == 1:
         _forward(op, rw, op._operands[0])
 
 
 def _is_constant(v: Value) -> bool:
     op = getattr(v, "op", None)
-    return op is not None and (Trait.CONSTANT_LIKE in op.opdef.traits or op.name == "llm.full")
+    return op is not None and Trait.CONSTANT_LIKE in op.opdef.traits
 
 
 class ConstantsRight(RewritePattern):
@@ -137,8 +142,8 @@ RESHAPE_CHAIN = drr.Rule(
 )
 
 PATTERNS: list[RewritePattern] = [
-    binary_identity,
-    double_negation,
+    identity_element,
+    involution,
     same_type_noop,
     identity_transpose,
     full_slice,

@@ -3,9 +3,9 @@
 1. Substitute symbols (option ``bind = {B = 2, T = S}``: a symbol -> an int or another dim) in
    function input types, attributes and result types, then re-infer every result type with the
    ops' ``infer_meta`` so the substitution reaches every value (``B*S`` becomes ``2*S``...).
-2. Make implicit sizes explicit: the ``-1`` of a ``reshape`` (and of an ``expand``) becomes the
-   dim it stands for.
-3. Fold shape-only ops: ``numel`` over static dims becomes a constant.
+2. Make implicit sizes explicit: the ``-1`` of a ``shape`` attribute (trait ``shape_attr``:
+   ``reshape``, ``expand``) becomes the dim it stands for.
+3. Fold shape-only ops (trait ``shape_only``): ``numel`` over static dims becomes a constant.
 
 Dims are kept canonical throughout (``symbolic.canonical``), so equal sizes print equal.
 """
@@ -14,17 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from math import prod
 from typing import Any
 
 import numpy as np
 
 from ... import symbolic as sym
+from ...ops.spec import OpError
 from ...symbolic import Dim
 from ..attributes import Attribute, DimAttr, ShapeAttr, dim_attr
 from ..builder import Builder
 from ..core import Operation
 from ..errors import IRError
+from ..opdef import Trait
 from ..pass_manager import Pass, register_pass
 from ..program import Program
 from ..types import TensorType, Type
@@ -58,8 +59,9 @@ def _sub_attr(a: Attribute, mapping: Mapping[str, Dim]) -> Attribute:
 
 
 def _explicit_sizes(op: Operation) -> None:
-    """reshape/expand: write the dims their -1 stands for."""
-    if op.name not in ("llm.reshape", "llm.expand"):
+    """An op whose ``shape`` attribute is its result's shape (trait ``shape_attr``: reshape,
+    expand): write the dims its -1 entries stand for."""
+    if Trait.SHAPE_ATTR not in op.opdef.traits:
         return
     shape = op.attributes["shape"].value
     if -1 in shape:
@@ -67,18 +69,20 @@ def _explicit_sizes(op: Operation) -> None:
         op.set_attr("shape", ShapeAttr([o if s == -1 else s for s, o in zip(shape, out, strict=False)]))
 
 
-def _fold_numel(op: Operation) -> bool:
-    if op.name != "llm.numel":
+def _fold_shape_only(op: Operation) -> bool:
+    """An op whose result depends on its operands' shapes alone (trait ``shape_only``: numel)
+    becomes a constant where its ``splat`` rule knows the value (the dims it reads are static)."""
+    if Trait.SHAPE_ONLY not in op.opdef.traits or any(a.symbolic for a in op.attributes.values()):
         return False
-    x = op._operands[0]
-    axes = op.plain_attrs["axis"]
-    if axes is not None and any(not -x.ndim <= a < x.ndim for a in axes):
-        return False  # (the op table lets axis 0 through on a 0-d tensor; its kernel then fails)
-    dims = x.shape if axes is None else [x.shape[a] for a in axes]
-    if not all(isinstance(d, int) for d in dims):
+    try:
+        value = op.opdef.spec.splat(*op._operands, **op.plain_attrs)
+    except OpError:  # the op rejects its operands: left for the run to report
         return False
-    value = np.asarray(prod(dims), dtype=x.dtype)
-    c = Builder.before_op(op).create("builtin.constant", (), {"value": value}, names=[op.results[0].name])
+    t = op.results[0].type
+    if value is None or not t.is_static:
+        return False
+    array = np.full(t.shape, value, t.dtype)
+    c = Builder.before_op(op).create("builtin.constant", (), {"value": array}, names=[op.results[0].name])
     op.results[0].replace_all_uses_with(c.results[0])
     op.erase()
     return True
@@ -124,5 +128,5 @@ class SimplifyShapes(Pass):
         elif mapping:
             for r in op.results:
                 r.type = _sub_type(r.type, mapping)
-        if not _fold_numel(op):
+        if not _fold_shape_only(op):
             _explicit_sizes(op)
