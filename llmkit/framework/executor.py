@@ -7,9 +7,10 @@ intermediates die at their last use. ``cinn.fusion`` ops run as the compiled ker
 attached to them, or op by op from their region. ``LLMKIT_PROFILE=1`` collects time per op type and
 prints the table at exit.
 
-``native=True`` (the inference engine's programs) runs ops that have a hand-written C kernel with
-it, and replays the whole function in one C call whenever every step is a C kernel or a view
-(``native.py``): no Python between ops.
+``native=True`` (every compiled program) runs ops that have a hand-written C kernel with it, and
+replays the whole function in one C call whenever every step is a C kernel or a view: no Python
+between ops. Both come from the compiler, which registers them (``compiler/native.py``) as it
+registers the kernels of ``cinn.fusion``: the executor imports nothing above the IR.
 
 Freed arrays go back to glibc; large ones would be returned to the OS and page-faulted in again at
 the next step (about 8 ms per 32 MiB here), so the executor raises glibc's mmap and trim
@@ -42,6 +43,20 @@ class ExecutionError(RuntimeError):
 # registers "cinn.fusion" here; unknown non-llm ops are an error at compile time.
 LOWERINGS: dict[str, Callable[[Operation], Callable[..., Any] | None]] = {}
 
+# What native executors run (``register_native``, by the compiler): an op's hand-written kernel,
+# called like its reference kernel (or None), and the replays of an executor's whole function.
+_native_kernel: Callable[[Operation], Callable[..., Any] | None] | None = None
+_replays: Callable[[Executor], Any] | None = None
+
+
+def register_native(kernel: Callable[[Operation], Any], replays: Callable[[Executor], Any]) -> None:
+    """How executors planned with ``native=True`` run ops with a hand-written C kernel
+    (``kernel(op)``: a callable like the op's reference kernel, or None) and replay whole functions
+    (``replays(executor).run(env, inputs)``: the outputs, or None to run op by op)."""
+    global _native_kernel, _replays
+    _native_kernel, _replays = kernel, replays
+
+
 _PROFILE = os.environ.get("LLMKIT_PROFILE", "") not in ("", "0")
 _profile: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
 
@@ -73,8 +88,8 @@ class Executor:
     """A compiled plan of one function of a program: ``executor.run(inputs) -> outputs``.
 
     ``native=True``: ops with a C kernel (``OpSpec.native``) run it, and calls whose every step is
-    a C kernel or a view are replayed in one C call (``native.py``); without a C compiler it is the
-    same as False.
+    a C kernel or a view are replayed in one C call (``compiler/native.py``); without a C compiler
+    (or without the compiler loaded) it is the same as False.
     """
 
     def __init__(self, program: Program | FuncOp, func: str | None = None, *, native: bool = False) -> None:
@@ -97,11 +112,7 @@ class Executor:
             (t, None if any(isinstance(d, str) for d in t.shape) else tuple(t.shape)) for t in self.arg_types
         ]
         self._liveness()
-        self._replays = None
-        if native:
-            from .native import Replays
-
-            self._replays = Replays(self)
+        self._replays = _replays(self) if native and _replays is not None else None
 
     # ---- planning ------------------------------------------------------------------------------
     def _new(self, v: Value) -> int:
@@ -129,10 +140,8 @@ class Executor:
                     self._slot[r] = s
                 continue
             spec = op.opdef.spec
-            if fn is None and self.native and spec is not None and spec.native is not None:
-                from .native import NativeOp
-
-                fn = NativeOp.of(op)
+            if fn is None and self.native and _native_kernel is not None and spec is not None:
+                fn = _native_kernel(op)
             if fn is None:
                 if spec is None:
                     raise ExecutionError(f"{name}: no kernel for this op\n    {format_op(op)}")

@@ -11,6 +11,10 @@ The pipeline, one named stage per file::
     tune        -> the fastest schedule per kernel and shape class, kept on disk    tune.py
     run         the executor calls each group's kernel                              runtime.py
 
+Hand-written kernels (``native/``: the engine's ops, embeddings, flash attention) are declared on
+their ops' specs there and run in place of the reference kernels (``native/run.py``); ops whose
+kernel applies are not decomposed. Their thread pool is ``par.py``.
+
 ``compile_program(program)`` runs it all (``jit.to_static(..., compiler="cinn")`` does it for
 you); ``fuse_program(program)`` stops after grouping (what the golden tests print);
 ``kernels(program)`` gives each group's loop IR for reading. Without a C compiler everything
@@ -26,14 +30,14 @@ from dataclasses import dataclass
 
 from ..ir import Pass, PassManager, Program, register_pass
 from ..ir.passes.cse import cse_block
-from . import build
+from . import build, native  # noqa: F401  (native: the hand-written kernels, and their executor hooks)
+from .attention_lse import AttentionLse
 from .build import STATS, FallbackWarning, cache_dir, set_cache_dir
 from .decompose import Decompose
 from .fuse import Fuse
 from .loop_ir import Kernel
 from .lower import LowerError, lower
 from .runtime import NO_CC, compile_fusions, kernel_sources
-from .templates import AttentionLse
 
 __all__ = [
     "STATS",

@@ -1,48 +1,35 @@
-"""Kernel templates: ops the compiler emits one whole kernel for instead of decomposing them.
+"""``attention-lse``: an attention forward and the backward of its output share the log-sum-exp.
 
-Fusing primitives cannot turn attention into a flash-attention loop nest (the online softmax
-rescales partial products inside the key loop), so for such ops the compiler has a C template
-(``attention.py``). An op with a template that applies to it is left whole by ``decompose``,
-becomes a ``cinn.fusion`` group of its own in ``fuse``, and ``runtime`` builds and calls the
-rendered kernel; where the template does not apply (a mask, bfloat16) the op is decomposed and
-fused as usual, and on GPU arrays the group runs the op's reference kernel.
+Where a program holds both (every training step), the flash kernels (``kernels/attention.py``)
+pass each query row's log-sum-exp from the forward to the backward instead of recomputing it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Builder, Operation, Pass, Program, register_pass
+from ..ir import Builder, Pass, Program, register_pass
 from ..ir.core import OpResult
-from . import attention
-
-TEMPLATES = {t.op: t for t in attention.TEMPLATES}
-
-
-def template_for(op: Operation) -> attention.Attention | None:
-    """The template that compiles ``op``, or None."""
-    spec = op.opdef.spec
-    t = TEMPLATES.get(spec.name) if spec is not None else None
-    return t if t is not None and t.applies(op) else None
+from .native import native_of
 
 
 def keep_attention_lse(program: Program) -> int:
     """Pair each attention backward with its forward: where ``scaled_dot_product_attention_grad``
-    (no mask, compiled by its template) differentiates the output of a
+    (no mask, run by its hand-written kernel) differentiates the output of a
     ``scaled_dot_product_attention`` of the same q, k, v and attributes, both become the ``_lse``
     forms: the forward also returns each row's log-sum-exp, and the backward takes it instead of
     recomputing it (a pass over every key, about a fifth of the backward). Returns the pairs."""
     n = 0
     for f in program.functions.values():
         for grad in list(f.body):
-            if grad.name != "llm.scaled_dot_product_attention_grad" or template_for(grad) is None:
+            if grad.name != "llm.scaled_dot_product_attention_grad" or native_of(grad) is None:
                 continue
             out = grad.operands[1]
             fwd = out.op if isinstance(out, OpResult) else None
             if (
                 fwd is None
                 or fwd.name != "llm.scaled_dot_product_attention"
-                or template_for(fwd) is None
+                or native_of(fwd) is None
                 or list(fwd.operands) != list(grad.operands[2:5])
                 or fwd.plain_attrs != grad.plain_attrs
             ):

@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import par
+from . import par
 from .codegen_c import PRELUDE
 
 log = logging.getLogger("llmkit.compiler")
 
 SPIN_COUNT = 20000  # libgomp spin iterations (a few hundred microseconds here) before a thread sleeps
-SPIN_NS = 200_000  # how long the thread pool's helpers (framework/par.py) spin, likewise
+SPIN_NS = 200_000  # how long the thread pool's helpers (par.py) spin, likewise
 
 
 def _libgomp_loaded() -> bool:
@@ -89,6 +89,8 @@ def spin_between_kernels() -> bool:
     os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
     return True
 
+
+CPUS = int(os.environ.get("LLMKIT_CINN_THREADS", 0)) or os.cpu_count() or 1  # threads a kernel may use
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
          "-fPIC", "-shared")  # fmt: skip
@@ -291,7 +293,7 @@ def _compile(tc: Toolchain, source: str, so: Path, libs: tuple[str, ...] = ()) -
 
 
 def _load_pool(tc: Toolchain, d: Path) -> None:
-    """The kernels' thread pool (``framework/par.py``), built once per toolchain into the cache and
+    """The kernels' thread pool (``par.py``), built once per toolchain into the cache and
     loaded before any kernel: kernels bind to its symbols (without it they fail to load, and fall
     back with the warning ``build`` gives)."""
     if par.loaded():

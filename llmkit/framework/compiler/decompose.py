@@ -16,7 +16,7 @@ import numpy as np
 from ..ir import Builder, Operation, Program
 from ..ir.opdef import Trait
 from ..ir.pass_manager import Pass, register_pass
-from .templates import template_for
+from .native import native_of
 
 # dtypes the backends can compute in; ops touching others (bfloat16, float16) stay composite
 SUPPORTED_DTYPES = frozenset(
@@ -87,7 +87,7 @@ def detach_constant(op: Operation) -> bool:
 @dataclass
 class Decompose(Pass):
     """Replace every composite op (one with a ``decompose`` rule) by primitives, to a fixpoint;
-    ops with a kernel template (``templates.py``) stay whole."""
+    ops whose hand-written kernel applies (``kernels/``: flash attention) stay whole."""
 
     name = "decompose"
 
@@ -101,7 +101,7 @@ class Decompose(Pass):
                 changed = False
                 for op in list(f.body):
                     if op.opdef.spec is not None and op.opdef.spec.decompose is not None:
-                        if template_for(op) is None:  # a whole-op kernel beats the primitives
+                        if native_of(op) is None:  # a hand-written kernel beats the primitives
                             changed |= decompose_op(op, self.origins)
                     elif detach_constant(op):
                         changed = True

@@ -35,7 +35,6 @@ from ..ir.core import BlockArgument
 from ..ir.pass_manager import Pass, register_pass
 from ..ops.spec import Kind, norm_axes
 from .decompose import supported
-from .templates import template_for
 
 _EXPENSIVE = ("exp(", "log(", "pow(", "tanh(", "erf(", "sin(", "cos(")
 SMALL = 64  # static element count below which recomputing a value anywhere is free
@@ -346,20 +345,14 @@ class _Fuser:
             self.attach_epilogues()
         self.pull_in()
         self.recompute()
-        for op in list(self.block):  # an op with a kernel template is a group of its own
-            if template_for(op) is not None:
-                g = self.group[op] = Group(_shape(op.results[0]))
-                g.ops.append(op)
         prio: dict[Operation, int] = dict(self.pos)
         for g in dict.fromkeys(self.group.values()):
-            if any(role(o) in ("ew", "reduce") for o in g.ops) or template_for(g.ops[0]) is not None:
+            if any(role(o) in ("ew", "reduce") for o in g.ops):
                 prio[self.materialize(g)] = max(self.pos[o] for o in g.ops)
         _toposort(self.block, prio)
 
     def label(self, g: Group) -> str:
         names = Counter(self.origins[o] for o in g.ops if o in self.origins)
-        if not names and template_for(g.ops[0]) is not None:
-            return g.ops[0].opdef.spec.name
         if names:
             return "+".join(n for n, _ in names.most_common(2))
         prims = [o.opdef.spec.name for o in g.ops if role(o) in ("ew", "reduce", "contraction")]

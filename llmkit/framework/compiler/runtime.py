@@ -27,13 +27,12 @@ from ..executor import _PROFILE, LOWERINGS
 from ..ir import Operation, Program
 from . import build as B
 from . import tune
+from .build import CPUS
 from .codegen_c import MIN_PARALLEL_WORK, render_c
-from .lower import Lowered, LowerError, group_parts, lower
+from .lower import Lowered, LowerError, lower
 from .schedule import build as build_kernel
 from .schedule import coalesce, strategies
-from .templates import template_for
 
-CPUS = int(os.environ.get("LLMKIT_CINN_THREADS", 0)) or os.cpu_count() or 1  # threads a kernel may use
 _KERNELS: weakref.WeakKeyDictionary[Operation, FusedKernel] = weakref.WeakKeyDictionary()
 PLACEHOLDER = "KERNEL_FN"
 
@@ -168,34 +167,6 @@ class FusedKernel:
         return reference(self.fusion, xp, arrays)
 
 
-class TemplateKernel:
-    """A group holding one op with a kernel template (``templates.py``), called like a FusedKernel."""
-
-    def __init__(self, fusion: Operation, fn: Any) -> None:
-        (self.op,) = group_parts(fusion)[0]
-        self.fusion = fusion
-        self.template = template_for(self.op)
-        self.fn = fn
-        self.profile_name = f"cinn.fusion[{self.op.opdef.spec.name}]"
-        self.args = [list(fusion.operands).index(v) for v in self.op.operands]  # operands may repeat
-        self.picks = [list(self.op.results).index(v) for v in fusion.regions[0].blocks[0].last.operands]
-
-    def __call__(self, xp: Any, *arrays: Any, **attrs: Any) -> Any:
-        if xp is not np:
-            return reference(self.fusion, xp, arrays)
-        outs = self.template.run(self.fn, tuple(arrays[i] for i in self.args), CPUS)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        picked = [outs[i] for i in self.picks]
-        return picked[0] if len(picked) == 1 else tuple(picked)
-
-
-def template_source(fusion: Operation) -> str | None:
-    """The kernel source of a group that is one op with a kernel template (else None)."""
-    ops = group_parts(fusion)[0]
-    t = template_for(ops[0]) if len(ops) == 1 else None
-    return None if t is None else t.source(ops[0])
-
-
 def reference(fusion: Operation, xp: Any, arrays: tuple) -> Any:
     """The group's ops run one by one with the op-table kernels (the fallback, and the oracle)."""
     env: dict[str, int] = {}
@@ -229,15 +200,8 @@ def compile_groups(groups: list[Operation]) -> int:
     pending = []
     sources: dict[str, str] = {}
     dump = os.environ.get("LLMKIT_CINN_DUMP")
-    whole = []
     for op in groups:
         if op in _KERNELS:
-            continue
-        src = template_source(op)
-        if src is not None:
-            name = B.kernel_name(src)
-            sources[name] = src.replace(PLACEHOLDER, name)
-            whole.append((op, name))
             continue
         try:
             low = lower(op)
@@ -255,10 +219,6 @@ def compile_groups(groups: list[Operation]) -> int:
                     fh.write(f"{k}\n{s}")
     fns = B.build(sources)
     n = 0
-    for op, name in whole:
-        if fns[name] is not None:
-            _KERNELS[op] = TemplateKernel(op, fns[name])
-            n += 1
     for op, low, cands in pending:
         ok = [(lbl, name, fns[name]) for lbl, name, _, _ in cands if fns[name] is not None]
         if ok:

@@ -36,7 +36,7 @@ def prepare(program: Program, compiler: str | None) -> Program:
 def executor_for(program: Program, compiler: str | None, func: str | None = None):
     """The executor of ``program`` (function ``func``) as :func:`prepare` leaves it. With the CINN
     compiler it also runs the ops' hand-written C kernels and replays all-C functions in one call
-    (``Executor(native=True)``, see ``framework/native.py``)."""
+    (``Executor(native=True)``, see ``compiler/native/``)."""
     from ..executor import Executor
 
     if compiler is None:

@@ -12,13 +12,11 @@ import numpy as np
 
 from .. import backend as B
 from .. import symbolic as sym
-from . import kernels_c
 from .spec import (
     A,
     AttrType,
     Kind,
     Meta,
-    Native,
     OpError,
     attr,
     defop,
@@ -450,11 +448,6 @@ defop(
     attrs=[attr("axis", A.INT, 0)],
     infer_meta=_index_select_meta,
     kernel=lambda xp, x, index, axis=0: xp.take(x, index, axis=axis),
-    native=Native(
-        kernels_c.INDEX_SELECT,
-        sizes=lambda x, index, axis=0: [x.shape[0], index.shape[0], x.nbytes // max(x.shape[0], 1)],
-        applies=lambda x, index, axis=0: x.ndim >= 1 and axis in (0, -x.ndim) and index.dtype == np.int64,
-    ),
     nondiff={1},
     vjp=lambda g, out, x, index, axis: (O.index_add(O.zeros_like(x), index, g, axis=axis), None),
     doc="out = x.take(index, axis): whole slices picked by a 1-D index.",
@@ -492,21 +485,6 @@ defop(
     attrs=[attr("axis", A.INT, 0)],
     infer_meta=_index_add_meta,
     kernel=_index_add_kernel,
-    native=Native(
-        kernels_c.INDEX_ADD,
-        sizes=lambda x, index, src, axis=0: [
-            x.shape[0],
-            index.shape[0],
-            x.size // max(x.shape[0], 1),
-            x.itemsize,
-        ],
-        applies=lambda x, index, src, axis=0: (
-            x.ndim >= 1
-            and axis in (0, -x.ndim)
-            and index.dtype == np.int64
-            and x.dtype.name in ("float32", "float64")
-        ),
-    ),
     nondiff={1},
     vjp=lambda g, out, x, index, src, axis: (g, None, O.index_select(g, index, axis=axis)),
     doc="x with src's slices added at index along axis (repeated indices accumulate).",

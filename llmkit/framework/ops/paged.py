@@ -19,29 +19,24 @@ slot ``block_table[p // BS] * BS + p % BS``. Three ops make that a program:
   ``linear`` ops into it; see docs/serve.md ("Batch invariance"). ``transposed=True`` takes the
   weight as ``[in, out]``, the layout BLAS reads fastest (the engine stores weights that way).
 
-All three are inference ops: they have no gradient rule (RLHF differentiates the training forward,
-not the engine's programs) and no decomposition (the compiler must keep their kernels, which carry
-the guarantees above). Each also has a hand-written C kernel (``kernels_c.py``) that the engine's
-compiled programs run: ``tiled_linear`` (float32, any ``rows``: it computes every row alone),
-``paged_attention`` in decode form (no ``q_start``/``q_len``) and ``paged_kv_write``.
+They and ``tiled_linear_swiglu`` are the engine's ops (``engine_op``: traits ``inference`` and
+``internal``): the paged ones have no gradient rule (RLHF differentiates the training forward, not
+the engine's programs), none has a decomposition (the compiler must keep their kernels, which
+carry the guarantees above), and each has a hand-written C kernel that the engine's compiled
+programs run (``compiler/kernels/paged.py``, ``linear.py``).
 """
 
 from __future__ import annotations
 
 import math
-import struct
 
 import numpy as np
 
 from .. import backend as B
 from .. import symbolic as sym
-from . import kernels_c
 from .contraction import _linear_meta, _linear_vjp, mm
-from .spec import A, Kind, Meta, Native, OpError, attr, defop, describe, get, optional, same_dtype
+from .spec import A, Kind, Meta, OpError, attr, defop, describe, get, optional, same_dtype
 from .spec import ops as O
-
-_F32 = np.dtype(np.float32)
-_I64 = np.dtype(np.int64)
 
 
 def _known_differ(a: sym.Dim, b: sym.Dim) -> bool:
@@ -115,11 +110,6 @@ def _write_kernel(xp, pool, k, v, slots, layer=0, inplace=False):
     return out
 
 
-def _write_sizes(pool, k, v, slots, layer=0, inplace=False):
-    b, h, s, d = k.shape
-    return [b, h, s, d, pool.shape[2] * pool.shape[3], pool.itemsize, layer, pool.nbytes]
-
-
 engine_op(
     "paged_kv_write",
     ("pool", "k", "v", "slots"),
@@ -127,11 +117,6 @@ engine_op(
     _write_meta,
     _write_kernel,
     traits={"inplace_input0"},
-    native=Native(
-        kernels_c.PAGED_KV_WRITE,
-        sizes=_write_sizes,
-        applies=lambda pool, k, v, slots, **attrs: slots.dtype == _I64,
-    ),
     doc="The pool with this step's keys/values stored: k, v [B, Hkv, S, D] go to pool[layer, 0/1] at "
     "flat slots [B*S] (block * block_size + offset; -1 = do not store). With inplace=True the kernel "
     "writes into the pool it is given and returns it: the caller donates that value.",
@@ -238,26 +223,12 @@ def _attn_kernel(xp, q, pool, block_tables, kv_len, q_start=None, q_len=None, la
     return out.reshape(b, s, hq, d).transpose(0, 2, 1, 3)
 
 
-def _attn_sizes(q, pool, block_tables, kv_len, q_start=None, q_len=None, layer=0, scale=None):
-    b, hq, s, d = q.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    bits = struct.unpack("<q", struct.pack("<d", scale))[0]  # the kernel reads it back as a double
-    geometry = [b, hq, s, d, pool.shape[2], pool.shape[3], pool.shape[4], block_tables.shape[1], layer, bits]
-    return geometry + [int(q_start is not None), block_tables.shape[0]]
-
-
-def _attn_native_applies(q, pool, block_tables, kv_len, q_start=None, q_len=None, **attrs):
-    ints = [t.dtype == _I64 for t in (block_tables, kv_len, q_start, q_len) if t is not None]
-    return q.dtype == pool.dtype == _F32 and all(ints)
-
-
 engine_op(
     "paged_attention",
     ("q", "pool", "block_tables", "kv_len", "q_start?", "q_len?"),
     [_LAYER, attr("scale", optional(A.FLOAT), None)],
     _attn_meta,
     _attn_kernel,
-    native=Native(kernels_c.PAGED_ATTENTION, sizes=_attn_sizes, applies=_attn_native_applies),
     doc="Causal attention of q [B, Hq, S, D] against a paged KV pool, segment by segment. Segment i is the "
     "query tokens [q_start[i], q_start[i] + q_len[i]) of the flattened B*S tokens (one row of B); its "
     "keys are positions 0 .. kv_len[i]-1 of the sequence whose blocks are block_tables[i], and its "
@@ -338,23 +309,11 @@ def _tiled_vjp(g, out, x, weight, bias=None, rows=8, transposed=False, panel=0):
     )
 
 
-def _tiled_sizes(x, weight, bias=None, rows=8, transposed=False, panel=0):
-    k = x.shape[-1]
-    rows = math.prod(x.shape[:-1])  # (not x.size // k: k may be 0)
-    n = weight.shape[0] * panel if panel else weight.shape[1 if transposed else 0]
-    return [rows, k, n, bias is not None, 2 if panel else int(transposed)]
-
-
 _TILED_ATTRS = [  # the weight layout attributes of tiled_linear and tiled_linear_swiglu
     attr("rows", A.INT, 8, lambda v: None if v >= 1 else "must be >= 1"),
     attr("transposed", A.BOOL, False),
     attr("panel", A.INT, 0, lambda v: None if v in (0, PANEL) else f"must be 0 or {PANEL}"),
 ]
-
-
-def _tiled_native_applies(x, weight, bias=None, rows=8, transposed=False, panel=0):
-    # any tile size: the C kernel computes every row alone (the op's contract, for every `rows`)
-    return weight.ndim == (3 if panel else 2) and all(t is None or t.dtype == _F32 for t in (x, weight, bias))
 
 
 engine_op(
@@ -363,7 +322,6 @@ engine_op(
     _TILED_ATTRS,
     _tiled_meta,
     _tiled_kernel,
-    native=Native(kernels_c.TILED_LINEAR, sizes=_tiled_sizes, applies=_tiled_native_applies),
     vjp=_tiled_vjp,
     doc="x @ weight.T + bias (as linear), computed in matrix products of exactly `rows` rows (the last "
     "zero-padded), so each row's result is independent of the number of rows: batch invariance (the "
@@ -398,25 +356,12 @@ def _tls_vjp(g, out, x, w_gate, w_up, rows=8, transposed=False, panel=0):
     return (lambda: ga[0]() + gb[0](), ga[1], gb[1])
 
 
-def _tls_native_applies(x, w_gate, w_up, rows=8, transposed=False, panel=0):
-    return panel == PANEL and all(t.dtype == _F32 for t in (x, w_gate, w_up))
-
-
 engine_op(
     "tiled_linear_swiglu",
     ("x", "w_gate", "w_up"),
     _TILED_ATTRS,
     _tls_meta,
     _tls_kernel,
-    native=Native(
-        kernels_c.TILED_LINEAR_SWIGLU.replace("@SIGMOID@", get("sigmoid").c.format("gm[j]")),
-        sizes=lambda x, w_gate, w_up, **attrs: [
-            math.prod(x.shape[:-1]),
-            x.shape[-1],
-            w_gate.shape[0] * w_gate.shape[2],
-        ],
-        applies=_tls_native_applies,
-    ),
     vjp=_tls_vjp,
     doc="swiglu(tiled_linear(x, w_gate), tiled_linear(x, w_up)) as one op (the engine's MLP with "
     "both weights in panels: each thread finishes its own columns; the products are never stored). "

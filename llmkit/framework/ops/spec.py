@@ -5,8 +5,9 @@ defaults), ``infer_meta`` (shapes and dtypes, symbolic dims allowed), ``kernel(x
 reference kernel, the same code for numpy and cupy), ``vjp`` (written with other ops, so it runs
 eagerly and under tracing alike), ``kind`` (the fusion class, which also supplies default shape
 rules), an optional ``decompose`` into primitives, a C expression template for elementwise
-primitives, an optional hand-written C kernel (:class:`Native`), and an ``spmd`` slot for
-auto-parallel. :func:`defop` registers a spec in the one table; nothing else lists ops.
+primitives, traits (:data:`TRAITS`), a hand-written C kernel slot (:class:`Native`, filled by
+``compiler/kernels``) and an ``spmd`` slot (filled by auto-parallel). :func:`defop` registers a
+spec in the one table; nothing else lists ops.
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ TRAITS: dict[str, str] = {
     "inplace_input0": "may return input 0 itself, written in place (the caller donates it)",
     "internal": "programs use it (backward, compiler, engine), users do not: it is no Tensor method",
     "inference": "an op of the inference engine's programs (batch-invariant by contract), with a "
-    "hand-written kernel",
+    "hand-written kernel in compiler/kernels",
 }
 
 
@@ -238,27 +239,33 @@ TRAITS: dict[str, str] = {
 
 @dataclass(frozen=True)
 class Native:
-    """A hand-written C kernel of an op, run in place of ``kernel`` by executors planned with
-    ``native=True`` (the inference engine's compiled programs).
+    """A hand-written C kernel of an op, run in place of ``kernel`` by executors of compiled
+    programs. Every one lives in ``compiler/kernels/``, which attaches it to its op's spec
+    (``kernels.native``); ``compiler/native.py`` builds and runs it.
 
     ``source`` defines ``void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads)``
     (the compiler's kernel signature; every name it defines starts with ``KERNEL_FN``, which is
-    replaced by the kernel's hashed name). ``bufs`` holds the op's given inputs, its outputs, then
-    an ``int64[2]`` status: a kernel that rejects its inputs stores a nonzero code there *before*
-    writing anything, and the caller then runs the reference kernel, which raises the op's own
-    error. An op with trait ``inplace_input0`` gets input 0 itself as its output when it may write
-    in place (else a fresh array, into which the kernel copies input 0 first).
+    replaced by the kernel's hashed name), or is a function ``(*metas, **attrs) -> source`` for a
+    kernel rendered per op (flash attention: head dims and scale are constants of its C). ``bufs``
+    holds the op's given inputs, its outputs, then an ``int64[3]`` status: a kernel that rejects
+    its inputs stores a nonzero code there *before* writing anything, and the caller then runs the
+    reference kernel, which raises the op's own error. An op with trait ``inplace_input0`` gets
+    input 0 itself as its output when it may write in place (else a fresh array, into which the
+    kernel copies input 0 first).
 
     ``applies(*metas, **attrs)`` decides from the program's static types and attributes, once per
-    op, whether the kernel handles it (so a program never mixes kernels between calls);
-    ``sizes(*arrays, **attrs)`` gives a call's size arguments. A native kernel need not match
-    ``kernel`` bit for bit, but must keep the op's contract (``tiled_linear``: a row's result does
-    not depend on the other rows); ``test_op_table.py`` checks it against the reference formula.
+    op, whether the kernel handles it (so a program never mixes kernels between calls; where it
+    applies, ``decompose`` leaves a composite op whole); ``sizes(*arrays, **attrs)`` gives a call's
+    size arguments. Inputs are made contiguous first, unless ``strided`` (the kernel reads them
+    through the strides ``sizes`` passes). A native kernel need not match ``kernel`` bit for bit,
+    but must keep the op's contract (``tiled_linear``: a row's result does not depend on the other
+    rows); ``tests/framework/compiler/test_native.py`` checks each against a float64 formula.
     """
 
-    source: str
+    source: str | Callable[..., str]
     sizes: Callable[..., Sequence[int]]
     applies: Callable[..., bool]
+    strided: bool = False
 
 
 # -------------------------------------------------------------------------------------- the spec
@@ -285,7 +292,7 @@ class OpSpec:
     # per input, the input index holding out[out_index] (cond: where that input supplies it, or None).
     # The compiler fuses such ops as index arithmetic; ``ix`` offers dim(), reshape(), broadcast().
     index_map: Callable[..., Any] | None = None
-    native: Native | None = None  # a hand-written C kernel (see Native)
+    native: Native | None = None  # a hand-written C kernel, attached by compiler/kernels (see Native)
     traits: frozenset[str] = frozenset()  # names from TRAITS
     identity: Any = None  # binary ops: x op identity == x (and identity op x == x when commutative)
     # (*metas, **attrs) -> the one value every element of the result holds, or None where unknown
@@ -377,7 +384,6 @@ def defop(
     c: str | None = None,
     reducer: str | None = None,
     index_map: Callable[..., Any] | None = None,
-    native: Native | None = None,
     traits: Sequence[str] = (),
     identity: Any = None,
     splat: Callable[..., Any] | None = None,
@@ -409,7 +415,6 @@ def defop(
         c=c,
         reducer=reducer,
         index_map=index_map,
-        native=native,
         traits=frozenset(traits),
         identity=identity,
         splat=splat,

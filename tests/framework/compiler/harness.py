@@ -54,8 +54,10 @@ def build_all(cases: list[Case], dtypes: list) -> list[Built]:
     return out
 
 
-def run(program: ir.Program, arrays: list) -> list:
-    return Executor(program).run(arrays)
+def run(program: ir.Program, arrays: list, native: bool = False) -> list:
+    """Run ``program``; ``native=True`` as compiled programs run (the ops' hand-written kernels too),
+    else with the reference kernels (what compiled programs are checked against)."""
+    return Executor(program, native=native).run(arrays)
 
 
 def assert_same(got: list, want: list, dtype: np.dtype, what: str = "") -> None:
@@ -83,3 +85,11 @@ def count_kernels(program: ir.Program) -> tuple[int, int]:
 
     groups = [op for op in program.walk() if op.name == "cinn.fusion"]
     return len(groups), sum(1 for g in groups if g in _KERNELS)
+
+
+def count_native(program: ir.Program) -> tuple[int, int]:
+    """(ops whose hand-written kernel applies, steps a native executor runs with one)."""
+    from llmkit.framework.compiler.native import native_of
+
+    ops = sum(1 for op in program.walk() if native_of(op) is not None)
+    return ops, sum(1 for st in Executor(program, native=True).steps if st.name.endswith("[native]"))

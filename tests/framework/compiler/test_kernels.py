@@ -13,7 +13,7 @@ import llmkit.framework as lf
 from llmkit.framework import compiler, ir, optim
 
 from .conftest import needs_cc
-from .harness import Case, assert_same, build_all, count_kernels, run
+from .harness import Case, assert_same, build_all, count_kernels, count_native, run
 
 O = lf.ops
 pytestmark = needs_cc
@@ -155,12 +155,14 @@ def test_compiled_equals_reference(built, name, dtype):
     b = built[(name, dtype)]
     groups, compiled = count_kernels(b.fused)
     assert groups >= 1 and compiled == groups, f"{name}: {compiled} of {groups} groups compiled"
+    applies, ran = count_native(b.fused)
+    assert ran == applies, f"{name}: {ran} of {applies} hand-written kernels run"
     rng = np.random.default_rng(1)
     for sizes in b.case.sizes:
         arrays = b.case.make(rng, np.dtype(dtype), sizes)
         with np.errstate(all="ignore"):  # a row whose labels are all ignored: 0/0 in both
             want = run(b.reference, arrays)
-        assert_same(run(b.fused, arrays), want, np.dtype(dtype), f"{name} {sizes}")
+        assert_same(run(b.fused, arrays, native=True), want, np.dtype(dtype), f"{name} {sizes}")
 
 
 NAN_CASES = ["rms_norm", "softmax", "softmax_axis0", "cross_entropy", "swiglu", "reductions", "broadcast",
@@ -181,7 +183,7 @@ def test_nan_and_inf_propagate_as_in_the_reference(built, name):
                 flat[pick] = [np.nan, np.inf, -np.inf][: len(pick)]
         with np.errstate(all="ignore"):
             want = run(b.reference, arrays)
-            got = run(b.fused, arrays)
+            got = run(b.fused, arrays, native=True)
         assert_same(got, want, np.dtype(dtype), f"{name} with NaN/inf")
 
 
@@ -192,9 +194,15 @@ def test_strided_inputs_get_their_own_variant(built):
     x = big[1::2, ::2]  # rows and columns strided
     w = r(rng, (40,), np.float32)
     assert not x.flags.c_contiguous
-    assert_same(run(b.fused, [x, w]), run(b.reference, [np.ascontiguousarray(x), w]), np.dtype("float32"))
+    assert_same(
+        run(b.fused, [x, w], native=True), run(b.reference, [np.ascontiguousarray(x), w]), np.dtype("float32")
+    )
     xt = r(rng, (40, 5), np.float32).T  # a transposed view
-    assert_same(run(b.fused, [xt, w]), run(b.reference, [np.ascontiguousarray(xt), w]), np.dtype("float32"))
+    assert_same(
+        run(b.fused, [xt, w], native=True),
+        run(b.reference, [np.ascontiguousarray(xt), w]),
+        np.dtype("float32"),
+    )
 
 
 def test_one_kernel_serves_every_size(built):
@@ -205,7 +213,7 @@ def test_one_kernel_serves_every_size(built):
     rng = np.random.default_rng(4)
     for n, m in [(1, 1), (2, 3), (17, 31), (64, 500), (3, 4097)]:
         x = r(rng, (n, m), np.float32)
-        assert_same(run(b.fused, [x]), run(b.reference, [x]), np.dtype("float32"))
+        assert_same(run(b.fused, [x], native=True), run(b.reference, [x]), np.dtype("float32"))
     assert STATS.compiled == before  # no new kernel for new sizes
 
 
@@ -229,7 +237,7 @@ _PAIR = """module {
     ],
 )
 def test_attention_backward_takes_the_forwards_log_sum_exp(fwd, out, keys, grad, pairs):
-    from llmkit.framework.compiler.templates import keep_attention_lse
+    from llmkit.framework.compiler.attention_lse import keep_attention_lse
 
     text = _PAIR.replace("FWD", fwd).replace("OUT", out).replace("KEYS", keys).replace("GRAD", grad)
     p = ir.parse(text)
@@ -248,6 +256,7 @@ def test_paired_attention_runs_the_lse_kernels_and_its_lse_equals_the_reference(
     assert "llm.scaled_dot_product_attention_lse" in inner
     assert "llm.scaled_dot_product_attention_lse_grad" in inner
     assert "llm.scaled_dot_product_attention_grad" not in inner
+    assert count_native(b.fused) == (2, 2)  # the flash kernels run them
     rng = np.random.default_rng(4)
     q, k, v = (r(rng, (2, h, 11, 8), np.float32) for h in (4, 2, 2))
     p = ir.parse(
@@ -259,6 +268,6 @@ def test_paired_attention_runs_the_lse_kernels_and_its_lse_equals_the_reference(
 }"""  # noqa: E501
     )
     fused = compiler.compile_program(p)
-    out, lse = run(fused, [q, k, v])
+    out, lse = run(fused, [q, k, v], native=True)
     want_out, want_lse = run(p, [q, k, v])
     assert_same([out, lse], [want_out, want_lse], np.dtype("float32"), "attention with lse")

@@ -1,4 +1,4 @@
-"""Hand-written C kernels (``OpSpec.native``) and whole-function replays (``framework/native.py``).
+"""Hand-written C kernels (``OpSpec.native``) and whole-function replays (``compiler/native/``).
 
 Each kernel is checked against a numpy float64 formula written here (or in ``test_op_table.py``'s
 independent references), on sizes that exercise its vector blocks and scalar tails; replays are
@@ -17,8 +17,8 @@ from test_op_table import _paged_attention_ref, _paged_write_ref  # tests/framew
 
 from llmkit.framework import ir
 from llmkit.framework.compiler import available
+from llmkit.framework.compiler.native import NativeOp, build_c
 from llmkit.framework.executor import Executor
-from llmkit.framework.native import NativeOp, build_c
 from llmkit.framework.ops.spec import Meta, OpError, table
 
 pytestmark = pytest.mark.skipif(not available(), reason="no working C compiler")
@@ -69,7 +69,7 @@ def test_tiled_linear_rows_are_independent_bitwise(transposed):
 
 @pytest.mark.parametrize("transposed", [True, False])
 def test_tiled_linear_threads_do_not_change_a_bit(monkeypatch, transposed):
-    import llmkit.framework.native as native_mod
+    import llmkit.framework.compiler.native.run as native_mod
 
     rng = np.random.default_rng(5)
     for m in (8, 40):  # the decode path and the packed one
@@ -139,7 +139,7 @@ def test_tiled_linear_panels_match_float64_and_the_other_layouts_bits(m, k, n):
 
 
 def test_tiled_linear_panels_threads_do_not_change_a_bit(monkeypatch):
-    import llmkit.framework.native as native_mod
+    import llmkit.framework.compiler.native.run as native_mod
 
     rng = np.random.default_rng(9)
     w = _panels(rng.standard_normal((200, 704)).astype(np.float32))
@@ -190,7 +190,7 @@ def test_tiled_linear_swiglu_matches_float64_and_rows_are_independent(m, k, n):
 
 
 def test_tiled_linear_swiglu_threads_do_not_change_a_bit(monkeypatch):
-    import llmkit.framework.native as native_mod
+    import llmkit.framework.compiler.native.run as native_mod
 
     rng = np.random.default_rng(11)
     pg, pu = (_panels(rng.standard_normal((200, 704)).astype(np.float32) / 8) for _ in range(2))
@@ -221,7 +221,7 @@ def test_paged_attention_decode_matches_float64(d, bs, hq, hk):
 
 
 def test_paged_attention_threads_and_batch_do_not_change_a_bit(monkeypatch):
-    import llmkit.framework.native as native_mod
+    import llmkit.framework.compiler.native.run as native_mod
 
     rng = np.random.default_rng(7)
     b, hq, hk, d, nb, bs = 4, 8, 2, 32, 64, 16

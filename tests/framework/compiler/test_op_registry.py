@@ -15,7 +15,7 @@ from llmkit.framework.compiler.fuse import role
 from llmkit.framework.ops.spec import Kind, table
 
 from .conftest import needs_cc
-from .harness import assert_same, count_kernels, run
+from .harness import assert_same, count_kernels, count_native, run
 
 pytestmark = needs_cc
 
@@ -80,9 +80,11 @@ def test_compiled_equals_eager(programs, name):
         ref, fused, arrays = programs[key]
         groups, compiled = count_kernels(fused)
         assert compiled == groups, f"{key}: {compiled} of {groups} groups compiled"
+        applies, ran = count_native(fused)
+        assert ran == applies, f"{key}: {ran} of {applies} hand-written kernels run"
         with np.errstate(all="ignore"):
             want = run(ref, arrays)
-            got = run(fused, arrays)
+            got = run(fused, arrays, native=True)
         assert_same(got, want, np.dtype(key[2]), str(key))
 
 

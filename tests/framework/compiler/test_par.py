@@ -1,4 +1,4 @@
-"""The kernels' thread pool (``framework/par.py``): every chunk of every loop runs exactly once, on
+"""The kernels' thread pool (``compiler/par.py``): every chunk of every loop runs exactly once, on
 a worker index below the loop's thread count, whoever claims it; two callers at once, loops opened
 inside a chunk, more chunks than one claim word counts, and a forked child all still do.
 
@@ -19,9 +19,8 @@ import warnings
 import numpy as np
 import pytest
 
-from llmkit.framework import par
-from llmkit.framework.compiler import available
-from llmkit.framework.native import build_c
+from llmkit.framework.compiler import available, par
+from llmkit.framework.compiler.native import build_c
 
 pytestmark = pytest.mark.skipif(not available(), reason="no working C compiler")
 
@@ -170,9 +169,9 @@ def test_a_forked_child_starts_its_own_helpers():
 
 _NO_POOL = """
 import warnings
-from llmkit.framework import par
+from llmkit.framework.compiler import par
 par.SOURCE = "this is not C"  # the pool fails to compile
-from llmkit.framework.native import build_c
+from llmkit.framework.compiler.native import build_c
 from llmkit.framework.ops.spec import table
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")

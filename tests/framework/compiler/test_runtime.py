@@ -183,7 +183,7 @@ if sys.argv[1] == "after-kernel":
     from llmkit.framework import jit
     f = jit.to_static(lambda x: lf.ops.exp(x) + 1.0, input_spec=[jit.InputSpec(["N"], "float32")])
     f(lf.tensor(np.ones(3, np.float32)))  # loads a kernel, and with it libgomp
-from llmkit.framework import par
+from llmkit.framework.compiler import par
 before = par._spin_ns
 applied = build.spin_between_kernels()
 env = [os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")]

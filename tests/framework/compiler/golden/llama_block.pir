@@ -93,38 +93,35 @@ module {
       %47 = llm.add(%41, %46) : f32[B, 1, S, 8]
       cinn.yield(%47)
     }
-    %48 = cinn.fusion(%20, %34, %16) {name = "scaled_dot_product_attention"} : f32[B, 2, S, 8] {
-      %49 = llm.scaled_dot_product_attention(%20, %34, %16) {is_causal = true} : f32[B, 2, S, 8]
-      cinn.yield(%49)
+    %48 = llm.scaled_dot_product_attention(%20, %34, %16) {is_causal = true} : f32[B, 2, S, 8]
+    %49 = llm.transpose(%48) {perm = [0, 2, 1, 3]} : f32[B, S, 2, 8]
+    %50 = llm.reshape(%49) {shape = [B, S, 16]} : f32[B, S, 16]
+    %51 = llm.matmul(%50, %self_attn_o_proj_weight) {transpose_y = true} : f32[B, S, 16]
+    %52 = cinn.fusion(%arg0, %51, %post_attention_layernorm_weight) {name = "rms_norm"} : f32[B, S, 16] {
+      %53 = builtin.constant() {value = dense<f32[] [1e-05]>} : f32[]
+      %54 = llm.add(%arg0, %51) : f32[B, S, 16]
+      %55 = llm.mul(%54, %54) : f32[B, S, 16]
+      %56 = llm.mean(%55) {axis = [-1], keepdim = true} : f32[B, S, 1]
+      %57 = llm.add(%56, %53) : f32[B, S, 1]
+      %58 = llm.rsqrt(%57) : f32[B, S, 1]
+      %59 = llm.mul(%54, %58) : f32[B, S, 16]
+      %60 = llm.mul(%59, %post_attention_layernorm_weight) : f32[B, S, 16]
+      cinn.yield(%60)
     }
-    %50 = llm.transpose(%48) {perm = [0, 2, 1, 3]} : f32[B, S, 2, 8]
-    %51 = llm.reshape(%50) {shape = [B, S, 16]} : f32[B, S, 16]
-    %52 = llm.matmul(%51, %self_attn_o_proj_weight) {transpose_y = true} : f32[B, S, 16]
-    %53 = cinn.fusion(%arg0, %52, %post_attention_layernorm_weight) {name = "rms_norm"} : f32[B, S, 16] {
-      %54 = builtin.constant() {value = dense<f32[] [1e-05]>} : f32[]
-      %55 = llm.add(%arg0, %52) : f32[B, S, 16]
-      %56 = llm.mul(%55, %55) : f32[B, S, 16]
-      %57 = llm.mean(%56) {axis = [-1], keepdim = true} : f32[B, S, 1]
-      %58 = llm.add(%57, %54) : f32[B, S, 1]
-      %59 = llm.rsqrt(%58) : f32[B, S, 1]
-      %60 = llm.mul(%55, %59) : f32[B, S, 16]
-      %61 = llm.mul(%60, %post_attention_layernorm_weight) : f32[B, S, 16]
-      cinn.yield(%61)
+    %61 = llm.matmul(%52, %mlp_gate_proj_weight) {transpose_y = true} : f32[B, S, 24]
+    %62 = cinn.fusion(%52, %mlp_up_proj_weight, %61) {name = "swiglu+linear"} : f32[B, S, 24] {
+      %63 = llm.matmul(%52, %mlp_up_proj_weight) {transpose_y = true} : f32[B, S, 24]
+      %64 = llm.sigmoid(%61) : f32[B, S, 24]
+      %65 = llm.mul(%61, %64) : f32[B, S, 24]
+      %66 = llm.mul(%65, %63) : f32[B, S, 24]
+      cinn.yield(%66)
     }
-    %62 = llm.matmul(%53, %mlp_gate_proj_weight) {transpose_y = true} : f32[B, S, 24]
-    %63 = cinn.fusion(%53, %mlp_up_proj_weight, %62) {name = "swiglu+linear"} : f32[B, S, 24] {
-      %64 = llm.matmul(%53, %mlp_up_proj_weight) {transpose_y = true} : f32[B, S, 24]
-      %65 = llm.sigmoid(%62) : f32[B, S, 24]
-      %66 = llm.mul(%62, %65) : f32[B, S, 24]
-      %67 = llm.mul(%66, %64) : f32[B, S, 24]
-      cinn.yield(%67)
+    %67 = cinn.fusion(%62, %mlp_down_proj_weight, %arg0, %51) {name = "linear"} : f32[B, S, 16] {
+      %68 = llm.matmul(%62, %mlp_down_proj_weight) {transpose_y = true} : f32[B, S, 16]
+      %69 = llm.add(%arg0, %51) : f32[B, S, 16]
+      %70 = llm.add(%69, %68) : f32[B, S, 16]
+      cinn.yield(%70)
     }
-    %68 = cinn.fusion(%63, %mlp_down_proj_weight, %arg0, %52) {name = "linear"} : f32[B, S, 16] {
-      %69 = llm.matmul(%63, %mlp_down_proj_weight) {transpose_y = true} : f32[B, S, 16]
-      %70 = llm.add(%arg0, %52) : f32[B, S, 16]
-      %71 = llm.add(%70, %69) : f32[B, S, 16]
-      cinn.yield(%71)
-    }
-    return %68
+    return %67
   }
 }

@@ -1,5 +1,6 @@
-"""Attention as one kernel each way: the C the compiler emits for ``scaled_dot_product_attention``
-and ``scaled_dot_product_attention_grad`` (flash attention, as in Dao et al. 2022, for CPUs).
+"""Attention as one kernel each way: ``scaled_dot_product_attention`` and its backward op
+``scaled_dot_product_attention_grad`` (flash attention, as in Dao et al. 2022, for CPUs), and their
+``_lse`` forms (the forward also writes each row's log-sum-exp, which the backward then reads).
 
 Decomposed, attention is four GEMMs around a softmax over an ``[B, Hq, S, T]`` tensor that is
 written and read back several times, and causal masking still computes every masked score. These
@@ -22,18 +23,18 @@ Numerics: sums run in a different order than BLAS and the reference softmax (flo
 ~1e-6 relative); NaN in a row spreads through that row as in the reference.
 
 A program gets these kernels where the op has no mask (``is_causal`` or none), a float32/float64
-dtype and static head counts and dims; anything else is decomposed and fused as before.
+dtype and static head counts and dims: ``decompose`` then leaves the op whole; anything else is
+decomposed and fused. Each kernel is rendered for its op (head dims, dtype, scale and causality
+are constants of the C), so ``source`` is a function of the op's types and attributes.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
-from typing import Any
 
 import numpy as np
 
-from ..ir import Operation
+from . import native_kernel
 
 BR, BC = 32, 64  # query rows and keys per tile: the score tile (8 KiB in float32) stays in L1
 VECTOR_BYTES = 32  # AVX2 / NEON x2; wider machines still vectorize each half
@@ -348,30 +349,22 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
 _CTYPES = {"float32": "float", "float64": "double"}
 
 
-class Attention:
-    """The kernel template of one attention op (forward or backward): when it applies, its C
-    source for an op, and how to call it on arrays."""
+def _flash(op: str, body: str, n_in: int, lse: bool = False) -> None:
+    """Attach the kernel ``body`` to ``op``, which has ``n_in`` tensor inputs when it has no mask
+    (the last three are q, k, v); ``lse``: the forward writes, the backward reads, the log-sum-exp."""
 
-    def __init__(self, op: str, body: str, n_in: int, lse: bool = False) -> None:
-        self.op = op  # the op-table name it implements
-        self.body = body
-        self.n_in = n_in  # tensor inputs without a mask
-        self.lse = lse  # the forward writes each row's log-sum-exp / the backward reads it
-
-    def applies(self, op: Operation) -> bool:
-        if op.name != f"llm.{self.op}" or len(op.operands) != self.n_in:
+    def applies(*metas, is_causal=False, scale=None) -> bool:
+        if len(metas) != n_in:
             return False  # a mask: decomposed and fused instead
-        q, k, v = op.operands[-3:]
-        static = (q.type.shape[1], q.type.shape[3], k.type.shape[1], v.type.shape[3])
-        return q.type.dtype.name in _CTYPES and all(isinstance(d, int) and d > 0 for d in static)
+        q, k, v = metas[-3:]
+        static = (q.shape[1], q.shape[3], k.shape[1], v.shape[3])
+        return q.dtype.name in _CTYPES and all(isinstance(d, int) and d > 0 for d in static)
 
-    def source(self, op: Operation) -> str:
-        """C source of the kernel for ``op``, the function named ``KERNEL_FN``."""
-        q, _, v = op.operands[-3:]
-        dt = q.type.dtype
-        attrs = op.plain_attrs
-        d, dv = q.type.shape[3], v.type.shape[3]
-        scale = 1.0 / math.sqrt(d) if attrs.get("scale") is None else attrs["scale"]
+    def source(*metas, is_causal=False, scale=None) -> str:
+        q, _, v = metas[-3:]
+        dt = q.dtype
+        d, dv = q.shape[3], v.shape[3]
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
         ctype = _CTYPES[dt.name]
         w = VECTOR_BYTES // dt.itemsize
         subs = {
@@ -386,38 +379,33 @@ class Attention:
             "@DVP@": str(-(-dv // w) * w),
             "@BR@": str(BR),
             "@BC@": str(BC),
-            "@CAUSAL@": "1" if attrs.get("is_causal") else "0",
-            "@LSE@": "1" if self.lse else "0",
+            "@CAUSAL@": "1" if is_causal else "0",
+            "@LSE@": "1" if lse else "0",
             "@SCALE@": f"(({ctype}){float(np.asarray(scale, dt))!r})",
         }
-        src = _HELPERS + self.body
+        src = _HELPERS + body
         for key, val in subs.items():
             src = src.replace(key, val)
         return src
 
-    def run(self, fn: Any, arrays: tuple, nthreads: int) -> tuple | np.ndarray:
-        """Call the compiled kernel on numpy arrays (any strides); returns the outputs."""
+    def sizes(*arrays, is_causal=False, scale=None) -> list[int]:
+        """B, Hq, Hk, S, T, then the strides (in elements) of every input and output."""
         q, k, v = arrays[-3:]
-        if self.n_in == 3:
-            outs = [np.empty(q.shape[:3] + v.shape[3:], q.dtype)]
-            if self.lse:
-                outs.append(np.empty(q.shape[:3], q.dtype))
+        if n_in == 3:
+            outs = [q.shape[:3] + v.shape[3:]] + ([q.shape[:3]] if lse else [])
         else:
-            outs = [np.empty(q.shape, q.dtype), np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)]
-        every = [
-            a if all(s % a.itemsize == 0 for s in a.strides) else np.ascontiguousarray(a) for a in arrays
-        ]
-        every += outs
-        sizes = [q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]]
-        for a in every:
-            sizes += [s // a.itemsize for s in a.strides]
-        bufs = (ctypes.c_void_p * len(every))(*[a.ctypes.data for a in every])
-        fn(bufs, (ctypes.c_int64 * len(sizes))(*sizes), nthreads)
-        return outs[0] if len(outs) == 1 else tuple(outs)
+            outs = [q.shape, k.shape, v.shape]
+        out = [q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]]
+        for a in arrays:
+            out += [s // a.itemsize for s in a.strides]
+        for shape in outs:  # outputs are fresh, contiguous arrays
+            out += [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+        return out
+
+    native_kernel(op, source, sizes=sizes, applies=applies, strided=True)
 
 
-FORWARD = Attention("scaled_dot_product_attention", _FORWARD, 3)
-BACKWARD = Attention("scaled_dot_product_attention_grad", _BACKWARD, 5)
-FORWARD_LSE = Attention("scaled_dot_product_attention_lse", _FORWARD, 3, lse=True)
-BACKWARD_LSE = Attention("scaled_dot_product_attention_lse_grad", _BACKWARD, 6, lse=True)
-TEMPLATES = (FORWARD, BACKWARD, FORWARD_LSE, BACKWARD_LSE)
+_flash("scaled_dot_product_attention", _FORWARD, 3)
+_flash("scaled_dot_product_attention_grad", _BACKWARD, 5)
+_flash("scaled_dot_product_attention_lse", _FORWARD, 3, lse=True)
+_flash("scaled_dot_product_attention_lse_grad", _BACKWARD, 6, lse=True)

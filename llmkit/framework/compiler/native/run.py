@@ -1,12 +1,13 @@
-"""Native execution: ops' hand-written C kernels, and replays of whole functions without Python.
+"""Running hand-written C kernels: one op at a time, and replays of whole functions without Python.
 
 An executor planned with ``native=True`` (every compiled program: ``jit.compile.executor_for``)
-does two things the default executor does not:
+does two things the default executor does not (this module registers both with it):
 
-* **Native kernels.** An op whose spec has a C kernel (``OpSpec.native``: float32 ``tiled_linear``,
-  the paged KV cache ops, ``index_select``) runs it instead of its reference
-  kernel. The choice is made once per op from the program's static types and attributes, so every
-  call of the program runs the same kernels (batch invariance depends on it).
+* **Native kernels.** An op whose spec has a C kernel (``OpSpec.native``, from ``kernels/``:
+  float32 ``tiled_linear``, the paged KV cache ops, ``index_select``, flash attention) runs it
+  instead of its reference kernel. The choice is made once per op from the program's static
+  types and attributes, so every call of the program runs the same kernels (batch invariance
+  depends on it).
 * **Replays.** When every step of the function is a C kernel (a native op or a compiled
   ``cinn.fusion``) or a view (a reshape, or a transpose that moves no data; a transpose that does,
   as prefill's attention heads, becomes a strided C copy), the executor plans it
@@ -34,7 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from .ops.spec import Kind, Meta, OpError, OpSpec
+from ...executor import register_native
+from ...ir import Operation
+from ...ops.spec import Kind, Meta, Native, OpError, OpSpec
+from .. import build
+from ..build import CPUS
 
 log = logging.getLogger("llmkit.native")
 
@@ -100,8 +105,6 @@ def build_c(source: str) -> Any:
     """The ctypes function of a kernel source whose names start with ``KERNEL_FN`` (None when no C
     compiler works here, or this kernel failed to compile: the build warns once)."""
     if source not in _BUILT:
-        from .compiler import build
-
         fn = None
         if build.toolchain() is not None:
             name = build.kernel_name(source)
@@ -113,8 +116,6 @@ def build_c(source: str) -> Any:
 def _threads() -> int:
     """Threads a kernel may use (the compiler's setting, ``LLMKIT_CINN_THREADS``); a kernel uses
     fewer where its work is small, and its results never depend on the number."""
-    from .compiler.runtime import CPUS
-
     return CPUS
 
 
@@ -126,6 +127,16 @@ def _metas(values: Sequence[Any]) -> list[Meta]:
     return [Meta(v.type.shape, v.type.dtype) for v in values]
 
 
+def native_of(op: Operation) -> Native | None:
+    """``op``'s hand-written kernel (``OpSpec.native``) when it applies to the op's static types and
+    attributes: the kernel that runs it in compiled programs, and why ``decompose`` keeps it whole."""
+    spec = op.opdef.spec
+    n = None if spec is None else spec.native
+    if n is None or any(a.symbolic for a in op.attributes.values()):
+        return None
+    return n if n.applies(*_metas(op.operands), **op.plain_attrs) else None
+
+
 class NativeOp:
     """An op's C kernel, called like its reference kernel: ``(xp, *arrays, **attrs) -> output(s)``."""
 
@@ -133,17 +144,17 @@ class NativeOp:
         self.spec, self.fn = spec, fn
         self.profile_name = f"llm.{spec.name}[native]"  # what LLMKIT_PROFILE shows
         self.inplace = "inplace_input0" in spec.traits
+        self.strided = spec.native.strided
 
     @classmethod
-    def of(cls, op: Any) -> NativeOp | None:
-        """The native kernel of ``op`` when its spec has one that applies to its types and attributes."""
-        spec = op.opdef.spec
-        if spec is None or spec.native is None or any(a.symbolic for a in op.attributes.values()):
+    def of(cls, op: Operation) -> NativeOp | None:
+        """The native kernel of ``op`` (built now) when its spec has one that applies (``native_of``)."""
+        n = native_of(op)
+        if n is None:
             return None
-        if not spec.native.applies(*_metas(op.operands), **op.plain_attrs):
-            return None
-        fn = build_c(spec.native.source)
-        return None if fn is None else cls(spec, fn)
+        source = n.source(*_metas(op.operands), **op.plain_attrs) if callable(n.source) else n.source
+        fn = build_c(source)
+        return None if fn is None else cls(op.opdef.spec, fn)
 
     def outputs(self, arrays: Sequence[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
         """Arrays for the results (input 0 itself for an op writing it in place)."""
@@ -158,7 +169,12 @@ class NativeOp:
     def __call__(self, xp: Any, *arrays: Any, **attrs: Any) -> Any:
         if xp is not np:
             return self.spec.kernel(xp, *arrays, **attrs)
-        arrays = tuple(np.ascontiguousarray(a) for a in arrays)
+        if self.strided:  # read through their strides, in whole elements
+            arrays = tuple(
+                a if not any(s % a.itemsize for s in a.strides) else np.ascontiguousarray(a) for a in arrays
+            )
+        else:
+            arrays = tuple(np.ascontiguousarray(a) for a in arrays)
         outs = self.outputs(arrays, attrs)
         status = np.zeros(STATUS_WORDS, np.int64)
         ptrs = [a.ctypes.data for a in (*arrays, *outs, status)]
@@ -392,3 +408,6 @@ class Replays:
         if len(self.plans) > self.MAX:
             self.plans.popitem(last=False)
         return plan
+
+
+register_native(NativeOp.of, Replays)
