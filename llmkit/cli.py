@@ -13,7 +13,7 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train a Llama model from a YAML config", "llmkit.train.cli:main"),
-    "generate": ("generate text from a trained model", "llmkit.models.llama.generate:main"),
+    "generate": ("generate text from a trained model", "llmkit.generate:main"),
     "tokenizer": (
         "train a sentencepiece tokenizer (llmkit tokenizer train ...)",
         "llmkit.train.cli:tokenizer_main",
@@ -28,7 +28,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that are the user's input being wrong: printed as one line, no traceback."""
     errors: list[type[BaseException]] = [FileNotFoundError, NotADirectoryError, IsADirectoryError]
     for mod, name in [
-        ("llmkit.framework.ops.spec", "OpError"),
+        ("llmkit.framework.opspec", "OpError"),
         ("llmkit.framework.serialization", "SafetensorsError"),
         ("llmkit.train.config", "ConfigError"),
         ("llmkit.train.data", "DataError"),

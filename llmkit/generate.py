@@ -1,9 +1,11 @@
-"""Eager generation with a KV cache (the baseline the inference engine is measured against).
+"""Generating text from a trained model: eager generation and the ``llmkit generate`` command.
 
 ``generate(model, prompts, ...)`` runs the prompt once (prefill), then one token at a time with the
-cache. ``llmkit generate --model DIR --prompt TEXT`` is the command-line front end: it runs the
-inference engine (``llmkit.infer``: static programs, paged KV cache), or this eager path with
-``--eager``; both sample with the same sampler, so they print the same text.
+model's contiguous KV cache: the baseline the inference engine is measured against.
+``llmkit generate --model DIR --prompt TEXT`` is the command-line front end: it runs the inference
+engine (``llmkit.infer``: static programs, paged KV cache), or this eager path with ``--eager``;
+both sample with the same sampler, so they print the same text. It sits above both ``models`` and
+``infer``, which do not import each other.
 """
 
 from __future__ import annotations
@@ -15,8 +17,7 @@ import numpy as np
 
 import llmkit.framework as lf
 from llmkit.infer.sampling import SamplingParams, sample
-
-from .model import KVCache, LlamaForCausalLM
+from llmkit.models.llama import KVCache, LlamaForCausalLM
 
 
 @lf.no_grad()
@@ -82,12 +83,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eager", action="store_true", help="run eagerly, op by op (the engine's baseline)")
     a = p.parse_args(argv)
-    from .tokenizer import LlamaTokenizer
+    from llmkit.models.llama import LlamaTokenizer
 
     model = LlamaForCausalLM.from_pretrained(a.model)
     tok = LlamaTokenizer.from_pretrained(a.model)
     if tok.vocab_size != model.config.vocab_size:
-        from .checkpoint import CheckpointError
+        from llmkit.models.llama.checkpoint import CheckpointError
 
         raise CheckpointError(
             f"tokenizer vocab ({tok.vocab_size}) does not match the model's ({model.config.vocab_size})"

@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
-from . import backend, ops
-from .autograd import enable_grad, grad, is_grad_enabled, no_grad, set_grad_enabled
+from . import backend, methods, ops
+from .autograd import grad
 from .backend import bfloat16, get_default_dtype, get_device, seed, set_default_dtype, set_device
 from .creation import (
     arange,
@@ -22,10 +22,11 @@ from .creation import (
     zeros,
     zeros_like,
 )
-from .ops.spec import OpError
-from .tensor import Parameter, Tensor, _install_methods
+from .opspec import OpError
+from .tape import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+from .tensor import Parameter, Tensor
 
-_install_methods()
+methods.install()
 
 from . import nn, optim  # noqa: E402  (they build on the names above)
 from .serialization import load, save  # noqa: E402

@@ -1,7 +1,7 @@
-"""Reverse-mode autodiff on a tape of op applications.
+"""Reverse-mode autodiff on the tape of op applications (``tape.py``).
 
-Every differentiable op application made while gradients are enabled records a :class:`Node`
-(its op spec, input tensors, attributes and outputs). ``backward`` walks the nodes in reverse
+Every differentiable op application made while gradients are enabled records a ``Node`` (its op
+spec, input tensors, attributes and outputs). ``backward`` walks the nodes in reverse
 topological order and calls each op's ``vjp`` rule. Rules are written with ops, so the same walk
 builds the backward program when the tensors are tracer values (program autodiff), and builds a
 differentiable graph when ``create_graph`` is set (higher-order gradients).
@@ -9,64 +9,12 @@ differentiable graph when ``create_graph`` is set (higher-order gradients).
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .ops.spec import ops as O
-
-if TYPE_CHECKING:
-    from .tensor import Tensor
-
-_state = threading.local()
-
-
-def is_grad_enabled() -> bool:
-    return getattr(_state, "enabled", True)
-
-
-class set_grad_enabled(contextlib.ContextDecorator):
-    """Context manager (and decorator) that turns gradient recording on or off."""
-
-    def __init__(self, mode: bool) -> None:
-        self.mode = mode
-
-    def __enter__(self) -> None:
-        self.prev = is_grad_enabled()
-        _state.enabled = self.mode
-
-    def __exit__(self, *exc: Any) -> None:
-        _state.enabled = self.prev
-
-
-def no_grad() -> set_grad_enabled:
-    """Ops inside record nothing and their outputs do not require grad."""
-    return set_grad_enabled(False)
-
-
-def enable_grad() -> set_grad_enabled:
-    return set_grad_enabled(True)
-
-
-class Node:
-    """One recorded op application: the tape entry that ``backward`` differentiates."""
-
-    __slots__ = ("attrs", "freed", "inputs", "outputs", "spec")
-
-    def __init__(self, spec, inputs: tuple, attrs: dict, outputs: tuple) -> None:
-        self.spec = spec
-        self.inputs = inputs  # Tensors (constants lifted to Tensors)
-        self.attrs = attrs
-        self.outputs = outputs  # detached stand-ins of the outputs: what the vjp rule calls `out`
-        self.freed = False
-
-    def free(self) -> None:
-        self.inputs = self.outputs = ()
-        self.freed = True
-
-    def __repr__(self) -> str:
-        return f"<Node {self.spec.name}>"
+from .dispatch import O
+from .tape import Node, is_grad_enabled, no_grad, set_grad_enabled
+from .tensor import Tensor
 
 
 def sum_to(g: Tensor, shape: Sequence) -> Tensor:
@@ -117,8 +65,6 @@ def run_backward(
     Without ``capture``, gradients accumulate into the ``.grad`` of leaf tensors. With it, the
     gradients of exactly those tensors (leaves or not) are returned and no ``.grad`` changes.
     """
-    from .tensor import Tensor
-
     # Gradients waiting for a node: node id -> [grad per output].
     pending: dict[int, list[Any]] = {}
     want: dict[int, int] = {}  # capture: id(tensor) or (node id, out index) -> result slot
@@ -207,8 +153,6 @@ def grad(
 
     An input that the outputs do not depend on raises unless ``allow_unused`` (then it gets None).
     """
-    from .tensor import Tensor
-
     outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
     ins = [inputs] if isinstance(inputs, Tensor) else list(inputs)
     if grad_outputs is None or isinstance(grad_outputs, Tensor):
@@ -263,8 +207,6 @@ class _SegmentSpec:
         )
 
     def vjp(self, g, out, *inputs):
-        from .tensor import Tensor
-
         fresh = iter(x.detach().requires_grad_(x.requires_grad) for x in inputs[: self.n_tensors])
         tensors: list[Tensor] = []
         call_args = []
@@ -295,8 +237,6 @@ def checkpoint(fn, *args: Any, params: Sequence[Tensor] = (), **kwargs: Any) -> 
     forward ops, and the forward activations die right after their last forward use.
     The segment must be deterministic (no dropout drawing fresh seeds).
     """
-    from .tensor import Tensor
-
     with no_grad():
         out = fn(*args, **kwargs)
     tensor_args = [a for a in args if isinstance(a, Tensor)]

@@ -8,21 +8,28 @@ The inputs decide the *world* the op runs in:
 
 This module imports neither the tracer nor the distributed layer: each registers its payload type
 with :func:`register_world` (so imports keep pointing down). Whatever the world, ``apply`` wraps
-the results in Tensors and records the autograd node, so eager autograd and program autodiff are
-the same code.
+the results in Tensors and records the autograd node (``tape.py``), so eager autograd and program
+autodiff are the same code.
+
+``public(spec)`` is an op's Python function (positional arguments fill its tensor inputs, then
+its attributes): ``lf.ops.<name>``, the Tensor methods, and ``O.<name>``, with which op rules
+(vjp, decompose) and the autograd call other ops, resolved when called.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import backend as B
-from .autograd import Node, is_grad_enabled
-from .ops.spec import OpError, OpSpec, get
+from . import tensor as _tensor
+from .opspec import REQUIRED, OpError, OpSpec, describe, get
+from .tape import Node, is_grad_enabled
 from .tensor import Tensor
 
 
@@ -69,7 +76,7 @@ class EagerWorld(World):
         except OpError:
             raise
         except Exception as e:
-            shown = ", ".join(_describe(a) for a in arrays)
+            shown = ", ".join(describe(a) for a in arrays)
             raise OpError(f"{spec.name}: kernel failed on ({shown}): {e}") from e
         # numpy reductions and 0-d arithmetic return numpy scalars; payloads are always arrays.
         if spec.multi_output:
@@ -79,12 +86,6 @@ class EagerWorld(World):
     def constant(self, value: Any, dtype: np.dtype, like: Any = None) -> Any:
         xp = B.xp_of(like) if like is not None else B.xp_for(B.get_device())
         return xp.asarray(value, dtype=dtype)
-
-
-def _describe(a: Any) -> str:
-    from .ops.spec import describe
-
-    return describe(a)
 
 
 EAGER = EagerWorld()
@@ -100,6 +101,10 @@ def register_world(payload_type: type, world: World) -> None:
 
 def world_of(payload: Any) -> World:
     return _WORLDS.get(type(payload), EAGER)
+
+
+# Reading the values of a tensor that has none (``.numpy()`` of a tracer) raises its world's error.
+_tensor.register_value_error(lambda what, t: world_of(t._data).concrete_error(what, t))
 
 
 @contextlib.contextmanager
@@ -204,3 +209,76 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
                     t._node = node
                     t._out_idx = i
     return result
+
+
+# ------------------------------------------------------------------------------ op functions
+
+_PUBLIC: dict[str, Callable[..., Any]] = {}
+
+
+def public(spec: OpSpec) -> Callable[..., Any]:
+    """The user-facing function of an op (made once, cached)."""
+    fn = _PUBLIC.get(spec.name)
+    if fn is None:
+        fn = _make_public(spec)
+        _PUBLIC[spec.name] = fn
+    return fn
+
+
+def _make_public(spec: OpSpec) -> Callable[..., Any]:
+    names = spec.input_names
+    attr_names = tuple(a.name for a in spec.attrs)
+    n_in = 1 if spec.variadic else len(names)
+
+    def fn(*args: Any, **kw: Any) -> Any:
+        if len(args) > n_in:
+            extra = args[n_in:]
+            if len(extra) > len(attr_names):
+                raise OpError(f"{spec.name}: too many positional arguments ({len(args)})")
+            for k, v in zip(attr_names, extra):
+                if k in kw:
+                    raise OpError(f"{spec.name}: got attribute {k!r} twice")
+                kw[k] = v
+            args = args[:n_in]
+        inputs = list(args)
+        if len(inputs) < n_in:
+            for nm in names[len(inputs) :]:
+                if nm in kw:
+                    inputs.append(kw.pop(nm))
+                else:
+                    inputs.append(None)
+        if spec.variadic:
+            xs = inputs[0]
+            if xs is None or not isinstance(xs, (list, tuple)):
+                raise OpError(f"{spec.name}: expects a list of tensors as its first argument")
+            return apply(spec, *xs, **kw)
+        return apply(spec, *inputs, **kw)
+
+    params = []
+    if spec.variadic:
+        params.append(inspect.Parameter(names[0], inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    else:
+        for raw, nm in zip(spec.inputs, names):
+            default = None if raw.endswith("?") else inspect.Parameter.empty
+            params.append(inspect.Parameter(nm, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default))
+    for a in spec.attrs:
+        default = inspect.Parameter.empty if a.default is REQUIRED else a.default
+        params.append(inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default))
+    fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    fn.__name__ = fn.__qualname__ = spec.name
+    fn.__doc__ = (
+        f"{spec.doc}\n\nop {spec.name!r} ({spec.kind})" if spec.doc else f"op {spec.name!r} ({spec.kind})"
+    )
+    fn.spec = spec  # type: ignore[attr-defined]
+    return fn
+
+
+class _OpFunctions:
+    """``O.<name>``: op ``<name>``'s public function, looked up when called (rules of one op call
+    others that may be declared after it)."""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        return public(get(name))
+
+
+O = _OpFunctions()

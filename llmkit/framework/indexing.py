@@ -12,18 +12,12 @@ from typing import Any
 import numpy as np
 
 from . import backend as B
+from .dispatch import O
 from .ops.movement import END
 from .tensor import Tensor
 
 
-def _ops():
-    from . import ops
-
-    return ops
-
-
 def getitem(x: Tensor, index: Any) -> Tensor:
-    O = _ops()
     idx = index if isinstance(index, tuple) else (index,)
     n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
     if sum(1 for i in idx if i is Ellipsis) > 1:

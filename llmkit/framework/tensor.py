@@ -1,20 +1,33 @@
-"""Tensor and Parameter.
+"""Tensor and Parameter: a payload, its metadata and values, and the fields autograd uses.
 
 A Tensor holds a payload (``_data``): a numpy/cupy array in eager mode, a tracer value inside
 ``to_static``, a sharded value under auto-parallel. Every computation goes through
-``dispatch.apply``, which picks the world from the payload, so the methods here work in all three.
-Most methods are generated from the op table (``x.exp()``, ``x.sum(axis=1)``); the ones written
-out below add Python conveniences (operators, indexing, ``reshape(2, 3)``).
+``dispatch.apply``, which picks the world from the payload. The methods that compute (operators,
+one per op of the table, ``reshape(2, 3)``, ``x[i]``, ``backward``) are installed by
+``methods.py``, which sits above the op table; this module imports nothing above the backend.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import backend as B
+
+
+def _no_values(what: str, t: Tensor) -> Exception:
+    return TypeError(f"{what} needs a tensor with concrete values")
+
+
+_value_error: Callable[[str, Tensor], Exception] = _no_values
+
+
+def register_value_error(fn: Callable[[str, Tensor], Exception]) -> None:
+    """How reading the values of a tensor that has none fails (dispatch: the error of its world)."""
+    global _value_error
+    _value_error = fn
 
 
 class Tensor:
@@ -114,9 +127,7 @@ class Tensor:
     # ---- values ------------------------------------------------------------------------------
     def _concrete(self, what: str) -> Any:
         if not self.is_concrete:
-            from .dispatch import world_of
-
-            raise world_of(self._data).concrete_error(what, self)
+            raise _value_error(what, self)
         return self._data
 
     def numpy(self) -> np.ndarray:
@@ -182,14 +193,6 @@ class Tensor:
         return self
 
     # ---- autograd ----------------------------------------------------------------------------
-    def backward(
-        self, grad: Tensor | None = None, retain_graph: bool = False, create_graph: bool = False
-    ) -> None:
-        """Accumulate gradients of this tensor into the ``.grad`` of every leaf that requires grad."""
-        from .autograd import backward
-
-        backward(self, grad, retain_graph=retain_graph, create_graph=create_graph)
-
     def detach(self) -> Tensor:
         """The same values, cut from the graph (shares the payload)."""
         return Tensor._wrap(self._data)
@@ -226,44 +229,11 @@ class Tensor:
             return t
         return self.astype(target)
 
-    def astype(self, dtype: Any) -> Tensor:
-        dt = B.dtype(dtype)
-        return self if dt == self.dtype else _ops().cast(self, dt)
-
-    cast = astype
-
     def float(self) -> Tensor:
         return self.astype("float32")
 
     def cpu(self) -> Tensor:
         return self.to("cpu")
-
-    # Python operators (__add__, __radd__, ...) are installed from _OPERATORS below.
-
-    # ---- conveniences over table ops ---------------------------------------------------------
-    def reshape(self, *shape: Any) -> Tensor:
-        """``x.reshape(2, -1)`` or ``x.reshape((2, -1))``."""
-        return _ops().reshape(self, _shape_args(shape))
-
-    view = reshape
-
-    def transpose(self, *perm: Any) -> Tensor:
-        """``x.transpose(perm)`` with a full permutation, or ``x.transpose(i, j)`` to swap two axes."""
-        p = _shape_args(perm)
-        if len(p) == 2 and self.ndim != 2:
-            i, j = (a % self.ndim for a in p)
-            full = list(range(self.ndim))
-            full[i], full[j] = full[j], full[i]
-            p = tuple(full)
-        return _ops().transpose(self, p)
-
-    def permute(self, *perm: Any) -> Tensor:
-        return _ops().transpose(self, _shape_args(perm))
-
-    def expand(self, *shape: Any) -> Tensor:
-        return _ops().expand(self, _shape_args(shape))
-
-    broadcast_to = expand
 
     def flatten(self, start: int = 0, end: int = -1) -> Tensor:
         nd = self.ndim
@@ -271,28 +241,11 @@ class Tensor:
         shape = self.shape
         return self.reshape(shape[:start] + (-1,) + shape[end + 1 :])
 
-    def unsqueeze(self, axis: int | Sequence[int]) -> Tensor:
-        return _ops().unsqueeze(self, axis)
-
-    def chunk(self, n: int, axis: int = 0) -> tuple[Tensor, ...]:
-        return _ops().split(self, n, axis=axis)
-
-    def __getitem__(self, index: Any) -> Tensor:
-        from .indexing import getitem
-
-        return getitem(self, index)
-
     def __setitem__(self, index: Any, value: Any) -> None:
         raise TypeError(
             "tensors are immutable: instead of x[i] = v, use ops.slice_scatter (a slice), ops.where (a mask) "
             "or ops.index_add / scatter_add, which return a new tensor"
         )
-
-
-def _shape_args(args: tuple) -> tuple:
-    if len(args) == 1 and isinstance(args[0], (list, tuple)):
-        return tuple(args[0])
-    return tuple(args)
 
 
 class Parameter(Tensor):
@@ -311,57 +264,3 @@ class Parameter(Tensor):
 
     def __repr__(self) -> str:
         return "Parameter" + super().__repr__()[len("Tensor") :]
-
-
-def _ops():
-    from . import ops
-
-    return ops
-
-
-# operator -> (op name, reflected?)
-_OPERATORS = {
-    "__add__": ("add", False),
-    "__radd__": ("add", True),
-    "__sub__": ("sub", False),
-    "__rsub__": ("sub", True),
-    "__mul__": ("mul", False),
-    "__rmul__": ("mul", True),
-    "__truediv__": ("div", False),
-    "__rtruediv__": ("div", True),
-    "__pow__": ("pow", False),
-    "__rpow__": ("pow", True),
-    "__matmul__": ("matmul", False),
-    "__rmatmul__": ("matmul", True),
-    "__lt__": ("less", False),
-    "__le__": ("less_equal", False),
-    "__gt__": ("greater", False),
-    "__ge__": ("greater_equal", False),
-    "__eq__": ("equal", False),
-    "__ne__": ("not_equal", False),
-    "__and__": ("logical_and", False),
-    "__or__": ("logical_or", False),
-}
-_UNARY = {"__neg__": "neg", "__abs__": "abs", "__invert__": "logical_not"}
-
-
-def _install_methods() -> None:
-    """Install operators, and a method per op whose first input is a tensor (unless written above,
-    or the op is ``internal``: backward ops and the compiler's and the engine's ops are no methods)."""
-    from .dispatch import apply
-    from .ops import public
-    from .ops.spec import get, table
-
-    def binary(spec, reflected):
-        if reflected:
-            return lambda self, other: apply(spec, other, self)
-        return lambda self, other: apply(spec, self, other)
-
-    for dunder, (name, reflected) in _OPERATORS.items():
-        setattr(Tensor, dunder, binary(get(name), reflected))
-    for dunder, name in _UNARY.items():
-        setattr(Tensor, dunder, (lambda spec: lambda self: apply(spec, self))(get(name)))
-    for name, spec in table().items():
-        if not spec.inputs or spec.variadic or "internal" in spec.traits or hasattr(Tensor, name):
-            continue
-        setattr(Tensor, name, public(spec))

@@ -19,14 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import backend as B
-from ..dispatch import World, ambient, register_world
-from ..ir import Builder, Program, TensorType, Value
-from ..ir.core import BlockArgument, OpResult
-from ..ops.spec import OpSpec
-from ..tensor import Tensor
+from . import backend as B
+from .dispatch import World, ambient, register_world
+from .ir import Builder, Program, TensorType, Value
+from .ir.core import BlockArgument, OpResult
+from .opspec import OpSpec
+from .tensor import Tensor
 
-_FRAMEWORK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FRAMEWORK_DIR = os.path.dirname(os.path.abspath(__file__))
 _local = threading.local()
 
 

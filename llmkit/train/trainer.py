@@ -29,9 +29,9 @@ from tqdm import tqdm
 
 import llmkit.framework as lf
 from llmkit.framework import optim
+from llmkit.generate import generate
 from llmkit.infer.sampling import SamplingParams
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
-from llmkit.models.llama.generate import generate
 
 from . import checkpoint
 from .config import (

@@ -22,7 +22,7 @@ import pytest
 
 import llmkit.framework as lf
 from llmkit.framework import symbolic as sym
-from llmkit.framework.ops.spec import Meta, table
+from llmkit.framework.opspec import Meta, table
 
 O = lf.ops
 END = 2**63 - 1

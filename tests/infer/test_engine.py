@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import llmkit.framework as lf
+from llmkit.generate import generate
 from llmkit.infer import Engine, EngineConfig, FinishReason, SamplingParams
-from llmkit.models.llama.generate import generate
 
 from .conftest import tiny_model
 

@@ -74,9 +74,9 @@ def test_compiled_programs_fuse_the_mlp_and_generate_as_eager(tmp_path):
     if not available():
         pytest.skip("no working C compiler")
     from llmkit.framework import jit
+    from llmkit.generate import generate
     from llmkit.infer import Engine, EngineConfig, SamplingParams
     from llmkit.infer.programs import unpack_panel_weights
-    from llmkit.models.llama.generate import generate
     from llmkit.serve.export import export_model
     from llmkit.train.corpus import builtin_tokenizer
 

@@ -16,6 +16,8 @@ import numpy as np
 from ..ir import Builder, Operation, Program
 from ..ir.opdef import Trait
 from ..ir.pass_manager import Pass, register_pass
+from ..tensor import Tensor
+from ..tracer import Trace, tracing
 from .native import native_of
 
 # dtypes the backends can compute in; ops touching others (bfloat16, float16) stay composite
@@ -30,9 +32,6 @@ def supported(op: Operation) -> bool:
 
 def decompose_op(op: Operation, origins: dict[Operation, str]) -> bool:
     """Trace ``op``'s decomposition in front of it, rewire its users, erase it. False if it has none."""
-    from ..jit.tracer import Trace, tracing
-    from ..tensor import Tensor
-
     spec = op.opdef.spec
     if spec is None or spec.decompose is None or not supported(op):
         return False

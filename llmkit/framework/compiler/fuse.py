@@ -33,7 +33,7 @@ from .. import symbolic as sym
 from ..ir import Block, Operation, Program, Region, Value
 from ..ir.core import BlockArgument
 from ..ir.pass_manager import Pass, register_pass
-from ..ops.spec import Kind, norm_axes
+from ..opspec import Kind, norm_axes
 from .decompose import supported
 
 _EXPENSIVE = ("exp(", "log(", "pow(", "tanh(", "erf(", "sin(", "cos(")

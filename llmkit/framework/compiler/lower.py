@@ -28,7 +28,7 @@ import numpy as np
 from .. import symbolic as sym
 from ..ir import Operation, Value
 from ..ir.core import BlockArgument
-from ..ops.spec import Meta
+from ..opspec import Meta
 from . import loop_ir as L
 from .fuse import outer_shapes, reduced_axes, role
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ops.spec import OpError, OpSpec, table
+from ..opspec import OpError, OpSpec, table
 from .attributes import DenseAttr, StrAttr, from_optable, to_attr
 from .core import Block, Operation, Region, Value
 from .dialects import llm

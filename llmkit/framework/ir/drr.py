@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..ops.spec import OpError
+from ..opspec import OpError
 from .attributes import Attribute, from_optable, to_attr
 from .builder import Builder, resolve
 from .core import Operation, OpResult, Value

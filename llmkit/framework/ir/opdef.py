@@ -18,7 +18,7 @@ from .types import Type
 
 
 class Trait:
-    """Trait names (strings, so op-table traits map onto them directly: ``ops.spec.TRAITS``)."""
+    """Trait names (strings, so op-table traits map onto them directly: ``opspec.TRAITS``)."""
 
     PURE = "Pure"  # no side effects: removable when unused, mergeable when equal (DCE, CSE)
     RECURSIVELY_PURE = "RecursivelyPure"  # pure exactly when every op in its regions is

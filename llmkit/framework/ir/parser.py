@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from ..ops.spec import OpError
+from ..opspec import OpError
 from .attributes import Attribute, StrAttr, from_optable
 from .core import Block, Operation, Region, Value, paused_gc
 from .errors import IRError, ParseError, VerifyError

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from ..tracer import TraceError
 from .autodiff import append_backward
 from .model_file import FORMAT_VERSION, FormatError, StaticModel
 from .model_file import load_model as load
 from .model_file import save_static as save
 from .static_function import ConcreteProgram, InputSpec, StaticFunction, to_static
-from .tracer import TraceError
 
 __all__ = [
     "FORMAT_VERSION",

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..autograd import Node, run_backward
+from ..autograd import run_backward
+from ..dispatch import O
 from ..ir import Builder, Program, Value
-from ..ops.spec import ops as O
+from ..tape import Node
 from ..tensor import Tensor
-from .tracer import Trace, TraceError, tracing
+from ..tracer import Trace, TraceError, tracing
 
 
 def append_backward(

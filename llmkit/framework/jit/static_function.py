@@ -20,8 +20,8 @@ import numpy as np
 from .. import backend as B
 from ..ir import Program, Value, paused_gc
 from ..tensor import Tensor
+from ..tracer import Trace, TraceError, tracing
 from . import pytree
-from .tracer import Trace, TraceError, tracing
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from typing import Any
 
 from .. import backend as B
 from .. import ops
-from ..autograd import is_grad_enabled
 from ..creation import empty
+from ..tape import is_grad_enabled
 from ..tensor import Parameter, Tensor
 from . import functional as F
 from . import init

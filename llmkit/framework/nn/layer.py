@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import backend as B
 from .. import ops
+from ..autograd import checkpoint
 from ..tensor import Parameter, Tensor
 
 ForwardPreHook = Callable[["Layer", tuple], Any]
@@ -89,8 +90,6 @@ class Layer:
             if new is not None:
                 args = new if isinstance(new, tuple) else (new,)
         if self.__dict__.get("_recompute"):
-            from ..autograd import checkpoint
-
             out = checkpoint(self.forward, *args, params=self.parameters(), **kwargs)
         else:
             out = self.forward(*args, **kwargs)

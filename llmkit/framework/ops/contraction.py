@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from .. import backend as B
 from .. import symbolic as sym
-from .spec import A, Kind, Meta, OpError, attr, broadcast_shapes, defop, same_dtype
-from .spec import ops as O
+from ..dispatch import O
+from ..opspec import A, Kind, Meta, OpError, attr, broadcast_shapes, defop, same_dtype
 
 
 def _mm_dims(name, x, y, tx, ty):

@@ -13,8 +13,8 @@ import math
 import numpy as np
 
 from .. import backend as B
-from .spec import A, Kind, Meta, OpError, attr, defop, describe, elementwise_meta, optional, same_dtype
-from .spec import ops as O
+from ..dispatch import O
+from ..opspec import A, Kind, Meta, OpError, attr, defop, describe, elementwise_meta, optional, same_dtype
 
 
 def unary(name, kernel, vjp=None, *, c=None, floating=True, out_dtype=None, **kw):

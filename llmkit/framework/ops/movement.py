@@ -12,7 +12,8 @@ import numpy as np
 
 from .. import backend as B
 from .. import symbolic as sym
-from .spec import (
+from ..dispatch import O
+from ..opspec import (
     A,
     AttrType,
     Kind,
@@ -25,7 +26,6 @@ from .spec import (
     norm_axis,
     optional,
 )
-from .spec import ops as O
 
 END = 2**63 - 1  # a slice end meaning "to the end of the axis"
 

@@ -10,8 +10,9 @@ import math
 
 from .. import backend as B
 from .. import symbolic as sym
-from .contraction import mm
-from .spec import (
+from ..autograd import run_backward
+from ..dispatch import O
+from ..opspec import (
     A,
     Kind,
     Meta,
@@ -24,7 +25,9 @@ from .spec import (
     optional,
     same_dtype,
 )
-from .spec import ops as O
+from ..tape import set_grad_enabled
+from .contraction import mm
+from .reduce import _logsumexp_kernel
 
 
 def _floating(name, *xs):
@@ -454,8 +457,6 @@ def _vjp_of_decomposition(decompose):
     restate it: higher-order gradients through a fused backward)."""
 
     def vjp(gs, outs, *inputs, **attrs):
-        from ..autograd import run_backward, set_grad_enabled
-
         fresh = [None if x is None else x.detach().requires_grad_(B.is_floating(x.dtype)) for x in inputs]
         with set_grad_enabled(True):
             ys = decompose(*fresh, **attrs)
@@ -498,8 +499,6 @@ def _lse_meta(q, k, v, is_causal=False, scale=None):
 
 
 def _lse_kernel(xp, q, k, v, is_causal=False, scale=None):
-    from .reduce import _logsumexp_kernel
-
     scores, _ = _sdpa_scores(xp, q, k, None, is_causal, scale)
     lse = _logsumexp_kernel(xp, scores, axis=-1).astype(q.dtype, copy=False)
     return _sdpa_out(xp, scores, q, v), lse

@@ -34,9 +34,9 @@ import numpy as np
 
 from .. import backend as B
 from .. import symbolic as sym
+from ..dispatch import O
+from ..opspec import A, Kind, Meta, OpError, attr, defop, describe, get, optional, same_dtype
 from .contraction import _linear_meta, _linear_vjp, mm
-from .spec import A, Kind, Meta, OpError, attr, defop, describe, get, optional, same_dtype
-from .spec import ops as O
 
 
 def _known_differ(a: sym.Dim, b: sym.Dim) -> bool:

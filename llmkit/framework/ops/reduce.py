@@ -6,8 +6,20 @@ from math import prod
 
 from .. import backend as B
 from .. import symbolic as sym
-from .spec import A, Kind, Meta, OpError, attr, defop, describe, norm_axes, norm_axis, optional, reduce_shape
-from .spec import ops as O
+from ..dispatch import O
+from ..opspec import (
+    A,
+    Kind,
+    Meta,
+    OpError,
+    attr,
+    defop,
+    describe,
+    norm_axes,
+    norm_axis,
+    optional,
+    reduce_shape,
+)
 
 
 def _keep(g, x, axis, keepdim):

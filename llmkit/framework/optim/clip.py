@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from .. import ops
-from ..autograd import no_grad
+from ..tape import no_grad
 from ..tensor import Tensor
 from .optimizer import compute_dtype
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import backend as B
 from .. import ops
-from ..autograd import no_grad
+from ..tape import no_grad
 from ..tensor import Tensor
 
 StateDict = dict[str, Any]

@@ -19,7 +19,7 @@ from llmkit.framework import ir
 from llmkit.framework.compiler import available
 from llmkit.framework.compiler.native import NativeOp, build_c
 from llmkit.framework.executor import Executor
-from llmkit.framework.ops.spec import Meta, OpError, table
+from llmkit.framework.opspec import Meta, OpError, table
 
 pytestmark = pytest.mark.skipif(not available(), reason="no working C compiler")
 

@@ -12,7 +12,7 @@ import pytest
 
 from llmkit.framework import compiler, ir
 from llmkit.framework.compiler.fuse import role
-from llmkit.framework.ops.spec import Kind, table
+from llmkit.framework.opspec import Kind, table
 
 from .conftest import needs_cc
 from .harness import assert_same, count_kernels, count_native, run

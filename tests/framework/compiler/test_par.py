@@ -172,7 +172,7 @@ import warnings
 from llmkit.framework.compiler import par
 par.SOURCE = "this is not C"  # the pool fails to compile
 from llmkit.framework.compiler.native import build_c
-from llmkit.framework.ops.spec import table
+from llmkit.framework.opspec import table
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
     fn = build_c(table()["tiled_linear"].native.source)

@@ -16,7 +16,7 @@ import numpy as np
 
 from llmkit.framework import ir
 from llmkit.framework.ops.movement import END
-from llmkit.framework.ops.spec import OpError, OpSpec, table
+from llmkit.framework.opspec import OpError, OpSpec, table
 
 # name, type, how to draw test values
 INPUTS: list[tuple[str, ir.TensorType]] = [

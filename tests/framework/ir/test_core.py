@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from llmkit.framework import ir
-from llmkit.framework.ops.spec import OpError, table
+from llmkit.framework.opspec import OpError, table
 
 F32 = "float32"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -10,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmkit.framework import ir
+from llmkit.framework import ir, opspec
+from llmkit.framework.ir import opdef
 from llmkit.framework.ir.pass_manager import Pass, register_pass
 
 from .gen import REWRITABLE, input_arrays, random_program
@@ -135,6 +137,27 @@ def test_simplify_shapes_folds_numel_once_its_dims_are_known():
     assert [op.name for op in p["main"].body] == ["llm.numel", "builtin.constant", "builtin.return"]
     ir.PassManager(["simplify-shapes{bind = {S = 4}}"]).run(p)
     assert [ir.ConstantOp(v.owner).value.item() for v in p["main"].outputs] == [8.0, 2.0]
+
+
+def test_a_new_op_gets_the_rewrites_its_spec_declares(monkeypatch):
+    """Passes read traits and valued facts from the op table, never op names: ops declared here
+    with the rules of neg (involution), add (identity 0, commutative) and reshape (same_type_noop)
+    are rewritten as those are."""
+    monkeypatch.setattr(opdef, "_CACHE", dict(opdef._CACHE))  # forget the ops' OpDefs afterwards
+    for new, like in [("flip", "neg"), ("plus", "add"), ("view_as", "reshape")]:
+        monkeypatch.setitem(opspec._TABLE, new, dataclasses.replace(opspec.get(like), name=new))
+    text = """    %zero = llm.zeros_like(%x) : f32[2, 3]
+    %a = llm.flip(%x) : f32[2, 3]
+    %b = llm.flip(%a) : f32[2, 3]
+    %c = llm.plus(%zero, %x) : f32[2, 3]
+    %d = llm.view_as(%x) {shape = [2, 3]} : f32[2, 3]
+    %e = llm.plus(%x, %x) : f32[2, 3]
+    return %b, %c, %d, %e"""
+    p = prog(text, "%x: f32[2, 3]", "f32[2, 3], f32[2, 3], f32[2, 3], f32[2, 3]")
+    ir.PassManager(["canonicalize"]).run(p)
+    f = p["main"]
+    assert [v is f.args[0] for v in f.outputs] == [True, True, True, False]
+    assert [op.name for op in f.body] == ["llm.plus", "builtin.return"]
 
 
 def test_simplify_shapes_rejects_bad_bindings_and_reports_broken_ops():

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmkit.framework import ir
-from llmkit.framework.ops.spec import OpError, table
+from llmkit.framework.opspec import OpError, table
 
 from .gen import INPUTS, input_arrays, instantiate, random_program
 from .helpers import assert_same_outputs

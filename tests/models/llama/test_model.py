@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import llmkit.framework as lf
+from llmkit.generate import generate
 from llmkit.models.llama import KVCache, LlamaConfig, LlamaForCausalLM
 from llmkit.models.llama.checkpoint import CheckpointError
-from llmkit.models.llama.generate import generate
 
 
 def small_config(**kw):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ...ops.spec import Native, get
+from ...opspec import Native, get
 
 
 def native_kernel(
@@ -37,7 +37,7 @@ def native_kernel(
     applies: Callable[..., bool],
     strided: bool = False,
 ) -> Native:
-    """Attach a hand-written kernel to op ``op``'s spec (see :class:`ops.spec.Native`)."""
+    """Attach a hand-written kernel to op ``op``'s spec (see :class:`opspec.Native`)."""
     spec = get(op)
     if spec.native is not None:
         raise ValueError(f"op {op!r} has a native kernel already")

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from ...ops.paged import PANEL
-from ...ops.spec import get
+from ...opspec import get
 from ..par import DECLARE as PAR
 from . import native_kernel
 from .simd import VEC

@@ -37,7 +37,7 @@ import numpy as np
 
 from ...executor import register_native
 from ...ir import Operation
-from ...ops.spec import Kind, Meta, Native, OpError, OpSpec
+from ...opspec import Kind, Meta, Native, OpError, OpSpec
 from .. import build
 from ..build import CPUS
 

@@ -13,7 +13,7 @@ from functools import cache
 from typing import Any
 
 from ... import ops as _ops  # noqa: F401  (registers every op)
-from ...ops.spec import Kind, OpError, OpSpec, table
+from ...opspec import Kind, OpError, OpSpec, table
 from ..attributes import Attribute, from_optable
 from ..core import Operation, Value
 from ..opdef import Dialect, Interface, OpDef, OpView, Trait, any_attr

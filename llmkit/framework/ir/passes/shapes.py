@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ... import symbolic as sym
-from ...ops.spec import OpError
+from ...opspec import OpError
 from ...symbolic import Dim
 from ..attributes import Attribute, DimAttr, ShapeAttr, dim_attr
 from ..builder import Builder

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import backend as B
-from .. import symbolic as sym
-from ..symbolic import Dim
+from . import backend as B
+from . import symbolic as sym
+from .symbolic import Dim
 
 # --------------------------------------------------------------------------------- fusion kinds
 
@@ -516,15 +516,3 @@ def reduce_shape(name: str, shape: tuple, axis: tuple | None, keepdim: bool) -> 
     if keepdim:
         return tuple(1 if i in axes else d for i, d in enumerate(shape))
     return tuple(d for i, d in enumerate(shape) if i not in axes)
-
-
-class _LateOps:
-    """``ops.<name>`` resolved when called, so rules written in op modules can call other ops."""
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        from . import public
-
-        return public(get(name))
-
-
-ops = _LateOps()
