@@ -9,7 +9,7 @@ prints the table at exit.
 
 ``native=True`` (every compiled program) runs ops that have a hand-written C kernel with it, and
 replays the whole function in one C call whenever every step is a C kernel or a view: no Python
-between ops. Both come from the compiler, which registers them (``compiler/native.py``) as it
+between ops. Both come from the compiler, which registers them (``compiler/native/run.py``) as it
 registers the kernels of ``cinn.fusion``: the executor imports nothing above the IR.
 
 Freed arrays go back to glibc; large ones would be returned to the OS and page-faulted in again at
@@ -88,7 +88,7 @@ class Executor:
     """A compiled plan of one function of a program: ``executor.run(inputs) -> outputs``.
 
     ``native=True``: ops with a C kernel (``OpSpec.native``) run it, and calls whose every step is
-    a C kernel or a view are replayed in one C call (``compiler/native.py``); without a C compiler
+    a C kernel or a view are replayed in one C call (``compiler/native/run.py``); without a C compiler
     (or without the compiler loaded) it is the same as False.
     """
 

@@ -6,7 +6,7 @@ reference kernel, the same code for numpy and cupy), ``vjp`` (written with other
 eagerly and under tracing alike), ``kind`` (the fusion class, which also supplies default shape
 rules), an optional ``decompose`` into primitives, a C expression template for elementwise
 primitives, traits (:data:`TRAITS`), a hand-written C kernel slot (:class:`Native`, filled by
-``compiler/kernels``) and an ``spmd`` slot (filled by auto-parallel). :func:`defop` registers a
+``compiler/native``) and an ``spmd`` slot (filled by auto-parallel). :func:`defop` registers a
 spec in the one table; nothing else lists ops.
 """
 
@@ -230,7 +230,7 @@ TRAITS: dict[str, str] = {
     "inplace_input0": "may return input 0 itself, written in place (the caller donates it)",
     "internal": "programs use it (backward, compiler, engine), users do not: it is no Tensor method",
     "inference": "an op of the inference engine's programs (batch-invariant by contract), with a "
-    "hand-written kernel in compiler/kernels",
+    "hand-written kernel in compiler/native",
 }
 
 
@@ -240,8 +240,8 @@ TRAITS: dict[str, str] = {
 @dataclass(frozen=True)
 class Native:
     """A hand-written C kernel of an op, run in place of ``kernel`` by executors of compiled
-    programs. Every one lives in ``compiler/kernels/``, which attaches it to its op's spec
-    (``kernels.native``); ``compiler/native.py`` builds and runs it.
+    programs. Every one lives in ``compiler/native/``, which attaches it to its op's spec
+    (``native_kernel``); ``compiler/native/run.py`` builds and runs it.
 
     ``source`` defines ``void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads)``
     (the compiler's kernel signature; every name it defines starts with ``KERNEL_FN``, which is
@@ -292,7 +292,7 @@ class OpSpec:
     # per input, the input index holding out[out_index] (cond: where that input supplies it, or None).
     # The compiler fuses such ops as index arithmetic; ``ix`` offers dim(), reshape(), broadcast().
     index_map: Callable[..., Any] | None = None
-    native: Native | None = None  # a hand-written C kernel, attached by compiler/kernels (see Native)
+    native: Native | None = None  # a hand-written C kernel, attached by compiler/native (see Native)
     traits: frozenset[str] = frozenset()  # names from TRAITS
     identity: Any = None  # binary ops: x op identity == x (and identity op x == x when commutative)
     # (*metas, **attrs) -> the one value every element of the result holds, or None where unknown

@@ -1,6 +1,6 @@
 """``attention-lse``: an attention forward and the backward of its output share the log-sum-exp.
 
-Where a program holds both (every training step), the flash kernels (``kernels/attention.py``)
+Where a program holds both (every training step), the flash kernels (``native/attention.py``)
 pass each query row's log-sum-exp from the forward to the backward instead of recomputing it.
 """
 

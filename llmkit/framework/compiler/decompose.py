@@ -86,7 +86,7 @@ def detach_constant(op: Operation) -> bool:
 @dataclass
 class Decompose(Pass):
     """Replace every composite op (one with a ``decompose`` rule) by primitives, to a fixpoint;
-    ops whose hand-written kernel applies (``kernels/``: flash attention) stay whole."""
+    ops whose hand-written kernel applies (``native/``: flash attention) stay whole."""
 
     name = "decompose"
 

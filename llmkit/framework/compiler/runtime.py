@@ -117,7 +117,7 @@ class FusedKernel:
 
     def native_call(self, arrays: tuple) -> tuple[Any, Any, int, list] | None:
         """(C function, size arguments, threads, output (shape, dtype)s) of a call on these arrays,
-        for the executor's replays (``native.py``); None when the call needs Python (a matmul head,
+        for the executor's replays (``native/run.py``); None when the call needs Python (a matmul head,
         inputs to copy)."""
         if self.head is not None:
             return None

@@ -23,7 +23,7 @@ They and ``tiled_linear_swiglu`` are the engine's ops (``engine_op``: traits ``i
 ``internal``): the paged ones have no gradient rule (RLHF differentiates the training forward, not
 the engine's programs), none has a decomposition (the compiler must keep their kernels, which
 carry the guarantees above), and each has a hand-written C kernel that the engine's compiled
-programs run (``compiler/kernels/paged.py``, ``linear.py``).
+programs run (``compiler/native/paged.py``, ``linear.py``).
 """
 
 from __future__ import annotations

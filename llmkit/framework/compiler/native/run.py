@@ -3,7 +3,7 @@
 An executor planned with ``native=True`` (every compiled program: ``jit.compile.executor_for``)
 does two things the default executor does not (this module registers both with it):
 
-* **Native kernels.** An op whose spec has a C kernel (``OpSpec.native``, from ``kernels/``:
+* **Native kernels.** An op whose spec has a C kernel (``OpSpec.native``, from ``native/``:
   float32 ``tiled_linear``, the paged KV cache ops, ``index_select``, flash attention) runs it
   instead of its reference kernel. The choice is made once per op from the program's static
   types and attributes, so every call of the program runs the same kernels (batch invariance
