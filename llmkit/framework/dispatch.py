@@ -27,10 +27,9 @@ from typing import Any
 import numpy as np
 
 from . import backend as B
-from . import tensor as _tensor
 from .opspec import REQUIRED, OpError, OpSpec, describe, get
 from .tape import Node, is_grad_enabled
-from .tensor import Tensor
+from .tensor import Tensor, register_value_error
 
 
 class World:
@@ -104,7 +103,7 @@ def world_of(payload: Any) -> World:
 
 
 # Reading the values of a tensor that has none (``.numpy()`` of a tracer) raises its world's error.
-_tensor.register_value_error(lambda what, t: world_of(t._data).concrete_error(what, t))
+register_value_error(lambda what, t: world_of(t._data).concrete_error(what, t))
 
 
 @contextlib.contextmanager
