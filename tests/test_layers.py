@@ -98,6 +98,8 @@ def violations(edges: list[tuple[str, int, str]]) -> list[str]:
     out = []
     for src, line, dst in edges:
         a, b = layer_of(src), layer_of(dst)
+        if a is None or b is None:
+            continue  # reported by test_every_module_is_in_a_layer_of_the_map
         if a != b and b not in ALLOWED[a]:
             out.append(f"llmkit/{src}:{line} ({a}) imports llmkit/{dst} ({b}): not a layer below {a}")
     return out
