@@ -253,7 +253,8 @@ if sys.argv[1] == "openmp-first":
 import numpy as np
 import pytest
 import llmkit.framework as lf
-from llmkit.framework import jit, par
+from llmkit.framework import jit
+from llmkit.framework.compiler import par
 f = jit.to_static(lambda x: lf.ops.exp(x) + 1.0, input_spec=[jit.InputSpec(["N"], "float32")])
 if sys.argv[2] == "jit.load":
     f = jit.load(jit.save(f, tempfile.mkdtemp() + "/m"))
