@@ -82,6 +82,18 @@ def test_tiled_linear_threads_do_not_change_a_bit(monkeypatch, transposed):
         assert np.array_equal(got[1], got[2]) and np.array_equal(got[1], got[3])
 
 
+def test_the_engines_ops_declare_it_and_have_their_kernels():
+    """The inference engine's ops say so in their spec (trait ``inference``, no Tensor method), and
+    each comes with its hand-written kernel from compiler/native/."""
+    import llmkit.framework as lf
+
+    engine = sorted(n for n, s in table().items() if "inference" in s.traits)
+    assert engine == ["paged_attention", "paged_kv_write", "tiled_linear", "tiled_linear_swiglu"]
+    for name in engine:
+        assert table()[name].native is not None and "internal" in table()[name].traits
+        assert not hasattr(lf.Tensor, name)
+
+
 def test_tiled_linear_native_for_any_tile_size_float32_only():
     x, w = np.zeros((2, 4), np.float32), np.zeros((3, 4), np.float32)
     assert applies("tiled_linear", x, w, rows=1)
