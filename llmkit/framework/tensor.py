@@ -346,10 +346,11 @@ _UNARY = {"__neg__": "neg", "__abs__": "abs", "__invert__": "logical_not"}
 
 
 def _install_methods() -> None:
-    """Install operators, and a method per op whose first input is a tensor (unless written above)."""
+    """Install operators, and a method per op whose first input is a tensor (unless written above;
+    communication is no tensor method: ``dist.reshard``)."""
     from .dispatch import apply
     from .ops import public
-    from .ops.spec import get, table
+    from .ops.spec import Kind, get, table
 
     def binary(spec, reflected):
         if reflected:
@@ -361,6 +362,6 @@ def _install_methods() -> None:
     for dunder, name in _UNARY.items():
         setattr(Tensor, dunder, (lambda spec: lambda self: apply(spec, self))(get(name)))
     for name, spec in table().items():
-        if not spec.inputs or spec.variadic or hasattr(Tensor, name):
+        if not spec.inputs or spec.variadic or spec.kind == Kind.COLLECTIVE or hasattr(Tensor, name):
             continue
         setattr(Tensor, name, public(spec))

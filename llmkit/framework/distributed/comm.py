@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from ..ops.collective import register_communicator
+
 BACKENDS = ("sim", "mpi", "nccl")
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_SIM_WORLD = 8
@@ -233,6 +235,11 @@ class SimBackend(Backend):
             return fn(xs)
         if not xs:
             return {}
+        if self.thread_rank is None:  # nobody else can arrive: this process hosts every rank
+            raise CollectiveError(
+                f"{what}: given the arrays of ranks {sorted(xs)} of the group {list(group)}; under sim a "
+                "process hosts every rank, so run one rank per thread with dist.run_ranks"
+            )
         ((rank, x),) = xs.items()
         key = ("c", group, self._seq(("c", group)))
         deadline = time.monotonic() + self.timeout
@@ -281,6 +288,11 @@ class SimBackend(Backend):
         key = ("p", src, dst, self._seq(("r", src, dst)))
         deadline = time.monotonic() + self.timeout
         with self._cv:
+            if key not in self._mail and self.thread_rank is None:
+                raise CollectiveError(
+                    f"{what}: nothing was sent from rank {src} to rank {dst}; under sim a process hosts "
+                    "every rank, so run one rank per thread with dist.run_ranks"
+                )
             while key not in self._mail:
                 if not self._cv.wait(deadline - time.monotonic()) and key not in self._mail:
                     raise CollectiveError(
@@ -764,3 +776,6 @@ def timeout(seconds: float) -> Iterator[None]:
         yield
     finally:
         b.timeout = before
+
+
+register_communicator(get_backend)  # the kernels of the collective ops reach the backend through it

@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from . import contraction, elementwise, movement, neural, paged, reduce  # noqa: F401  (they register ops)
+from . import collective, contraction, elementwise, movement, neural, paged, reduce  # noqa: F401  (they register ops)
 from .spec import REQUIRED, A, Kind, Meta, OpError, OpSpec, attr, defop, get, table
 
 _PUBLIC: dict[str, Callable[..., Any]] = {}

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import backend as B
 from .. import symbolic as sym
+from ..placement import Placement, ProcessMesh
 from ..symbolic import Dim
 
 # --------------------------------------------------------------------------------- fusion kinds
@@ -170,6 +171,21 @@ def _axes(v: Any) -> tuple | None:
     return None if v is None else _ints(v)
 
 
+def _mesh(v: Any) -> ProcessMesh:
+    if not isinstance(v, ProcessMesh):
+        raise TypeError("a ProcessMesh")
+    return v
+
+
+def _placements(v: Any) -> tuple:
+    if isinstance(v, (str, bytes, Placement)) or not isinstance(v, Sequence) or not v:
+        raise TypeError("a non-empty list of placements (Replicate(), Shard(dim), Partial(op) or 'S(0)'...)")
+    try:
+        return tuple(Placement.parse(p) for p in v)
+    except (ValueError, TypeError) as e:
+        raise TypeError(f"a list of placements ({e})") from None
+
+
 def optional(t: AttrType) -> AttrType:
     return AttrType(f"{t.name}?", lambda v: None if v is None else t.normalize(v))
 
@@ -195,6 +211,8 @@ class A:
     SHAPE = AttrType("shape", _shape)
     INTS = AttrType("ints", _ints)
     AXES = AttrType("axes", _axes)  # None (all axes) or a tuple of ints
+    MESH = AttrType("mesh", _mesh)  # a ProcessMesh
+    PLACEMENTS = AttrType("placements", _placements)  # one Placement per mesh dim
 
 
 @dataclass(frozen=True)

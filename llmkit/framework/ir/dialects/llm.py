@@ -1,9 +1,11 @@
 """``llm``: one op per op-table entry, generated on demand — nobody lists them here.
 
-``llm.<name>`` takes the op's tensor inputs as operands (omitted optional inputs are simply left
-out; a variadic op takes all its operands), stores every attribute (defaults filled in, typed by
-the op-table attribute type) and has the result types its ``infer_meta`` gives. Traits come from
-the op's kind and traits; interfaces are its infer_meta, kernel, vjp and decompose.
+Collectives (kind ``collective``) are generated the same way into the ``dist`` dialect
+(``dist.all_reduce``...). ``llm.<name>`` takes the op's tensor inputs as operands (omitted
+optional inputs are simply left out; a variadic op takes all its operands), stores every
+attribute (defaults filled in, typed by the op-table attribute type) and has the result types its
+``infer_meta`` gives. Traits come from the op's kind and traits; interfaces are its infer_meta,
+kernel, vjp and decompose.
 """
 
 from __future__ import annotations
@@ -16,10 +18,15 @@ from ... import ops as _ops  # noqa: F401  (registers every op)
 from ...ops.spec import Kind, OpError, OpSpec, table
 from ..attributes import Attribute, from_optable
 from ..core import Operation, Value
-from ..opdef import Dialect, Interface, OpDef, OpView, Trait, any_attr
+from ..opdef import Dialect, Interface, OpDef, OpView, Trait, any_attr, lookup
 from ..types import TensorType, Type
 
 PREFIX = "llm."
+
+
+def full_name(spec: OpSpec) -> str:
+    """``llm.<name>``, or ``dist.<name>`` for a collective."""
+    return ("dist." if spec.kind == Kind.COLLECTIVE else PREFIX) + spec.name
 
 
 def metas_to_types(spec: OpSpec, out: Any) -> list[Type]:
@@ -85,7 +92,7 @@ def make_opdef(spec: OpSpec) -> OpDef:
     if spec.decompose is not None:
         interfaces[Interface.DECOMPOSE] = spec.decompose
     return OpDef(
-        PREFIX + spec.name,
+        full_name(spec),
         _traits(spec),
         min_operands=spec.min_inputs,
         max_operands=spec.max_inputs,
@@ -101,12 +108,17 @@ def make_opdef(spec: OpSpec) -> OpDef:
     )
 
 
-class LlmDialect(Dialect):
-    """The op table seen as a dialect: ``get`` builds (and caches) an OpDef per spec."""
+class TableDialect(Dialect):
+    """Op-table ops seen as a dialect (those ``select`` picks): ``get`` builds (and caches) an
+    OpDef per spec."""
+
+    def __init__(self, name: str, select, doc: str = "") -> None:
+        super().__init__(name, doc=doc)
+        self.select = select
 
     def get(self, short: str) -> OpDef | None:
         spec = table().get(short)
-        if spec is None:
+        if spec is None or not self.select(spec):
             return None
         d = self._ops.get(short)
         if d is None or d.spec is not spec:
@@ -114,16 +126,19 @@ class LlmDialect(Dialect):
         return d
 
     def names(self) -> list[str]:
-        return [PREFIX + n for n in table()]
+        return [f"{self.name}.{n}" for n, s in table().items() if self.select(s)]
 
 
-DIALECT = LlmDialect("llm", doc=__doc__ or "")
+DIALECT = TableDialect("llm", lambda s: s.kind != Kind.COLLECTIVE, doc=__doc__ or "")
 
 
 def opdef(spec_or_name: OpSpec | str) -> OpDef:
-    """The OpDef of an op-table op (by spec or bare name)."""
+    """The OpDef of an op-table op (by spec, bare name or full name)."""
     name = spec_or_name if isinstance(spec_or_name, str) else spec_or_name.name
-    d = DIALECT.get(name.removeprefix(PREFIX))
+    spec = table().get(name.split(".", 1)[1] if "." in name else name)
+    d = None
+    if spec is not None and (name == spec.name or name == full_name(spec)):
+        d = lookup(full_name(spec))
     if d is None:
         raise OpError(f"unknown op {name!r}")
     return d
