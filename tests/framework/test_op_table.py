@@ -1271,3 +1271,84 @@ def test_ops_without_gradient_stop_it(name):
             outs = _outs(_call(name, s.inputs, s.attrs, grad=True)[0])
         for o in outs:
             assert not o.requires_grad
+
+
+# ---- the SPMD column: every op on distributed inputs of a 2x2 sim mesh -------------------------------
+
+MESH = dist.ProcessMesh((2, 2), ["a", "b"])
+
+
+def _random_placements(rng, a):
+    """Two placements (one per mesh dim) for input array ``a``: replicated, sharded on any dim,
+    or (floating inputs) a Partial sum or average."""
+    one = [dist.Replicate()] + [dist.Shard(d) for d in range(a.ndim)]
+    if np.issubdtype(a.dtype, np.floating):
+        one += [dist.Partial("sum"), dist.Partial("avg")]
+    return [one[i] for i in rng.integers(0, len(one), 2)]
+
+
+def _sharded(a, ps, grad):
+    t = dist.shard_tensor(lf.tensor(a, dtype=a.dtype), MESH, ps)
+    return t.requires_grad_(grad)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_sharded_op_equals_the_unsharded_op(name):
+    """Random placements of the inputs on a 2x2 mesh: outputs (and the gradients of sum(out * w))
+    equal the op on plain tensors, in float64, to 1e-12. Per-rank collectives refuse loudly."""
+    spec, c = table()[name], CASES[name]
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    if c.ranks > 1:  # ops of per-rank programs: a distributed tensor is the wrong input
+        s = _samples(name)[0]
+        if not s.inputs:
+            return  # recv takes no tensor
+        ins = [_sharded(a[0], [dist.Replicate()] * 2, False) for a in s.inputs]
+        with pytest.raises(lf.ops.OpError, match="dist.reshard"):
+            lf.ops.public(spec)(*ins, **_attrs(s))
+        return
+    for s in _samples(name):
+        for _ in range(2):
+            placements = [None if a is None else _random_placements(rng, a) for a in s.inputs]
+            diff = set(_diff_inputs(spec, s.inputs)) if s.fd else set()
+            plain_out, plain_in = _call(name, s.inputs, s.attrs, grad=bool(diff))
+            ins = [
+                None if a is None else _sharded(a, ps, i in diff)
+                for i, (a, ps) in enumerate(zip(s.inputs, placements))
+            ]
+            out = (
+                lf.ops.public(spec)(ins, **s.attrs) if spec.variadic else lf.ops.public(spec)(*ins, **s.attrs)
+            )
+            why = f"{name} {s.attrs} placements {placements}"
+            for o, want in zip(_outs(out), _outs(plain_out)):
+                if not ins:  # no inputs (full, arange): computed as plain tensors, replicated
+                    assert o.is_concrete
+                    continue
+                o._data.check()
+                got = dist.unshard(o).numpy()
+                if name == "dropout":  # the same seed over the same whole shape: the same mask
+                    np.testing.assert_array_equal(got, want.numpy(), err_msg=why)
+                    continue
+                np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12, err_msg=why)
+            if not diff:
+                continue
+            floats = [
+                (o, w) for o, w in zip(_outs(out), _outs(plain_out)) if np.issubdtype(o.dtype, np.floating)
+            ]
+            weights = [rng.standard_normal(o.shape) for o, _ in floats]
+            loss = plain_loss = None
+            for (o, p), w in zip(floats, weights):
+                term, plain_term = (o * lf.tensor(w)).sum(), (p * lf.tensor(w)).sum()
+                loss = term if loss is None else loss + term
+                plain_loss = plain_term if plain_loss is None else plain_loss + plain_term
+            got = lf.grad(loss, [ins[i] for i in sorted(diff)], allow_unused=True)
+            want = lf.grad(plain_loss, [plain_in[i] for i in sorted(diff)], allow_unused=True)
+            for i, g, w in zip(sorted(diff), got, want):
+                if w is None:
+                    continue
+                np.testing.assert_allclose(
+                    dist.unshard(g).numpy(),
+                    w.numpy(),
+                    rtol=1e-12,
+                    atol=1e-12,
+                    err_msg=f"{why}: grad of input {i}",
+                )

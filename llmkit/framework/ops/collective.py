@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..placement import check
+from . import spmd as P
 from .spec import A, Kind, Meta, OpError, attr, defop, optional
 
 REDUCE = ("sum", "avg", "max", "min")
@@ -54,6 +55,12 @@ def _comm(name: str, group: tuple, mesh: Any) -> tuple[Any, int, str]:
             "on its rank's thread with dist.run_ranks)"
         )
     return comm, rank, where
+
+
+_PER_RANK = P.not_distributed(
+    "a per-rank collective acts on one rank's local array in a per-rank program; "
+    "to move a distributed tensor use dist.reshard"
+)
 
 
 def _reduce_attr():
@@ -107,6 +114,7 @@ defop(
     infer_meta=_reshard_meta,
     kernel=lambda xp, x, mesh, placements: x,
     vjp=lambda g, out, x, mesh, placements: (g,),
+    spmd=P.RESHARD,
     doc="The same value laid out as `placements` (one per mesh dim) on `mesh`.",
 )
 
@@ -125,6 +133,7 @@ defop(
     attrs=[_group(), _reduce_attr(), _mesh()],
     infer_meta=lambda x, group, mesh=None, reduce="sum": Meta(x.shape, x.dtype),
     kernel=_all_reduce_kernel,
+    spmd=_PER_RANK,
     doc="Every member gets the reduction of the members' arrays.",
 )
 
@@ -145,6 +154,7 @@ defop(
     attrs=[_group(), attr("axis", A.INT), attr("sizes", A.INTS), _mesh()],
     infer_meta=_all_gather_meta,
     kernel=_all_gather_kernel,
+    spmd=_PER_RANK,
     doc="The members' arrays concatenated along axis (member i holds sizes[i] there).",
 )
 
@@ -172,6 +182,7 @@ defop(
     ],
     infer_meta=_reduce_scatter_meta,
     kernel=_reduce_scatter_kernel,
+    spmd=_PER_RANK,
     doc="The members' arrays reduced and cut along axis into sizes; member i keeps piece i.",
 )
 
@@ -204,6 +215,7 @@ defop(
     ],
     infer_meta=_all_to_all_meta,
     kernel=_all_to_all_kernel,
+    spmd=_PER_RANK,
     doc="Member i sends piece j of x (cut along split_axis) to member j and concatenates what it "
     "receives along concat_axis.",
 )
@@ -221,6 +233,7 @@ defop(
     attrs=[attr("peer", A.INT), _mesh()],
     infer_meta=lambda x, peer, mesh=None: Meta(x.shape, x.dtype),
     kernel=_send_kernel,
+    spmd=_PER_RANK,
     doc="Send x to rank peer (returns x; does not wait for the receiver).",
 )
 
@@ -237,5 +250,6 @@ defop(
     attrs=[attr("peer", A.INT), attr("shape", A.SHAPE), attr("dtype", A.DTYPE), _mesh()],
     infer_meta=lambda peer, shape, dtype, mesh=None: Meta(shape, dtype),
     kernel=_recv_kernel,
+    spmd=_PER_RANK,
     doc="Receive a shape/dtype array from rank peer.",
 )

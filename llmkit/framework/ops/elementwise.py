@@ -13,23 +13,36 @@ import math
 import numpy as np
 
 from .. import backend as B
+from . import spmd as P
 from .spec import A, Kind, Meta, OpError, attr, defop, describe, elementwise_meta, optional, same_dtype
 from .spec import ops as O
 
+# Families. SPMD: any dim shards (broadcast dims stay replicated); ``partial`` says which Partial
+# inputs pass through (spmd.elementwise).
 
-def unary(name, kernel, vjp=None, *, c=None, floating=True, out_dtype=None, **kw):
+
+def unary(name, kernel, vjp=None, *, c=None, floating=True, out_dtype=None, partial=None, **kw):
     def infer(x, **attrs):
         return elementwise_meta(name, x, floating=floating, out_dtype=out_dtype, numeric=True)
 
-    return defop(name, Kind.ELEMENTWISE, kernel=kernel, infer_meta=infer, vjp=vjp, c=c, **kw)
+    rule = P.elementwise(partial)
+    return defop(name, Kind.ELEMENTWISE, kernel=kernel, infer_meta=infer, vjp=vjp, c=c, spmd=rule, **kw)
 
 
-def binary(name, kernel, vjp=None, *, c=None, floating=False, **kw):
+def binary(name, kernel, vjp=None, *, c=None, floating=False, partial=None, **kw):
     def infer(a, b, **attrs):
         return elementwise_meta(name, a, b, floating=floating)
 
     return defop(
-        name, Kind.ELEMENTWISE, inputs=("x", "y"), kernel=kernel, infer_meta=infer, vjp=vjp, c=c, **kw
+        name,
+        Kind.ELEMENTWISE,
+        inputs=("x", "y"),
+        kernel=kernel,
+        infer_meta=infer,
+        vjp=vjp,
+        c=c,
+        spmd=P.elementwise(partial),
+        **kw,
     )
 
 
@@ -37,7 +50,9 @@ def compare(name, kernel, c):
     def infer(a, b):
         return elementwise_meta(name, a, b, out_dtype=B.DTYPES["bool"])
 
-    return defop(name, Kind.ELEMENTWISE, inputs=("x", "y"), kernel=kernel, infer_meta=infer, c=c)
+    return defop(
+        name, Kind.ELEMENTWISE, inputs=("x", "y"), kernel=kernel, infer_meta=infer, c=c, spmd=P.elementwise()
+    )
 
 
 def _nan_first(expr: str) -> str:
@@ -53,14 +68,16 @@ binary(
     lambda g, out, a, b: (g, g),
     c="({0}+{1})",
     traits={"commutative", "associative"},
+    partial="linear",
 )
-binary("sub", lambda xp, a, b: a - b, lambda g, out, a, b: (g, -g), c="({0}-{1})")
+binary("sub", lambda xp, a, b: a - b, lambda g, out, a, b: (g, -g), c="({0}-{1})", partial="linear")
 binary(
     "mul",
     lambda xp, a, b: a * b,
     lambda g, out, a, b: (g * b, g * a),
     c="({0}*{1})",
     traits={"commutative", "associative"},
+    partial="bilinear",
 )
 binary(
     "div",
@@ -68,6 +85,7 @@ binary(
     lambda g, out, a, b: (g / b, lambda: -(g * out) / b),
     c="({0}/{1})",
     floating=True,
+    partial="first",
 )
 binary(
     "pow",
@@ -82,6 +100,7 @@ binary(
     lambda g, out, a, b: (O.where(a >= b, g, 0.0), O.where(a >= b, 0.0, g)),
     c=_nan_first("(({0}>={1})?{0}:{1})"),
     traits={"commutative", "associative", "idempotent"},
+    partial="max",
 )
 binary(
     "minimum",
@@ -89,9 +108,10 @@ binary(
     lambda g, out, a, b: (O.where(a <= b, g, 0.0), O.where(a <= b, 0.0, g)),
     c=_nan_first("(({0}<={1})?{0}:{1})"),
     traits={"commutative", "associative", "idempotent"},
+    partial="min",
 )
 
-unary("neg", lambda xp, x: -x, lambda g, out, x: (-g,), c="(-{0})", floating=False)
+unary("neg", lambda xp, x: -x, lambda g, out, x: (-g,), c="(-{0})", floating=False, partial="linear")
 unary("abs", lambda xp, x: xp.abs(x), lambda g, out, x: (g * O.sign(x),), c="fabs({0})", floating=False)
 unary(
     "sign",
@@ -235,6 +255,7 @@ defop(
     infer_meta=_bool_meta("logical_and"),
     c="({0}&&{1})",
     traits={"commutative", "associative"},
+    spmd=P.elementwise(),
 )
 defop(
     "logical_or",
@@ -244,9 +265,15 @@ defop(
     infer_meta=_bool_meta("logical_or"),
     c="({0}||{1})",
     traits={"commutative", "associative"},
+    spmd=P.elementwise(),
 )
 defop(
-    "logical_not", Kind.ELEMENTWISE, kernel=lambda xp, x: ~x, infer_meta=_bool_meta("logical_not"), c="(!{0})"
+    "logical_not",
+    Kind.ELEMENTWISE,
+    kernel=lambda xp, x: ~x,
+    infer_meta=_bool_meta("logical_not"),
+    c="(!{0})",
+    spmd=P.elementwise(),
 )
 
 
@@ -266,6 +293,7 @@ defop(
     nondiff={0},
     c="({0}?{1}:{2})",
     vjp=lambda g, out, c, a, b: (None, O.where(c, g, 0.0), O.where(c, 0.0, g)),
+    spmd=P.elementwise("linear", inputs=(1, 2)),  # linear in the branches, never in the condition
 )
 
 
@@ -284,6 +312,7 @@ defop(
     infer_meta=lambda x, dtype: Meta(x.shape, dtype),
     vjp=_cast_vjp,
     c="(({ctype}){0})",
+    spmd=P.elementwise(),  # a Partial sum is reduced first: sum(cast(x_r)) is not cast(sum(x_r))
 )
 
 
@@ -299,6 +328,7 @@ def _like(name, value):
         infer_meta=_like_meta,
         kernel=lambda xp, x, dtype=None: xp.full(x.shape, value, x.dtype if dtype is None else dtype),
         c=str(value),
+        spmd=P.Rule(P.like_input, doc="the input's layout"),
         doc=f"A tensor of {value}s shaped like x; gradients stop here.",
     )
 
@@ -323,5 +353,6 @@ defop(
     kernel=_full_kernel,
     infer_meta=_full_meta,
     c="{value}",
+    spmd=P.Rule(lambda ctx: P.dim_map(ctx, []), shape_attr="shape", doc="no inputs: replicated"),
     doc="A tensor of one value; the shape may hold symbolic dims.",
 )

@@ -19,6 +19,11 @@ slot ``block_table[p // BS] * BS + p % BS``. Three ops make that a program:
   ``linear`` ops into it; see docs/serve.md ("Batch invariance"). ``transposed=True`` takes the
   weight as ``[in, out]``, the layout BLAS reads fastest (the engine stores weights that way).
 
+SPMD (tensor-parallel serving): the kv heads shard with the query heads that share them (when
+both split evenly), and the tiled products shard like ``linear`` (batch rows, output features, or
+the inner dim into a Partial sum; the swiglu pair only by output features). The rest is
+replicated.
+
 All three are inference ops: they have no gradient rule (RLHF differentiates the training forward,
 not the engine's programs) and no decomposition (the compiler must keep their kernels, which carry
 the guarantees above). Each also has a hand-written C kernel (``kernels_c.py``) that the engine's
@@ -36,6 +41,7 @@ import numpy as np
 from .. import backend as B
 from .. import symbolic as sym
 from . import kernels_c
+from . import spmd as P
 from .contraction import _linear_meta, _linear_vjp, mm
 from .spec import A, Kind, Meta, Native, OpError, attr, defop, describe, get, optional, same_dtype
 from .spec import ops as O
@@ -68,6 +74,23 @@ def _check_pool(name: str, pool, layer: int) -> None:
 
 def _host(x) -> np.ndarray:
     return x if type(x) is np.ndarray else B.to_numpy(x)
+
+
+def _kv_heads_spmd(pool: int, heads: tuple, out: int):
+    """Shard the pool's kv heads (dim 4) with the heads dim of the tensors at ``heads`` ((input,
+    dim) pairs), the output's dim ``out``; everything else replicated."""
+
+    def strategies(ctx):
+        groups = []
+        if ctx.even(pool, 4) and all(ctx.even(i, d) for i, d in heads):
+            ins = [None] * len(ctx.metas)
+            ins[pool] = 4
+            for i, d in heads:
+                ins[i] = d
+            groups.append((ins, (out,)))
+        return P.dim_map(ctx, groups)
+
+    return strategies
 
 
 # ---- paged_kv_write -----------------------------------------------------------------------------
@@ -125,6 +148,7 @@ defop(
         applies=lambda pool, k, v, slots, **attrs: slots.dtype == _I64,
     ),
     traits={"inplace_input0"},
+    spmd=P.Rule(_kv_heads_spmd(pool=0, heads=((1, 1), (2, 1)), out=4)),
     doc="The pool with this step's keys/values stored: k, v [B, Hkv, S, D] go to pool[layer, 0/1] at "
     "flat slots [B*S] (block * block_size + offset; -1 = do not store). With inplace=True the kernel "
     "writes into the pool it is given and returns it: the caller donates that value.",
@@ -255,6 +279,7 @@ defop(
     infer_meta=_attn_meta,
     kernel=_attn_kernel,
     native=Native(kernels_c.PAGED_ATTENTION, sizes=_attn_sizes, applies=_attn_native_applies),
+    spmd=P.Rule(_kv_heads_spmd(pool=1, heads=((0, 1),), out=1)),
     doc="Causal attention of q [B, Hq, S, D] against a paged KV pool, segment by segment. Segment i is the "
     "query tokens [q_start[i], q_start[i] + q_len[i]) of the flattened B*S tokens (one row of B); its "
     "keys are positions 0 .. kv_len[i]-1 of the sequence whose blocks are block_tables[i], and its "
@@ -342,6 +367,34 @@ def _tiled_sizes(x, weight, bias=None, rows=8, transposed=False, panel=0):
     return [rows, k, n, bias is not None, 2 if panel else int(transposed)]
 
 
+def _tiled_spmd(swiglu: bool):
+    """tiled_linear(x, w, b) / tiled_linear_swiglu(x, w_gate, w_up) as ``...k,nk->...n``: batch rows,
+    output features (the weight's out dim: 0, or 1 when transposed, 0 of the panels: a whole number
+    of panels per rank) or, for tiled_linear, the inner dim (a Partial sum, the bias on one rank)."""
+    return lambda ctx: _tiled_strategies(ctx, swiglu)
+
+
+def _tiled_strategies(ctx, swiglu):
+    x = ctx.metas[0]
+    transposed, panel = ctx.attrs["transposed"], ctx.attrs["panel"]
+    out_dim, in_dim = (0, 1) if panel else ((1, 0) if transposed else (0, 1))
+    nd = x.ndim
+    weights = (1, 2) if swiglu else (1,)
+    groups = [((d,) + (None,) * (len(ctx.metas) - 1), (d,)) for d in range(nd - 1)]
+    feat = [None] * len(ctx.metas)
+    for w in weights:
+        feat[w] = out_dim
+    if not swiglu and ctx.metas[2] is not None:
+        feat[2] = 0
+    if not panel or ctx.even(1, 0):
+        groups.append((feat, (nd - 1,)))
+    parts = []
+    if not swiglu:
+        bias = [] if ctx.metas[2] is None else [P.Partial("sum")]
+        parts.append(((P.Shard(nd - 1), P.Shard(in_dim), *bias), (P.Partial("sum"),)))
+    return P.dim_map(ctx, groups, parts)
+
+
 def _tiled_attrs() -> list:
     """The weight layout attributes of tiled_linear and tiled_linear_swiglu."""
     return [
@@ -365,6 +418,7 @@ defop(
     kernel=_tiled_kernel,
     native=Native(kernels_c.TILED_LINEAR, sizes=_tiled_sizes, applies=_tiled_native_applies),
     vjp=_tiled_vjp,
+    spmd=P.Rule(_tiled_spmd(swiglu=False)),
     doc="x @ weight.T + bias (as linear), computed in matrix products of exactly `rows` rows (the last "
     "zero-padded), so each row's result is independent of the number of rows: batch invariance (the "
     "C kernel computes each row alone, whatever `rows`). "
@@ -419,6 +473,7 @@ defop(
         applies=_tls_native_applies,
     ),
     vjp=_tls_vjp,
+    spmd=P.Rule(_tiled_spmd(swiglu=True)),
     doc="swiglu(tiled_linear(x, w_gate), tiled_linear(x, w_up)) as one op (the engine's MLP with "
     "both weights in panels: each thread finishes its own columns; the products are never stored). "
     "Weights and attributes as tiled_linear's, no bias.",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from math import prod
 
 from .. import backend as B
+from . import spmd as P
 from .spec import A, Kind, Meta, OpError, attr, defop, describe, norm_axes, norm_axis, optional, reduce_shape
 from .spec import ops as O
 
@@ -12,6 +13,20 @@ from .spec import ops as O
 def _keep(g, x, axis, keepdim):
     """Reshape a reduced gradient so it broadcasts against x."""
     return g if keepdim else O.reshape(g, reduce_shape("reduce", x.shape, axis, True))
+
+
+# SPMD: reducing a sharded axis leaves each rank's partial reduction: Partial(sum | avg | max | min)
+# (mean only where the axis splits evenly; elsewhere it runs as sum / numel).
+def _mean_local(regions, x, axis=None, keepdim=False, *, count):
+    return O.sum(x, axis=axis, keepdim=keepdim) / float(count)  # the global count: a Partial sum
+
+
+_PARTIAL = {
+    "sum": P.reduction("sum"),
+    "mean": P.reduction("sum", local=_mean_local),
+    "max": P.reduction("max"),
+    "min": P.reduction("min"),
+}
 
 
 def reduction(name, kernel, vjp=None, *, floating=False, numeric=True, out_dtype=None, identity=True, **kw):
@@ -27,6 +42,7 @@ def reduction(name, kernel, vjp=None, *, floating=False, numeric=True, out_dtype
         return Meta(reduce_shape(name, x.shape, axis, keepdim), out_dtype or x.dtype)
 
     attrs = [attr("axis", A.AXES, None), attr("keepdim", A.BOOL, False)]
+    kw.setdefault("spmd", _PARTIAL.get(kw.get("reducer")))
     return defop(name, Kind.REDUCE, attrs=attrs, kernel=kernel, infer_meta=infer, vjp=vjp, **kw)
 
 
@@ -93,6 +109,7 @@ reduction(
     floating=True,
     identity=False,
     decompose=_logsumexp_decompose,
+    spmd=P.reduction(None, decompose=True),
     vjp=lambda g, out, x, axis, keepdim: (
         _keep(g, x, axis, keepdim) * O.exp(x - _keep(out, x, axis, keepdim)),
     ),
@@ -117,6 +134,7 @@ defop(
     attrs=[attr("axis", optional(A.INT), None), attr("keepdim", A.BOOL, False)],
     kernel=_argmax_kernel,
     infer_meta=_argmax_meta,
+    spmd=P.reduction(None),
     doc="Index of the first maximum along axis (of the flattened tensor when axis is None).",
 )
 
@@ -137,6 +155,9 @@ defop(
     attrs=[attr("axis", A.AXES, None)],
     kernel=_numel_kernel,
     infer_meta=_numel_meta,
+    spmd=P.Rule(
+        lambda ctx: [P.Strategy((P.ANY,), (P.R,))], shape_only=(0,), doc="reads only the global shape"
+    ),
     doc="Number of elements in the given axes as a 0-d tensor of x's dtype (sizes may be symbolic).",
 )
 
@@ -161,5 +182,6 @@ defop(
     kernel=_cumsum_kernel,
     infer_meta=_cumsum_meta,
     vjp=lambda g, out, x, axis, reverse: (O.cumsum(g, axis=axis, reverse=not reverse),),
+    spmd=P.along_axis(linear=True),
     doc="Inclusive running sum along axis (from the end when reverse).",
 )

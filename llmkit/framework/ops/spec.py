@@ -270,7 +270,7 @@ class OpSpec:
     kernel: Callable[..., Any]  # (xp, *arrays, **attrs) -> array | tuple[array, ...]
     vjp: Callable[..., Sequence[Any]] | None = None  # (g, out, *inputs, **attrs) -> grad per input
     decompose: Callable[..., Any] | None = None  # (*inputs, **attrs) -> outputs, with other ops
-    spmd: Callable[..., Any] | None = None  # filled by the auto-parallel layer
+    spmd: Any = None  # the SPMD rule (ops/spmd.py): how the op runs on distributed tensors
     # C/CUDA expression template for elementwise primitives: "({0}+{1})"; {name} is an attribute,
     # {i0} the output index (generators like arange), {ctype} the result's C type
     c: str | None = None
@@ -372,6 +372,7 @@ def defop(
     traits: Sequence[str] = (),
     nondiff: Sequence[int] = (),
     multi_output: bool = False,
+    spmd: Any = None,
     doc: str = "",
 ) -> OpSpec:
     """Declare an op and add it to the table.
@@ -399,6 +400,7 @@ def defop(
         traits=frozenset(traits),
         nondiff=frozenset(nondiff),
         multi_output=multi_output,
+        spmd=spmd,
         doc=doc,
     )
     _TABLE[name] = spec
