@@ -160,9 +160,16 @@ def move_cost(src: Placement, dst: Placement, nbytes: float, n: int) -> float:
 
 
 def decide(
-    spec: Any, metas: Sequence[Any], placements: Sequence[Any], attrs: dict, mesh_shape: tuple
+    spec: Any,
+    metas: Sequence[Any],
+    placements: Sequence[Any],
+    attrs: dict,
+    mesh_shape: tuple,
+    want: Any = None,
 ) -> Decision:
-    """The strategy per mesh dim for ``spec`` on inputs with ``placements`` (None: absent input)."""
+    """The strategy per mesh dim for ``spec`` on inputs with ``placements`` (None: absent input).
+    ``want``: placements wished for the first output; on a mesh dim where a strategy gives it for
+    free (no input moves but slices), that one is taken."""
     rule = spec.spmd
     if rule is None:
         raise OpError(
@@ -186,19 +193,20 @@ def decide(
 
         def cost(s: Strategy) -> tuple:
             total, changed = 0.0, 0
-            for i, want in enumerate(s.inputs):
-                if want is None or want == ANY or cur[i] is None:
+            for i, req in enumerate(s.inputs):
+                if req is None or req == ANY or cur[i] is None:
                     continue
                 have = cur[i][m]
-                if have != want:
+                if have != req:
                     changed += 1
-                    total += move_cost(have, want, _nbytes(metas[i], cur[i], mesh_shape, m), mesh_shape[m])
+                    total += move_cost(have, req, _nbytes(metas[i], cur[i], mesh_shape, m), mesh_shape[m])
             return (total, changed)
 
-        best = min(options, key=cost)
-        for i, want in enumerate(best.inputs):
-            if want is not None and want != ANY and cur[i] is not None:
-                cur[i][m] = want
+        free = [s for s in options if want is not None and s.outputs[0] == want[m] and cost(s)[0] == 0]
+        best = min(free or options, key=cost)
+        for i, req in enumerate(best.inputs):
+            if req is not None and req != ANY and cur[i] is not None:
+                cur[i][m] = req
         if out is None:
             out = [[] for _ in best.outputs]
         for o, p in zip(out, best.outputs):

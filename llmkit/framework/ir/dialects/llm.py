@@ -16,6 +16,7 @@ from typing import Any
 
 from ... import ops as _ops  # noqa: F401  (registers every op)
 from ...ops.spec import Kind, OpError, OpSpec, table
+from ...placement import check
 from ..attributes import Attribute, from_optable
 from ..core import Operation, Value
 from ..opdef import Dialect, Interface, OpDef, OpView, Trait, any_attr, lookup
@@ -64,16 +65,51 @@ def _defaults(spec: OpSpec) -> dict[str, Attribute]:
     return out
 
 
+# Auto-parallel annotates an op of a distributed program with its results' placements: a list of
+# placements for one result (one per mesh dim of the function's ``mesh``), a list of lists for more.
+DIST_ATTR = "placements"
+
+
+def placements_problem(op: Operation) -> str | None:
+    """What is wrong with ``op``'s placements annotation (None when fine or absent)."""
+    a = op.attributes.get(DIST_ATTR)
+    if a is None:
+        return None
+    func = op.parent_op
+    while func is not None and func.name != "builtin.func":
+        func = func.parent_op
+    mesh = func.attributes.get("mesh") if func is not None else None
+    if mesh is None:
+        return "placements need the enclosing function's mesh attribute"
+    per = [a.value] if len(op.results) == 1 else list(a.value)
+    if len(per) != len(op.results) or not all(isinstance(ps, tuple) for ps in per):
+        return f"placements must give one list per result ({len(op.results)})"
+    for r, ps in zip(op.results, per):
+        problem = check(ps, mesh.value.ndim, r.type.ndim)
+        if problem:
+            return f"result #{r.index}: {problem}"
+    return None
+
+
 def make_opdef(spec: OpSpec) -> OpDef:
     """The OpDef of one op-table entry."""
     types = {a.name: a.type.name for a in spec.attrs}
+    annotated = DIST_ATTR not in types  # its placements annotation is no attribute of the op's own
 
     def infer(operands: Sequence[Value], attrs: Mapping[str, Any]) -> list[Type]:
+        if annotated and DIST_ATTR in attrs:
+            attrs = {k: v for k, v in attrs.items() if k != DIST_ATTR}
         return metas_to_types(spec, spec.infer_meta(*operands, **attrs))
 
     def verify(op: Operation) -> str | None:
+        plain = op.plain_attrs
+        if annotated and DIST_ATTR in plain:
+            problem = placements_problem(op)
+            if problem:
+                return problem
+            plain = {k: v for k, v in plain.items() if k != DIST_ATTR}
         try:
-            bound = spec.bind(op.plain_attrs)
+            bound = spec.bind(plain)
         except OpError as e:
             return str(e)
         attrs = op.attributes
@@ -98,6 +134,7 @@ def make_opdef(spec: OpSpec) -> OpDef:
         max_operands=spec.max_inputs,
         num_results=None if spec.multi_output else 1,
         attrs={a.name: any_attr for a in spec.attrs},  # values are checked by spec.bind in verify
+        optional_attrs={DIST_ATTR: any_attr} if annotated else {},  # checked in verify
         infer=infer,
         verify=verify,
         interfaces=interfaces,
