@@ -278,21 +278,24 @@ class SimBackend(Backend):
         fn = lambda a: _all_to_all(a, group, split_axis, split_sizes, concat_axis)
         return self._collective(group, xs, fn, what)
 
+    def _one_rank(self, what: str) -> None:
+        if self.thread_rank is None:  # the mail would wait for a receiver no thread runs
+            raise CollectiveError(
+                f"{what}: under sim a process hosts every rank; run one rank per thread with dist.run_ranks"
+            )
+
     def send(self, src, dst, x, what="send"):
+        self._one_rank(what)
         key = ("p", src, dst, self._seq(("s", src, dst)))
         with self._cv:
             self._mail[key] = x.copy()
             self._cv.notify_all()
 
     def recv(self, src, dst, shape, dtype, what="recv"):
+        self._one_rank(what)
         key = ("p", src, dst, self._seq(("r", src, dst)))
         deadline = time.monotonic() + self.timeout
         with self._cv:
-            if key not in self._mail and self.thread_rank is None:
-                raise CollectiveError(
-                    f"{what}: nothing was sent from rank {src} to rank {dst}; under sim a process hosts "
-                    "every rank, so run one rank per thread with dist.run_ranks"
-                )
             while key not in self._mail:
                 if not self._cv.wait(deadline - time.monotonic()) and key not in self._mail:
                     raise CollectiveError(
