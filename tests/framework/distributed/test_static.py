@@ -159,3 +159,16 @@ def test_static_programs_refuse_what_they_cannot_partition():
         to_static(lambda x: x * 2, input_spec=[lf.jit.InputSpec(["N"], "float32")], compiler="none")(
             dist.shard_tensor(np.ones(4, np.float32), a, [S(0)])
         )
+
+
+def test_the_examples_of_docs_parallel_md_run(capsys):
+    from dist_helpers import ROOT
+
+    text = (ROOT / "docs" / "parallel.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    scope: dict = {}
+    for b in blocks:
+        exec(compile(b, "docs/parallel.md", "exec"), scope)
+    out = capsys.readouterr().out
+    assert "(Partial('sum'),)" in out and "(Shard(0),) (Shard(1),)" in out
+    assert "dist.all_reduce(%2) {group = [0, 1]" in out and "%capture0: f64[8, 8]" in out
