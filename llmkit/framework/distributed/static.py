@@ -30,7 +30,7 @@ from ..ir.dialects.llm import DIST_ATTR
 from ..jit.static_function import register_payload_kind
 from ..jit.tracer import Trace, tracing
 from ..ops.spmd import RESHARD, decide, local_attrs
-from ..placement import Placement, ProcessMesh, Replicate, local_region, local_shape
+from ..placement import Placement, ProcessMesh, Replicate, Shard, local_region, local_shape
 from ..tensor import Tensor
 from .comm import SimBackend, get_backend, run_ranks
 from .dist_array import DistArray
@@ -174,7 +174,7 @@ def propagate_backward(program: Program, func: str | None = None) -> Program:
         else:
             if not needs or any(w is None or w != needs[0] for w in needs):
                 continue
-            want = tuple(w if c == Replicate() else c for c, w in zip(cur, needs[0]))
+            want = tuple(w if c == Replicate() and isinstance(w, Shard) else c for c, w in zip(cur, needs[0]))
             if want == cur:
                 continue
             d = _decision(op, mesh, want=want)

@@ -15,8 +15,9 @@ def _keep(g, x, axis, keepdim):
     return g if keepdim else O.reshape(g, reduce_shape("reduce", x.shape, axis, True))
 
 
-# SPMD: reducing a sharded axis leaves each rank's partial reduction: Partial(sum | avg | max | min)
-# (mean only where the axis splits evenly; elsewhere it runs as sum / numel).
+# SPMD: reducing a sharded axis leaves each rank's partial reduction: Partial(sum | max | min)
+# (mean: a Partial sum of each rank's sum over the global count; max/min gather an axis where a rank
+# would hold an empty chunk, which has no max).
 def _mean_local(regions, x, axis=None, keepdim=False, *, count):
     return O.sum(x, axis=axis, keepdim=keepdim) / float(count)  # the global count: a Partial sum
 

@@ -379,8 +379,8 @@ def reduction(kind: str | None, *, local: Callable[..., Any] | None = None, deco
 
 
 def along_axis(axis_attr: str = "axis", *, linear: bool = False, outputs: int = 1) -> Rule:
-    """An op computed along one axis (softmax without its decomposition, cumsum, topk): that axis
-    replicated, the others sharded freely (same dims in and out)."""
+    """An op computed along one axis (cumsum, topk): that axis replicated, the others sharded
+    freely (same dims in and out)."""
 
     def strategies(ctx: Ctx) -> list[Strategy]:
         x = ctx.metas[0]
