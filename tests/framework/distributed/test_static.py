@@ -172,3 +172,19 @@ def test_the_examples_of_docs_parallel_md_run(capsys):
     out = capsys.readouterr().out
     assert "(Partial('sum'),)" in out and "(Shard(0),) (Shard(1),)" in out
     assert "dist.all_reduce(%2) {group = [0, 1]" in out and "%capture0: f64[8, 8]" in out
+
+
+def test_rank_programs_lower_multi_step_reshards_on_a_2d_mesh_like_eager():
+    """One tensor dim over both mesh dims, uneven (7 rows: 4 + 3, then 2 + 2 and 2 + 1), moved to
+    [R, S(1)]: the per-rank programs' collectives give the eager reshard's shards exactly."""
+    mesh = dist.ProcessMesh((2, 2), ["a", "b"])
+    x = dist.shard_tensor(np.arange(35.0).reshape(7, 5), mesh, [S(0), S(0)])
+
+    def fn(x):
+        return dist.reshard(O.exp(x), mesh, [R(), S(1)]), dist.reshard(x * 2.0, mesh, [P(), R()])
+
+    got, want = to_static(fn, compiler="none")(x), fn(x)
+    for g, w in zip(got, want):
+        assert g.placements == w.placements
+        for r in mesh.ranks:
+            assert np.array_equal(dist.local_shards(g)[r].numpy(), dist.local_shards(w)[r].numpy())
