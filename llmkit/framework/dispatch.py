@@ -36,6 +36,7 @@ class World:
     """How ops run on one kind of payload."""
 
     name = "world"
+    captures = False  # takes tensors of other worlds as inputs (the tracer captures them)
 
     def run(self, spec: OpSpec, payloads: list[Any], attrs: dict[str, Any], inputs: tuple = ()) -> Any:
         """Compute (or record) the op; return one payload, or a tuple for multi-output ops.
@@ -155,10 +156,15 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
             if type(d) is not np.ndarray:
                 like = d
                 w = _WORLDS.get(type(d))
-                if w is not None:
-                    if world is not None and w is not world:
-                        raise OpError(f"{spec.name}: cannot mix {world.name} and {w.name} tensors in one op")
-                    world = w
+                if w is not None and w is not world:
+                    if world is not None and not world.captures:
+                        if not w.captures:
+                            raise OpError(
+                                f"{spec.name}: cannot mix {world.name} and {w.name} tensors in one op"
+                            )
+                        world = w
+                    elif world is None:
+                        world = w
             if ref is None and d.dtype != _BOOL:
                 ref = d.dtype
     if world is None:

@@ -15,7 +15,7 @@ from . import backend as B
 from .autograd import backward
 from .dispatch import O, apply, public
 from .indexing import getitem
-from .opspec import get, table
+from .opspec import Kind, get, table
 from .tensor import Tensor
 
 
@@ -101,7 +101,8 @@ _UNARY = {"__neg__": "neg", "__abs__": "abs", "__invert__": "logical_not"}
 
 def install() -> None:
     """Install the written methods, the operators, and a method per op whose first input is a
-    tensor (unless Tensor has that name already, or the op is ``internal``)."""
+    tensor (unless Tensor has that name already, or the op is ``internal`` or communication:
+    ``dist.reshard`` moves data between ranks)."""
     for name, fn in vars(_Written).items():
         if not name.startswith("__") or name == "__getitem__":
             setattr(Tensor, name, fn)
@@ -116,6 +117,12 @@ def install() -> None:
     for dunder, name in _UNARY.items():
         setattr(Tensor, dunder, (lambda spec: lambda self: apply(spec, self))(get(name)))
     for name, spec in table().items():
-        if not spec.inputs or spec.variadic or "internal" in spec.traits or hasattr(Tensor, name):
+        if (
+            not spec.inputs
+            or spec.variadic
+            or "internal" in spec.traits
+            or spec.kind == Kind.COLLECTIVE
+            or hasattr(Tensor, name)
+        ):
             continue
         setattr(Tensor, name, public(spec))

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import backend as B
 from . import symbolic as sym
+from .placement import Placement, ProcessMesh
 from .symbolic import Dim
 
 # --------------------------------------------------------------------------------- fusion kinds
@@ -171,6 +172,21 @@ def _axes(v: Any) -> tuple | None:
     return None if v is None else _ints(v)
 
 
+def _mesh(v: Any) -> ProcessMesh:
+    if not isinstance(v, ProcessMesh):
+        raise TypeError("a ProcessMesh")
+    return v
+
+
+def _placements(v: Any) -> tuple:
+    if isinstance(v, (str, bytes, Placement)) or not isinstance(v, Sequence) or not v:
+        raise TypeError("a non-empty list of placements (Replicate(), Shard(dim), Partial(op) or 'S(0)'...)")
+    try:
+        return tuple(Placement.parse(p) for p in v)
+    except (ValueError, TypeError) as e:
+        raise TypeError(f"a list of placements ({e})") from None
+
+
 def optional(t: AttrType) -> AttrType:
     return AttrType(f"{t.name}?", lambda v: None if v is None else t.normalize(v))
 
@@ -196,6 +212,8 @@ class A:
     SHAPE = AttrType("shape", _shape)
     INTS = AttrType("ints", _ints)
     AXES = AttrType("axes", _axes)  # None (all axes) or a tuple of ints
+    MESH = AttrType("mesh", _mesh)  # a ProcessMesh
+    PLACEMENTS = AttrType("placements", _placements)  # one Placement per mesh dim
 
 
 @dataclass(frozen=True)
@@ -283,7 +301,7 @@ class OpSpec:
     kernel: Callable[..., Any]  # (xp, *arrays, **attrs) -> array | tuple[array, ...]
     vjp: Callable[..., Sequence[Any]] | None = None  # (g, out, *inputs, **attrs) -> grad per input
     decompose: Callable[..., Any] | None = None  # (*inputs, **attrs) -> outputs, with other ops
-    spmd: Callable[..., Any] | None = None  # filled by the auto-parallel layer
+    spmd: Any = None  # the SPMD rule (ops/spmd.py): how the op runs on distributed tensors
     # C/CUDA expression template for elementwise primitives: "({0}+{1})"; {name} is an attribute,
     # {i0} the output index (generators like arange), {ctype} the result's C type
     c: str | None = None
@@ -389,6 +407,7 @@ def defop(
     splat: Callable[..., Any] | None = None,
     nondiff: Sequence[int] = (),
     multi_output: bool = False,
+    spmd: Any = None,
     doc: str = "",
 ) -> OpSpec:
     """Declare an op and add it to the table.
@@ -420,6 +439,7 @@ def defop(
         splat=splat,
         nondiff=frozenset(nondiff),
         multi_output=multi_output,
+        spmd=spmd,
         doc=doc,
     )
     _TABLE[name] = spec

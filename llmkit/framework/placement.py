@@ -327,7 +327,8 @@ def check(placements: Sequence[Any], mesh_ndim: int, ndim: int) -> str | None:
             return f"{p!r} is not a placement (use Replicate(), Shard(dim) or Partial(op))"
         if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
             return f"{p} shards dim {p.dim}, out of range for a rank-{ndim} tensor"
-    if len({p.reduce for p in placements if isinstance(p, Partial)}) > 1:
+    ops = {p.reduce for p in placements if isinstance(p, Partial)}
+    if len(ops) > 1 and not ops <= {"sum", "avg"}:  # sums and averages commute; max and sum do not
         return f"placements {format_placements(placements)} mix Partial reductions; reduce one first"
     return None
 

@@ -73,7 +73,7 @@ class Trace:
         """Make concrete tensor ``t`` a function input and swap its payload for it while tracing."""
         if id(t) in self._captured and isinstance(t._data, Value):
             return t._data
-        if not t.is_concrete:
+        if isinstance(t._data, Value):  # (a distributed tensor is captured like a concrete one)
             raise TraceError(f"cannot capture {t!r}: it is neither concrete nor a value of this trace")
         name = self.names.get(id(t)) or t.name or f"capture{len(self.captures)}"
         v = self.input(name, tuple(t.shape), t.dtype)
@@ -112,6 +112,7 @@ class TracerWorld(World):
     """Records ops into the active trace instead of running them."""
 
     name = "tracing"
+    captures = True  # concrete and distributed tensors among an op's inputs become program inputs
 
     def run(self, spec: OpSpec, payloads: list[Any], attrs: dict[str, Any], inputs: tuple = ()) -> Any:
         trace = current_trace()

@@ -4,6 +4,8 @@ For each op and each sample: (a) a central finite-difference gradient check in f
 differentiable input, (b) ``infer_meta`` equals the kernel's real output shape and dtype (also with
 the input dims made symbolic), (c) ``decompose`` computes the kernel's values, and (d) forward
 values equal an independent numpy float64 formula written below (and float32 runs stay close).
+Collectives run on one thread per rank of the ``sim`` backend (``Case.ranks``): a sample holds every
+rank's inputs stacked on a leading axis and its attributes as a function of the rank.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 
 import llmkit.framework as lf
+import llmkit.framework.distributed as dist
 from llmkit.framework import symbolic as sym
 from llmkit.framework.opspec import Meta, table
 
@@ -33,7 +36,7 @@ class S:
     """One sample: inputs (numpy arrays, None for omitted optional inputs) and attributes."""
 
     inputs: list
-    attrs: dict = field(default_factory=dict)
+    attrs: dict | Callable = field(default_factory=dict)  # collectives: rank -> attributes
     fd: bool = True  # run the finite-difference check
     sym: bool = True  # also check infer_meta with symbolic input dims
     keep: tuple = ()  # (input, axis) pairs that stay static in the symbolic check (head dims...)
@@ -42,9 +45,12 @@ class S:
 @dataclass
 class Case:
     samples: Callable[[np.random.Generator], list[S]]
-    ref: Callable[..., Any]
+    ref: Callable[..., Any]  # collectives: ref(rank, *stacked inputs, **attrs) -> that rank's output
     rtol: float = 1e-10
     atol: float = 1e-12
+    ranks: int = 1  # a collective: run on this many ranks (one thread each)
+    before: Callable[..., Any] | None = None  # collectives: before(rank, attrs) runs on each rank first
+    after: Callable[..., Any] | None = None  # and after(rank, attrs) last
 
 
 CASES: dict[str, Case] = {}
@@ -885,6 +891,115 @@ case(
     _paged_attention_ref,
 )
 
+# ---- collectives (ops/collective.py): every rank on its own thread of the sim backend -------------
+
+
+def _rows(rng, n, *shape):  # each rank's input, stacked
+    return np.asarray(rng.standard_normal((n, *shape)))
+
+
+case(
+    "reshard",  # on plain tensors the identity; tests/framework/distributed covers the moves
+    lambda rng: [
+        S([r(rng, 3, 4)], {"mesh": dist.ProcessMesh((2,)), "placements": ["S(0)"]}),
+        S([r(rng, 2, 3)], {"mesh": dist.ProcessMesh((2, 2)), "placements": ["R", "P(sum)"]}),
+    ],
+    lambda x, mesh, placements: x * 1,
+)
+case(
+    "all_reduce",
+    lambda rng: [
+        S([_rows(rng, 3, 2, 3)], {"group": [0, 1, 2]}),
+        S([_rows(rng, 3, 4)], {"group": [2, 0, 1], "reduce": "max"}),
+        S([_rows(rng, 3, 4)], {"group": [0, 1, 2], "reduce": "avg"}),
+    ],
+    lambda rank, x, group, reduce="sum", mesh=None: {"sum": np.sum, "max": np.max, "avg": np.mean}[reduce](
+        x, axis=0
+    ),
+    ranks=3,
+)
+_UNEVEN = [np.zeros((3, 2, 4)), np.zeros((3, 1, 4)), np.zeros((3, 0, 4))]
+
+
+def _gather_samples(rng):
+    ragged = [rng.standard_normal((2, 4)), rng.standard_normal((1, 4)), rng.standard_normal((0, 4))]
+    return [
+        S([_rows(rng, 3, 2, 3)], {"group": [0, 1, 2], "axis": 1, "sizes": [3, 3, 3]}),
+        S([ragged], lambda rank: {"group": [0, 1, 2], "axis": 0, "sizes": [2, 1, 0]}),
+    ]
+
+
+case(
+    "all_gather",
+    _gather_samples,
+    lambda rank, x, group, axis, sizes, mesh=None: np.concatenate([x[g] for g in group], axis=axis),
+    ranks=3,
+)
+case(
+    "reduce_scatter",
+    lambda rng: [
+        S(
+            [_rows(rng, 3, 5, 2)],
+            lambda rank: {"group": [0, 1, 2], "axis": 0, "sizes": [2, 2, 1], "rank": rank},
+        ),
+        S(
+            [_rows(rng, 3, 2, 3)],
+            lambda rank: {"group": [0, 1, 2], "axis": 1, "sizes": [1, 2, 0], "rank": rank, "reduce": "min"},
+        ),
+    ],
+    lambda rank, x, group, axis, sizes, rank_=None, mesh=None, reduce="sum", **kw: np.split(
+        {"sum": np.sum, "min": np.min}[reduce](x, axis=0), np.cumsum(sizes)[:-1], axis=axis
+    )[group.index(rank)],
+    ranks=3,
+)
+
+
+def _a2a_ref(rank, x, group, split_axis, split_sizes, concat_axis, concat_sizes, mesh=None, **kw):
+    i = group.index(rank)
+    pieces = [np.split(x[g], np.cumsum(split_sizes)[:-1], axis=split_axis)[i] for g in group]
+    return np.concatenate(pieces, axis=concat_axis)
+
+
+case(
+    "all_to_all",
+    lambda rng: [
+        S(
+            [_rows(rng, 3, 2, 7)],  # [2, 7] per rank: dim 1 cut into 3, 2, 2; dim 0 gathered
+            lambda rank: {
+                "group": [0, 1, 2],
+                "split_axis": 1,
+                "split_sizes": [3, 2, 2],
+                "concat_axis": 0,
+                "concat_sizes": [2, 2, 2],
+                "rank": rank,
+            },
+        )
+    ],
+    _a2a_ref,
+    ranks=3,
+)
+case(
+    "send",  # a ring: each rank sends to the next (and receives what the previous one sent)
+    lambda rng: [S([_rows(rng, 3, 2, 3)], lambda rank: {"peer": (rank + 1) % 3})],
+    lambda rank, x, peer, mesh=None: x[rank],
+    ranks=3,
+    after=lambda rank, attrs: dist.get_backend().recv((rank - 1) % 3, rank, (2, 3), np.float64),
+)
+
+
+def _recv_payload(rank):
+    return np.arange(6.0).reshape(2, 3) + 10 * rank
+
+
+case(
+    "recv",
+    lambda rng: [S([], lambda rank: {"peer": (rank - 1) % 3, "shape": [2, 3], "dtype": "float64"})],
+    lambda rank, peer, shape, dtype, mesh=None: _recv_payload(peer),
+    ranks=3,
+    before=lambda rank, attrs: dist.get_backend().send(rank, (rank + 1) % 3, _recv_payload(rank)),
+)
+
+
 # ---- the walk -----------------------------------------------------------------------------------
 
 
@@ -917,6 +1032,30 @@ def seed_of(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
+def _attrs(s, rank=0):
+    return s.attrs(rank) if callable(s.attrs) else s.attrs
+
+
+def _call_ranks(name, inputs, s, grad=False):
+    """A collective's sample on every rank (one thread each): {rank: output}."""
+    c = CASES[name]
+
+    def body(rank):
+        attrs = _attrs(s, rank)
+        if c.before is not None:
+            c.before(rank, attrs)
+        out, _ = _call(name, [None if a is None else a[rank] for a in inputs], attrs, grad)
+        if c.after is not None:
+            c.after(rank, attrs)
+        return out
+
+    return dist.run_ranks(range(c.ranks), body)
+
+
+def _ref_attrs(s, rank):
+    return {k: v for k, v in _attrs(s, rank).items() if k != "rank"}
+
+
 def _samples(name):
     return CASES[name].samples(np.random.default_rng(seed_of(name)))
 
@@ -932,8 +1071,9 @@ import test_op_table as t
 h = hashlib.sha256()
 for name in t.OPS:
     for s in t._samples(name):
-        for a in s.inputs:
-            h.update(b"-" if a is None else np.ascontiguousarray(a).tobytes())
+        for a in s.inputs:  # (a collective's sample may list each rank's array)
+            for x in a if isinstance(a, list) else [a]:
+                h.update(b"-" if x is None else np.ascontiguousarray(x).tobytes())
 print(h.hexdigest())
 """
 
@@ -955,6 +1095,13 @@ def test_every_process_draws_the_same_samples():
 def test_forward_matches_numpy_float64(name):
     c = CASES[name]
     for s in _samples(name):
+        if c.ranks > 1:
+            for rank, out in _call_ranks(name, s.inputs, s).items():
+                want = c.ref(rank, *s.inputs, **_ref_attrs(s, rank))
+                np.testing.assert_allclose(
+                    out.numpy(), want, rtol=c.rtol, atol=c.atol, err_msg=f"{name} {rank}"
+                )
+            continue
         out, _ = _call(name, s.inputs, s.attrs)
         ref = c.ref(*s.inputs, **s.attrs)
         if name == "dropout":
@@ -977,6 +1124,16 @@ def test_forward_matches_numpy_float64(name):
 @pytest.mark.parametrize("name", OPS)
 def test_forward_float32_close_to_float64(name):
     for s in _samples(name):
+        if CASES[name].ranks > 1:
+            ins32 = [[x.astype(np.float32) for x in a] for a in s.inputs]
+            if ins32:  # recv has no inputs: its dtype is an attribute
+                got, want = _call_ranks(name, ins32, s), _call_ranks(name, s.inputs, s)
+                for rank in got:
+                    assert got[rank].dtype == np.float32
+                    np.testing.assert_allclose(
+                        got[rank].numpy(), want[rank].numpy(), rtol=2e-4, atol=2e-5, err_msg=name
+                    )
+            continue
         ins32 = [a.astype(np.float32) if a is not None and a.dtype == np.float64 else a for a in s.inputs]
         attrs = dict(s.attrs)
         if name in ("full", "one_hot", "arange") and attrs.get("dtype") == "float64":
@@ -998,6 +1155,12 @@ LOW = (np.float32, lf.bfloat16)
 def test_infer_meta_matches_kernel(name):
     spec = table()[name]
     for s in _samples(name):
+        if CASES[name].ranks > 1:
+            for rank, out in _call_ranks(name, s.inputs, s).items():
+                metas = [Meta(a[rank].shape, a[rank].dtype) for a in s.inputs]
+                m = spec.infer_meta(*metas, **spec.bind(_attrs(s, rank)))
+                assert (tuple(m.shape), m.dtype) == (out.shape, out.dtype), f"{name} rank {rank}: {m}"
+            continue
         for ins in (  # bfloat16: numpy (ml_dtypes) lifts it to float32 in matmul and with python floats
             s.inputs,
             *(
@@ -1023,10 +1186,10 @@ def test_infer_meta_with_symbolic_dims(name):
     for s in _samples(name):
         if not s.sym:
             continue
-        arrays = [a for a in s.inputs if a is not None]
+        arrays = [a if CASES[name].ranks == 1 else a[0] for a in s.inputs if a is not None]
         if not arrays:
             continue
-        attrs = spec.bind(s.attrs)
+        attrs = spec.bind(_attrs(s))
         names = {d: f"d{d}" for a in arrays for d in a.shape if d > 1}
         env = {v: k for k, v in names.items()}
         metas = [
@@ -1102,6 +1265,90 @@ def test_gradient_matches_finite_differences(name):
 def test_ops_without_gradient_stop_it(name):
     """Ops with no vjp (comparisons, argmax, creation...) give outputs that do not require grad."""
     for s in _samples(name):
-        out, _ = _call(name, s.inputs, s.attrs, grad=True)
-        for o in _outs(out):
+        if CASES[name].ranks > 1:
+            outs = list(_call_ranks(name, s.inputs, s, grad=True).values())
+        else:
+            outs = _outs(_call(name, s.inputs, s.attrs, grad=True)[0])
+        for o in outs:
             assert not o.requires_grad
+
+
+# ---- the SPMD column: every op on distributed inputs of a 2x2 sim mesh -------------------------------
+
+MESH = dist.ProcessMesh((2, 2), ["a", "b"])
+
+
+def _random_placements(rng, a):
+    """Two placements (one per mesh dim) for input array ``a``: replicated, sharded on any dim,
+    or (floating inputs) a Partial sum or average."""
+    one = [dist.Replicate()] + [dist.Shard(d) for d in range(a.ndim)]
+    if np.issubdtype(a.dtype, np.floating):
+        one += [dist.Partial("sum"), dist.Partial("avg")]
+    return [one[i] for i in rng.integers(0, len(one), 2)]
+
+
+def _sharded(a, ps, grad):
+    t = dist.shard_tensor(lf.tensor(a, dtype=a.dtype), MESH, ps)
+    return t.requires_grad_(grad)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_sharded_op_equals_the_unsharded_op(name):
+    """Random placements of the inputs on a 2x2 mesh: outputs (and the gradients of sum(out * w))
+    equal the op on plain tensors, in float64, to 1e-12. Per-rank collectives refuse loudly."""
+    spec, c = table()[name], CASES[name]
+    rng = np.random.default_rng(seed_of(name))
+    if c.ranks > 1:  # ops of per-rank programs: a distributed tensor is the wrong input
+        s = _samples(name)[0]
+        if not s.inputs:
+            return  # recv takes no tensor
+        ins = [_sharded(a[0], [dist.Replicate()] * 2, False) for a in s.inputs]
+        with pytest.raises(lf.ops.OpError, match="dist.reshard"):
+            lf.ops.public(spec)(*ins, **_attrs(s))
+        return
+    for s in _samples(name):
+        for _ in range(2):
+            placements = [None if a is None else _random_placements(rng, a) for a in s.inputs]
+            diff = set(_diff_inputs(spec, s.inputs)) if s.fd else set()
+            plain_out, plain_in = _call(name, s.inputs, s.attrs, grad=bool(diff))
+            ins = [
+                None if a is None else _sharded(a, ps, i in diff)
+                for i, (a, ps) in enumerate(zip(s.inputs, placements))
+            ]
+            out = (
+                lf.ops.public(spec)(ins, **s.attrs) if spec.variadic else lf.ops.public(spec)(*ins, **s.attrs)
+            )
+            why = f"{name} {s.attrs} placements {placements}"
+            for o, want in zip(_outs(out), _outs(plain_out)):
+                if not ins:  # no inputs (full, arange): computed as plain tensors, replicated
+                    assert o.is_concrete
+                    continue
+                o._data.check()
+                got = dist.unshard(o).numpy()
+                if name == "dropout":  # the same seed over the same whole shape: the same mask
+                    np.testing.assert_array_equal(got, want.numpy(), err_msg=why)
+                    continue
+                np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12, err_msg=why)
+            if not diff:
+                continue
+            floats = [
+                (o, w) for o, w in zip(_outs(out), _outs(plain_out)) if np.issubdtype(o.dtype, np.floating)
+            ]
+            weights = [rng.standard_normal(o.shape) for o, _ in floats]
+            loss = plain_loss = None
+            for (o, p), w in zip(floats, weights):
+                term, plain_term = (o * lf.tensor(w)).sum(), (p * lf.tensor(w)).sum()
+                loss = term if loss is None else loss + term
+                plain_loss = plain_term if plain_loss is None else plain_loss + plain_term
+            got = lf.grad(loss, [ins[i] for i in sorted(diff)], allow_unused=True)
+            want = lf.grad(plain_loss, [plain_in[i] for i in sorted(diff)], allow_unused=True)
+            for i, g, w in zip(sorted(diff), got, want):
+                if w is None:
+                    continue
+                np.testing.assert_allclose(
+                    dist.unshard(g).numpy(),
+                    w.numpy(),
+                    rtol=1e-12,
+                    atol=1e-12,
+                    err_msg=f"{why}: grad of input {i}",
+                )

@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -280,7 +281,7 @@ def _compile(tc: Toolchain, source: str, so: Path, libs: tuple[str, ...] = ()) -
     fd, c_path = tempfile.mkstemp(suffix=".c", dir=so.parent)
     with os.fdopen(fd, "w") as f:
         f.write(source)
-    tmp = so.with_name(f"{so.stem}.{os.getpid()}.tmp.so")
+    tmp = so.with_name(f"{so.stem}.{os.getpid()}.{threading.get_ident()}.tmp.so")  # threads build too
     try:
         cmd = [tc.cc, *tc.flags, c_path, "-o", str(tmp), *tc.libs, *libs]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -321,7 +322,7 @@ def _run_parallel(tc: Toolchain, batches: list[dict[str, str]]) -> list[bool]:
                 _last_error[n] = err
             return False
         for n in batch:
-            tmp_link = d / f"{n}.{os.getpid()}.tmp.so"
+            tmp_link = d / f"{n}.{os.getpid()}.{threading.get_ident()}.tmp.so"
             if tmp_link.is_symlink() or tmp_link.exists():
                 tmp_link.unlink()
             os.symlink(lib.name, tmp_link)

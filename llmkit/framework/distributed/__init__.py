@@ -10,11 +10,14 @@ from ..placement import Partial, Placement, ProcessMesh, Replicate, Shard
 from .api import from_local, local_shards, reshard, shard_tensor, unshard
 from .comm import CollectiveError, get_backend, get_rank, get_world_size, init, run_ranks, timeout
 from .dist_array import DistArray
+from .static import PartitionError, partition
+from .world import DIST  # noqa: F401  (registers the distributed world with dispatch)
 
 __all__ = [
     "CollectiveError",
     "DistArray",
     "Partial",
+    "PartitionError",
     "Placement",
     "ProcessMesh",
     "Replicate",
@@ -25,6 +28,7 @@ __all__ = [
     "get_world_size",
     "init",
     "local_shards",
+    "partition",
     "reshard",
     "run_ranks",
     "shard_tensor",

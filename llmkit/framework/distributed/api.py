@@ -8,11 +8,12 @@ from typing import Any
 import numpy as np
 
 from .. import backend as B
+from ..dispatch import apply
 from ..placement import Partial, Placement, ProcessMesh, Replicate, normalize
 from ..tensor import Parameter, Tensor
 from .comm import get_backend
 from .dist_array import DistArray
-from .reshard import move, reshard_array
+from .reshard import reshard_array
 
 
 def _check_mesh(mesh: ProcessMesh) -> None:
@@ -46,12 +47,15 @@ def distribute(value: Any, mesh: ProcessMesh, placements: Sequence[Placement | s
 
 def shard_tensor(data: Any, mesh: ProcessMesh, placements: Sequence[Placement | str]) -> Tensor:
     """A distributed tensor from its global value ``data`` (a Tensor, array or nested list, the
-    same on every process). A Parameter stays a Parameter (same name, same trainability)."""
-    value = data.numpy() if isinstance(data, Tensor) else np.asarray(data)
+    same on every process). A Parameter stays a Parameter (same name, same trainability). Inside
+    ``to_static``, it places the traced value (a ``dist.reshard`` op)."""
     if isinstance(data, Tensor) and not data.is_concrete:
-        raise TypeError(
-            "shard_tensor takes a global value; to change a distributed tensor's placements use reshard"
-        )
+        if isinstance(data._data, DistArray):
+            raise TypeError(
+                "shard_tensor takes a global value; to move a distributed tensor use dist.reshard"
+            )
+        return reshard(data, mesh, placements)
+    value = data.numpy() if isinstance(data, Tensor) else np.asarray(data)
     if not isinstance(data, Tensor) and value.dtype == np.float64 and not isinstance(data, np.ndarray):
         value = value.astype(B.get_default_dtype())
     return _wrap(data, distribute(value, mesh, placements))
@@ -96,12 +100,15 @@ def _payload(t: Tensor, fn: str) -> DistArray:
 
 
 def reshard(t: Tensor, mesh: ProcessMesh, placements: Sequence[Placement | str]) -> Tensor:
-    """``t`` with new placements, on ``mesh`` (the same or another mesh)."""
-    x = _payload(t, "reshard")
+    """``t`` with new placements, on ``mesh`` (the same or another mesh); differentiable (the
+    gradient comes back unchanged: a layout is not a computation) and traceable."""
+    if not isinstance(t, Tensor) or t.is_concrete:
+        raise TypeError(
+            f"reshard takes a distributed tensor, got {type(t).__name__}: "
+            "place a global value with shard_tensor"
+        )
     _check_mesh(mesh)
-    ps = normalize(placements, mesh, x.ndim)
-    y = reshard_array(x, ps) if mesh == x.mesh else move(x, mesh, ps)
-    return Tensor(y)
+    return apply("reshard", t, mesh=mesh, placements=normalize(placements, mesh, t.ndim))
 
 
 def unshard(t: Tensor) -> Tensor:

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from ..ops.collective import register_communicator
+
 BACKENDS = ("sim", "mpi", "nccl")
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_SIM_WORLD = 8
@@ -233,6 +235,11 @@ class SimBackend(Backend):
             return fn(xs)
         if not xs:
             return {}
+        if self.thread_rank is None:  # nobody else can arrive: this process hosts every rank
+            raise CollectiveError(
+                f"{what}: given the arrays of ranks {sorted(xs)} of the group {list(group)}; under sim a "
+                "process hosts every rank, so run one rank per thread with dist.run_ranks"
+            )
         ((rank, x),) = xs.items()
         key = ("c", group, self._seq(("c", group)))
         deadline = time.monotonic() + self.timeout
@@ -271,13 +278,21 @@ class SimBackend(Backend):
         fn = lambda a: _all_to_all(a, group, split_axis, split_sizes, concat_axis)
         return self._collective(group, xs, fn, what)
 
+    def _one_rank(self, what: str) -> None:
+        if self.thread_rank is None:  # the mail would wait for a receiver no thread runs
+            raise CollectiveError(
+                f"{what}: under sim a process hosts every rank; run one rank per thread with dist.run_ranks"
+            )
+
     def send(self, src, dst, x, what="send"):
+        self._one_rank(what)
         key = ("p", src, dst, self._seq(("s", src, dst)))
         with self._cv:
             self._mail[key] = x.copy()
             self._cv.notify_all()
 
     def recv(self, src, dst, shape, dtype, what="recv"):
+        self._one_rank(what)
         key = ("p", src, dst, self._seq(("r", src, dst)))
         deadline = time.monotonic() + self.timeout
         with self._cv:
@@ -764,3 +779,6 @@ def timeout(seconds: float) -> Iterator[None]:
         yield
     finally:
         b.timeout = before
+
+
+register_communicator(get_backend)  # the kernels of the collective ops reach the backend through it

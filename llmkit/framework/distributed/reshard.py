@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import backend as B
 from ..placement import (
     Partial,
     Placement,
@@ -131,74 +132,98 @@ def plan(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
     return steps
 
 
-# ---- eager execution ----------------------------------------------------------------------------
+# ---- one step at one rank: the op that does it -------------------------------------------------------
 
 
-def _parent_extent(x: DistArray, rank: int, placements: Sequence[Placement], m: int, d: int) -> int:
-    """Extent of tensor dim ``d`` at ``rank`` with mesh dim ``m`` unsharded (what the group shares)."""
-    ps = list(placements)
-    ps[m] = Replicate()
-    s = local_region(x.shape, x.mesh.shape, ps, x.mesh.coord(rank))[d]
-    return s.stop - s.start
+def step_op(step: Step, shape: Sequence[int], mesh: Any, placements: Sequence[Placement], rank: int) -> tuple:
+    """``(op name, attributes)`` doing ``step`` at ``rank`` on its local array: ``slice`` or
+    ``zeros_like`` locally, or a collective op of ``ops/collective.py`` over the group along the
+    step's mesh dim; ``(None, {})`` when the rank keeps its array. Eager reshards run these with the
+    communicator; the partition pass emits them as ops of the per-rank program."""
+    m, kind = step.dim, step.kind
+    group = mesh.group(rank, m)
+    n, i = len(group), group.index(rank)
+    coord = mesh.coord(rank)
+    region = local_region(shape, mesh.shape, placements, coord)
+    parent = list(placements)
+    parent[m] = Replicate()
+    whole = local_region(shape, mesh.shape, parent, coord)  # what the group shares, per tensor dim
+
+    def extent(d: int, r: tuple = whole) -> int:
+        return r[d].stop - r[d].start
+
+    if kind == SLICE:
+        s, e = chunk(extent(step.dst.dim), n, i)
+        return "slice", {"axes": [step.dst.dim], "starts": [s], "ends": [e]}
+    if kind == TO_PARTIAL:
+        return ("zeros_like", {}) if step.dst.reduce == "sum" and i else (None, {})
+    common = {"group": group, "mesh": mesh}
+    if kind == ALL_REDUCE:
+        return "all_reduce", {**common, "reduce": step.src.reduce}
+    if kind == ALL_GATHER:
+        d = step.src.dim
+        return "all_gather", {**common, "axis": d, "sizes": chunk_sizes(extent(d), n)}
+    if kind == REDUCE_SCATTER:
+        d = step.dst.dim
+        return "reduce_scatter", {
+            **common,
+            "axis": d,
+            "sizes": chunk_sizes(extent(d), n),
+            "rank": rank,
+            "reduce": step.src.reduce,
+        }
+    d, e = step.src.dim, step.dst.dim  # ALL_TO_ALL
+    return "all_to_all", {
+        **common,
+        "split_axis": e,
+        "split_sizes": chunk_sizes(extent(e, region), n),
+        "concat_axis": d,
+        "concat_sizes": chunk_sizes(extent(d), n),
+        "rank": rank,
+    }
 
 
-def _take(a: Any, axis: int, start: int, stop: int) -> Any:
-    idx = [slice(None)] * a.ndim
-    idx[axis] = slice(start, stop)
-    return a[tuple(idx)]
+def _run_collective(comm: Any, op: str, group: tuple, xs: dict, a: dict, what: str) -> dict:
+    if op == "all_reduce":
+        return comm.all_reduce(group, xs, a["reduce"], what=what)
+    if op == "all_gather":
+        return comm.all_gather(group, xs, a["axis"], a["sizes"], what=what)
+    if op == "reduce_scatter":
+        return comm.reduce_scatter(group, xs, a["axis"], a["sizes"], a["reduce"], what=what)
+    return comm.all_to_all(
+        group, xs, a["split_axis"], a["split_sizes"], a["concat_axis"], a["concat_sizes"], what=what
+    )
 
 
 def apply_step(x: DistArray, step: Step, what: str = "reshard") -> DistArray:
     """Run one step on the hosted shards of ``x``."""
     comm = get_backend()
-    m, src, dst = step.dim, step.src, step.dst
-    kind = step.kind
-    n = x.mesh.shape[m]
     new_placements = list(x.placements)
-    new_placements[m] = dst
+    new_placements[step.dim] = step.dst
     label = (
-        f"{kind} for {what} {format_placements(x.placements)} -> {format_placements(new_placements)} "
-        f"over mesh dim {x.mesh.dim_names[m]!r} of {x.mesh!r}"
+        f"{step.kind} for {what} {format_placements(x.placements)} -> {format_placements(new_placements)} "
+        f"over mesh dim {x.mesh.dim_names[step.dim]!r} of {x.mesh!r}"
     )
     out = dict(x.shards)
-    for group in x.mesh.groups(m):
+    for group in x.mesh.groups(step.dim):
         hosted = comm.hosted(group)
         if not hosted:
             continue
-        xs = {r: x.shards[r] for r in hosted}
-        rep = hosted[0]
-        if kind == SLICE:
-            d = dst.dim
-            ext = _parent_extent(x, rep, x.placements, m, d)
+        op, a = step_op(step, x.shape, x.mesh, x.placements, hosted[0])
+        if op in ("slice", "zeros_like", None):
             for r in hosted:
-                s, e = chunk(ext, n, group.index(r))
-                out[r] = _take(xs[r], d, s, e)
-        elif kind == TO_PARTIAL:
-            for r in hosted:
-                keep = dst.reduce != "sum" or group.index(r) == 0
-                out[r] = xs[r] if keep else _zeros_like(xs[r])
-        elif kind == ALL_REDUCE:
-            out.update(comm.all_reduce(group, xs, src.reduce, what=label))
-        elif kind == ALL_GATHER:
-            d = src.dim
-            sizes = chunk_sizes(_parent_extent(x, rep, x.placements, m, d), n)
-            out.update(comm.all_gather(group, xs, d, sizes, what=label))
-        elif kind == REDUCE_SCATTER:
-            d = dst.dim
-            sizes = chunk_sizes(_parent_extent(x, rep, x.placements, m, d), n)
-            out.update(comm.reduce_scatter(group, xs, d, sizes, src.reduce, what=label))
-        else:  # ALL_TO_ALL: S(d) -> S(e)
-            d, e = src.dim, dst.dim
-            split_sizes = chunk_sizes(xs[rep].shape[e], n)
-            concat_sizes = chunk_sizes(_parent_extent(x, rep, x.placements, m, d), n)
-            out.update(comm.all_to_all(group, xs, e, split_sizes, d, concat_sizes, what=label))
+                op, a = step_op(step, x.shape, x.mesh, x.placements, r)
+                local = x.shards[r]
+                if op == "slice":
+                    idx = [slice(None)] * local.ndim
+                    idx[a["axes"][0]] = slice(a["starts"][0], a["ends"][0])
+                    local = local[tuple(idx)]
+                elif op == "zeros_like":
+                    local = B.xp_of(local).zeros_like(local)
+                out[r] = local
+        else:
+            out.update(_run_collective(comm, op, group, {r: x.shards[r] for r in hosted}, a, label))
     return x.with_shards(out, new_placements)
-
-
-def _zeros_like(a: Any) -> Any:
-    from .. import backend as B
-
-    return B.xp_of(a).zeros_like(a)
 
 
 def reshard_array(x: DistArray, placements: Sequence[Placement], what: str = "reshard") -> DistArray:

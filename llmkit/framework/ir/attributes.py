@@ -16,7 +16,9 @@ ArrayAttr      tuple of anything else      ``[1.5, "a", [1, 2]]``
 DictAttr       dict                        ``{eps = 1e-06, name = "x"}``
 NoneAttr       None                        ``none``
 DenseAttr      numpy array                 ``dense<f32[2] [1.0, 2.0]>`` (large ones by reference)
-OpaqueAttr     itself                      ``#shard<0>`` (placements and later extensions)
+OpaqueAttr     itself                      ``#kind<p0, p1>`` (extensions)
+MeshAttr       ProcessMesh                 ``#mesh<[2, 2], ["dp", "tp"]>`` (ranks third, if not 0..n-1)
+PlacementAttr  Placement                   ``#replicate<>``, ``#shard<0>``, ``#partial<"sum">``
 =============  ==========================  =========================================
 
 ``to_attr(value)`` builds an attribute from a plain value; ``attr.value`` gives it back. A list of
@@ -34,6 +36,7 @@ import numpy as np
 
 from .. import backend as B
 from .. import symbolic as sym
+from ..placement import Partial, Placement, ProcessMesh, Replicate, Shard
 from .types import check_dim, dtype_short
 
 
@@ -379,6 +382,84 @@ class OpaqueAttr(Attribute):
         return (self._kind, self._params)
 
 
+class MeshAttr(OpaqueAttr):
+    """A ProcessMesh: ``#mesh<shape, dim names[, ranks]>`` (ranks omitted when they are 0..n-1)."""
+
+    __slots__ = ("_mesh",)
+
+    def __init__(self, mesh: ProcessMesh) -> None:
+        params: list[Attribute] = [ShapeAttr(mesh.shape), ArrayAttr(StrAttr(n) for n in mesh.dim_names)]
+        if not mesh.is_default_ranks:
+            params.append(ShapeAttr(mesh.ranks))
+        OpaqueAttr.__init__(self, "mesh", params)
+        _init(self, _mesh=mesh)
+
+    @property
+    def value(self) -> ProcessMesh:
+        return self._mesh
+
+    @classmethod
+    def from_params(cls, params: tuple[Attribute, ...]) -> MeshAttr:
+        if (
+            len(params) not in (2, 3)
+            or not isinstance(params[0], ShapeAttr)
+            or not isinstance(params[1], ArrayAttr)
+        ):
+            raise ValueError('#mesh<[sizes], ["names"...], [ranks]?> expected')
+        ranks = params[2].value if len(params) == 3 else None
+        return cls(ProcessMesh(params[0].value, params[1].value, ranks=ranks))
+
+
+class PlacementAttr(OpaqueAttr):
+    """A placement: ``#replicate<>``, ``#shard<dim>`` or ``#partial<"op">``."""
+
+    __slots__ = ("_p",)
+
+    def __init__(self, p: Placement) -> None:
+        if isinstance(p, Shard):
+            OpaqueAttr.__init__(self, "shard", [IntAttr(p.dim)])
+        elif isinstance(p, Partial):
+            OpaqueAttr.__init__(self, "partial", [StrAttr(p.reduce)])
+        elif isinstance(p, Replicate):
+            OpaqueAttr.__init__(self, "replicate", [])
+        else:
+            raise TypeError(f"PlacementAttr needs a Placement, got {p!r}")
+        _init(self, _p=p)
+
+    @property
+    def value(self) -> Placement:
+        return self._p
+
+
+def _placement_from(kind: str) -> Any:
+    def make(params: tuple[Attribute, ...]) -> PlacementAttr:
+        vals = [p.value for p in params]
+        if kind == "replicate" and not vals:
+            return PlacementAttr(Replicate())
+        if kind == "shard" and len(params) == 1 and isinstance(params[0], IntAttr):
+            return PlacementAttr(Shard(vals[0]))
+        if kind == "partial" and len(params) == 1 and isinstance(params[0], StrAttr):
+            return PlacementAttr(Partial(vals[0]))
+        raise ValueError('placements are #replicate<>, #shard<dim> or #partial<"sum|avg|max|min">')
+
+    return make
+
+
+# Typed opaque attributes by kind: the text parser builds these instead of a plain OpaqueAttr.
+OPAQUE_KINDS = {
+    "mesh": MeshAttr.from_params,
+    "replicate": _placement_from("replicate"),
+    "shard": _placement_from("shard"),
+    "partial": _placement_from("partial"),
+}
+
+
+def opaque_attr(kind: str, params: Any) -> Attribute:
+    """``#kind<params>`` as its typed attribute when the kind is known, else an OpaqueAttr."""
+    make = OPAQUE_KINDS.get(kind)
+    return OpaqueAttr(kind, params) if make is None else make(tuple(params))
+
+
 def to_attr(v: Any) -> Attribute:
     """The attribute of a plain Python value (see the table in the module docstring)."""
     if isinstance(v, Attribute):
@@ -405,6 +486,10 @@ def to_attr(v: Any) -> Attribute:
         return ArrayAttr(to_attr(x) for x in v)
     if isinstance(v, type) and issubclass(v, np.generic):
         return DTypeAttr(v)
+    if isinstance(v, ProcessMesh):
+        return MeshAttr(v)
+    if isinstance(v, Placement):
+        return PlacementAttr(v)
     raise TypeError(f"no PIR attribute for {v!r} ({type(v).__name__})")
 
 
@@ -427,6 +512,8 @@ _BY_OPTABLE_TYPE = {
     "int": IntAttr,
     "bool": BoolAttr,
     "str": StrAttr,
+    "mesh": MeshAttr,
+    "placements": lambda v: ArrayAttr(PlacementAttr(p) for p in v),
 }
 
 

@@ -46,7 +46,7 @@ def resolve(name: str | OpSpec) -> OpDef:
         return _llm_entry(name)[1]
     d = lookup(name)
     if d is None and "." not in name and name in table():
-        d = lookup(llm.PREFIX + name)
+        d = lookup(llm.full_name(table()[name]))
     if d is None:
         hint = difflib.get_close_matches(name, known_names(), 1)
         raise IRError(f"unknown op {name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else ""))

@@ -305,7 +305,11 @@ class _Parser(TextParser):
         spec = opdef.spec
         plain: dict[str, Any] = {}
         index = {a.name: a for a in spec.attrs}
+        extra = {}
         for k, a in raw.items():
+            if k in opdef.optional_attrs:  # auto-parallel's placements annotation: checked by verify
+                extra[k] = a
+                continue
             decl = index.get(k)
             if decl is None:
                 hint = difflib.get_close_matches(k, index, 1)
@@ -327,7 +331,7 @@ class _Parser(TextParser):
             bound = spec.bind(plain)
         except (OpError, TypeError, ValueError) as e:
             self.fail(str(e), at)
-        return {a.name: from_optable(a.type.name, bound[a.name]) for a in spec.attrs}
+        return {**{a.name: from_optable(a.type.name, bound[a.name]) for a in spec.attrs}, **extra}
 
     # ---- regions ------------------------------------------------------------------------------
     def region(self) -> tuple[Region, int]:

@@ -24,9 +24,9 @@ from .attributes import (
     FloatAttr,
     IntAttr,
     NoneAttr,
-    OpaqueAttr,
     ShapeAttr,
     StrAttr,
+    opaque_attr,
 )
 from .lexer import EOF_KIND, Tokens, describe, unquote
 from .types import DTYPE_BY_SHORT, ScalarType, TensorType, Type, check_dim
@@ -254,7 +254,10 @@ class TextParser:
                 self.expect(",", "or '>' in an attribute's parameters")
             params.append(self.attr())
         self.depth -= 1
-        return OpaqueAttr(kind, params)
+        try:
+            return opaque_attr(kind, params)
+        except (ValueError, TypeError) as e:
+            self.fail(f"bad #{kind} attribute: {e}")
 
     def dense_resource(self) -> Attribute:
         self.i += 1

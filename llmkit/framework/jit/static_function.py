@@ -41,6 +41,16 @@ class InputSpec:
         )
 
 
+# Payloads of other worlds that change how a traced program runs (the distributed layer registers
+# DistArray): ``kind.signature(payload)`` joins a call's cache key, and ``kind.prepare(program,
+# payloads, compiler)`` annotates the traced program and returns what runs it (``.run(payloads)``).
+_PAYLOAD_KINDS: dict[type, Any] = {}
+
+
+def register_payload_kind(payload_type: type, kind: Any) -> None:
+    _PAYLOAD_KINDS[payload_type] = kind
+
+
 class ConcreteProgram:
     """One traced signature: its program, the captured tensors, and how to run it."""
 
@@ -53,6 +63,7 @@ class ConcreteProgram:
         out_tree: Any,
         n_outputs: int,
         compiler: str | None,
+        runner: Any = None,
     ) -> None:
         self.program = program
         self.n_args = n_args
@@ -61,7 +72,7 @@ class ConcreteProgram:
         self.out_tree = out_tree
         self.n_outputs = n_outputs
         self.compiler = compiler
-        self._executor = None
+        self._executor = runner
 
     @property
     def executor(self):
@@ -133,7 +144,8 @@ class StaticFunction:
                     d = spec.dims(i)
                 else:
                     d = tuple(a.shape)
-                key.append(("T", a.dtype.str, d))
+                kind = _PAYLOAD_KINDS.get(type(a._data))
+                key.append(("T", a.dtype.str, d) + (() if kind is None else (kind.signature(a._data),)))
                 tensors.append(a)
                 dims.append(d)
             else:
@@ -189,6 +201,8 @@ class StaticFunction:
         trace.builder.ret(*out_values, *[v for _, v in updated])
         program.verify()
         self.trace_count += 1
+        payloads = [t._data for t in tensors] + [before for _, before, _ in trace.captures]
+        kind = next((_PAYLOAD_KINDS[type(p)] for p in payloads if type(p) in _PAYLOAD_KINDS), None)
         return ConcreteProgram(
             program,
             len(traced_args),
@@ -197,6 +211,7 @@ class StaticFunction:
             tree,
             len(out_values),
             self.compiler,
+            None if kind is None else kind.prepare(program, payloads, self.compiler),
         )
 
     def _check_grads(self, trace: Trace) -> None:

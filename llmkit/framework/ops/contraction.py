@@ -1,35 +1,37 @@
-"""Contractions: matmul (and linear = matmul + bias), which stay with BLAS / cuBLAS."""
+"""Contractions: matmul (and linear = matmul + bias), which stay with BLAS / cuBLAS.
+
+Each is declared by its einsum string (``spmd.Einsum``), from which its shape rule and its SPMD rule
+follow; the transpose flags swap an operand's letters. Their VJPs are written out: the weight's
+gradient is one GEMM over the flattened batch, which the generic einsum transpose would not give.
+"""
 
 from __future__ import annotations
 
 from .. import backend as B
-from .. import symbolic as sym
 from ..dispatch import O
-from ..opspec import A, Kind, Meta, OpError, attr, broadcast_shapes, defop, same_dtype
+from ..opspec import A, Kind, OpError, attr, defop
+from . import spmd as P
+
+MATMUL = P.Einsum("...mk,...kn->...mn")
+LINEAR = P.Einsum("...k,nk->...n")  # weight [out_features, in_features]
 
 
-def _mm_dims(name, x, y, tx, ty):
+def matmul_einsum(transpose_x: bool = False, transpose_y: bool = False, **_) -> P.Einsum:
+    e = MATMUL.swapped(0) if transpose_x else MATMUL
+    return e.swapped(1) if transpose_y else e
+
+
+def _mm_check(name, x, y):
     if x.ndim < 2 or y.ndim < 2:
         raise OpError(f"{name}: both inputs need at least 2 dims (use reshape/unsqueeze)", x, y)
-    same_dtype(name, x, y)
     if x.dtype == B.DTYPES["bool"]:
         raise OpError(f"{name}: expects numeric tensors", x, y)
-    m, k = (x.shape[-1], x.shape[-2]) if tx else (x.shape[-2], x.shape[-1])
-    k2, n = (y.shape[-1], y.shape[-2]) if ty else (y.shape[-2], y.shape[-1])
-    if sym.canonical(k) != sym.canonical(k2):
-        raise OpError(
-            f"{name}: inner dims differ ({k} vs {k2}"
-            f"{', transpose_x' if tx else ''}{', transpose_y' if ty else ''})",
-            x,
-            y,
-        )
-    batch = broadcast_shapes(name, Meta(x.shape[:-2], x.dtype), Meta(y.shape[:-2], y.dtype))
-    return batch, m, n
 
 
 def _matmul_meta(x, y, transpose_x=False, transpose_y=False):
-    batch, m, n = _mm_dims("matmul", x, y, transpose_x, transpose_y)
-    return Meta(batch + (m, n), x.dtype)
+    _mm_check("matmul", x, y)
+    flags = f"{', transpose_x' if transpose_x else ''}{', transpose_y' if transpose_y else ''}"
+    return matmul_einsum(transpose_x, transpose_y).meta("matmul", x, y, flags=flags)
 
 
 def mm(xp, x, y):
@@ -78,18 +80,19 @@ defop(
     infer_meta=_matmul_meta,
     kernel=_matmul_kernel,
     vjp=_matmul_vjp,
+    spmd=P.contraction(lambda attrs: matmul_einsum(**attrs)),
     doc="Batched matrix product with numpy broadcasting of the leading dims; "
     "transpose_x/transpose_y swap the last two dims of an input first.",
 )
 
 
 def _linear_meta(x, weight, bias=None):
-    batch, m, n = _mm_dims("linear", x, Meta(weight.shape, weight.dtype), False, True)
+    _mm_check("linear", x, weight)
     if weight.ndim != 2:
         raise OpError("linear: weight must be [out_features, in_features]", x, weight)
     if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != x.dtype):
         raise OpError(f"linear: bias must be [{weight.shape[0]}] {B.dtype_name(x.dtype)}", x, weight, bias)
-    return Meta(batch + (m, n), x.dtype)
+    return LINEAR.meta("linear", x, weight)
 
 
 def _linear_kernel(xp, x, weight, bias=None):
@@ -120,5 +123,6 @@ defop(
     kernel=_linear_kernel,
     vjp=_linear_vjp,
     decompose=_linear_decompose,
+    spmd=P.contraction(lambda attrs: LINEAR, bias=2),
     doc="x @ weight.T + bias with weight [out_features, in_features] (the Hugging Face layout).",
 )

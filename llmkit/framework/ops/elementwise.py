@@ -15,21 +15,35 @@ import numpy as np
 from .. import backend as B
 from ..dispatch import O
 from ..opspec import A, Kind, Meta, OpError, attr, defop, describe, elementwise_meta, optional, same_dtype
+from . import spmd as P
+
+# Families. SPMD: any dim shards (broadcast dims stay replicated); ``partial`` says which Partial
+# inputs pass through (spmd.elementwise).
 
 
-def unary(name, kernel, vjp=None, *, c=None, floating=True, out_dtype=None, **kw):
+def unary(name, kernel, vjp=None, *, c=None, floating=True, out_dtype=None, partial=None, **kw):
     def infer(x, **attrs):
         return elementwise_meta(name, x, floating=floating, out_dtype=out_dtype, numeric=True)
 
-    return defop(name, Kind.ELEMENTWISE, kernel=kernel, infer_meta=infer, vjp=vjp, c=c, **kw)
+    rule = P.elementwise(partial)
+    return defop(name, Kind.ELEMENTWISE, kernel=kernel, infer_meta=infer, vjp=vjp, c=c, spmd=rule, **kw)
 
 
-def binary(name, kernel, vjp=None, *, c=None, floating=False, **kw):
+def binary(name, kernel, vjp=None, *, c=None, floating=False, partial=None, **kw):
     def infer(a, b, **attrs):
         return elementwise_meta(name, a, b, floating=floating)
 
+    rule = P.elementwise(partial)
     return defop(
-        name, Kind.ELEMENTWISE, inputs=("x", "y"), kernel=kernel, infer_meta=infer, vjp=vjp, c=c, **kw
+        name,
+        Kind.ELEMENTWISE,
+        inputs=("x", "y"),
+        kernel=kernel,
+        infer_meta=infer,
+        vjp=vjp,
+        c=c,
+        spmd=rule,
+        **kw,
     )
 
 
@@ -37,7 +51,9 @@ def compare(name, kernel, c):
     def infer(a, b):
         return elementwise_meta(name, a, b, out_dtype=B.DTYPES["bool"])
 
-    return defop(name, Kind.ELEMENTWISE, inputs=("x", "y"), kernel=kernel, infer_meta=infer, c=c)
+    return defop(
+        name, Kind.ELEMENTWISE, inputs=("x", "y"), kernel=kernel, infer_meta=infer, c=c, spmd=P.elementwise()
+    )
 
 
 def _nan_first(expr: str) -> str:
@@ -49,10 +65,26 @@ def _nan_first(expr: str) -> str:
 
 _AC = {"commutative", "associative"}  # +, *, and, or
 
-binary("add", lambda xp, a, b: a + b, lambda g, out, a, b: (g, g), c="({0}+{1})", traits=_AC, identity=0)
-binary("sub", lambda xp, a, b: a - b, lambda g, out, a, b: (g, -g), c="({0}-{1})", identity=0)
 binary(
-    "mul", lambda xp, a, b: a * b, lambda g, out, a, b: (g * b, g * a), c="({0}*{1})", traits=_AC, identity=1
+    "add",
+    lambda xp, a, b: a + b,
+    lambda g, out, a, b: (g, g),
+    c="({0}+{1})",
+    traits=_AC,
+    identity=0,
+    partial="linear",
+)
+binary(
+    "sub", lambda xp, a, b: a - b, lambda g, out, a, b: (g, -g), c="({0}-{1})", identity=0, partial="linear"
+)
+binary(
+    "mul",
+    lambda xp, a, b: a * b,
+    lambda g, out, a, b: (g * b, g * a),
+    c="({0}*{1})",
+    traits=_AC,
+    identity=1,
+    partial="bilinear",
 )
 binary(
     "div",
@@ -61,6 +93,7 @@ binary(
     c="({0}/{1})",
     floating=True,
     identity=1,
+    partial="first",
 )
 binary(
     "pow",
@@ -75,6 +108,7 @@ binary(
     lambda g, out, a, b: (O.where(a >= b, g, 0.0), O.where(a >= b, 0.0, g)),
     c=_nan_first("(({0}>={1})?{0}:{1})"),
     traits={"commutative", "associative", "idempotent"},
+    partial="max",
 )
 binary(
     "minimum",
@@ -82,9 +116,18 @@ binary(
     lambda g, out, a, b: (O.where(a <= b, g, 0.0), O.where(a <= b, 0.0, g)),
     c=_nan_first("(({0}<={1})?{0}:{1})"),
     traits={"commutative", "associative", "idempotent"},
+    partial="min",
 )
 
-unary("neg", lambda xp, x: -x, lambda g, out, x: (-g,), c="(-{0})", floating=False, traits={"involution"})
+unary(
+    "neg",
+    lambda xp, x: -x,
+    lambda g, out, x: (-g,),
+    c="(-{0})",
+    floating=False,
+    traits={"involution"},
+    partial="linear",
+)
 unary("abs", lambda xp, x: xp.abs(x), lambda g, out, x: (g * O.sign(x),), c="fabs({0})", floating=False)
 unary(
     "sign",
@@ -219,7 +262,16 @@ def logical(name, inputs, kernel, c, **kw):
                 raise OpError(f"{name}: expects bool tensors, got {describe(x)}")
         return elementwise_meta(name, *xs)
 
-    return defop(name, Kind.ELEMENTWISE, inputs=inputs, kernel=kernel, infer_meta=infer, c=c, **kw)
+    return defop(
+        name,
+        Kind.ELEMENTWISE,
+        inputs=inputs,
+        kernel=kernel,
+        infer_meta=infer,
+        c=c,
+        spmd=P.elementwise(),
+        **kw,
+    )
 
 
 logical("logical_and", ("x", "y"), lambda xp, a, b: a & b, "({0}&&{1})", traits=_AC)
@@ -243,6 +295,7 @@ defop(
     nondiff={0},
     c="({0}?{1}:{2})",
     vjp=lambda g, out, c, a, b: (None, O.where(c, g, 0.0), O.where(c, 0.0, g)),
+    spmd=P.elementwise("linear", inputs=(1, 2)),  # linear in the branches, never in the condition
 )
 
 
@@ -262,6 +315,7 @@ defop(
     vjp=_cast_vjp,
     c="(({ctype}){0})",
     traits={"same_type_noop"},
+    spmd=P.elementwise(),  # a Partial sum is reduced first: sum(cast(x_r)) is not cast(sum(x_r))
 )
 
 
@@ -278,6 +332,7 @@ def _like(name, value):
         kernel=lambda xp, x, dtype=None: xp.full(x.shape, value, x.dtype if dtype is None else dtype),
         c=str(value),
         splat=lambda x, dtype=None: value,
+        spmd=P.Rule(P.like_input, doc="the input's layout"),
         doc=f"A tensor of {value}s shaped like x; gradients stop here.",
     )
 
@@ -304,5 +359,6 @@ defop(
     c="{value}",
     traits={"constant_like"},
     splat=lambda shape, value, dtype: value,
+    spmd=P.Rule(lambda ctx: P.dim_map(ctx, []), shape_attr="shape", doc="no inputs: replicated"),
     doc="A tensor of one value; the shape may hold symbolic dims.",
 )

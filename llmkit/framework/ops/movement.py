@@ -2,6 +2,10 @@
 
 They compute nothing, so their gradients are other movement ops (the inverse move, or a scatter of
 the gathered elements). Sizes may be symbolic: shape arithmetic goes through ``symbolic``.
+
+SPMD: a dim the op does not move across (not sliced, joined, split, gathered along) keeps its
+sharding from input to output; the dims it moves across are replicated first. Moving elements is
+linear, so Partial values pass through (``linear`` below).
 """
 
 from __future__ import annotations
@@ -26,8 +30,31 @@ from ..opspec import (
     norm_axis,
     optional,
 )
+from . import spmd as P
 
 END = 2**63 - 1  # a slice end meaning "to the end of the axis"
+
+
+def linear(n_in: int, n_out: int = 1, among: Sequence[int] | None = None) -> list:
+    """Partial strategies of an op linear in inputs ``among`` (all by default; others replicated)."""
+    pos = range(n_in) if among is None else among
+    return [
+        ([P.Partial(op) if i in pos else P.R for i in range(n_in)], (P.Partial(op),) * n_out)
+        for op in ("sum", "avg")
+    ]
+
+
+def _moving(groups_of, shape_attr: str | None = None, extra=None, globalize=None) -> P.Rule:
+    """The rule of a movement op from ``groups_of(ctx) -> ([(input dims, output dims)], number of
+    outputs, data inputs)``: those dims keep their sharding, the rest are replicated; Partial data
+    inputs (all by default) pass through. ``extra(ctx)`` adds strategies."""
+
+    def strategies(ctx):
+        groups, n_out, data = groups_of(ctx)
+        more = extra(ctx) if extra is not None else []
+        return P.dim_map(ctx, groups, linear(len(ctx.metas), n_out, data) + more)
+
+    return P.Rule(strategies, shape_attr=shape_attr, globalize=globalize, doc="movement")
 
 
 def _int_index(name: str, x) -> None:
@@ -115,6 +142,7 @@ defop(
     vjp=lambda g, out, x, shape: (O.reshape(g, x.shape),),
     index_map=_view_index,
     traits={"same_type_noop", "shape_attr"},
+    spmd=P.RESHAPE,
     doc="Same elements, new shape (row-major); one entry may be -1.",
 )
 
@@ -135,6 +163,7 @@ defop(
     kernel=lambda xp, x, perm: xp.transpose(x, perm),
     vjp=lambda g, out, x, perm: (O.transpose(g, tuple(int(i) for i in np.argsort(perm))),),
     index_map=_transpose_index,
+    spmd=_moving(lambda ctx: ([((p,), (j,)) for j, p in enumerate(ctx.attrs["perm"])], 1, None)),
     doc="Permute axes: out.shape[i] = x.shape[perm[i]].",
 )
 
@@ -154,6 +183,13 @@ def _expand_meta(x, shape):
     return Meta(out, x.dtype)
 
 
+def _expand_groups(ctx):
+    x = ctx.metas[0]
+    out = _expand_meta(x, ctx.attrs["shape"]).shape
+    lead = len(out) - x.ndim
+    return [((d,), (d + lead,)) for d in range(x.ndim) if x.shape[d] == out[d + lead]], 1, None
+
+
 def _expand_kernel(xp, x, shape):
     return xp.broadcast_to(x, _expand_meta(x, shape).shape)
 
@@ -167,8 +203,16 @@ defop(
     vjp=lambda g, out, x, shape: (g,),  # autograd sums the gradient back to x's shape
     index_map=_expand_index,
     traits={"same_type_noop", "shape_attr"},
+    spmd=_moving(_expand_groups, shape_attr="shape"),
     doc="Broadcast to a larger shape (numpy broadcast_to); -1 keeps a dim.",
 )
+
+
+def _squeeze_axes(metas, attrs):
+    """axis=None squeezes the size-1 dims of the global shape, not of a rank's shard."""
+    if attrs["axis"] is not None:
+        return attrs
+    return {**attrs, "axis": tuple(d for d, n in enumerate(metas[0].shape) if n == 1)}
 
 
 def _squeeze_meta(x, axis=None):
@@ -190,8 +234,22 @@ defop(
     vjp=lambda g, out, x, axis: (O.reshape(g, x.shape),),
     index_map=_view_index,
     traits={"same_type_noop"},
+    spmd=_moving(lambda ctx: (_kept(ctx.metas[0], _squeezed(ctx)), 1, None), globalize=_squeeze_axes),
     doc="Drop size-1 axes.",
 )
+
+
+def _squeezed(ctx):
+    x, axis = ctx.metas[0], ctx.attrs["axis"]
+    return (
+        [d for d in range(x.ndim) if x.shape[d] == 1] if axis is None else norm_axes("squeeze", axis, x.ndim)
+    )
+
+
+def _kept(x, dropped):
+    """Input dims not in ``dropped`` paired with their output positions."""
+    kept = [d for d in range(x.ndim) if d not in dropped]
+    return [((d,), (j,)) for j, d in enumerate(kept)]
 
 
 def _unsqueeze_meta(x, axis):
@@ -199,6 +257,13 @@ def _unsqueeze_meta(x, axis):
     axes = norm_axes("unsqueeze", axis, nd)
     it = iter(x.shape)
     return Meta([1 if i in axes else next(it) for i in range(nd)], x.dtype)
+
+
+def _unsqueeze_groups(x, axis):
+    nd = x.ndim + len(axis)
+    new = norm_axes("unsqueeze", axis, nd)
+    kept = [j for j in range(nd) if j not in new]
+    return [((d,), (j,)) for d, j in enumerate(kept)]
 
 
 defop(
@@ -209,6 +274,7 @@ defop(
     kernel=lambda xp, x, axis: xp.reshape(x, _unsqueeze_meta(x, axis).shape),
     vjp=lambda g, out, x, axis: (O.reshape(g, x.shape),),
     index_map=_view_index,
+    spmd=_moving(lambda ctx: (_unsqueeze_groups(ctx.metas[0], ctx.attrs["axis"]), 1, None)),
     doc="Insert size-1 axes at the given output positions.",
 )
 
@@ -257,6 +323,14 @@ def _slice_kernel(xp, x, axes, starts, ends, steps=None):
     return x[_slices(x.ndim, axes, starts, ends, steps)]
 
 
+def _unsliced(ctx, n_in):
+    """Dims a slice leaves whole (shared by every input of slice / slice_scatter)."""
+    x, a = ctx.metas[0], ctx.attrs
+    axes, _ = _slice_norm("slice", x, a["axes"], a["starts"], a["ends"], a["steps"])
+    whole = [d for d in range(x.ndim) if d not in axes]
+    return [((d,) * n_in, (d,)) for d in whole]
+
+
 _SLICE_ATTRS = [
     attr("axes", A.INTS),
     attr("starts", A.INTS),
@@ -272,6 +346,7 @@ defop(
     kernel=_slice_kernel,
     vjp=lambda g, out, x, **a: (O.slice_scatter(O.zeros_like(x), g, **a),),
     index_map=_slice_index,
+    spmd=_moving(lambda ctx: (_unsliced(ctx, 1), 1, None)),
     doc=f"Python slicing start:end:step along the given axes; end {END} means to the end.",
 )
 
@@ -299,6 +374,7 @@ defop(
     infer_meta=_slice_scatter_meta,
     kernel=_slice_scatter_kernel,
     vjp=lambda g, out, base, src, **a: (O.slice_scatter(g, O.zeros_like(src), **a), O.slice(g, **a)),
+    spmd=_moving(lambda ctx: (_unsliced(ctx, 2), 1, None)),
     doc="x with the slice replaced by src (the functional form of x[slice] = src).",
 )
 
@@ -324,6 +400,14 @@ def _concat_meta(*xs, axis=0):
     return Meta(shape, xs[0].dtype)
 
 
+def _joined(ctx, new):
+    """concat (new=0) / stack (new=1): every input's dim d is the output's d (after the axis, +new)."""
+    x = ctx.metas[0]
+    ax = norm_axis("join", ctx.attrs["axis"], x.ndim + new)
+    dims = [d for d in range(x.ndim) if new or d != ax]
+    return [((d,) * len(ctx.metas), (d + (new and d >= ax),)) for d in dims]
+
+
 def _concat_vjp(g, out, *xs, axis=0):
     ax = norm_axis("concat", axis, g.ndim)
     if len(xs) == 1:
@@ -331,19 +415,27 @@ def _concat_vjp(g, out, *xs, axis=0):
     return O.split(g, tuple(x.shape[ax] for x in xs), axis=ax)
 
 
-def join(name, xp_fn, infer_meta, vjp, index_map, doc):
-    """An op joining a list of tensors along ``axis`` with ``xp.<xp_fn>``: ``name([x, y, ...], axis=0)``."""
+def join(name, xp_fn, infer_meta, vjp, index_map, new_axis, doc):
+    """An op joining a list of tensors along ``axis`` with ``xp.<xp_fn>``: ``name([x, y, ...], axis=0)``
+    (``new_axis``: 1 when the join makes a new axis, as stack does)."""
 
     def kernel(xp, *xs, axis=0):
         return getattr(xp, xp_fn)(xs, axis=axis)
 
     attrs = [attr("axis", A.INT, 0)]
+    spmd = _moving(lambda ctx: (_joined(ctx, new_axis), 1, None))
     return defop(name, Kind.MOVEMENT, inputs=("*xs",), attrs=attrs, kernel=kernel, infer_meta=infer_meta,
-                 vjp=vjp, index_map=index_map, doc=doc)  # fmt: skip
+                 vjp=vjp, index_map=index_map, spmd=spmd, doc=doc)  # fmt: skip
 
 
 join(
-    "concat", "concatenate", _concat_meta, _concat_vjp, _concat_index, "Join tensors along an existing axis."
+    "concat",
+    "concatenate",
+    _concat_meta,
+    _concat_vjp,
+    _concat_index,
+    0,
+    "Join tensors along an existing axis.",
 )
 
 
@@ -364,7 +456,7 @@ def _stack_vjp(g, out, *xs, axis=0):
     return tuple(O.reshape(p, x.shape) for p, x in zip(parts, xs))
 
 
-join("stack", "stack", _stack_meta, _stack_vjp, _stack_index, "Join same-shaped tensors along a new axis.")
+join("stack", "stack", _stack_meta, _stack_vjp, _stack_index, 1, "Join same-shaped tensors along a new axis.")
 
 
 def _num_or_sections(v):
@@ -414,6 +506,12 @@ def _split_kernel(xp, x, sections, axis=0):
     return tuple(xp.split(x, np.cumsum(sizes[:-1]).tolist(), axis=ax))
 
 
+def _split_groups(ctx):
+    x, a = ctx.metas[0], ctx.attrs
+    ax, sizes = _split_sizes(x, a["sections"], a["axis"])
+    return [((d,), (d,) * len(sizes)) for d in range(x.ndim) if d != ax], len(sizes), None
+
+
 def _split_vjp(gs, outs, x, sections, axis=0):
     return (O.concat([g if g is not None else O.zeros_like(o) for g, o in zip(gs, outs)], axis=axis),)
 
@@ -426,11 +524,30 @@ defop(
     kernel=_split_kernel,
     vjp=_split_vjp,
     multi_output=True,
+    spmd=_moving(_split_groups),
     doc="Split along axis into a number of equal parts or into parts of the given sizes.",
 )
 
 
 # ---- gather / scatter --------------------------------------------------------------------------
+
+
+def _indexed(ctx, data, index_dims):
+    """gather-like ops: dims other than the axis shard together in the data inputs ``data``, the
+    index (input 1; with ``index_dims`` it has those dims too) and the output; a sharded index
+    alone shards the output's axis (index_select, gather)."""
+    x = ctx.metas[0]
+    ax = norm_axis("index", ctx.attrs["axis"], x.ndim)
+    n = len(ctx.metas)
+    groups = []
+    for d in range(x.ndim):
+        if d == ax:
+            continue
+        ins = [d if i in data or (i == 1 and index_dims) else None for i in range(n)]
+        groups.append((ins, (d,)))
+    if n == 2:  # index_select / gather: x whole along the axis, the index sharded
+        groups.append(((None, ax if index_dims else 0), (ax,)))
+    return groups, 1, data
 
 
 def _index_select_meta(x, index, axis=0):
@@ -450,6 +567,7 @@ defop(
     kernel=lambda xp, x, index, axis=0: xp.take(x, index, axis=axis),
     nondiff={1},
     vjp=lambda g, out, x, index, axis: (O.index_add(O.zeros_like(x), index, g, axis=axis), None),
+    spmd=_moving(lambda ctx: _indexed(ctx, (0,), index_dims=False)),
     doc="out = x.take(index, axis): whole slices picked by a 1-D index.",
 )
 
@@ -487,6 +605,7 @@ defop(
     kernel=_index_add_kernel,
     nondiff={1},
     vjp=lambda g, out, x, index, src, axis: (g, None, O.index_select(g, index, axis=axis)),
+    spmd=_moving(lambda ctx: _indexed(ctx, (0, 2), index_dims=False)),
     doc="x with src's slices added at index along axis (repeated indices accumulate).",
 )
 
@@ -510,6 +629,7 @@ defop(
     kernel=lambda xp, x, index, axis=0: xp.take_along_axis(x, index, axis=axis),
     nondiff={1},
     vjp=lambda g, out, x, index, axis: (O.scatter_add(O.zeros_like(x), index, g, axis=axis), None),
+    spmd=_moving(lambda ctx: _indexed(ctx, (0,), index_dims=True)),
     doc="out[..., i, ...] = x[..., index[..., i, ...], ...] along axis (numpy take_along_axis).",
 )
 
@@ -537,6 +657,7 @@ defop(
     kernel=_scatter_add_kernel,
     nondiff={1},
     vjp=lambda g, out, x, index, src, axis: (g, None, O.gather(g, index, axis=axis)),
+    spmd=_moving(lambda ctx: _indexed(ctx, (0, 2), index_dims=True)),
     doc="x plus src added at positions index along axis (the adjoint of gather).",
 )
 
@@ -546,6 +667,22 @@ def _embedding_meta(ids, weight):
     if weight.ndim != 2:
         raise OpError("embedding: weight must be [num_embeddings, dim]", ids, weight)
     return Meta(tuple(ids.shape) + (weight.shape[1],), weight.dtype)
+
+
+def _embedding_groups(ctx):
+    nd = ctx.metas[0].ndim
+    return [((d, None), (d,)) for d in range(nd)] + [((None, 1), (nd,))], 1, (1,)
+
+
+def _vocab_parallel(regions, ids, weight):
+    """Embedding with the vocabulary sharded: a rank looks up the ids in its rows and gives zeros for
+    the others (the sum over ranks is the lookup: a Partial sum)."""
+    if weight.shape[0] == 0:
+        return O.full(tuple(ids.shape) + (weight.shape[1],), 0.0, dtype=weight.dtype)
+    local = ids - regions[1][0].start
+    valid = O.logical_and(local >= 0, local < weight.shape[0])
+    out = O.embedding(O.where(valid, local, 0), weight)
+    return out * O.unsqueeze(O.cast(valid, weight.dtype), axis=-1)
 
 
 def _embedding_vjp(g, out, ids, weight):
@@ -564,6 +701,10 @@ defop(
     kernel=lambda xp, ids, weight: xp.take(weight, ids, axis=0),
     nondiff={0},
     vjp=_embedding_vjp,
+    spmd=_moving(
+        _embedding_groups,
+        extra=lambda ctx: [P.Strategy((P.R, P.Shard(0)), (P.Partial("sum"),), _vocab_parallel)],
+    ),
     decompose=lambda ids, weight: O.reshape(
         O.index_select(weight, O.reshape(ids, [-1]), axis=0), tuple(ids.shape) + (weight.shape[1],)
     ),
@@ -583,6 +724,11 @@ def _tri_meta(name):
     return infer
 
 
+def _batch_dims(ctx, last):
+    """Every dim but the ``last`` ones keeps its sharding (the triangle's index math needs them whole)."""
+    return [((d,), (d,)) for d in range(ctx.metas[0].ndim - last)], 1, None
+
+
 defop(
     "tril",
     Kind.OPAQUE,
@@ -590,6 +736,7 @@ defop(
     infer_meta=_tri_meta("tril"),
     kernel=lambda xp, x, diagonal=0: xp.tril(x, diagonal),
     vjp=lambda g, out, x, diagonal: (O.tril(g, diagonal=diagonal),),
+    spmd=_moving(lambda ctx: _batch_dims(ctx, 2)),
     doc="Keep the lower triangle of the last two dims (j <= i + diagonal), zero the rest.",
 )
 defop(
@@ -599,6 +746,7 @@ defop(
     infer_meta=_tri_meta("triu"),
     kernel=lambda xp, x, diagonal=0: xp.triu(x, diagonal),
     vjp=lambda g, out, x, diagonal: (O.triu(g, diagonal=diagonal),),
+    spmd=_moving(lambda ctx: _batch_dims(ctx, 2)),
     doc="Keep the upper triangle of the last two dims (j >= i + diagonal), zero the rest.",
 )
 
@@ -617,6 +765,7 @@ defop(
     ],
     infer_meta=_one_hot_meta,
     kernel=lambda xp, x, num_classes, dtype="float32": (x[..., None] == xp.arange(num_classes)).astype(dtype),
+    spmd=P.Rule(lambda ctx: P.dim_map(ctx, [((d,), (d,)) for d in range(ctx.metas[0].ndim)]), doc="one_hot"),
     decompose=lambda x, num_classes, dtype="float32": O.cast(
         O.equal(O.unsqueeze(x, axis=-1), O.arange(0, num_classes, dtype=x.dtype)), dtype
     ),
@@ -647,6 +796,7 @@ defop(
     infer_meta=_topk_meta,
     kernel=_topk_kernel,
     multi_output=True,
+    spmd=P.along_axis(outputs=2),
     vjp=lambda gs, outs, x, k, axis, largest: (O.scatter_add(O.zeros_like(x), outs[1], gs[0], axis=axis),),
     doc="The k largest (or smallest) values along axis, sorted, and their int64 indices (first wins ties).",
 )
@@ -679,5 +829,6 @@ defop(
     infer_meta=_arange_meta,
     kernel=lambda xp, start=0, end=None, step=1, dtype="int64": xp.arange(start, end, step, dtype=dtype),
     c="({start}+{i0}*{step})",  # a generator: {i0} is the output index
+    spmd=P.Rule(lambda ctx: P.dim_map(ctx, []), doc="no inputs: replicated"),
     doc="start, start+step, ... below end (bounds may be symbolic).",
 )

@@ -26,6 +26,7 @@ from ..opspec import (
     same_dtype,
 )
 from ..tape import set_grad_enabled
+from . import spmd as P
 from .contraction import mm
 from .reduce import _logsumexp_kernel
 
@@ -39,6 +40,22 @@ def _floating(name, *xs):
 # ---- softmax family ----------------------------------------------------------------------------
 
 
+def _norm_axis_of(ctx):
+    x = ctx.metas[0]
+    return [x.ndim - 1] if "axis" not in ctx.attrs else [ctx.attrs["axis"] % x.ndim]
+
+
+# softmax, log_softmax (over axis), rms_norm (over the last axis; its weight follows that axis)
+_along_last_or_axis = P.decompose_along(
+    _norm_axis_of,
+    lambda ctx: [
+        ((d,) + (None,) * (len(ctx.metas) - 1), (d,))
+        for d in range(ctx.metas[0].ndim)
+        if d not in _norm_axis_of(ctx)
+    ],
+)
+
+
 def normalizer(name, kernel, decompose, vjp, doc):
     """softmax-like: a floating x normalized along ``axis`` (not empty), same shape and dtype."""
 
@@ -50,7 +67,7 @@ def normalizer(name, kernel, decompose, vjp, doc):
 
     attrs = [attr("axis", A.INT, -1)]
     return defop(name, Kind.OPAQUE, attrs=attrs, infer_meta=infer, kernel=kernel, decompose=decompose,
-                 vjp=vjp, doc=doc)  # fmt: skip
+                 vjp=vjp, spmd=_along_last_or_axis, doc=doc)  # fmt: skip
 
 
 def _softmax_kernel(xp, x, axis=-1):
@@ -121,6 +138,7 @@ defop(
     kernel=_rms_norm_kernel,
     decompose=_rms_norm_decompose,
     vjp=_rms_norm_vjp,
+    spmd=_along_last_or_axis,
     doc="x / sqrt(mean(x^2, last axis) + eps) * weight.",
 )
 
@@ -191,6 +209,20 @@ def _ce_decompose(logits, labels, ignore_index=-100, label_smoothing=0.0, reduct
     return O.sum(nll) if reduction == "sum" else O.sum(nll) / O.sum(validf)
 
 
+def _ce_spmd(ctx):
+    """Rows shard (reduction none: the output with them; sum: a Partial sum). A sharded class axis,
+    or sharded rows under "mean" (the divisor counts every rank's valid labels), decompose."""
+    nd = ctx.metas[0].ndim
+    red = ctx.attrs["reduction"]
+    rows = range(nd - 1)
+    here = (ctx.cur(0), ctx.cur(1))
+    if here[0] == P.Shard(nd - 1) or (red == "mean" and any(p in (P.Shard(d) for d in rows) for p in here)):
+        return P.DECOMPOSE
+    groups = [((d, d), (d,)) for d in rows] if red == "none" else []
+    parts = [((P.Shard(d), P.Shard(d)), (P.Partial("sum"),)) for d in rows] if red == "sum" else []
+    return P.dim_map(ctx, groups, parts)
+
+
 defop(
     "cross_entropy",
     Kind.OPAQUE,
@@ -204,6 +236,7 @@ defop(
     infer_meta=_ce_meta,
     kernel=_ce_kernel,
     vjp=_ce_vjp,
+    spmd=P.Rule(_ce_spmd),
     decompose=_ce_decompose,
     doc="Softmax cross entropy of logits [..., C] against integer labels [...]; labels equal to "
     "ignore_index count for nothing and 'mean' divides by the number of the others. "
@@ -271,6 +304,19 @@ def _rope_vjp(g, out, x, cos, sin, position_ids=None):
     return (g * cos - _rotate_half(g * sin), None, None, None)
 
 
+def _rope_spmd(ctx):
+    """Every dim but the rotated last one shards, with cos/sin where they have it (broadcast dims
+    and tables indexed by position_ids stay replicated); linear in x."""
+    x = ctx.metas[0]
+    if ctx.metas[3] is None:
+        table = P.broadcast_dims(x.shape, ctx.metas[:3])
+        groups = [(row + [None], (j,)) for j, row in enumerate(table) if j != x.ndim - 1]
+    else:  # x [B, H, S, D], position_ids [B, S]
+        groups = [((0, None, None, 0), (0,)), ((1, None, None, None), (1,)), ((2, None, None, 1), (2,))]
+    parts = [((P.Partial(op), P.R, P.R, P.R), (P.Partial(op),)) for op in ("sum", "avg")]
+    return P.dim_map(ctx, groups, parts)
+
+
 defop(
     "rotary_embedding",
     Kind.OPAQUE,
@@ -280,12 +326,52 @@ defop(
     kernel=_rope_kernel,
     decompose=_rope_decompose,
     vjp=_rope_vjp,
+    spmd=P.Rule(_rope_spmd),
     doc="Rotary position embedding, Hugging Face rotate_half convention: x*cos + rotate_half(x)*sin. "
     "With position_ids [B, S], cos/sin are tables [positions, D] and x is [B, H, S, D].",
 )
 
 
 # ---- scaled dot-product attention --------------------------------------------------------------
+
+
+def _attention_spmd(grad: bool, lse: bool):
+    """Attention's rows are independent per batch and head: shard them (heads only where q and kv
+    heads both split evenly, so grouped query heads stay with their kv head). Without a causal mask
+    query rows shard too; then a backward's dk and dv are Partial sums over the query shards."""
+    first = (3 if lse else 2) if grad else 0  # where q sits: after g, out (and lse)
+    n_out = 3 if grad else (2 if lse else 1)
+
+    def strategies(ctx):
+        metas = ctx.metas
+        q, k = first, first + 1
+        mask = first + 3 if len(metas) > first + 3 else None
+        shape = tuple(metas[q].shape[:3]) + (metas[k].shape[2],)
+        mdims = P.broadcast_dims(shape, [metas[mask]])[:] if mask is not None else [[None]] * 4
+        n = len(metas)
+
+        def ins(d, kv: bool, m: int | None):
+            row = [None] * n
+            for i in range(first):  # g, out (and lse) have q's leading dims
+                row[i] = d
+            row[q] = d
+            if kv:
+                row[k] = row[k + 1] = d
+            if mask is not None:
+                row[mask] = mdims[m][0] if m is not None else None
+            return row
+
+        groups = [(ins(0, True, 0), (0,) * n_out)]
+        if ctx.even(q, 1) and ctx.even(k, 1):
+            groups.append((ins(1, True, 1), (1,) * n_out))
+        out = P.dim_map(ctx, groups)
+        if not ctx.attrs.get("is_causal", False):
+            rows = [P.R if p is None else P.Shard(p) for p in ins(2, False, 2)]
+            outs = (P.Shard(2), P.Partial("sum"), P.Partial("sum")) if grad else (P.Shard(2),) * n_out
+            out.append(P.Strategy(tuple(None if metas[i] is None else p for i, p in enumerate(rows)), outs))
+        return out
+
+    return strategies
 
 
 def _attention_attrs():
@@ -401,6 +487,7 @@ defop(
     kernel=_sdpa_kernel,
     decompose=_sdpa_decompose,
     vjp=_sdpa_vjp,
+    spmd=P.Rule(_attention_spmd(grad=False, lse=False)),
     doc="softmax(q k^T * scale + mask) v on [batch, heads, seq, head_dim], with grouped-query attention "
     "(q heads a multiple of k/v heads). attn_mask is additive (q's dtype) or bool (True = attend); "
     "is_causal aligns the causal mask to the bottom right, so a query block after a cache works.",
@@ -479,6 +566,7 @@ defop(
     kernel=_sdpa_grad_kernel,
     decompose=_sdpa_grad_decompose,
     vjp=_vjp_of_decomposition(_sdpa_grad_decompose),
+    spmd=P.Rule(_attention_spmd(grad=True, lse=False)),
     multi_output=True,
     doc="(dq, dk, dv) of out = scaled_dot_product_attention(q, k, v, ...) for the output gradient g: "
     "with P the probabilities and dS = P * (g v^T - rowsum(g * out)), dq = dS k * scale, dk = dS^T q "
@@ -520,6 +608,7 @@ defop(
     kernel=_lse_kernel,
     decompose=_lse_decompose,
     vjp=_vjp_of_decomposition(_lse_decompose),
+    spmd=P.Rule(_attention_spmd(grad=False, lse=True)),
     multi_output=True,
     doc="(out, lse): scaled_dot_product_attention(q, k, v) without a mask, and each query row's "
     "log-sum-exp of its scaled (and causally masked) scores, [B, Hq, S].",
@@ -550,6 +639,7 @@ defop(
     ),
     decompose=_lse_grad_decompose,
     vjp=_vjp_of_decomposition(_lse_grad_decompose),
+    spmd=P.Rule(_attention_spmd(grad=True, lse=True)),
     multi_output=True,
     doc="scaled_dot_product_attention_grad (no mask) given the forward's (out, lse): the same (dq, dk, "
     "dv); lse, the rows' log-sum-exp, lets the compiled kernel skip recomputing it.",
@@ -581,6 +671,7 @@ defop(
     infer_meta=_dropout_meta,
     kernel=_dropout_kernel,
     vjp=lambda g, out, x, p, seed: (O.dropout(g, p=p, seed=seed),),  # the same mask: linear in x
+    spmd=P.replicate_only("its mask is drawn from the seed over the whole shape: a shard would draw another"),
     doc="Zero each element with probability p and scale the rest by 1/(1-p); the mask is a "
     "function of (seed, shape), so the gradient reuses it exactly.",
 )

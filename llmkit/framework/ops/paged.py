@@ -24,6 +24,11 @@ They and ``tiled_linear_swiglu`` are the engine's ops (``engine_op``: traits ``i
 the engine's programs), none has a decomposition (the compiler must keep their kernels, which
 carry the guarantees above), and each has a hand-written C kernel that the engine's compiled
 programs run (``compiler/native/paged.py``, ``linear.py``).
+
+SPMD (tensor-parallel serving): the kv heads shard with the query heads that share them (when
+both split evenly), and the tiled products shard like ``linear`` (batch rows, output features, or
+the inner dim into a Partial sum; the swiglu pair only by output features). The rest is
+replicated.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from .. import backend as B
 from .. import symbolic as sym
 from ..dispatch import O
 from ..opspec import A, Kind, Meta, OpError, attr, defop, describe, get, optional, same_dtype
+from . import spmd as P
 from .contraction import _linear_meta, _linear_vjp, mm
 
 
@@ -71,6 +77,23 @@ def engine_op(name, inputs, attrs, infer_meta, kernel, doc, *, traits=(), **kw):
     traits = {"inference", "internal", *traits}
     return defop(name, Kind.OPAQUE, inputs=inputs, attrs=attrs, infer_meta=infer_meta, kernel=kernel,
                  traits=traits, doc=doc, **kw)  # fmt: skip
+
+
+def _kv_heads_spmd(pool: int, heads: tuple, out: int):
+    """Shard the pool's kv heads (dim 4) with the heads dim of the tensors at ``heads`` ((input,
+    dim) pairs), the output's dim ``out``; everything else replicated."""
+
+    def strategies(ctx):
+        groups = []
+        if ctx.even(pool, 4) and all(ctx.even(i, d) for i, d in heads):
+            ins = [None] * len(ctx.metas)
+            ins[pool] = 4
+            for i, d in heads:
+                ins[i] = d
+            groups.append((ins, (out,)))
+        return P.dim_map(ctx, groups)
+
+    return strategies
 
 
 _LAYER = attr("layer", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0")
@@ -117,6 +140,7 @@ engine_op(
     _write_meta,
     _write_kernel,
     traits={"inplace_input0"},
+    spmd=P.Rule(_kv_heads_spmd(pool=0, heads=((1, 1), (2, 1)), out=4)),
     doc="The pool with this step's keys/values stored: k, v [B, Hkv, S, D] go to pool[layer, 0/1] at "
     "flat slots [B*S] (block * block_size + offset; -1 = do not store). With inplace=True the kernel "
     "writes into the pool it is given and returns it: the caller donates that value.",
@@ -229,6 +253,7 @@ engine_op(
     [_LAYER, attr("scale", optional(A.FLOAT), None)],
     _attn_meta,
     _attn_kernel,
+    spmd=P.Rule(_kv_heads_spmd(pool=1, heads=((0, 1),), out=1)),
     doc="Causal attention of q [B, Hq, S, D] against a paged KV pool, segment by segment. Segment i is the "
     "query tokens [q_start[i], q_start[i] + q_len[i]) of the flattened B*S tokens (one row of B); its "
     "keys are positions 0 .. kv_len[i]-1 of the sequence whose blocks are block_tables[i], and its "
@@ -309,6 +334,34 @@ def _tiled_vjp(g, out, x, weight, bias=None, rows=8, transposed=False, panel=0):
     )
 
 
+def _tiled_spmd(swiglu: bool):
+    """tiled_linear(x, w, b) / tiled_linear_swiglu(x, w_gate, w_up) as ``...k,nk->...n``: batch rows,
+    output features (the weight's out dim: 0, or 1 when transposed, 0 of the panels: a whole number
+    of panels per rank) or, for tiled_linear, the inner dim (a Partial sum, the bias on one rank)."""
+    return lambda ctx: _tiled_strategies(ctx, swiglu)
+
+
+def _tiled_strategies(ctx, swiglu):
+    x = ctx.metas[0]
+    transposed, panel = ctx.attrs["transposed"], ctx.attrs["panel"]
+    out_dim, in_dim = (0, 1) if panel else ((1, 0) if transposed else (0, 1))
+    nd = x.ndim
+    weights = (1, 2) if swiglu else (1,)
+    groups = [((d,) + (None,) * (len(ctx.metas) - 1), (d,)) for d in range(nd - 1)]
+    feat = [None] * len(ctx.metas)
+    for w in weights:
+        feat[w] = out_dim
+    if not swiglu and ctx.metas[2] is not None:
+        feat[2] = 0
+    if not panel or ctx.even(1, 0):
+        groups.append((feat, (nd - 1,)))
+    parts = []
+    if not swiglu:
+        bias = [] if ctx.metas[2] is None else [P.Partial("sum")]
+        parts.append(((P.Shard(nd - 1), P.Shard(in_dim), *bias), (P.Partial("sum"),)))
+    return P.dim_map(ctx, groups, parts)
+
+
 _TILED_ATTRS = [  # the weight layout attributes of tiled_linear and tiled_linear_swiglu
     attr("rows", A.INT, 8, lambda v: None if v >= 1 else "must be >= 1"),
     attr("transposed", A.BOOL, False),
@@ -323,6 +376,7 @@ engine_op(
     _tiled_meta,
     _tiled_kernel,
     vjp=_tiled_vjp,
+    spmd=P.Rule(_tiled_spmd(swiglu=False)),
     doc="x @ weight.T + bias (as linear), computed in matrix products of exactly `rows` rows (the last "
     "zero-padded), so each row's result is independent of the number of rows: batch invariance (the "
     "C kernel computes each row alone, whatever `rows`). "
@@ -363,6 +417,7 @@ engine_op(
     _tls_meta,
     _tls_kernel,
     vjp=_tls_vjp,
+    spmd=P.Rule(_tiled_spmd(swiglu=True)),
     doc="swiglu(tiled_linear(x, w_gate), tiled_linear(x, w_up)) as one op (the engine's MLP with "
     "both weights in panels: each thread finishes its own columns; the products are never stored). "
     "Weights and attributes as tiled_linear's, no bias.",

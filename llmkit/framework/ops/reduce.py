@@ -20,11 +20,27 @@ from ..opspec import (
     optional,
     reduce_shape,
 )
+from . import spmd as P
 
 
 def _keep(g, x, axis, keepdim):
     """Reshape a reduced gradient so it broadcasts against x."""
     return g if keepdim else O.reshape(g, reduce_shape("reduce", x.shape, axis, True))
+
+
+# SPMD: reducing a sharded axis leaves each rank's partial reduction: Partial(sum | max | min)
+# (mean: a Partial sum of each rank's sum over the global count; max/min gather an axis where a rank
+# would hold an empty chunk, which has no max).
+def _mean_local(regions, x, axis=None, keepdim=False, *, count):
+    return O.sum(x, axis=axis, keepdim=keepdim) / float(count)  # the global count: a Partial sum
+
+
+_PARTIAL = {
+    "sum": P.reduction("sum"),
+    "mean": P.reduction("sum", local=_mean_local),
+    "max": P.reduction("max"),
+    "min": P.reduction("min"),
+}
 
 
 def reduction(name, kernel, vjp=None, *, floating=False, numeric=True, out_dtype=None, empty=True, **kw):
@@ -40,6 +56,7 @@ def reduction(name, kernel, vjp=None, *, floating=False, numeric=True, out_dtype
         return Meta(reduce_shape(name, x.shape, axis, keepdim), out_dtype or x.dtype)
 
     attrs = [attr("axis", A.AXES, None), attr("keepdim", A.BOOL, False)]
+    kw.setdefault("spmd", _PARTIAL.get(kw.get("reducer")))
     return defop(name, Kind.REDUCE, attrs=attrs, kernel=kernel, infer_meta=infer, vjp=vjp, **kw)
 
 
@@ -105,6 +122,7 @@ reduction(
     floating=True,
     empty=False,
     decompose=_logsumexp_decompose,
+    spmd=P.reduction(None, decompose=True),
     vjp=lambda g, out, x, axis, keepdim: (
         _keep(g, x, axis, keepdim) * O.exp(x - _keep(out, x, axis, keepdim)),
     ),
@@ -129,6 +147,7 @@ defop(
     attrs=[attr("axis", optional(A.INT), None), attr("keepdim", A.BOOL, False)],
     kernel=_argmax_kernel,
     infer_meta=_argmax_meta,
+    spmd=P.reduction(None),
     doc="Index of the first maximum along axis (of the flattened tensor when axis is None).",
 )
 
@@ -156,6 +175,9 @@ defop(
     infer_meta=_numel_meta,
     traits={"shape_only"},
     splat=_numel_value,
+    spmd=P.Rule(
+        lambda ctx: [P.Strategy((P.ANY,), (P.R,))], shape_only=(0,), doc="reads only the global shape"
+    ),
     doc="Number of elements in the given axes as a 0-d tensor of x's dtype (sizes may be symbolic).",
 )
 
@@ -180,5 +202,6 @@ defop(
     kernel=_cumsum_kernel,
     infer_meta=_cumsum_meta,
     vjp=lambda g, out, x, axis, reverse: (O.cumsum(g, axis=axis, reverse=not reverse),),
+    spmd=P.along_axis(linear=True),
     doc="Inclusive running sum along axis (from the end when reverse).",
 )

@@ -18,7 +18,7 @@ import llmkit.framework.distributed as dist
 
 
 def main(mode: str) -> None:
-    dist.init("mpi", timeout=3)
+    dist.init("mpi", timeout=2)
     mesh = dist.ProcessMesh((2,), ["dp"])
     x = dist.from_local(np.ones(4), mesh, [dist.Partial()], (4,))
     dist.reshard(x, mesh, [dist.Replicate()])  # everyone is alive here

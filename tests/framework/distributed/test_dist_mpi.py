@@ -21,9 +21,11 @@ def _ok(proc, n_checks_at_least: int = 1) -> None:
     assert last.startswith("ok ") and int(last.split()[1]) >= n_checks_at_least, proc.stdout
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_reshard_transitions_over_mpi(n):
-    _ok(run_mpi("mpi_reshard.py", n), 30)
+@pytest.mark.parametrize("n,checks", [(2, 36 + 7), (4, 36 + 48 + 2 + 3)])
+def test_reshard_transitions_llama_block_and_static_programs_over_mpi(n, checks):
+    """mpi_checks.py: every reshard transition (1-D; 2x2 and between meshes on 4), the Llama block
+    under dp, tp, sp (2 processes) and dp x tp (4), eager and static, and the TP MLP program."""
+    _ok(run_mpi("mpi_checks.py", n, timeout=300), checks)
 
 
 @pytest.mark.parametrize(
@@ -42,6 +44,6 @@ def test_a_lost_rank_ends_the_other_with_a_clear_error(mode, flags):
     assert "rank 0 finished" not in proc.stdout
     assert "CollectiveError: all_reduce" in proc.stderr, proc.stderr[-3000:]
     assert "mesh dim 'dp'" in proc.stderr and "on rank 0" in proc.stderr, proc.stderr[-3000:]
-    wanted = "a peer process died" if "ulfm" in flags else "timed out after 3s"
+    wanted = "a peer process died" if "ulfm" in flags else "timed out after 2s"
     assert wanted in proc.stderr, proc.stderr[-3000:]
     assert took < 60  # the sleeping rank would keep the job alive for 60 s

@@ -17,6 +17,7 @@ import numpy as np
 from llmkit.framework import ir
 from llmkit.framework.ops.movement import END
 from llmkit.framework.opspec import OpError, OpSpec, table
+from llmkit.framework.placement import ProcessMesh
 
 # name, type, how to draw test values
 INPUTS: list[tuple[str, ir.TensorType]] = [
@@ -62,6 +63,21 @@ _BY_TYPE: dict[str, list[Any]] = {
     "dim?": [None, 2, 3, 4],
     "axes": [None, (0,), (-1,), (0, 1), (1,)],
     "num_or_sections": [1, 2, 3, (1, 2), (2, 1), (1, 1)],
+    "mesh": [
+        ProcessMesh((2,), ["x"]),
+        ProcessMesh((2, 2), ["dp", "tp"]),
+        ProcessMesh((2,), ["y"], ranks=[3, 1]),
+    ],
+    "mesh?": [None, ProcessMesh((1,), ["x"])],
+    "placements": [
+        ("R",),
+        ("S(0)",),
+        ("S(-1)",),
+        ("P(sum)",),
+        ("R", "S(1)"),
+        ("S(0)", "P(max)"),
+        ("S(0)", "S(0)"),
+    ],
 }
 
 

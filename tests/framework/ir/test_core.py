@@ -7,6 +7,7 @@ import pytest
 
 from llmkit.framework import ir
 from llmkit.framework.opspec import OpError, table
+from llmkit.framework.placement import ProcessMesh, Replicate, Shard
 
 F32 = "float32"
 
@@ -192,14 +193,16 @@ def test_attributes_are_immutable_hashable_and_round_trip_plain_values():
 # ---- dialects ---------------------------------------------------------------------------------
 
 
-def test_llm_dialect_is_generated_from_the_whole_op_table():
+def test_llm_and_dist_dialects_are_generated_from_the_whole_op_table():
     for name, spec in table().items():
-        d = ir.lookup(f"llm.{name}")
+        dialect = "dist" if spec.kind == "collective" else "llm"
+        d = ir.lookup(f"{dialect}.{name}")
         assert d is not None and d.spec is spec
         assert ir.Interface.INFER_META in d.interfaces and ir.Interface.KERNEL in d.interfaces
         assert (ir.Interface.VJP in d.interfaces) == (spec.vjp is not None)
         assert (ir.Trait.PURE in d.traits) == (spec.kind != "collective")
-    assert set(ir.dialects()["llm"].names()) == {f"llm.{n}" for n in table()}
+    names = set(ir.dialects()["llm"].names()) | set(ir.dialects()["dist"].names())
+    assert names == {("dist." if s.kind == "collective" else "llm.") + n for n, s in table().items()}
     add, exp, sub = ir.lookup("llm.add"), ir.lookup("llm.exp"), ir.lookup("llm.sub")
     _, f, b = fresh(ir.TensorType([2], F32))
     op = b.create("llm.exp", [f.args[0]])
@@ -210,45 +213,45 @@ def test_llm_dialect_is_generated_from_the_whole_op_table():
     assert ir.Trait.IDEMPOTENT in ir.lookup("llm.maximum").traits
 
 
-def test_builtin_cinn_and_dist_shells():
-    for name in [
-        "builtin.module",
-        "builtin.func",
-        "builtin.return",
-        "builtin.parameter",
-        "builtin.constant",
-        "cinn.fusion",
-        "cinn.yield",
-        "cinn.kernel",
-        "dist.all_reduce",
-        "dist.all_gather",
-        "dist.reduce_scatter",
-        "dist.all_to_all",
-        "dist.send",
-        "dist.recv",
-        "dist.reshard",
-    ]:
+def test_builtin_cinn_and_the_dist_dialect_generated_from_the_collectives():
+    for name in ["builtin.module", "builtin.func", "builtin.return", "builtin.parameter", "builtin.constant"]:
         assert ir.lookup(name) is not None, name
+    for name in ["cinn.fusion", "cinn.yield", "cinn.kernel"]:
+        assert ir.lookup(name) is not None, name
+    collectives = sorted(n for n, s in table().items() if s.kind == "collective")
+    assert {"reshard", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv"} <= set(
+        collectives
+    )
+    assert sorted(ir.dialects()["dist"].names()) == sorted("dist." + n for n in collectives)
+    assert ir.lookup("llm.all_reduce") is None and ir.lookup("dist.add") is None
     assert ir.lookup("llm.nope") is None and ir.lookup("nodialect.op") is None
-    p, f, b = fresh(ir.TensorType([4], F32))
+    assert ir.Trait.PURE not in ir.lookup("dist.all_reduce").traits  # never merged nor dropped
+
+    p, f, b = fresh(ir.TensorType([4, 6], F32))
     (x,) = f.args
-    mesh, placements = ir.ShapeAttr([2]), ir.ArrayAttr([ir.OpaqueAttr("shard", [0])])
-    r = b.create("dist.all_reduce", [x], {"mesh": mesh, "placements": placements, "reduce": "max"})
-    assert r.results[0].type == x.type  # all_reduce keeps its operand's type
-    g = b.create(
-        "dist.all_gather",
-        [x],
-        {"mesh": mesh, "placements": placements},
-        result_types=[ir.TensorType([8], F32)],
-    )
-    b.create("dist.send", [g.result], {"mesh": mesh, "peer": 1})
-    with pytest.raises(ir.IRError, match="cannot be inferred"):
-        b.create("dist.recv", [], {"mesh": mesh, "peer": 0})
-    b.ret(r.result)
+    mesh = ProcessMesh((2, 2), ["dp", "tp"])
+    r = b.create("dist.reshard", [x], {"mesh": mesh, "placements": [Shard(0), "R"]})
+    assert r.attributes["mesh"] == ir.MeshAttr(mesh)
+    assert r.plain_attrs["placements"] == (Shard(0), Replicate())
+    g = b.create("all_gather", [r.result], {"group": [0, 1], "axis": 1, "sizes": [6, 5]})
+    assert g.result.type == ir.TensorType([4, 11], F32)
+    s = b.create("dist.reduce_scatter", [g.result], {"group": [2, 3], "axis": 0, "sizes": [3, 1], "rank": 3})
+    assert s.result.type == ir.TensorType([1, 11], F32)  # rank 3 keeps the second piece
+    b.ret(s.result)
     p.verify()
-    bad = b.create(
-        "dist.all_reduce", [x], {"mesh": mesh, "placements": placements, "reduce": "mul"}, insert=False
-    )
-    f.body.insert_before(bad, f.return_op)
-    with pytest.raises(ir.VerifyError, match="attribute 'reduce' must be one of"):
-        p.verify()
+    assert str(ir.parse(str(p))) == str(p)
+    for attrs, msg in [
+        ({"mesh": mesh, "placements": [Shard(0)]}, "1 placements .* for a 2-d mesh"),
+        ({"mesh": mesh, "placements": [Shard(2), "R"]}, "out of range for a rank-2 tensor"),
+        ({"mesh": mesh, "placements": ["P(sum)", "P(max)"]}, "mix Partial reductions"),
+        ({"mesh": [2, 2], "placements": ["R", "R"]}, "expects a ProcessMesh"),
+    ]:
+        with pytest.raises(OpError, match=msg):
+            b.create("dist.reshard", [x], attrs, insert=False)
+    with pytest.raises(OpError, match="'reduce'.*use one of"):
+        b.create("dist.all_reduce", [x], {"group": [0, 1], "reduce": "mul"}, insert=False)
+    # text that breaks the rules is rejected by the verifier or the parser
+    with pytest.raises(ir.ParseError, match="out of range for a rank-2 tensor"):
+        ir.parse(str(p).replace("#shard<0>", "#shard<5>"))
+    with pytest.raises(ir.ParseError, match="bad #partial attribute"):
+        ir.parse(str(p).replace("#shard<0>", '#partial<"prod">'))

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..attributes import DenseAttr, StrAttr
+from ...placement import check
+from ..attributes import DenseAttr, MeshAttr, StrAttr
 from ..core import Block, BlockArgument, Operation, Value
 from ..opdef import Dialect, OpDef, OpView, Trait, any_attr, is_a
 from ..types import TensorType, Type
@@ -43,6 +44,18 @@ def _verify_return(op: Operation) -> str | None:
 def _verify_func(op: Operation) -> str | None:
     if len(op.regions[0].blocks) != 1:
         return "a function body has exactly one block"
+    args = op.attributes.get("arg_placements")
+    if args is not None:  # a distributed program: each input's placements on the function's mesh
+        mesh = op.attributes.get("mesh")
+        if not isinstance(mesh, MeshAttr):
+            return "arg_placements need a mesh attribute"
+        block_args = op.regions[0].blocks[0].args
+        if len(args.value) != len(block_args):
+            return f"arg_placements give {len(args.value)} lists for {len(block_args)} inputs"
+        for a, ps in zip(block_args, args.value):
+            problem = check(ps, mesh.value.ndim, a.type.ndim) if isinstance(ps, tuple) else "not a list"
+            if problem:
+                return f"input %{a.name or a.index}: {problem}"
     return None
 
 

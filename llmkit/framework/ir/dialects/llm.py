@@ -1,9 +1,11 @@
 """``llm``: one op per op-table entry, generated on demand — nobody lists them here.
 
-``llm.<name>`` takes the op's tensor inputs as operands (omitted optional inputs are simply left
-out; a variadic op takes all its operands), stores every attribute (defaults filled in, typed by
-the op-table attribute type) and has the result types its ``infer_meta`` gives. Traits come from
-the op's kind and traits; interfaces are its infer_meta, kernel, vjp and decompose.
+Collectives (kind ``collective``) are generated the same way into the ``dist`` dialect
+(``dist.all_reduce``...). ``llm.<name>`` takes the op's tensor inputs as operands (omitted
+optional inputs are simply left out; a variadic op takes all its operands), stores every
+attribute (defaults filled in, typed by the op-table attribute type) and has the result types its
+``infer_meta`` gives. Traits come from the op's kind and traits; interfaces are its infer_meta,
+kernel, vjp and decompose.
 """
 
 from __future__ import annotations
@@ -14,12 +16,18 @@ from typing import Any
 
 from ... import ops as _ops  # noqa: F401  (registers every op)
 from ...opspec import Kind, OpError, OpSpec, table
+from ...placement import check
 from ..attributes import Attribute, from_optable
 from ..core import Operation, Value
-from ..opdef import Dialect, Interface, OpDef, OpView, Trait, any_attr
+from ..opdef import Dialect, Interface, OpDef, OpView, Trait, any_attr, lookup
 from ..types import TensorType, Type
 
 PREFIX = "llm."
+
+
+def full_name(spec: OpSpec) -> str:
+    """``llm.<name>``, or ``dist.<name>`` for a collective."""
+    return ("dist." if spec.kind == Kind.COLLECTIVE else PREFIX) + spec.name
 
 
 def metas_to_types(spec: OpSpec, out: Any) -> list[Type]:
@@ -57,16 +65,51 @@ def _defaults(spec: OpSpec) -> dict[str, Attribute]:
     return out
 
 
+# Auto-parallel annotates an op of a distributed program with its results' placements: a list of
+# placements for one result (one per mesh dim of the function's ``mesh``), a list of lists for more.
+DIST_ATTR = "placements"
+
+
+def placements_problem(op: Operation) -> str | None:
+    """What is wrong with ``op``'s placements annotation (None when fine or absent)."""
+    a = op.attributes.get(DIST_ATTR)
+    if a is None:
+        return None
+    func = op.parent_op
+    while func is not None and func.name != "builtin.func":
+        func = func.parent_op
+    mesh = func.attributes.get("mesh") if func is not None else None
+    if mesh is None:
+        return "placements need the enclosing function's mesh attribute"
+    per = [a.value] if len(op.results) == 1 else list(a.value)
+    if len(per) != len(op.results) or not all(isinstance(ps, tuple) for ps in per):
+        return f"placements must give one list per result ({len(op.results)})"
+    for r, ps in zip(op.results, per):
+        problem = check(ps, mesh.value.ndim, r.type.ndim)
+        if problem:
+            return f"result #{r.index}: {problem}"
+    return None
+
+
 def make_opdef(spec: OpSpec) -> OpDef:
     """The OpDef of one op-table entry."""
     types = {a.name: a.type.name for a in spec.attrs}
+    annotated = DIST_ATTR not in types  # its placements annotation is no attribute of the op's own
 
     def infer(operands: Sequence[Value], attrs: Mapping[str, Any]) -> list[Type]:
+        if annotated and DIST_ATTR in attrs:
+            attrs = {k: v for k, v in attrs.items() if k != DIST_ATTR}
         return metas_to_types(spec, spec.infer_meta(*operands, **attrs))
 
     def verify(op: Operation) -> str | None:
+        plain = op.plain_attrs
+        if annotated and DIST_ATTR in plain:
+            problem = placements_problem(op)
+            if problem:
+                return problem
+            plain = {k: v for k, v in plain.items() if k != DIST_ATTR}
         try:
-            bound = spec.bind(op.plain_attrs)
+            bound = spec.bind(plain)
         except OpError as e:
             return str(e)
         attrs = op.attributes
@@ -85,12 +128,13 @@ def make_opdef(spec: OpSpec) -> OpDef:
     if spec.decompose is not None:
         interfaces[Interface.DECOMPOSE] = spec.decompose
     return OpDef(
-        PREFIX + spec.name,
+        full_name(spec),
         _traits(spec),
         min_operands=spec.min_inputs,
         max_operands=spec.max_inputs,
         num_results=None if spec.multi_output else 1,
         attrs={a.name: any_attr for a in spec.attrs},  # values are checked by spec.bind in verify
+        optional_attrs={DIST_ATTR: any_attr} if annotated else {},  # checked in verify
         infer=infer,
         verify=verify,
         interfaces=interfaces,
@@ -101,12 +145,17 @@ def make_opdef(spec: OpSpec) -> OpDef:
     )
 
 
-class LlmDialect(Dialect):
-    """The op table seen as a dialect: ``get`` builds (and caches) an OpDef per spec."""
+class TableDialect(Dialect):
+    """Op-table ops seen as a dialect (those ``select`` picks): ``get`` builds (and caches) an
+    OpDef per spec."""
+
+    def __init__(self, name: str, select, doc: str = "") -> None:
+        super().__init__(name, doc=doc)
+        self.select = select
 
     def get(self, short: str) -> OpDef | None:
         spec = table().get(short)
-        if spec is None:
+        if spec is None or not self.select(spec):
             return None
         d = self._ops.get(short)
         if d is None or d.spec is not spec:
@@ -114,16 +163,19 @@ class LlmDialect(Dialect):
         return d
 
     def names(self) -> list[str]:
-        return [PREFIX + n for n in table()]
+        return [f"{self.name}.{n}" for n, s in table().items() if self.select(s)]
 
 
-DIALECT = LlmDialect("llm", doc=__doc__ or "")
+DIALECT = TableDialect("llm", lambda s: s.kind != Kind.COLLECTIVE, doc=__doc__ or "")
 
 
 def opdef(spec_or_name: OpSpec | str) -> OpDef:
-    """The OpDef of an op-table op (by spec or bare name)."""
+    """The OpDef of an op-table op (by spec, bare name or full name)."""
     name = spec_or_name if isinstance(spec_or_name, str) else spec_or_name.name
-    d = DIALECT.get(name.removeprefix(PREFIX))
+    spec = table().get(name.split(".", 1)[1] if "." in name else name)
+    d = None
+    if spec is not None and (name == spec.name or name == full_name(spec)):
+        d = lookup(full_name(spec))
     if d is None:
         raise OpError(f"unknown op {name!r}")
     return d

@@ -1,6 +1,6 @@
 // RUN: none
 // Every piece of the syntax: several functions, function attributes, block-argument names,
-// fusion regions, dist ops with opaque placements, every attribute kind, special floats,
+// fusion regions, dist ops with typed mesh and placements, every attribute kind, special floats,
 // escaped strings, multi-result ops and a constant large enough to live in the resources.
 module {
   func @forward(%x: f32[B, 4], %w: f32[4, 4]) -> (f32[B, 4], f32[B, 2], f32[B, 2]) attributes {donate = [1], note = "a \"quoted\"\nline", weird = {"a b" = none}} {
@@ -12,7 +12,7 @@ module {
     %k = cinn.kernel(%f, %w) {kernel = "fused_0", grid = [4, 1], tuned = true, scale = -0.0} : f32[B, 4]
     %r = dist.reshard(%k) {mesh = #mesh<[2, 2], ["dp", "tp"]>, placements = [#shard<0>, #replicate<>]} : f32[B, 4]
     %lo, %hi = llm.split(%r) {sections = [2, 2], axis = 1} : f32[B, 2], f32[B, 2]
-    dist.send(%lo) {mesh = [2], peer = 1}
+    %sent = dist.send(%lo) {peer = 1} : f32[B, 2]
     return %r, %lo, %hi
   }
   func @consts() -> (f32[2, 3], i64[4], bool[2], f32[], bf16[2], f32[20]) {
@@ -41,7 +41,7 @@ module {
     %k = cinn.kernel(%f, %w) {kernel = "fused_0", grid = [4, 1], tuned = true, scale = -0.0} : f32[B, 4]
     %r = dist.reshard(%k) {mesh = #mesh<[2, 2], ["dp", "tp"]>, placements = [#shard<0>, #replicate<>]} : f32[B, 4]
     %lo, %hi = llm.split(%r) {sections = [2, 2], axis = 1} : f32[B, 2], f32[B, 2]
-    dist.send(%lo) {mesh = [2], peer = 1}
+    %sent = dist.send(%lo) {peer = 1} : f32[B, 2]
     return %r, %lo, %hi
   }
   func @consts() -> (f32[2, 3], i64[4], bool[2], f32[], bf16[2], f32[20]) {
