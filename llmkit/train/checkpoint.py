@@ -3,6 +3,7 @@
     out_dir/checkpoints/step-00000600/
         model/                  weights, config.json and tokenizer.model (Hugging Face layout)
         optimizer.safetensors   the optimizer's state tensors (moments)
+        parallel_plan.json      the run's ParallelPlan (mesh, placements, ZeRO stage, sp)
         trainer_state.json      step, tokens seen, optimizer groups and step count, schedule, data
                                 position, RNG state, and the run's config
 
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 import llmkit.framework as lf
 from llmkit.framework import optim
+from llmkit.framework.distributed.plan import PLAN_FILE
 from llmkit.framework.files import atomic_dir, recover
 from llmkit.models.llama import LlamaForCausalLM
 
@@ -125,6 +127,7 @@ def save(trainer: Trainer) -> Path:
     with atomic_dir(path) as tmp:
         trainer.model.save_pretrained(tmp / "model")
         trainer.tokenizer.save_pretrained(tmp / "model")
+        trainer.plan.save(tmp / PLAN_FILE)
         tensors, meta = optim.flatten_state_dict(trainer.optimizer.state_dict())
         lf.save(tensors, tmp / OPTIMIZER)
         state = {

@@ -36,6 +36,7 @@ from pydantic import (
     model_validator,
 )
 
+from llmkit.framework.distributed.plan import ParallelPlan, PlanError
 from llmkit.framework.files import atomic_write
 from llmkit.models.llama.config import PRESETS, LlamaConfig
 
@@ -168,25 +169,29 @@ class TrainSection(_Section):
 
 
 class ParallelSection(_Section):
-    """Degrees of parallelism. Training runs in one process for now: any value other than the
-    default (one process, no sharding) is refused here, the one place to lift when it lands."""
+    """How the run spreads over ranks: dp x tp processes (``llmkit train --nproc N`` or
+    ``mpiexec -n N``; in one process the whole mesh is simulated), laid out by a ParallelPlan."""
 
-    dp: int = Field(1, gt=0)  # data parallel
-    tp: int = Field(1, gt=0)  # tensor parallel
-    pp: int = Field(1, gt=0)  # pipeline stages
-    sharding_stage: int = Field(0, ge=0, le=3)  # ZeRO stage; 0 = off
-    nproc: int = Field(1, gt=0)  # processes to launch
+    dp: int = Field(1, gt=0)  # data parallel: each rank takes batch_size / dp rows of every batch
+    tp: int = Field(1, gt=0)  # tensor parallel: the plan's sharded weights are split tp ways
+    sp: bool = False  # sequence parallel: the residual stream between tp regions sharded on the sequence
+    zero: int = Field(0, ge=0, le=3)  # ZeRO over dp: 1 optimizer state, 2 + gradients, 3 + parameters
+    plan: str | dict[str, Any] = "llama"  # built-in plan, a YAML file, or {params: {...}, outputs: {...}}
 
     @model_validator(mode="after")
-    def _not_yet_supported(self) -> ParallelSection:
-        for name, field in type(self).model_fields.items():
-            value = getattr(self, name)
-            if value != field.default:
-                raise ValueError(
-                    f"parallel.{name}={value}: parallel training is not yet supported "
-                    f"(llmkit trains in one process); remove the key or set it to {field.default}"
-                )
+    def _plan_applies(self) -> ParallelSection:
+        self.build()
         return self
+
+    def build(self) -> ParallelPlan:
+        """The ParallelPlan of these settings; ValueError names the key at fault."""
+        try:
+            return ParallelPlan.make(self.plan, dp=self.dp, tp=self.tp, sp=self.sp, zero=self.zero)
+        except PlanError as e:
+            key = {"zero": "zero", "sp": "sp", "mesh": "dp"}.get(e.key, "plan")
+            raise ValueError(
+                f"parallel.{key}: {e}" if key == "plan" else f"parallel.{key}: {e.message}"
+            ) from None
 
 
 class TrainConfig(_Section):
@@ -207,6 +212,12 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"schedule.warmup_steps ({self.schedule.warmup_steps}) exceeds "
                 f"train.steps ({self.train.steps})"
+            )
+        dp = self.parallel.dp
+        if self.train.batch_size % dp:
+            raise ValueError(
+                f"train.batch_size ({self.train.batch_size}) must be a multiple of parallel.dp ({dp}): "
+                "each data-parallel rank takes the same number of rows of every batch"
             )
         return self
 

@@ -29,9 +29,11 @@ from tqdm import tqdm
 
 import llmkit.framework as lf
 from llmkit.framework import optim
+from llmkit.framework.distributed.plan import PlanError
 from llmkit.generate import generate
 from llmkit.infer.sampling import SamplingParams
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
+from llmkit.models.llama.parallel import check_plan
 
 from . import checkpoint
 from .config import (
@@ -149,6 +151,12 @@ class Trainer:
         self.resumed_from: Path | None = checkpoint.latest(self.out) if resume else None
         self.resume_changes: list[str] = []
         saved = self._check_resume(self.resumed_from) if self.resumed_from is not None else None
+        self.plan = cfg.parallel.build()
+        if not self.plan.is_trivial:
+            raise ConfigError(
+                f"parallel: {self.plan.describe()} needs {self.plan.world_size} ranks; training runs in "
+                "one process until the distributed eager world lands (set parallel.dp and parallel.tp to 1)"
+            )
         self.tokenizer = build_tokenizer(cfg)
         self.model_config: LlamaConfig = resolve_model_config(cfg, self.tokenizer.vocab_size)
         validate_against_model(cfg, self.model_config)
@@ -160,6 +168,10 @@ class Trainer:
             self.model = LlamaForCausalLM.from_pretrained(cfg.model.init_from)
         else:
             self.model = LlamaForCausalLM(self.model_config)
+        try:
+            check_plan(self.plan, self.model)
+        except PlanError as e:
+            raise ConfigError(f"parallel.plan: {e}") from None
         if t.dtype != "float32":
             self.model.to(t.dtype)
         self.optimizer = build_optimizer(cfg, self.model)

@@ -112,11 +112,9 @@ ROWS: dict[str, Row] = {
         ["{cfg}", "train.compiler=cinn"], "train.compiler=cinn compiles static programs"
     ),
     "too few betas": Row(["{cfg}", "optim.betas=[0.9]"], "optim.betas: too few items"),
-    "tensor parallel": Row(
-        ["{cfg}", "parallel.tp=2"], "parallel.tp=2: parallel training is not yet supported"
-    ),
-    "several processes": Row(
-        ["{cfg}", "parallel.nproc=4"], "parallel.nproc=4: parallel training is not yet supported"
+    "unknown plan": Row(["{cfg}", "parallel.plan=megatron"], "parallel.plan: 'megatron' is neither"),
+    "zero without dp": Row(
+        ["{cfg}", "parallel.zero=2"], "parallel.zero: ZeRO stage 2 shards over data-parallel"
     ),
     "override without =": Row(
         ["{cfg}", "train.steps"], "override 'train.steps' must look like section.key=value"

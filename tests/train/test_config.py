@@ -12,7 +12,6 @@ from llmkit.models.llama.config import LlamaConfig
 from llmkit.train.config import (
     ConfigError,
     ModelSection,
-    ParallelSection,
     dump_config,
     load_config,
     parse_config,
@@ -119,9 +118,18 @@ def test_yaml_file_reads_scientific_notation_as_float(tmp_path: Path) -> None:
         ),
         (["data.sources=[1]"], "config error: data.sources[0]: expected a string, got 1"),
         (["data.val_fraction=1.0"], "config error: data.val_fraction: expected a value < 1, got 1.0"),
+        (["parallel.zero=4"], "config error: parallel.zero: expected a value <= 3, got 4"),
+        (["parallel.pp=2"], "config error: unknown key parallel.pp"),
+        (["parallel.zero=1"], "config error: parallel.zero: ZeRO stage 1 shards over data-parallel ranks"),
+        (["parallel.sp=true"], "config error: parallel.sp: sequence parallelism shards between"),
+        (["parallel.plan=megatron"], "config error: parallel.plan: 'megatron' is neither a built-in plan"),
         (
-            ["parallel.sharding_stage=4"],
-            "config error: parallel.sharding_stage: expected a value <= 3, got 4",
+            ["parallel.plan={params: {'*': S(2)}, outputs: {'*': X}}"],
+            "config error: parallel.plan: outputs: '*': bad placement 'X'",
+        ),
+        (
+            ["parallel.dp=3"],
+            "config error: train.batch_size (8) must be a multiple of parallel.dp (3)",
         ),
         (["train=5"], "config error: train: expected a mapping (a config section), got 5"),
         (
@@ -179,17 +187,13 @@ def test_file_errors(tmp_path: Path) -> None:
         load_config(tmp_path)
 
 
-@pytest.mark.parametrize(
-    ("key", "value"), [("dp", 2), ("tp", 4), ("pp", 2), ("sharding_stage", 1), ("nproc", 2)]
-)
-def test_parallel_training_is_refused_until_it_exists(minimal: Path, key: str, value: int) -> None:
-    with pytest.raises(ConfigError) as info:
-        load_config(minimal, [f"parallel.{key}={value}"])
-    assert str(info.value).startswith(
-        f"config error: parallel.{key}={value}: parallel training is not yet supported"
-    )
-    default = ParallelSection.model_fields[key].default
-    assert getattr(load_config(minimal, [f"parallel.{key}={default}"]).parallel, key) == default  # what runs
+def test_the_parallel_section_builds_the_plan(minimal: Path) -> None:
+    cfg = load_config(minimal, ["parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=1"])
+    plan = cfg.parallel.build()
+    assert plan.mesh == (("dp", 2), ("tp", 2)) and plan.zero == 1 and plan.sp and plan.name == "llama"
+    assert plan.describe() == "dp=2 x tp=2, zero 1, sp, plan llama"
+    inline = load_config(minimal, ["parallel.tp=2", "parallel.plan={params: {'*.weight': S(0)}}"])
+    assert inline.parallel.build().name is None
 
 
 def test_dump_and_load_round_trip(minimal: Path, tmp_path: Path) -> None:

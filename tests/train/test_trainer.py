@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from llmkit.cli import main as cli_main
+from llmkit.framework.distributed.plan import ParallelPlan
 from llmkit.train.checkpoint import ResumeError
 from llmkit.train.config import ConfigError
 from llmkit.train.data import DataError
@@ -39,6 +40,8 @@ def test_run_writes_metrics_checkpoints_config_and_sample(finished_run):
     assert ckpts == [f"step-{s:08d}" for s in (5, 10, 15, 20, 25, 30)]
     model_dir = out / "checkpoints" / "step-00000030" / "model"
     assert {p.name for p in model_dir.iterdir()} == {"config.json", "model.safetensors", "tokenizer.model"}
+    plan = ParallelPlan.load(model_dir.parent)  # every checkpoint records its plan (here one rank)
+    assert plan == ParallelPlan.make("llama") and plan.is_trivial
 
 
 def test_loss_falls(finished_run):

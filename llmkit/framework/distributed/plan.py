@@ -1,0 +1,325 @@
+"""ParallelPlan: how training spreads one model over a mesh of ranks, as data.
+
+A plan is
+
+- the mesh: named dims and their sizes, ``{"dp": 2, "tp": 2}`` (data parallel x tensor parallel);
+- ``params``: parameter-name globs -> the parameter's placement on the ``tp`` dim, first match wins
+  (``"*.q_proj.weight": S(0)`` is column parallel: Linear weights are [out, in]); a glob ``"*"``
+  last is the explicit default, and a parameter no glob matches is an error naming it;
+- ``outputs``: layer-name globs -> the placement on ``tp`` its output is resharded to (the
+  collectives of the Megatron pattern: a row-parallel product's partial sums all-reduced, or
+  reduce-scattered over the sequence with sequence parallelism);
+- ``zero``: the ZeRO stage, as placement policies on ``dp``: 1 shards the optimizer state, 2 also the
+  gradients (reduce-scatter instead of all-reduce), 3 also the parameters (gathered when used);
+- ``sp``: the sequence-parallel switch (recorded; the built-in plans resolve it into ``outputs``).
+
+On ``dp`` a parameter is replicated (ZeRO 3: sharded); its gradient is the sum over the dp ranks'
+rows. Training writes the plan as ``parallel_plan.json`` in every checkpoint; quantization and
+serving read it back (``ParallelPlan.load``) and place weights the same way without re-planning.
+
+Built-in plans (``plan: llama``) are registered by the model packages (``register_plan``), since
+the framework knows no model; a user plan is a mapping ``{params: {glob: placement}, outputs:
+{glob: placement}}`` (a YAML file or inline in the config).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..files import atomic_write
+from ..placement import Partial, Placement, ProcessMesh, Replicate, Shard
+
+PLAN_FILE = "parallel_plan.json"
+FORMAT, VERSION = "llmkit.parallel_plan", 1
+MESH_DIMS = ("dp", "tp")  # data parallel (outer), tensor parallel (inner: neighbouring ranks)
+ZERO_STAGES = (0, 1, 2, 3)
+
+Rules = tuple[tuple[str, Placement], ...]
+
+
+class PlanError(ValueError):
+    """A plan that cannot apply: ``key`` is the plan's key at fault (mesh, zero, sp, params,
+    outputs, or "" for the whole plan) and the message names the glob or parameter."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}" if key else message)
+        self.key, self.message = key, message
+
+
+# Built-in plans: name -> fn(sp) -> (params rules, outputs rules), registered by model packages.
+_PLANS: dict[str, Callable[[bool], tuple[Rules, Rules]]] = {}
+
+
+def register_plan(name: str, rules: Callable[[bool], tuple[Any, Any]]) -> None:
+    """Make ``plan: name`` mean ``rules(sp)`` -> (params, outputs), each a sequence of (glob, placement)."""
+
+    def resolved(sp: bool) -> tuple[Rules, Rules]:
+        params, outputs = rules(sp)
+        return _rules(params, "params"), _rules(outputs, "outputs")
+
+    _PLANS[name] = resolved
+
+
+def builtin_plans() -> list[str]:
+    return sorted(_PLANS)
+
+
+def _placement(text: Any, section: str, glob: str) -> Placement:
+    try:
+        p = Placement.parse(text)
+    except ValueError as e:
+        raise PlanError(section, f"{glob!r}: {e}") from None
+    if isinstance(p, Partial):
+        raise PlanError(
+            section, f"{glob!r}: {p} is not a layout to plan a weight or output to; use R or S(dim)"
+        )
+    return p
+
+
+def _rules(raw: Any, section: str) -> Rules:
+    """``{glob: "S(0)"}`` or ``[(glob, placement), ...]`` -> ordered (glob, Placement) pairs."""
+    if raw is None:
+        return ()
+    items = raw.items() if isinstance(raw, Mapping) else raw
+    out = []
+    try:
+        for glob, p in items:
+            if not isinstance(glob, str) or not glob:
+                raise PlanError(section, f"a glob must be a non-empty string, got {glob!r}")
+            out.append((glob, _placement(p, section, glob)))
+    except (TypeError, ValueError) as e:
+        if isinstance(e, PlanError):
+            raise
+        raise PlanError(section, f"expected a mapping of glob -> placement, got {raw!r}") from None
+    return tuple(out)
+
+
+def _match(rules: Rules, name: str) -> tuple[str, Placement] | None:
+    for glob, p in rules:
+        if fnmatch.fnmatchcase(name, glob):
+            return glob, p
+    return None
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Mesh, parameter and output rules, ZeRO stage, sequence parallelism (see the module docstring)."""
+
+    mesh: tuple[tuple[str, int], ...] = (("dp", 1), ("tp", 1))  # (dim name, size), outer first
+    params: Rules = ()  # parameter glob -> placement on tp
+    outputs: Rules = ()  # layer glob -> placement of its output on tp
+    zero: int = 0  # ZeRO stage over dp
+    sp: bool = False  # sequence parallel between the tp regions
+    name: str | None = None  # the built-in plan the rules came from; None for a user plan
+
+    def __post_init__(self) -> None:
+        names = [n for n, _ in self.mesh]
+        if tuple(names) != MESH_DIMS:
+            raise PlanError("mesh", f"dims must be {list(MESH_DIMS)}, got {names}")
+        for n, s in self.mesh:
+            if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+                raise PlanError("mesh", f"{n} must be a positive integer, got {s!r}")
+        if self.zero not in ZERO_STAGES:
+            raise PlanError("zero", f"the ZeRO stage must be one of {list(ZERO_STAGES)}, got {self.zero!r}")
+        if self.zero and self.size("dp") == 1:
+            raise PlanError(
+                "zero", f"ZeRO stage {self.zero} shards over data-parallel ranks; it needs dp > 1"
+            )
+        if self.sp and self.size("tp") == 1:
+            raise PlanError(
+                "sp", "sequence parallelism shards between tensor-parallel regions; it needs tp > 1"
+            )
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def make(
+        cls,
+        spec: str | Mapping[str, Any] = "llama",
+        *,
+        dp: int = 1,
+        tp: int = 1,
+        sp: bool = False,
+        zero: int = 0,
+    ) -> ParallelPlan:
+        """A plan from the config's ``parallel`` keys. ``spec``: a built-in plan's name, a YAML or
+        JSON file of rules, or the rules themselves ``{params: {...}, outputs: {...}}``."""
+        name = None
+        if isinstance(spec, str) and spec in _PLANS:
+            name = spec
+            params, outputs = _PLANS[spec](sp)
+        else:
+            raw = _read_rules(spec) if isinstance(spec, (str, os.PathLike)) else spec
+            if not isinstance(raw, Mapping):
+                raise PlanError(
+                    "",
+                    f"expected a built-in plan ({', '.join(builtin_plans()) or 'none registered'}), "
+                    f"a plan file or a mapping {{params: ..., outputs: ...}}, got {spec!r}",
+                )
+            unknown = sorted(set(raw) - {"params", "outputs"})
+            if unknown:
+                raise PlanError("", f"unknown key {unknown[0]!r} (a plan has params and outputs)")
+            if not raw.get("params"):
+                raise PlanError("params", "a plan needs at least one parameter rule (glob: placement)")
+            params, outputs = _rules(raw["params"], "params"), _rules(raw.get("outputs"), "outputs")
+        return cls((("dp", dp), ("tp", tp)), params, outputs, zero, sp, name)
+
+    # ---- the mesh --------------------------------------------------------------------------------
+    def size(self, dim: str) -> int:
+        return dict(self.mesh)[dim]
+
+    @property
+    def world_size(self) -> int:
+        return self.size("dp") * self.size("tp")
+
+    @property
+    def is_trivial(self) -> bool:
+        """One rank: nothing to place."""
+        return self.world_size == 1
+
+    def process_mesh(self) -> ProcessMesh:
+        return ProcessMesh(tuple(s for _, s in self.mesh), [n for n, _ in self.mesh])
+
+    # ---- placements ------------------------------------------------------------------------------
+    def tp_placement(self, name: str) -> Placement:
+        """The tp placement of parameter ``name`` (first matching glob)."""
+        hit = _match(self.params, name)
+        if hit is None:
+            globs = ", ".join(repr(g) for g, _ in self.params)
+            raise PlanError(
+                "params",
+                f"parameter {name!r} matches no glob of the plan's params ({globs}); "
+                "add a rule for it, or a last rule '*': R as the default",
+            )
+        return hit[1]
+
+    def zero_dim(self, name: str, shape: Sequence[int]) -> int:
+        """The tensor dim ZeRO shards over dp: dim 0 unless tp already shards it (then dim 1)."""
+        tp = self.tp_placement(name)
+        return 1 if isinstance(tp, Shard) and tp.dim == 0 and len(shape) > 1 else 0
+
+    def _on_dp(self, name: str, shape: Sequence[int], sharded: bool) -> tuple[Placement, ...]:
+        dp = Shard(self.zero_dim(name, shape)) if sharded and self.size("dp") > 1 else Replicate()
+        return (dp, self.tp_placement(name))
+
+    def param_placements(self, name: str, shape: Sequence[int]) -> tuple[Placement, ...]:
+        """Where a parameter lives between steps: [dp, tp] (ZeRO 3 shards it over dp too)."""
+        return self._on_dp(name, shape, self.zero >= 3)
+
+    def grad_placements(self, name: str, shape: Sequence[int]) -> tuple[Placement, ...]:
+        """Where its gradient is reduced to: replicated over dp (all-reduce), ZeRO 2+ sharded
+        (reduce-scatter)."""
+        return self._on_dp(name, shape, self.zero >= 2)
+
+    def state_placements(self, name: str, shape: Sequence[int]) -> tuple[Placement, ...]:
+        """Where its optimizer state lives (and the update runs): ZeRO 1+ sharded over dp."""
+        return self._on_dp(name, shape, self.zero >= 1)
+
+    def output_placement(self, layer: str) -> Placement | None:
+        """The tp placement a layer's output is resharded to, or None (left as the ops make it)."""
+        hit = _match(self.outputs, layer)
+        return None if hit is None else hit[1]
+
+    def check(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        """Every parameter matches a rule whose shard dim exists and is at least tp long."""
+        tp = self.size("tp")
+        for name, shape in shapes.items():
+            p = self.tp_placement(name)
+            if isinstance(p, Shard):
+                if not -len(shape) <= p.dim < len(shape):
+                    raise PlanError("params", f"parameter {name!r} {list(shape)}: {p} is out of range")
+                if shape[p.dim] < tp:
+                    raise PlanError(
+                        "params",
+                        f"parameter {name!r} {list(shape)}: {p} cuts a dim of {shape[p.dim]} into tp={tp} "
+                        "pieces, some of them empty",
+                    )
+
+    def describe(self) -> str:
+        """One line: ``dp=2 x tp=2, zero 1, sp, plan llama``."""
+        parts = [" x ".join(f"{n}={s}" for n, s in self.mesh)]
+        if self.zero:
+            parts.append(f"zero {self.zero}")
+        if self.sp:
+            parts.append("sp")
+        parts.append(f"plan {self.name}" if self.name else "user plan")
+        return ", ".join(parts)
+
+    # ---- files -----------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "mesh": dict(self.mesh),
+            "zero": self.zero,
+            "sp": self.sp,
+            "plan": self.name,
+            "params": {g: str(p) for g, p in self.params},
+            "outputs": {g: str(p) for g, p in self.outputs},
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any], where: str = PLAN_FILE) -> ParallelPlan:
+        try:
+            if raw.get("format") != FORMAT or raw.get("version") != VERSION:
+                raise PlanError(
+                    "",
+                    f"format {raw.get('format')!r} version {raw.get('version')!r}; "
+                    f"expected {FORMAT!r} version {VERSION}",
+                )
+            keys = {"format", "version", "mesh", "zero", "sp", "plan", "params", "outputs"}
+            if set(raw) != keys:
+                odd = sorted(set(raw) ^ keys)
+                raise PlanError("", f"unexpected or missing keys {odd}")
+            mesh = raw["mesh"]
+            if not isinstance(mesh, Mapping):
+                raise PlanError("mesh", f"expected a mapping of dim -> size, got {mesh!r}")
+            if not isinstance(raw["sp"], bool):
+                raise PlanError("sp", f"expected true or false, got {raw['sp']!r}")
+            return cls(
+                tuple(mesh.items()),
+                _rules(raw["params"], "params"),
+                _rules(raw["outputs"], "outputs"),
+                raw["zero"],
+                raw["sp"],
+                raw["plan"],
+            )
+        except PlanError as e:
+            raise PlanError("", f"{where}: {e}") from None
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        atomic_write(path, json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ParallelPlan:
+        """Read ``parallel_plan.json`` (a checkpoint directory holding one works too)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / PLAN_FILE
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise PlanError("", f"{path}: no parallel plan there") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanError("", f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise PlanError("", f"{path}: expected a JSON object")
+        return cls.from_json(raw, str(path))
+
+
+def _read_rules(path: str | os.PathLike[str]) -> Any:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        known = ", ".join(builtin_plans()) or "none registered"
+        raise PlanError("", f"{str(path)!r} is neither a built-in plan ({known}) nor a plan file")
+    try:
+        return yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise PlanError("", f"{p}: not a YAML plan ({e})") from None

@@ -1,0 +1,68 @@
+"""The built-in Llama parallel plan (``parallel: {plan: llama}``), Megatron-LM's layout as data.
+
+Weights are ``[out, in]``, so column parallel (each tp rank computes a slice of the outputs) is
+``S(0)`` and row parallel (each rank contracts a slice of the inputs, giving partial sums) is
+``S(1)``. An attention block is q/k/v column-parallel (whole heads per rank), o row-parallel; an MLP
+is gate/up column-parallel, down row-parallel: one reduction of activations per block, after the
+row-parallel product. The embedding and the lm_head are vocab parallel (each rank holds a range of
+token rows): the lookup gives partial sums, and the logits stay sharded on the vocabulary, so the
+cross-entropy is computed in parallel and the full logits never exist on one rank. Norms are
+replicated.
+
+Without sequence parallelism the residual stream is replicated on tp, and the row-parallel outputs
+(and the embedding's) are all-reduced. With it, the residual stream and the norms are sharded on
+the sequence (dim 1 of [B, S, H]): those outputs are reduce-scattered over the sequence instead, and
+each norm's output is all-gathered before the column-parallel products that read it: the same bytes
+moved, a tp-th of the activations' memory in between.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmkit.framework.distributed.plan import ParallelPlan, PlanError, register_plan
+from llmkit.framework.placement import Shard
+
+COLUMN, ROW, REPLICATE = "S(0)", "S(1)", "R"
+
+
+def llama_plan(sp: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """(parameter rules, output rules) on the tp mesh dim."""
+    params = {
+        "model.embed_tokens.weight": COLUMN,  # [V, H]: a range of vocabulary rows per rank
+        "*.self_attn.[qkv]_proj.*": COLUMN,  # weights [heads * D, H] and biases [heads * D]
+        "*.self_attn.o_proj.weight": ROW,  # [H, heads * D]
+        "*.mlp.gate_proj.*": COLUMN,
+        "*.mlp.up_proj.*": COLUMN,
+        "*.mlp.down_proj.weight": ROW,
+        "*_proj.bias": REPLICATE,  # o/down biases are added once, after the reduction
+        "lm_head.weight": COLUMN,  # [V, H]: logits sharded on the vocabulary
+        "*norm.weight": REPLICATE,
+    }
+    stream = "S(1)" if sp else REPLICATE  # the residual stream [B, S, H] between the tp regions
+    outputs = {"model.embed_tokens": stream, "*.self_attn.o_proj": stream, "*.mlp.down_proj": stream}
+    if sp:
+        outputs.update({"*.input_layernorm": REPLICATE, "*.post_attention_layernorm": REPLICATE})
+        outputs["model.norm"] = REPLICATE
+    return params, outputs
+
+
+register_plan("llama", llama_plan)
+
+
+def check_plan(plan: ParallelPlan, model: Any) -> None:
+    """The plan fits this model: every parameter has a rule that fits its shape, and tp keeps
+    whole attention heads on each rank where it shards the q/k/v projections."""
+    plan.check({n: p.shape for n, p in model.named_parameters()})
+    tp, c = plan.size("tp"), model.config
+    for proj, heads, key in (
+        ("q", c.num_attention_heads, "num_attention_heads"),
+        ("k", c.num_key_value_heads, "num_key_value_heads"),
+        ("v", c.num_key_value_heads, "num_key_value_heads"),
+    ):
+        if plan.tp_placement(f"model.layers.0.self_attn.{proj}_proj.weight") == Shard(0) and heads % tp:
+            raise PlanError(
+                "params",
+                f"tp={tp} does not divide model.{key} ({heads}): column-parallel {proj}_proj keeps whole "
+                "heads on each rank",
+            )
