@@ -1,5 +1,9 @@
 """Hugging Face checkpoint directories: ``config.json`` + ``model.safetensors`` (or shards).
 
+A training checkpoint written by several processes holds ``rank-NNNNN.safetensors`` pieces instead
+(see ``framework/distributed/shard_files.py``); it loads the same way, and
+``llmkit checkpoint merge`` turns it into the plain layout.
+
 Loading is lazy (memory-mapped safetensors), checks every name and shape against the config
 before copying anything, and never unpickles. Saving writes the same layout transformers reads
 (safetensors metadata ``{"format": "pt"}``, a ``model.safetensors.index.json`` when sharded),
@@ -17,6 +21,7 @@ import numpy as np
 
 import llmkit.framework as lf
 from llmkit.framework import backend as B
+from llmkit.framework.distributed.shard_files import RANK_FILES, ShardError, ShardReader
 from llmkit.framework.files import atomic_dir, recover
 
 from .config import LlamaConfig
@@ -31,19 +36,63 @@ class CheckpointError(ValueError):
     """A checkpoint directory that does not match what the config says it holds."""
 
 
-def _weight_files(path: Path) -> dict[str, Path]:
-    """Parameter name -> file holding it."""
+def weights(path: str | os.PathLike[str]) -> ShardReader:
+    """The weights of a model directory, read by name (and by slice): ``model.safetensors``, the
+    files of its index, or the ranks' pieces ``rank-NNNNN.safetensors`` of a training checkpoint
+    written by several processes."""
+    path = Path(path)
     index = path / INDEX
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            files = sorted({path / file for file in weight_map.values()})
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-        return {name: path / file for name, file in weight_map.items()}
-    single = path / WEIGHTS
-    if not single.exists():
-        raise FileNotFoundError(f"{path}: no {WEIGHTS} or {INDEX} (is this a Hugging Face model directory?)")
-    return {name: single for name in lf.serialization.safe_open(single)}
+    elif (path / WEIGHTS).exists():
+        files = [path / WEIGHTS]
+    else:
+        files = sorted(path.glob(RANK_FILES))
+        if not files:
+            raise FileNotFoundError(
+                f"{path}: no {WEIGHTS}, {INDEX} or {RANK_FILES} (is this a Hugging Face model directory?)"
+            )
+    try:
+        return ShardReader(files)
+    except ShardError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def check_weights(
+    reader: ShardReader, expected: dict[str, tuple[int, ...]], where: Path, tied: bool
+) -> list[str]:
+    """The names of ``expected`` to read from ``reader``; CheckpointError lists every missing,
+    unexpected or mis-shaped tensor."""
+    names = {
+        n
+        for n in reader.names()
+        if not n.endswith(_IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")
+    }
+    missing = sorted(set(expected) - names)
+    unexpected = sorted(names - set(expected))
+    wrong = [
+        f"{n}: checkpoint {list(reader.shapes[n])} vs config {list(expected[n])}"
+        for n in sorted(names & set(expected))
+        if reader.shapes[n] != tuple(expected[n])
+    ]
+    if missing or unexpected or wrong:
+
+        def some(names: list[str]) -> str:
+            return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)}: {some(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)}: {some(unexpected)}")
+        if wrong:
+            parts.append("shape mismatch: " + "; ".join(wrong[:8]))
+        raise CheckpointError(f"{where}: checkpoint does not match config.json ({'; '.join(parts)})")
+    return sorted(names)
 
 
 def load_pretrained(cls: type, path: str | os.PathLike[str], dtype: Any = None) -> Any:
@@ -60,48 +109,24 @@ def load_pretrained(cls: type, path: str | os.PathLike[str], dtype: Any = None) 
             "`llmkit serve` runs it; export and generate read the trainer's model directory"
         )
     config = LlamaConfig.from_json_file(path / "config.json")
-    files = _weight_files(path)
+    reader = weights(path)
     target = B.dtype(dtype or "float32")
     model = cls(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    tied = config.tie_word_embeddings
-    names = {n for n in files if not n.endswith(_IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")}
-    opened: dict[Path, dict[str, lf.Tensor]] = {}
-
-    def tensor(name: str) -> lf.Tensor:
-        f = files[name]
-        if f not in opened:
-            opened[f] = lf.load(f, mmap=True)
-        try:
-            return opened[f][name]
-        except KeyError:
-            raise CheckpointError(f"{f}: the index lists {name!r} but the file does not hold it") from None
-
-    missing = sorted(set(expected) - names)
-    unexpected = sorted(names - set(expected))
-    shapes = {n: tuple(tensor(n).shape) for n in sorted(names & set(expected))}
-    wrong = [
-        f"{n}: checkpoint {list(s)} vs config {list(expected[n])}"
-        for n, s in shapes.items()
-        if s != expected[n]
-    ]
-    if missing or unexpected or wrong:
-
-        def some(names: list[str]) -> str:
-            return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
-
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)}: {some(missing)}")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)}: {some(unexpected)}")
-        if wrong:
-            parts.append("shape mismatch: " + "; ".join(wrong[:8]))
-        raise CheckpointError(f"{path}: checkpoint does not match config.json ({'; '.join(parts)})")
-    model.load_state_dict({n: np.asarray(tensor(n).numpy(), dtype=target) for n in names}, strict=True)
+    names = check_weights(reader, expected, path, config.tie_word_embeddings)
+    model.load_state_dict(
+        {n: reader.read(n, copy=False).astype(target, copy=False) for n in names}, strict=True
+    )
     if target != model.model.norm.weight.dtype:
         model.to(target)
     return model
+
+
+def write_config(config: LlamaConfig, dtype: Any, directory: Path) -> None:
+    """``directory/config.json`` of a model whose weights are stored in ``dtype``."""
+    cfg = config.to_dict()
+    cfg["torch_dtype"] = B.dtype_name(dtype)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def save_pretrained(
@@ -116,8 +141,6 @@ def save_pretrained(
     state = {
         k: (v.numpy() if target is None else v.numpy().astype(target)) for k, v in model.state_dict().items()
     }
-    cfg = model.config.to_dict()
-    cfg["torch_dtype"] = B.dtype_name(next(iter(state.values())).dtype)
     with atomic_dir(path) as tmp:
         if path.is_dir():  # keep companions such as tokenizer.model
             for f in path.iterdir():
@@ -127,7 +150,7 @@ def save_pretrained(
                     and not f.name.startswith("model-")
                 ):
                     (tmp / f.name).write_bytes(f.read_bytes())
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        write_config(model.config, next(iter(state.values())).dtype, tmp)
         total = sum(a.nbytes for a in state.values())
         if max_shard_size is None or total <= max_shard_size:
             lf.save(state, tmp / WEIGHTS, metadata={"format": "pt"})
