@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "llmkit.train.cli:tokenizer_main",
     ),
     "plot": ("plot a run's loss curves to PNG", "llmkit.train.cli:plot_main"),
+    "checkpoint": ("merge a checkpoint written by several processes", "llmkit.train.cli:checkpoint_main"),
     "export": ("write the static model file a server runs", "llmkit.serve.export:main"),
     "serve": ("serve a static model file over an OpenAI-compatible HTTP API", "llmkit.serve.server:main"),
 }

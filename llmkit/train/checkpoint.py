@@ -1,11 +1,22 @@
-"""Training checkpoints: everything ``--resume`` needs to continue a run exactly.
+"""Training checkpoints: everything ``--resume`` needs to continue a run exactly, on any mesh.
 
     out_dir/checkpoints/step-00000600/
-        model/                  weights, config.json and tokenizer.model (Hugging Face layout)
-        optimizer.safetensors   the optimizer's state tensors (moments)
+        model/                  config.json, tokenizer.model and the weights: model.safetensors
+                                (Hugging Face layout) from one process, rank-NNNNN.safetensors
+                                pieces from several (``llmkit checkpoint merge`` joins them)
+        optimizer.safetensors   the optimizer's state tensors (moments); optimizer/rank-NNNNN... from
+                                several processes
         parallel_plan.json      the run's ParallelPlan (mesh, placements, ZeRO stage, sp)
         trainer_state.json      step, tokens seen, optimizer groups and step count, schedule, data
                                 position, RNG state, and the run's config
+        COMPLETE                written last: a checkpoint without it does not count
+
+With several processes each rank writes the pieces it owns in parallel into a staging directory
+(``.step-00000600.partial``); when every rank has finished (a barrier), rank 0 writes the rest, the
+commit marker last, and renames the directory into place. A crash at any point leaves no
+directory that ``--resume`` would take. Loading reads, for each rank, only the slices its
+placements need, from either layout, so a run resumes on another mesh (tp=2 -> dp=2 -> one
+process) with the losses it would have had.
 
 The trainer saves only between steps, so every part describes the same step; loading checks that
 they do, and checks every file, before it changes anything. A resumed run takes its settings from
@@ -16,6 +27,7 @@ from the checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,17 +35,25 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 import llmkit.framework as lf
+import llmkit.framework.distributed as dist
 from llmkit.framework import optim
 from llmkit.framework.distributed.plan import PLAN_FILE
-from llmkit.framework.files import atomic_dir, recover
-from llmkit.models.llama import LlamaForCausalLM
+from llmkit.framework.distributed.shard_files import RANK_FILES, ShardReader, save_shards
+from llmkit.framework.files import atomic_dir, atomic_write, recover
+from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
+from llmkit.models.llama.checkpoint import check_weights, write_config
+from llmkit.models.llama.checkpoint import weights as llama_weights
+
+from .metrics import peak_rss_bytes
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
-OPTIMIZER = "optimizer.safetensors"
+OPTIMIZER = "optimizer.safetensors"  # one process
+OPTIMIZER_DIR = "optimizer"  # several: rank-NNNNN.safetensors pieces
+COMPLETE = "COMPLETE"  # the commit marker, written last
 
 
 class ResumeError(ValueError):
@@ -87,19 +107,23 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
 
 
 def checkpoints(out_dir: Path) -> list[Path]:
-    """The run's checkpoints, oldest first (temporary and replaced directories start with a dot)."""
+    """The run's complete checkpoints, oldest first (staging and replaced directories start with a
+    dot; a directory without the commit marker was cut short)."""
     root = out_dir / CHECKPOINTS
     if not root.is_dir():
         return []
     for parked in root.glob(".step-*.old"):  # a replacement a crash interrupted: finish it first
         recover(root / parked.name[1 : -len(".old")])
-    return sorted(p for p in root.glob("step-*") if p.is_dir())
+    found = sorted(p for p in root.glob("step-*") if p.is_dir())
+    return [p for p in found if (p / COMPLETE).is_file()]
 
 
 def latest(out_dir: Path) -> Path:
     found = checkpoints(out_dir)
     if not found:
-        raise ResumeError(f"--resume: no checkpoint under {out_dir / CHECKPOINTS}")
+        cut = sorted(p.name for p in (out_dir / CHECKPOINTS).glob("*step-*") if not (p / COMPLETE).is_file())
+        hint = f" ({', '.join(cut)}: incomplete, no {COMPLETE} marker)" if cut else ""
+        raise ResumeError(f"--resume: no checkpoint under {out_dir / CHECKPOINTS}{hint}")
     return found[-1]
 
 
@@ -121,59 +145,146 @@ def read_state(path: Path) -> TrainerState:
         raise ResumeError(f"{file}: {where + ': ' if where else ''}{message}") from None
 
 
+def _optimizer_tensors(trainer: Trainer) -> tuple[dict[str, lf.Tensor], dict[str, Any]]:
+    return optim.flatten_state_dict(trainer.optimizer.state_dict())
+
+
+def _write_rest(trainer: Trainer, tmp: Path, meta: dict[str, Any]) -> None:
+    """What rank 0 writes once every rank's tensors are in: tokenizer, plan, state, marker (last)."""
+    trainer.tokenizer.save_pretrained(tmp / "model")
+    trainer.plan.save(tmp / PLAN_FILE)
+    state = {
+        "step": trainer.step,
+        "tokens_seen": trainer.tokens_seen,
+        "optimizer": meta,
+        "schedule": trainer.schedule.state_dict(),
+        "sampler": trainer.sampler.state_dict(),
+        "rng": lf.backend.get_rng_state(),
+        "config": trainer.cfg.model_dump(mode="json"),
+    }
+    (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+    atomic_write(tmp / COMPLETE, f"step {trainer.step}\n")
+
+
 def save(trainer: Trainer) -> Path:
-    """Write the trainer's state at ``trainer.step`` atomically; keep the newest ``keep_last``."""
+    """Write the trainer's state at ``trainer.step`` (every rank calls this); keep the newest
+    ``keep_last``."""
     path = checkpoint_dir(trainer.out, trainer.step)
-    with atomic_dir(path) as tmp:
-        trainer.model.save_pretrained(tmp / "model")
-        trainer.tokenizer.save_pretrained(tmp / "model")
-        trainer.plan.save(tmp / PLAN_FILE)
-        tensors, meta = optim.flatten_state_dict(trainer.optimizer.state_dict())
-        lf.save(tensors, tmp / OPTIMIZER)
-        state = {
-            "step": trainer.step,
-            "tokens_seen": trainer.tokens_seen,
-            "optimizer": meta,
-            "schedule": trainer.schedule.state_dict(),
-            "sampler": trainer.sampler.state_dict(),
-            "rng": lf.backend.get_rng_state(),
-            "config": trainer.cfg.model_dump(mode="json"),
-        }
-        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
-    for old in checkpoints(trainer.out)[: -trainer.cfg.train.keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    if trainer.par is None:
+        with atomic_dir(path) as tmp:
+            trainer.model.save_pretrained(tmp / "model")
+            tensors, meta = _optimizer_tensors(trainer)
+            lf.save(tensors, tmp / OPTIMIZER)
+            _write_rest(trainer, tmp, meta)
+    else:
+        _save_sharded(trainer, path)
+    if trainer.is_rank0:
+        for old in checkpoints(trainer.out)[: -trainer.cfg.train.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _save_sharded(trainer: Trainer, path: Path) -> None:
+    stage = path.parent / f".{path.name}.partial"
+    comm = dist.get_backend()
+    if trainer.is_rank0 and stage.exists():
+        shutil.rmtree(stage)  # left by a run that crashed while writing
+    comm.barrier()
+    model = trainer.model
+    save_shards(dict(model.named_parameters()), stage / "model")
+    tensors, meta = _optimizer_tensors(trainer)
+    save_shards(tensors, stage / OPTIMIZER_DIR)
+    comm.barrier()  # every rank's pieces are on disk
+    if trainer.is_rank0:
+        write_config(model.config, model.model.norm.weight.dtype, stage / "model")
+        _write_rest(trainer, stage, meta)
+        old = path.parent / f".{path.name}.old"
+        if path.exists():
+            os.replace(path, old)
+        os.replace(stage, path)
+        shutil.rmtree(old, ignore_errors=True)
+    comm.barrier()  # the checkpoint is in place before any rank goes on (and may prune or resume)
 
 
 def load(trainer: Trainer, path: Path, state: TrainerState) -> None:
     """Restore the state of checkpoint ``path`` into the trainer, keeping the hyperparameters of its
-    config (optimizer groups and schedule settings); ResumeError names the first bad file."""
+    config (optimizer groups and schedule settings), each rank reading only the slices it holds;
+    ResumeError names the first bad file."""
+    config_json = path / "model" / "config.json"
     try:
-        loaded = LlamaForCausalLM.from_pretrained(path / "model")
-    except ValueError as e:  # a bad config.json or weights file; the message names it
+        saved = LlamaConfig.from_json_file(config_json).to_dict()
+    except (OSError, ValueError) as e:
         raise ResumeError(f"cannot load the checkpoint's model: {e}") from None
-    saved, own = loaded.config.to_dict(), trainer.model_config.to_dict()
+    own = trainer.model_config.to_dict()
     for key in own:
-        if saved.get(key) != own[key]:
+        if key != "torch_dtype" and saved.get(key) != own[key]:
             raise ResumeError(
-                f"{path / 'model' / 'config.json'}: {key} is {saved.get(key)!r}, "
-                f"this run's model has {own[key]!r}"
+                f"{config_json}: {key} is {saved.get(key)!r}, this run's model has {own[key]!r}"
             )
-    opt, tensors = trainer.optimizer, lf.load(path / OPTIMIZER)
     try:
+        weights = llama_weights(path / "model")
+        names = check_weights(
+            weights,
+            {n: p.shape for n, p in trainer.model.named_parameters()},
+            path / "model",
+            trainer.model_config.tie_word_embeddings,
+        )
+    except (OSError, ValueError) as e:
+        raise ResumeError(f"cannot load the checkpoint's model: {e}") from None
+    opt = trainer.optimizer
+    try:
+        moments = _optimizer_reader(path)
+        tensors = {k: _read(trainer, moments, k) for k in moments.names()}
         opt_state = optim.unflatten_state_dict(tensors, state.optimizer.model_dump())
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         opt.load_state_dict(opt_state)  # checks everything before it changes anything
-    except ValueError as e:
-        raise ResumeError(f"{path / OPTIMIZER}: {e}") from None
+    except (OSError, ValueError) as e:
+        where = path / (OPTIMIZER if (path / OPTIMIZER).exists() else OPTIMIZER_DIR)
+        raise ResumeError(f"{where}: {e}") from None
     for group, h in zip(opt.param_groups, hyper, strict=True):
         group.update(h)  # this run's lr, betas, weight decay... (a resumed run may change them)
     try:
         lf.backend.set_rng_state(state.rng)
     except (KeyError, TypeError, ValueError) as e:
         raise ResumeError(f"{path / TRAINER_STATE}: rng: {e!r}") from None
-    trainer.model.load_state_dict(loaded.state_dict())
+    params = dict(trainer.model.named_parameters())
+    for name in names:
+        params[name].set_value(_read(trainer, weights, name, params[name]))
+    per_rank = [weights.rank_bytes.get(r, 0) + moments.rank_bytes.get(r, 0) for r in weights.rank_bytes]
+    read = max(per_rank) if per_rank else weights.bytes_read + moments.bytes_read
+    trainer.load_report = (read, weights.total_bytes + moments.total_bytes, peak_rss_bytes())
     # The schedule is a closed form of the step: this run's settings, the checkpoint's step.
     trainer.schedule.load_state_dict({**trainer.schedule.state_dict(), "last_step": state.step})
     trainer.sampler.load_state_dict(state.sampler.model_dump())
     trainer.step, trainer.tokens_seen = state.step, state.tokens_seen
+
+
+def _optimizer_reader(path: Path) -> ShardReader:
+    single = path / OPTIMIZER
+    files = [single] if single.exists() else sorted((path / OPTIMIZER_DIR).glob(RANK_FILES))
+    if not files:
+        raise FileNotFoundError(f"no {OPTIMIZER} or {OPTIMIZER_DIR}/{RANK_FILES}")
+    return ShardReader(files)
+
+
+def _read(trainer: Trainer, reader: ShardReader, name: str, like: lf.Tensor | None = None) -> lf.Tensor:
+    """Tensor ``name`` of the checkpoint as this run holds it: whole in one process, else each hosted
+    rank's region of the placement the plan gives it (a parameter's, or its optimizer state's)."""
+    par = trainer.par
+    if par is None:
+        value = reader.read(name)
+        return lf.Tensor(value if like is None else value.astype(like.dtype, copy=False))
+    if like is not None:
+        placements = par.placements(name)
+    else:  # state.<j>.<key>: the j-th optimizer parameter's state
+        j = int(name.split(".")[1])
+        placements = par.placements(par.names[id(trainer.optimizer.params[j])], "state")
+    return lf.Tensor(reader.read_placed(name, par.mesh, placements))
+
+
+def merge(path: Path, out: Path) -> Path:
+    """Write the model of checkpoint ``path`` (either layout) as a plain Hugging Face directory."""
+    model = LlamaForCausalLM.from_pretrained(path / "model")
+    model.save_pretrained(out)
+    LlamaTokenizer.from_pretrained(path / "model").save_pretrained(out)
+    return out

@@ -1,8 +1,11 @@
-"""``llmkit train CONFIG [section.key=value ...] [--resume] [--quiet]`` (overrides and flags in any order)."""
+"""``llmkit train CONFIG [section.key=value ...] [--resume] [--quiet] [--nproc N [--hostfile F]]``
+(overrides and flags in any order), ``llmkit checkpoint merge``, ``llmkit tokenizer``, ``llmkit plot``."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import signal
 import sys
 
@@ -27,27 +30,102 @@ def main(argv: list[str]) -> int:
         help="continue from the newest checkpoint in out_dir; overrides apply from its step on",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="run N processes with mpiexec (parallel.dp x parallel.tp must be N)",
+    )
+    p.add_argument("--hostfile", help="with --nproc: mpiexec's hostfile, to run on several machines")
     a = p.parse_intermixed_args(argv)
     from .config import load_config
-    from .trainer import Interrupted, Trainer
 
     cfg = load_config(a.config, a.overrides)
-    trainer = Trainer(cfg, resume=a.resume, quiet=a.quiet)
+    if a.nproc is not None:
+        flags = [f for f, on in (("--resume", a.resume), ("--quiet", a.quiet)) if on]
+        return launch(cfg, a.nproc, a.hostfile, [a.config, *a.overrides, *flags])
+    if a.hostfile is not None:
+        p.error("--hostfile goes with --nproc")
+    from llmkit.framework.distributed import CollectiveError
+
+    try:
+        return _train(cfg, a.resume, a.quiet)
+    except CollectiveError as e:  # a rank died or hangs: name it, and do not wait for it at exit
+        print(f"llmkit train: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _train(cfg, resume: bool, quiet: bool) -> int:
+    from .trainer import Interrupted, Trainer
+
+    trainer = Trainer(cfg, resume=resume, quiet=quiet)
+    say = print if trainer.is_rank0 else lambda *a, **k: None
+    if trainer.par is not None:
+        say(f"parallel: {trainer.plan.describe()} on {trainer.backend} ({trainer.plan.world_size} ranks)")
     if trainer.resumed_from is not None:
-        print(f"resume: step {trainer.step} from {trainer.resumed_from}")
-        print(f"resume: {', '.join(trainer.resume_changes) or 'the config is unchanged'}")
+        say(f"resume: step {trainer.step} from {trainer.resumed_from}")
+        say(f"resume: {', '.join(trainer.resume_changes) or 'the config is unchanged'}")
+        read, total, rss = trainer.load_report
+        mb = 2**20
+        say(
+            f"resume: read {read / mb:.3g} MB of {total / mb:.3g} MB per rank; "
+            f"peak host memory {rss / mb:.0f} MB"
+        )
     try:
         last = trainer.fit()
     except Interrupted as e:
-        print(
+        say(
             f"llmkit train: stopped by {signal.Signals(e.signum).name} at step {e.step}; saved {e.path} "
             "(continue with --resume)",
             file=sys.stderr,
         )
         return 128 + e.signum
     summary = ", ".join(f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float))
-    print(f"done: step {trainer.step}, {summary}; checkpoints and metrics.jsonl in {cfg.out_dir}")
+    say(f"done: step {trainer.step}, {summary}; checkpoints and metrics.jsonl in {cfg.out_dir}")
     return 0
+
+
+def launch(cfg, nproc: int, hostfile: str | None, argv: list[str]) -> int:
+    """Replace this process by ``mpiexec -n N python -m llmkit train ARGS`` (one rank per process)."""
+    from llmkit.framework.distributed.comm import launched_by_mpi
+
+    from .config import ConfigError
+    from .trainer import cpu_count
+
+    par = cfg.parallel
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {nproc}")
+    if par.dp * par.tp != nproc:
+        raise ConfigError(
+            f"parallel.dp ({par.dp}) x parallel.tp ({par.tp}) = {par.dp * par.tp} ranks, but --nproc is "
+            f"{nproc}; make them equal"
+        )
+    if launched_by_mpi():
+        raise ConfigError("--nproc: this process already runs under mpiexec; drop --nproc")
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        raise ConfigError("--nproc needs mpiexec on PATH (pip install 'llmkit[dist]' installs Open MPI)")
+    cmd = [mpiexec, *mpiexec_flags(nproc, cpu_count())]
+    if hostfile is not None:
+        cmd += ["--hostfile", hostfile]
+    cmd += ["-n", str(nproc), sys.executable, "-m", "llmkit", "train", *argv]
+    env = dict(os.environ)
+    threads = str(max(1, cpu_count() // nproc))  # BLAS threads per rank: the cores shared out
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env.setdefault(var, threads)
+    sys.stdout.flush()
+    os.execve(mpiexec, cmd, env)
+    return 0  # not reached
+
+
+def mpiexec_flags(nproc: int, cores: int) -> list[str]:
+    """Open MPI's flags for N ranks here: more ranks than cores, and running as root, are refused
+    unless asked for."""
+    flags = ["--oversubscribe"] if nproc > cores else []
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        flags.append("--allow-run-as-root")
+    return flags
 
 
 def tokenizer_main(argv: list[str]) -> int:
@@ -75,5 +153,26 @@ def plot_main(argv: list[str]) -> int:
     from .plot import plot_run
 
     out = plot_run(a.run_dir, a.out)
+    print(f"wrote {out}")
+    return 0
+
+
+def checkpoint_main(argv: list[str]) -> int:
+    """``llmkit checkpoint merge CHECKPOINT --out DIR``."""
+    p = ArgumentParser(prog="llmkit checkpoint", description="Training checkpoint tools.")
+    sub = p.add_subparsers(dest="action", required=True)
+    m = sub.add_parser(
+        "merge", help="write a checkpoint's model (pieces of several ranks too) in the Hugging Face layout"
+    )
+    m.add_argument("checkpoint", help="a checkpoint directory (out_dir/checkpoints/step-NNNNNNNN)")
+    m.add_argument(
+        "--out", required=True, help="directory to write config.json, model.safetensors, tokenizer.model"
+    )
+    a = p.parse_args(argv)
+    from pathlib import Path
+
+    from .checkpoint import merge
+
+    out = merge(Path(a.checkpoint), Path(a.out))
     print(f"wrote {out}")
     return 0

@@ -149,11 +149,12 @@ class BatchSampler:
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
         self.seed, self.step = seed, 0
 
-    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """The batch drawn at `step`, without moving the sampler."""
+    def batch(self, step: int, rows: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
+        """The batch drawn at `step` (only its `rows`: a data-parallel rank's share), without
+        moving the sampler."""
         rng = np.random.default_rng([self.seed, step])
         starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
-        return _windows(self.tokens, starts, self.seq_len)
+        return _windows(self.tokens, starts[rows], self.seq_len)
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return self

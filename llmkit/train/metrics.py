@@ -43,6 +43,15 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (ru_maxrss: kilobytes on Linux, bytes on macOS)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
 @lru_cache(maxsize=2)
 def matmul_peak_flops(device: str = "cpu", n: int = 1024, repeat: int = 5) -> float:
     """FLOP/s of a float32 n x n matmul on ``device`` (best of ``repeat``): the MFU denominator.

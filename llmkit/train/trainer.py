@@ -20,7 +20,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,9 @@ import numpy as np
 from tqdm import tqdm
 
 import llmkit.framework as lf
+import llmkit.framework.distributed as dist
 from llmkit.framework import optim
+from llmkit.framework.distributed.parallelize import Parallelized
 from llmkit.framework.distributed.plan import PlanError
 from llmkit.generate import generate
 from llmkit.infer.sampling import SamplingParams
@@ -46,7 +48,7 @@ from .config import (
 )
 from .corpus import builtin_tokenizer
 from .data import BatchSampler, eval_batches, load_token_data
-from .metrics import MetricsLog, matmul_peak_flops
+from .metrics import MetricsLog, matmul_peak_flops, peak_rss_bytes
 
 
 class Interrupted(KeyboardInterrupt):
@@ -152,11 +154,8 @@ class Trainer:
         self.resume_changes: list[str] = []
         saved = self._check_resume(self.resumed_from) if self.resumed_from is not None else None
         self.plan = cfg.parallel.build()
-        if not self.plan.is_trivial:
-            raise ConfigError(
-                f"parallel: {self.plan.describe()} needs {self.plan.world_size} ranks; training runs in "
-                "one process until the distributed eager world lands (set parallel.dp and parallel.tp to 1)"
-            )
+        self.rank, self.backend = self._join_world()
+        self.is_rank0 = self.rank == 0
         self.tokenizer = build_tokenizer(cfg)
         self.model_config: LlamaConfig = resolve_model_config(cfg, self.tokenizer.vocab_size)
         validate_against_model(cfg, self.model_config)
@@ -174,12 +173,20 @@ class Trainer:
             raise ConfigError(f"parallel.plan: {e}") from None
         if t.dtype != "float32":
             self.model.to(t.dtype)
+        # The plan's layout: parameters placed (each from the full initial value every process made
+        # alike, so every mesh starts from the single-process weights), then the optimizer's state.
+        self.par = None if self.backend is None else Parallelized(self.model, self.plan)
         self.optimizer = build_optimizer(cfg, self.model)
+        if self.par is not None:
+            self.par.shard_optimizer(self.optimizer)
         self.schedule = SCHEDULES[cfg.schedule.name](self.optimizer, cfg.schedule, t.steps)
         self.step = 0
         self.tokens_seen = 0
         self.flops_per_token = self.model_config.flops_per_token(t.seq_len)
-        self.peak_flops = matmul_peak_flops(t.device)
+        self.peak_flops = matmul_peak_flops(t.device) * self.plan.world_size
+        self.state_bytes = 0  # parameter + gradient + optimizer bytes of the fullest rank, last step
+        # on resume: (bytes the fullest rank read, bytes of the whole checkpoint, peak host memory)
+        self.load_report: tuple[int, int, int] | None = None
         if t.recompute:
             for layer in self.model.model.layers:
                 layer.recompute()
@@ -187,7 +194,7 @@ class Trainer:
         # What a step rebinds: held before each step so that an aborted one can be rolled back.
         self._state = [
             *self.model.parameters(),
-            *(v for state in self.optimizer.states for v in state.values()),
+            *self._optimizer_state(),
             *self.optimizer.lr_tensors,
             self.optimizer.step_count,
         ]
@@ -198,9 +205,31 @@ class Trainer:
             was, now = saved.optimizer.param_groups[0]["lr"], self.optimizer.param_groups[0]["lr"]
             if now != was:
                 self.resume_changes.append(f"lr at step {self.step} {was:.4g} -> {now:.4g}")
-        self.out.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, self.out / "config.yaml")
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate_after=self.step)
+        self.metrics = None
+        if self.is_rank0:  # rank 0 alone logs
+            self.out.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, self.out / "config.yaml")
+            self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate_after=self.step)
+
+    def _join_world(self) -> tuple[int, str | None]:
+        """This process's rank and the backend (None: one process, no mesh). A plan of several ranks
+        runs them as processes under mpiexec (one rank each), or all in this process (``sim``)."""
+        launched = dist.comm.launched_by_mpi()
+        if self.plan.is_trivial and not launched:
+            return 0, None
+        p = self.plan
+        b = dist.init(world_size=p.world_size)
+        if b.world_size != p.world_size:
+            raise ConfigError(
+                f"parallel.dp ({p.size('dp')}) x parallel.tp ({p.size('tp')}) = {p.world_size} ranks, but "
+                f"this run has {b.world_size} processes (mpiexec -n / --nproc); make them equal"
+            )
+        if self.cfg.train.mode == "static":
+            raise ConfigError(
+                f"train.mode=static: a static step over {p.world_size} ranks needs the partitioned "
+                "programs of the static auto-parallel passes, not yet here; use train.mode=eager"
+            )
+        return b.rank, b.name
 
     def _check_resume(self, path: Path) -> checkpoint.TrainerState:
         """Read the checkpoint's state; refuse the config changes that cannot apply, list the rest."""
@@ -213,19 +242,46 @@ class Trainer:
         return saved
 
     # ---- one step ------------------------------------------------------------------------------
-    def _eager_step(self, batches: list[tuple[np.ndarray, np.ndarray]]) -> tuple[float, float]:
+    def place(self, read: Callable[[slice], tuple[np.ndarray, ...]]) -> tuple[lf.Tensor, ...]:
+        """A global batch as the eager step takes it; ``read(rows)`` gives those rows of it (each
+        data-parallel rank reads only its own)."""
+        if self.par is not None:
+            return self.par.batch(read, self.cfg.train.batch_size)
+        return tuple(lf.tensor(a) for a in read(slice(None)))
+
+    def draw(self, step: int) -> tuple[Any, Any]:
+        """Training batch ``step``: arrays for the static step, placed tensors for the eager one."""
+        if self.step_fn is not self._eager_step:
+            return self.sampler.batch(step)
+        return self.place(lambda rows: self.sampler.batch(step, rows))
+
+    def value(self, t: lf.Tensor) -> float:
+        """A 0-d tensor's value (a distributed one's global value: every rank calls this)."""
+        return float((t if t.is_concrete else dist.unshard(t)).item())
+
+    def _eager_step(self, batches: list[tuple[lf.Tensor, lf.Tensor]]) -> tuple[float, float]:
         """Forward/backward over the micro-batches, clip, update: (mean loss, grad norm)."""
         total = 0.0
         for x, y in batches:
-            loss = self.model.loss(lf.tensor(x), lf.tensor(y)) / len(batches)
+            loss = self.model.loss(x, y) / len(batches)
             loss.backward()
-            total += loss.item()
+            total += self.value(loss)
         params = self.model.parameters()
+        if self.par is not None:
+            self.par.reduce_grads()  # all-reduce, or reduce-scatter under ZeRO 2 and 3
+            self.state_bytes = self.par.state_bytes()
+        else:
+            self.state_bytes = _nbytes([*params, *(p.grad for p in params), *self._optimizer_state()])
         clip = self.cfg.optim.grad_clip
         norm = optim.clip_grad_norm_(params, clip if clip is not None else math.inf)
         self.optimizer.step()
+        if self.par is not None:
+            self.par.settle()  # updated shards gathered back where the plan keeps them
         self.optimizer.zero_grad()
-        return total, float(norm.item())
+        return total, self.value(norm)
+
+    def _optimizer_state(self) -> list[lf.Tensor]:
+        return [v for state in self.optimizer.states for v in state.values()]
 
     def state_names(self) -> dict[int, str]:
         """Readable names of every tensor a traced step captures (for programs and errors)."""
@@ -261,6 +317,8 @@ class Trainer:
         spec = jit.InputSpec([t.grad_accum, "B", "S"], "int64")
         compiled = jit.to_static(step, input_spec=[spec, spec], compiler=t.compiler, names=self.state_names())
         self.static_step = compiled
+        # gradients live inside the program: as many bytes as the parameters
+        self.state_bytes = 2 * _nbytes(params) + _nbytes(self._optimizer_state())
 
         def run(batches: list[tuple[np.ndarray, np.ndarray]]) -> tuple[float, float]:
             self.optimizer.sync_lr()
@@ -271,9 +329,10 @@ class Trainer:
 
     @lf.no_grad()
     def evaluate(self) -> float:
+        """Mean loss of the validation batches (every rank takes part; rank 0 reports it)."""
         t = self.cfg.train
         losses = [
-            self.model.loss(lf.tensor(x), lf.tensor(y)).item()
+            self.value(self.model.loss(*self.place(lambda rows, x=x, y=y: (x[rows], y[rows]))))
             for x, y in eval_batches(self.data.val, t.eval_steps, t.batch_size, t.seq_len)
         ]
         return float(np.mean(losses))
@@ -288,11 +347,11 @@ class Trainer:
         """
         ga = self.cfg.train.grad_accum
         first = self.sampler.step
-        batches = [self.sampler.batch(i) for i in range(first, first + ga)]
+        batches = [self.draw(i) for i in range(first, first + ga)]
         lr = self.optimizer.param_groups[0]["lr"]
         before, rng = [t.detach() for t in self._state], lf.backend.get_rng_state()
         try:
-            with stop.abortable() if stop is not None else contextlib.nullcontext():
+            with self._abortable(stop):
                 loss, gnorm = self.step_fn(batches)
         except KeyboardInterrupt:
             for t, value in zip(self._state, before, strict=True):
@@ -308,6 +367,34 @@ class Trainer:
         self.tokens_seen += ga * self.cfg.train.batch_size * self.cfg.train.seq_len
         return loss, gnorm, lr
 
+    def _abortable(self, stop: StopSignals | None) -> contextlib.AbstractContextManager[None]:
+        """A second signal aborts a step or evaluation, except over MPI: one rank leaving a
+        collective would leave the others waiting, so there every signal waits for the step's end."""
+        if stop is None or self.backend == "mpi":
+            return contextlib.nullcontext()
+        return stop.abortable()
+
+    def _stopping(self, stop: StopSignals) -> bool:
+        """Whether to stop before the next step; over MPI the ranks agree (a signal may reach one
+        process a step before another), so they all save the same step."""
+        if self.backend == "mpi":
+            comm = dist.get_backend()
+            mine = {comm.rank: np.array([stop.signum or 0], np.int64)}
+            agreed = int(
+                comm.all_reduce(tuple(range(comm.world_size)), mine, "max", "stop signal")[comm.rank][0]
+            )
+            stop.signum = stop.signum or agreed or None
+        return stop.signum is not None
+
+    def _peak_rss(self) -> int:
+        """Peak host memory of the fullest process (collective over MPI)."""
+        mine = peak_rss_bytes()
+        if self.backend != "mpi":
+            return mine
+        comm = dist.get_backend()
+        got = comm.all_reduce(tuple(range(comm.world_size)), {comm.rank: np.array([mine], np.int64)}, "max")
+        return int(got[comm.rank][0])
+
     def fit(self) -> dict[str, Any]:
         """Train to ``train.steps``. On SIGINT or SIGTERM: finish the step in flight (roll it back on
         a second signal), save a checkpoint and raise ``Interrupted``."""
@@ -315,16 +402,16 @@ class Trainer:
         bar = tqdm(
             total=t.steps,
             initial=self.step,
-            desc="train",
+            desc="train" if self.par is None else f"train x{self.plan.world_size}",
             unit="step",
-            disable=self.quiet,
+            disable=self.quiet or not self.is_rank0,
             dynamic_ncols=True,
         )
         last: dict[str, Any] = {}
         window_t, window_tokens = time.perf_counter(), 0
         with StopSignals() as stop:
             try:
-                while self.step < t.steps and stop.signum is None:
+                while self.step < t.steps and not self._stopping(stop):
                     tokens = self.tokens_seen
                     loss, gnorm, lr = self.train_step(stop)
                     window_tokens += self.tokens_seen - tokens
@@ -340,28 +427,31 @@ class Trainer:
                             "tokens_per_s": tps,
                             "mfu": tps * self.flops_per_token / self.peak_flops,
                             "tokens": self.tokens_seen,
+                            "state_bytes_per_rank": self.state_bytes,
+                            "peak_rss_bytes": self._peak_rss(),
                         }
                         window_t, window_tokens = time.perf_counter(), 0
                     if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                         try:
-                            with stop.abortable():
+                            with self._abortable(stop):
                                 val = self.evaluate()
                         except KeyboardInterrupt:  # the step is done: keep its line
-                            if row:
+                            if row and self.metrics is not None:
                                 self.metrics.write(row)
                             raise
                         row.update(step=self.step, eval_loss=val, eval_ppl=math.exp(min(val, 50.0)))
                         window_t = time.perf_counter()  # eval time is not training throughput
                     if row:
-                        self.metrics.write(row)
+                        if self.metrics is not None:
+                            self.metrics.write(row)
                         last.update(row)
+                        shown = {
+                            k: _fmt(last[k])
+                            for k in ("loss", "lr", "tokens_per_s", "mfu", "eval_loss")
+                            if k in last
+                        }
                         bar.set_postfix(
-                            {
-                                k: _fmt(last[k])
-                                for k in ("loss", "lr", "tokens_per_s", "mfu", "eval_loss")
-                                if k in last
-                            },
-                            refresh=False,
+                            {**shown, "mem/rank": f"{self.state_bytes / 2**20:.3g}MB"}, refresh=False
                         )
                     bar.update(1)
                     if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
@@ -373,17 +463,20 @@ class Trainer:
             path = self.save_checkpoint()  # signals stay deferred: a save is never cut short
         if stop.signum is not None:
             raise Interrupted(stop.signum, self.step, path)
-        sample = self.sample_text()
-        (self.out / "sample.txt").write_text(sample + "\n")
-        if not self.quiet:
-            print(f"sample: {sample!r}")
+        if self.is_rank0:
+            # Several ranks: rank 0 samples from the final checkpoint's model, joined from its pieces.
+            model = self.model if self.par is None else LlamaForCausalLM.from_pretrained(path / "model")
+            sample = self.sample_text(model)
+            (self.out / "sample.txt").write_text(sample + "\n")
+            if not self.quiet:
+                print(f"sample: {sample!r}")
         return last
 
-    def sample_text(self, prompt: str = "The", max_new_tokens: int = 48) -> str:
+    def sample_text(self, model: LlamaForCausalLM, prompt: str = "The", max_new_tokens: int = 48) -> str:
         ids = self.tokenizer.encode(prompt, add_bos=True)
         room = self.model_config.max_position_embeddings - len(ids)
         new = generate(
-            self.model,
+            model,
             [ids],
             min(max_new_tokens, room),
             SamplingParams(temperature=0.8, top_k=40, seed=0),
@@ -398,6 +491,10 @@ class Trainer:
             checkpoint.save(self)
             self._saved_step = self.step
         return checkpoint.checkpoint_dir(self.out, self.step)
+
+
+def _nbytes(tensors: list[Any]) -> int:
+    return sum(t._data.nbytes for t in tensors if t is not None)
 
 
 def _fmt(v: Any) -> str:

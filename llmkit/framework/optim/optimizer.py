@@ -220,13 +220,17 @@ class Optimizer:
                     f"saved {sorted(got)}"
                 )
             for k, t in own_state.items():
-                v = got[k]._data if isinstance(got[k], Tensor) else np.asarray(got[k])
+                v = got[k] if isinstance(got[k], Tensor) else Tensor(np.asarray(got[k]))
                 if tuple(v.shape) != t.shape:
                     raise ValueError(
                         f"{name}.load_state_dict: state {k!r} of parameter {j} is "
                         f"{list(t.shape)}, saved {list(v.shape)}"
                     )
-                updates.append((t, B.to_device(v, t.device).astype(t.dtype)))
+                if v.is_concrete:  # copied: the state must not alias the caller's (mapped) arrays
+                    v = B.to_device(v._data, t.device).astype(t.dtype)
+                else:  # a distributed value, cast with ops
+                    v = v.astype(t.dtype)
+                updates.append((t, v))
         for t, v in updates:
             t.set_value(v)
         for saved, own in zip(saved_groups, self.param_groups, strict=True):

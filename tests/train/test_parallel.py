@@ -1,0 +1,169 @@
+"""Parallel training on the ``sim`` backend (every rank in this process): 20-step losses equal the
+single-process run for dp, tp, tp+sp, dp x tp and ZeRO 1-3; a tp=2 checkpoint resumes on dp=2 and on
+one process; ZeRO-3 over 4 ranks holds a quarter of the state; sharded checkpoints merge, export and
+generate; an incomplete checkpoint is never resumed. The same runs over MPI: test_parallel_mpi.py."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from llmkit.cli import main as cli_main
+from llmkit.framework.distributed.plan import ParallelPlan
+from llmkit.models.llama import LlamaForCausalLM
+from llmkit.train import checkpoint
+from llmkit.train.config import ConfigError
+from llmkit.train.data import BatchSampler
+from llmkit.train.metrics import read_metrics
+from llmkit.train.trainer import Trainer
+
+from .parallel_runs import STEPS, assert_same_losses, config, losses
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "run"
+    Trainer(config(out), quiet=True).fit()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp2") / "run"
+    Trainer(config(out, tp=2), quiet=True).fit()
+    return out
+
+
+def evals(run):
+    return {r["step"]: r["eval_loss"] for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r}
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [{"dp": 2}, {"tp": 2, "sp": True}, {"dp": 2, "tp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2},
+     {"dp": 2, "zero": 3}],
+    ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()),
+)  # fmt: skip
+def test_losses_equal_the_single_process_run(single, tmp_path, parallel):
+    out = tmp_path / "run"
+    Trainer(config(out, **parallel), quiet=True).fit()
+    assert_same_losses(losses(out), losses(single), range(1, STEPS + 1))
+    assert_same_losses(evals(out), evals(single), range(10, STEPS + 1, 10))
+    last = checkpoint.latest(out)
+    plan = ParallelPlan.load(last)
+    assert plan == ParallelPlan.make("llama", **parallel)
+    ranks = plan.world_size
+    assert sorted(p.name for p in (last / "model").glob("rank-*")) == [
+        f"rank-{r:05d}.safetensors" for r in range(ranks)
+    ]
+
+
+def test_tp2_losses_and_checkpoint_layout(single, tp2):
+    assert_same_losses(losses(tp2), losses(single), range(1, STEPS + 1))
+    last = checkpoint.latest(tp2)
+    assert {p.name for p in last.iterdir()} == {
+        "model", "optimizer", "parallel_plan.json", "trainer_state.json", "COMPLETE",
+    }  # fmt: skip
+    assert {p.name for p in (last / "optimizer").iterdir()} == {
+        "rank-00000.safetensors",
+        "rank-00001.safetensors",
+    }
+
+
+@pytest.mark.parametrize("parallel", [{"dp": 2}, {}], ids=["dp2", "one-process"])
+def test_a_tp2_checkpoint_resumes_on_another_mesh(single, tp2, tmp_path, parallel):
+    out = tmp_path / "run"
+    shutil.copytree(tp2, out)
+    shutil.rmtree(out / "checkpoints" / f"step-{STEPS:08d}")
+    trainer = Trainer(config(out, **parallel), resume=True, quiet=True)
+    assert trainer.step == 10 and "parallel.tp 2 -> 1" in trainer.resume_changes
+    read, total, _ = trainer.load_report
+    assert read == total  # dp keeps every weight (and moment) whole on each rank
+    trainer.fit()
+    assert_same_losses(losses(out), losses(single), range(1, STEPS + 1))
+
+
+def test_one_process_checkpoint_resumes_on_tp2_reading_half(single, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(single, out)
+    shutil.rmtree(out / "checkpoints" / f"step-{STEPS:08d}")
+    trainer = Trainer(config(out, tp=2), resume=True, quiet=True)
+    read, total, _ = trainer.load_report
+    assert 0.5 * total < read < 0.6 * total  # a rank reads its half of the sharded weights (+ norms)
+    trainer.fit()
+    assert_same_losses(losses(out), losses(single), range(1, STEPS + 1))
+
+
+def test_zero3_on_four_ranks_holds_a_quarter_of_the_state(single, tmp_path):
+    out = tmp_path / "run"
+    Trainer(config(out, "train.steps=2", "schedule.warmup_steps=1", dp=4, zero=3), quiet=True).fit()
+    full = read_metrics(single / "metrics.jsonl")[0]["state_bytes_per_rank"]
+    quarter = read_metrics(out / "metrics.jsonl")[0]["state_bytes_per_rank"]
+    # parameters + gradients + two AdamW moments, float32: the single process holds 4 x 4 bytes each
+    model = LlamaForCausalLM.from_pretrained(checkpoint.latest(single) / "model")
+    n = sum(int(np.prod(p.shape)) for p in model.parameters())
+    assert full == 16 * n
+    assert quarter == pytest.approx(full / 4, rel=0.02)
+
+
+def test_an_incomplete_checkpoint_is_never_resumed(tp2, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(tp2, out)
+    ckpts = out / "checkpoints"
+    shutil.copytree(
+        ckpts / f"step-{STEPS:08d}", ckpts / f".step-{STEPS + 5:08d}.partial"
+    )  # a crash while writing
+    (ckpts / f"step-{STEPS:08d}" / "COMPLETE").unlink()  # a marker never written
+    assert checkpoint.latest(out) == ckpts / "step-00000010"
+    (ckpts / "step-00000010" / "COMPLETE").unlink()
+    with pytest.raises(checkpoint.ResumeError, match=r"no checkpoint under .*incomplete, no COMPLETE marker"):
+        checkpoint.latest(out)
+
+
+def test_a_sharded_checkpoint_merges_exports_and_generates(tp2, tmp_path, capsys):
+    last = checkpoint.latest(tp2)
+    assert cli_main(["checkpoint", "merge", str(last), "--out", str(tmp_path / "hf")]) == 0
+    merged = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    sharded = LlamaForCausalLM.from_pretrained(last / "model")
+    assert {p.name for p in (tmp_path / "hf").iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.model",
+    }
+    for (name, a), (_, b) in zip(merged.named_parameters(), sharded.named_parameters(), strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
+    assert (
+        cli_main(["generate", "--model", str(last / "model"), "--prompt", "The", "--max-new-tokens", "4"])
+        == 0
+    )
+    assert cli_main(["export", "--model", str(last / "model"), "--out", str(tmp_path / "m.llmkit")]) == 0
+    assert (tmp_path / "m.llmkit").is_dir()
+
+
+def test_static_steps_over_several_ranks_are_refused_by_key(tmp_path):
+    with pytest.raises(ConfigError, match="train.mode=static: a static step over 2 ranks needs"):
+        Trainer(config(tmp_path / "run", "train.mode=static", dp=2), quiet=True)
+
+
+def test_each_dp_rank_reads_its_rows_of_the_same_global_batch(single):
+    tokens = np.arange(10_000, dtype=np.uint16)
+    sampler = BatchSampler(tokens, batch_size=8, seq_len=5, seed=3)
+    x, y = sampler.batch(7)
+    for dp in (2, 4):
+        rows = [sampler.batch(7, slice(i * 8 // dp, (i + 1) * 8 // dp)) for i in range(dp)]
+        np.testing.assert_array_equal(np.concatenate([r[0] for r in rows]), x)
+        np.testing.assert_array_equal(np.concatenate([r[1] for r in rows]), y)
+
+
+def test_nproc_must_match_the_mesh(tmp_path, capsys):
+    from llmkit.train.cli import mpiexec_flags
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text((config(tmp_path / "run", dp=2)).model_dump_json())
+    assert cli_main(["train", str(cfg), "--nproc", "3"]) == 2
+    assert "parallel.dp (2) x parallel.tp (1) = 2 ranks, but --nproc is 3" in capsys.readouterr().err
+    assert mpiexec_flags(4, cores=2)[0] == "--oversubscribe" and "--oversubscribe" not in mpiexec_flags(2, 2)
