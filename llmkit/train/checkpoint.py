@@ -222,13 +222,7 @@ def load(trainer: Trainer, path: Path, state: TrainerState) -> None:
                 f"{config_json}: {key} is {saved.get(key)!r}, this run's model has {own[key]!r}"
             )
     try:
-        weights = llama_weights(path / "model")
-        names = check_weights(
-            weights,
-            {n: p.shape for n, p in trainer.model.named_parameters()},
-            path / "model",
-            trainer.model_config.tie_word_embeddings,
-        )
+        weights, names = _model_weights(trainer, path / "model")
     except (OSError, ValueError) as e:
         raise ResumeError(f"cannot load the checkpoint's model: {e}") from None
     opt = trainer.optimizer
@@ -247,9 +241,7 @@ def load(trainer: Trainer, path: Path, state: TrainerState) -> None:
         lf.backend.set_rng_state(state.rng)
     except (KeyError, TypeError, ValueError) as e:
         raise ResumeError(f"{path / TRAINER_STATE}: rng: {e!r}") from None
-    params = dict(trainer.model.named_parameters())
-    for name in names:
-        params[name].set_value(_read(trainer, weights, name, params[name]))
+    _set_weights(trainer, weights, names)
     per_rank = [weights.rank_bytes.get(r, 0) + moments.rank_bytes.get(r, 0) for r in weights.rank_bytes]
     read = max(per_rank) if per_rank else weights.bytes_read + moments.bytes_read
     trainer.load_report = (read, weights.total_bytes + moments.total_bytes, peak_rss_bytes())
@@ -257,6 +249,24 @@ def load(trainer: Trainer, path: Path, state: TrainerState) -> None:
     trainer.schedule.load_state_dict({**trainer.schedule.state_dict(), "last_step": state.step})
     trainer.sampler.load_state_dict(state.sampler.model_dump())
     trainer.step, trainer.tokens_seen = state.step, state.tokens_seen
+
+
+def _model_weights(trainer: Trainer, model_dir: Path) -> tuple[ShardReader, list[str]]:
+    """The weights of a model directory (either layout), checked against the trainer's model."""
+    weights = llama_weights(model_dir)
+    shapes = {n: p.shape for n, p in trainer.model.named_parameters()}
+    return weights, check_weights(weights, shapes, model_dir, trainer.model_config.tie_word_embeddings)
+
+
+def _set_weights(trainer: Trainer, weights: ShardReader, names: list[str]) -> None:
+    params = dict(trainer.model.named_parameters())
+    for name in names:
+        params[name].set_value(_read(trainer, weights, name, params[name]))
+
+
+def load_weights(trainer: Trainer, model_dir: Path) -> None:
+    """Set the model's weights from a Hugging Face directory, each rank reading only its slices."""
+    _set_weights(trainer, *_model_weights(trainer, model_dir))
 
 
 def _optimizer_reader(path: Path) -> ShardReader:
@@ -279,7 +289,8 @@ def _read(trainer: Trainer, reader: ShardReader, name: str, like: lf.Tensor | No
     else:  # state.<j>.<key>: the j-th optimizer parameter's state
         j = int(name.split(".")[1])
         placements = par.placements(par.names[id(trainer.optimizer.params[j])], "state")
-    return lf.Tensor(reader.read_placed(name, par.mesh, placements))
+    value = lf.Tensor(reader.read_placed(name, par.mesh, placements))
+    return value if like is None else value.astype(like.dtype)
 
 
 def merge(path: Path, out: Path) -> Path:

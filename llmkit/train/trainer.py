@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 import llmkit.framework as lf
 import llmkit.framework.distributed as dist
-from llmkit.framework import optim
+from llmkit.framework import nn, optim
 from llmkit.framework.distributed.parallelize import Parallelized
 from llmkit.framework.distributed.plan import PlanError
 from llmkit.generate import generate
@@ -163,10 +163,14 @@ class Trainer:
             cfg.data.sources, self.tokenizer, cfg.data.val_fraction, cfg.data.cache_dir
         )
         self.sampler = BatchSampler(self.data.train, t.batch_size, t.seq_len, seed=t.seed)
-        if cfg.model.init_from is not None:
+        # Weights about to be loaded (a checkpoint; a pretrained model over several ranks, each
+        # reading its slices) are not initialized first: building the model keeps its memory untouched.
+        load_init = cfg.model.init_from is not None and self.backend is not None
+        if cfg.model.init_from is not None and not load_init:
             self.model = LlamaForCausalLM.from_pretrained(cfg.model.init_from)
         else:
-            self.model = LlamaForCausalLM(self.model_config)
+            with nn.init.skip_init() if saved is not None or load_init else contextlib.nullcontext():
+                self.model = LlamaForCausalLM(self.model_config)
         try:
             check_plan(self.plan, self.model)
         except PlanError as e:
@@ -179,6 +183,8 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.model)
         if self.par is not None:
             self.par.shard_optimizer(self.optimizer)
+        if load_init and saved is None:
+            checkpoint.load_weights(self, Path(cfg.model.init_from))
         self.schedule = SCHEDULES[cfg.schedule.name](self.optimizer, cfg.schedule, t.steps)
         self.step = 0
         self.tokens_seen = 0

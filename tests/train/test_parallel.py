@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
+import llmkit.framework.distributed as dist
 from llmkit.cli import main as cli_main
 from llmkit.framework.distributed.plan import ParallelPlan
 from llmkit.models.llama import LlamaForCausalLM
@@ -167,3 +168,11 @@ def test_nproc_must_match_the_mesh(tmp_path, capsys):
     assert cli_main(["train", str(cfg), "--nproc", "3"]) == 2
     assert "parallel.dp (2) x parallel.tp (1) = 2 ranks, but --nproc is 3" in capsys.readouterr().err
     assert mpiexec_flags(4, cores=2)[0] == "--oversubscribe" and "--oversubscribe" not in mpiexec_flags(2, 2)
+
+
+def test_init_from_a_pretrained_model_places_its_slices(single, tmp_path):
+    model = checkpoint.latest(single) / "model"
+    plain = Trainer(config(tmp_path / "a", "model.preset=null", f"model.init_from={model}"), quiet=True)
+    tp2 = Trainer(config(tmp_path / "b", "model.preset=null", f"model.init_from={model}", tp=2), quiet=True)
+    for (name, p), q in zip(plain.model.named_parameters(), tp2.model.parameters(), strict=True):
+        np.testing.assert_array_equal(dist.unshard(q).numpy(), p.numpy(), err_msg=name)

@@ -8,8 +8,10 @@ fan_out = out * prod(kernel).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,7 @@ __all__ = [
     "kaiming_uniform_",
     "normal_",
     "ones_",
+    "skip_init",
     "trunc_normal_",
     "uniform_",
     "xavier_normal_",
@@ -32,8 +35,25 @@ __all__ = [
 ]
 
 
+_skipping = threading.local()
+
+
+@contextlib.contextmanager
+def skip_init() -> Iterator[None]:
+    """Initializers inside leave tensors as allocated (uninitialized, drawing nothing): for a model
+    whose weights are about to be loaded, so that building it touches no memory it does not keep."""
+    before = getattr(_skipping, "on", False)
+    _skipping.on = True
+    try:
+        yield
+    finally:
+        _skipping.on = before
+
+
 def _fill(t: Tensor, draw: Callable[[Any, Any], Any]) -> Tensor:
     """Rebind ``t`` to ``draw(generator, xp)`` (a float64 array of t's shape) cast to t's dtype."""
+    if getattr(_skipping, "on", False):
+        return t
     device = t.device
     values = draw(B.generator(device), B.xp_for(device))
     t.set_value(values.astype(t.dtype))
