@@ -135,6 +135,17 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
         _remove(tmp)  # the failed write, or the directory that was replaced
 
 
+def install_dir(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """Put the finished directory ``tmp`` (next to ``path``) at ``path`` as ``atomic_dir`` does when
+    its block ends: fsynced, swapped in, the directory it replaces removed. For a directory that
+    several processes wrote under a name they agreed on."""
+    tmp, path = Path(tmp), Path(path)
+    recover(path)
+    _fsync_tree(tmp)
+    _swap_in(tmp, path)
+    _remove(tmp)
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """A binary file to write that replaces ``path`` only when the block succeeds.

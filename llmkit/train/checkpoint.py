@@ -27,7 +27,6 @@ from the checkpoint.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +38,7 @@ import llmkit.framework.distributed as dist
 from llmkit.framework import optim
 from llmkit.framework.distributed.plan import PLAN_FILE
 from llmkit.framework.distributed.shard_files import RANK_FILES, ShardReader, save_shards
-from llmkit.framework.files import atomic_dir, atomic_write, recover
+from llmkit.framework.files import atomic_dir, atomic_write, install_dir, recover
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 from llmkit.models.llama.checkpoint import check_weights, write_config
 from llmkit.models.llama.checkpoint import weights as llama_weights
@@ -198,11 +197,7 @@ def _save_sharded(trainer: Trainer, path: Path) -> None:
     if trainer.is_rank0:
         write_config(model.config, model.model.norm.weight.dtype, stage / "model")
         _write_rest(trainer, stage, meta)
-        old = path.parent / f".{path.name}.old"
-        if path.exists():
-            os.replace(path, old)
-        os.replace(stage, path)
-        shutil.rmtree(old, ignore_errors=True)
+        install_dir(stage, path)
     comm.barrier()  # the checkpoint is in place before any rank goes on (and may prune or resume)
 
 

@@ -224,8 +224,10 @@ class Trainer:
         if self.plan.is_trivial and not launched:
             return 0, None
         p = self.plan
-        b = dist.init(world_size=p.world_size)
-        if b.world_size != p.world_size:
+        b = dist.init()
+        if b.name == "sim" and b.world_size < p.world_size:  # one process simulates the whole mesh
+            b = dist.init("sim", world_size=p.world_size)
+        if b.name != "sim" and b.world_size != p.world_size:
             raise ConfigError(
                 f"parallel.dp ({p.size('dp')}) x parallel.tp ({p.size('tp')}) = {p.world_size} ranks, but "
                 f"this run has {b.world_size} processes (mpiexec -n / --nproc); make them equal"

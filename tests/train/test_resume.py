@@ -145,8 +145,10 @@ def test_listing_checkpoints_finishes_a_replacement_a_crash_interrupted(tmp_path
 
     root = tmp_path / "checkpoints"
     (root / "step-00000002").mkdir(parents=True)
+    (root / "step-00000002" / "COMPLETE").write_text("step 2\n")
     (root / ".step-00000004.old").mkdir()
     (root / ".step-00000004.old" / "trainer_state.json").write_text("{}")
+    (root / ".step-00000004.old" / "COMPLETE").write_text("step 4\n")
     assert [p.name for p in checkpoints(tmp_path)] == ["step-00000002", "step-00000004"]
     assert (root / "step-00000004" / "trainer_state.json").exists()
     assert not (root / ".step-00000004.old").exists()

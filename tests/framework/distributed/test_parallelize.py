@@ -25,7 +25,7 @@ CFG = dict(
 
 @pytest.fixture(autouse=True, scope="module")
 def sim_float64():
-    dist.init("sim", world_size=4)
+    dist.init("sim")
     before = lf.get_default_dtype()
     lf.set_default_dtype("float64")
     yield

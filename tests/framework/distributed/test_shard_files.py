@@ -24,7 +24,7 @@ LAYOUTS = [(R(), R()), (R(), S(0)), (S(1), S(0)), (S(0), S(0)), (S(0), R()), (R(
 
 @pytest.fixture(autouse=True, scope="module")
 def sim():
-    dist.init("sim", world_size=4)
+    dist.init("sim")
 
 
 def global_values(rng):
