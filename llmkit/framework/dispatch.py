@@ -167,7 +167,9 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
                         world = w
             if ref is None and d.dtype != _BOOL:
                 ref = d.dtype
-    if world is None:
+    if world is None or (not world.captures and current_world().captures):
+        # inside a trace, tensors of a world that does not capture (distributed ones) are captured
+        # like concrete ones: an op reading only those is still part of the program
         world = current_world()
 
     payloads: list[Any] = []
