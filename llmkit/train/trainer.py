@@ -232,11 +232,6 @@ class Trainer:
                 f"parallel.dp ({p.size('dp')}) x parallel.tp ({p.size('tp')}) = {p.world_size} ranks, but "
                 f"this run has {b.world_size} processes (mpiexec -n / --nproc); make them equal"
             )
-        if self.cfg.train.mode == "static":
-            raise ConfigError(
-                f"train.mode=static: a static step over {p.world_size} ranks needs the partitioned "
-                "programs of the static auto-parallel passes, not yet here; use train.mode=eager"
-            )
         return b.rank, b.name
 
     def _check_resume(self, path: Path) -> checkpoint.TrainerState:
@@ -258,8 +253,8 @@ class Trainer:
         return tuple(lf.tensor(a) for a in read(slice(None)))
 
     def draw(self, step: int) -> tuple[Any, Any]:
-        """Training batch ``step``: arrays for the static step, placed tensors for the eager one."""
-        if self.step_fn is not self._eager_step:
+        """Training batch ``step``: arrays for a static step in one process, else placed tensors."""
+        if self.par is None and self.cfg.train.mode == "static":
             return self.sampler.batch(step)
         return self.place(lambda rows: self.sampler.batch(step, rows))
 
@@ -304,34 +299,48 @@ class Trainer:
         return names
 
     def _static_step(self):
-        """The whole step — micro-batches, backward, clipping, update — as one traced program."""
+        """The whole step — micro-batches, backward, gradient reduction, clipping, update — as one
+        traced program; over several ranks, partitioned into one program per rank."""
         from llmkit.framework import jit
 
-        t = self.cfg.train
+        t, par = self.cfg.train, self.par
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip is not None else math.inf
         params = self.model.parameters()
 
-        def step(xs, ys):
+        def step(*batch):  # x0, y0, x1, y1, ...: the micro-batches
             total = None
             for a in range(t.grad_accum):  # unrolled: grad_accum is a config constant
-                loss = self.model.loss(xs[a], ys[a]) / t.grad_accum
+                loss = self.model.loss(batch[2 * a], batch[2 * a + 1]) / t.grad_accum
                 loss.backward()
                 total = loss if total is None else total + loss
+            if par is not None:
+                par.reduce_grads()
             norm = optim.clip_grad_norm_(params, clip)
             self.optimizer.step()
+            if par is not None:
+                par.settle()
             self.optimizer.zero_grad()
             return total, norm
 
-        spec = jit.InputSpec([t.grad_accum, "B", "S"], "int64")
-        compiled = jit.to_static(step, input_spec=[spec, spec], compiler=t.compiler, names=self.state_names())
+        # One program: symbolic batch dims in one process; the placed batches' shapes over several
+        # ranks (partitioned programs take static shapes).
+        spec = None if par is not None else [jit.InputSpec(["B", "S"], "int64")] * (2 * t.grad_accum)
+        compiled = jit.to_static(step, input_spec=spec, compiler=t.compiler, names=self.state_names())
         self.static_step = compiled
-        # gradients live inside the program: as many bytes as the parameters
-        self.state_bytes = 2 * _nbytes(params) + _nbytes(self._optimizer_state())
+        # gradients live inside the program: count them in the layout they are reduced to
+        self.state_bytes = (
+            par.planned_state_bytes(self.optimizer)
+            if par is not None
+            else 2 * _nbytes(params) + _nbytes(self._optimizer_state())
+        )
 
-        def run(batches: list[tuple[np.ndarray, np.ndarray]]) -> tuple[float, float]:
+        def run(batches: list[tuple[Any, Any]]) -> tuple[float, float]:
             self.optimizer.sync_lr()
-            loss, norm = compiled(np.stack([x for x, _ in batches]), np.stack([y for _, y in batches]))
-            return float(loss.item()), float(norm.item())
+            loss, norm = compiled(*(a for xy in batches for a in xy))
+            count = self.optimizer.step_count
+            if not count.is_concrete:  # a partitioned program returns it replicated on the mesh
+                count.set_value(dist.unshard(count))
+            return self.value(loss), self.value(norm)
 
         return run
 

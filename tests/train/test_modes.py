@@ -60,9 +60,9 @@ class Stacked:
     def __init__(self, sampler: BatchSampler) -> None:
         self.inner, self.seed, self.step = sampler, sampler.seed, 0
 
-    def batch(self, i):
+    def batch(self, i, rows=slice(None)):
         (x0, y0), (x1, y1) = self.inner.batch(2 * i), self.inner.batch(2 * i + 1)
-        return np.concatenate([x0, x1]), np.concatenate([y0, y1])
+        return np.concatenate([x0, x1])[rows], np.concatenate([y0, y1])[rows]
 
     def state_dict(self):
         return {"seed": self.seed, "step": self.step}

@@ -15,7 +15,6 @@ from llmkit.cli import main as cli_main
 from llmkit.framework.distributed.plan import ParallelPlan
 from llmkit.models.llama import LlamaForCausalLM
 from llmkit.train import checkpoint
-from llmkit.train.config import ConfigError
 from llmkit.train.data import BatchSampler
 from llmkit.train.metrics import read_metrics
 from llmkit.train.trainer import Trainer
@@ -43,15 +42,19 @@ def evals(run):
     return {r["step"]: r["eval_loss"] for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r}
 
 
-@pytest.mark.parametrize(
-    "parallel",
-    [{"dp": 2}, {"tp": 2, "sp": True}, {"dp": 2, "tp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2},
-     {"dp": 2, "zero": 3}],
-    ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()),
-)  # fmt: skip
-def test_losses_equal_the_single_process_run(single, tmp_path, parallel):
+PLANS = [{"dp": 2}, {"tp": 2, "sp": True}, {"dp": 2, "tp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2},
+         {"dp": 2, "zero": 3}]  # fmt: skip
+MODES = {"eager": (), "static": ("train.mode=static", "train.compiler=none")}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("parallel", PLANS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
+def test_losses_equal_the_single_process_run(single, tmp_path, parallel, mode):
     out = tmp_path / "run"
-    Trainer(config(out, **parallel), quiet=True).fit()
+    trainer = Trainer(config(out, *MODES[mode], **parallel), quiet=True)
+    trainer.fit()
+    if mode == "static":  # one program, traced once and partitioned into one per rank
+        assert trainer.static_step.trace_count == 1
     assert_same_losses(losses(out), losses(single), range(1, STEPS + 1))
     assert_same_losses(evals(out), evals(single), range(10, STEPS + 1, 10))
     last = checkpoint.latest(out)
@@ -145,9 +148,15 @@ def test_a_sharded_checkpoint_merges_exports_and_generates(tp2, tmp_path, capsys
     assert (tmp_path / "m.llmkit").is_dir()
 
 
-def test_static_steps_over_several_ranks_are_refused_by_key(tmp_path):
-    with pytest.raises(ConfigError, match="train.mode=static: a static step over 2 ranks needs"):
-        Trainer(config(tmp_path / "run", "train.mode=static", dp=2), quiet=True)
+def test_the_static_step_compiled_per_rank(single, tmp_path):
+    out = tmp_path / "run"
+    trainer = Trainer(config(out, "train.mode=static", "train.compiler=cinn", dp=2, tp=2, zero=1), quiet=True)
+    trainer.fit()
+    assert_same_losses(losses(out), losses(single), range(1, STEPS + 1))
+    runner = trainer.static_step.get_concrete_program(*trainer.draw(0)).executor
+    for rank in range(4):  # each rank's partitioned program: collectives, and fused kernels around them
+        steps = [s.name for s in runner.executor(rank).steps]
+        assert any(n.startswith("dist.") for n in steps) and any(n.startswith("cinn.fusion") for n in steps)
 
 
 def test_each_dp_rank_reads_its_rows_of_the_same_global_batch(single):

@@ -16,20 +16,19 @@ keeps it for the backward unless the layer recomputes).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..nn.layer import Layer, replace_payload
-from ..placement import Placement, ProcessMesh, Replicate, Shard
+from ..placement import Placement, ProcessMesh, Replicate, Shard, local_shape
 from ..tensor import Tensor
 from .api import from_local, reshard, shard_tensor
 from .comm import get_backend
 from .dist_array import DistArray
 from .plan import ParallelPlan
-
-BATCH = "batch"  # (dp: S(0), tp: R): each data-parallel rank holds its rows, tp ranks the same rows
 
 
 class Parallelized:
@@ -62,15 +61,20 @@ class Parallelized:
         }[kind]
         return policy(name, self.shapes[name])
 
-    def _on_tp(self, like: Tensor, tp: Placement) -> list[Placement]:
-        ps = list(like._data.placements)
-        ps[self.mesh.dim("tp")] = tp
-        return ps
+    def _with(self, placements: Sequence[Placement], dim: str, p: Placement) -> list[Placement]:
+        out = list(placements)
+        out[self.mesh.dim(dim)] = p
+        return out
 
     # ---- forward hooks -----------------------------------------------------------------------
+    # Every placement below comes from the plan, never from a value: under to_static the values are
+    # traced and the static passes derive (and fold) the layouts.
     def _reshard_output(self, tp: Placement) -> Callable[..., Tensor]:
+        """Activations are sharded on the batch over dp; the plan names their placement on tp."""
+        batch = self._with(self.batch_placements, "tp", tp)
+
         def hook(layer: Layer, args: Any, out: Tensor) -> Tensor:
-            return reshard(out, self.mesh, self._on_tp(out, tp))
+            return reshard(out, self.mesh, batch)
 
         return hook
 
@@ -78,8 +82,7 @@ class Parallelized:
         """ZeRO 3: the layer's parameters gathered over dp for its forward (shadowing the shards)."""
         for key, p in layer._parameters.items():
             if p is not None:
-                whole = list(p._data.placements)
-                whole[self.mesh.dim("dp")] = Replicate()
+                whole = self._with(self.placements(self.names[id(p)]), "dp", Replicate())
                 object.__setattr__(layer, key, reshard(p, self.mesh, whole))
 
     def _release_own(self, layer: Layer, args: Any, out: Any) -> None:
@@ -104,12 +107,21 @@ class Parallelized:
             if key not in cache:
                 cache[key] = tuple(read(s))
             parts[r] = cache[key]
-        placements = [Shard(0) if n == "dp" else Replicate() for n in self.mesh.dim_names]
         some = next(iter(parts.values()))
         return tuple(
-            from_local({r: p[i] for r, p in parts.items()}, self.mesh, placements, (batch_size, *a.shape[1:]))
+            from_local(
+                {r: p[i] for r, p in parts.items()},
+                self.mesh,
+                self.batch_placements,
+                (batch_size, *a.shape[1:]),
+            )
             for i, a in enumerate(some)
         )
+
+    @property
+    def batch_placements(self) -> list[Placement]:
+        """A batch's (and an activation's): rows sharded over dp, replicated over tp."""
+        return [Shard(0) if n == "dp" else Replicate() for n in self.mesh.dim_names]
 
     def _hosted_coords(self) -> Iterator[tuple[int, tuple[int, ...]]]:
         for r in get_backend().hosted(self.mesh.ranks):
@@ -134,9 +146,7 @@ class Parallelized:
         weight is replicated but its uses were not) reduced (all-reduce or reduce-scatter)."""
         for name, p in self.model.named_parameters():
             if p.grad is not None:
-                want = self.placements(name, "grad")
-                if p.grad._data.placements != want:
-                    p.grad = reshard(p.grad, self.mesh, want)
+                p.grad = reshard(p.grad, self.mesh, self.placements(name, "grad"))
 
     def settle(self) -> None:
         """After an update: parameters and optimizer state back to their planned layouts."""
@@ -146,12 +156,27 @@ class Parallelized:
 
     def _settle(self, pairs: Iterator[tuple[Tensor, Sequence[Placement]]]) -> None:
         for t, want in pairs:
-            if not isinstance(t._data, DistArray):  # state made before the parameters were placed
+            if t.is_concrete:  # state made before the parameters were placed
                 replace_payload(t, shard_tensor(t, self.mesh, want)._data)
-            elif tuple(t._data.placements) != tuple(want):
+            else:  # a no-op where it is there already (folded away in a static program)
                 t.set_value(reshard(t.detach(), self.mesh, want))
 
     # ---- memory ------------------------------------------------------------------------------
+    def planned_state_bytes(self, optimizer: Any) -> int:
+        """Parameter + gradient + optimizer-state bytes of the fullest rank by the plan's placements
+        (for a static step, whose gradients live inside the program)."""
+        mesh, per_rank = self.mesh, dict.fromkeys(self.mesh.ranks, 0)
+        states = {id(p): s for p, s in zip(optimizer.params, optimizer.states, strict=True)}
+        for name, p in self.model.named_parameters():
+            kinds = [("param", p.dtype), ("grad", p.dtype)]
+            kinds += [("state", t.dtype) for t in states.get(id(p), {}).values()]
+            for kind, dtype in kinds:
+                placements = self.placements(name, kind)
+                for r in mesh.ranks:
+                    shape = local_shape(p.shape, mesh.shape, placements, mesh.coord(r))
+                    per_rank[r] += math.prod(shape) * dtype.itemsize
+        return max(per_rank.values())
+
     def state_bytes(self) -> int:
         """Parameter + gradient + optimizer-state bytes held by the fullest rank (collective)."""
         tensors = [p for p in self.model.parameters()]
