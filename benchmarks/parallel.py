@@ -17,6 +17,21 @@ planning, no distributed tensor) is timed in the same run: the difference is the
 overhead per collective.
 
 Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/parallel.py [--sizes ...]
+
+``--training``: parallel training instead. Each strategy of ``llmkit train configs/bench.yaml``
+(dp=2, tp=2, tp=2 with sp, dp=2 x tp=2, ZeRO 1/2/3 on dp=2; eager, and static for two of them)
+runs over MPI as the CLI runs it (one process per rank, the config's ``parallel`` section); every
+collective the ranks run is counted as the bytes a ring sends per rank, and each strategy reports
+its step time (median, beside one process in the same run), communication bytes per step against
+the plan's prediction (``models/llama/parallel.py: predict_traffic``), and the parameter + gradient
++ optimizer bytes of the fullest rank against the plan's (``ParallelPlan.state_bytes``), with the
+peak host memory per rank. Then the same predictions for Llama-2-7B at dp8, tp8, dp2 x tp4 and
+ZeRO 1-3 on 8 ranks, beside the published formulas they should agree with: ZeRO's memory per rank
+(Rajbhandari et al. 2020, section 5: 16 bytes per parameter, mixed-precision Adam, divided as the
+stage says) and traffic (2 Psi per rank for data parallelism and ZeRO 1-2, 3 Psi for ZeRO 3), and
+Megatron-LM's four all-reduces of the [b, s, h] activation per layer and step (Shoeybi et al. 2019,
+section 3). On this 2-core machine the ranks share the cores: correctness and bytes are the point,
+not speed.
 """
 
 from __future__ import annotations
@@ -126,15 +141,209 @@ def report(n: int, rows: list[dict]) -> None:
     )
 
 
+# ---- training ----------------------------------------------------------------------------------
+
+STRATEGIES = {  # name: (processes, parallel section, extra overrides)
+    "dp2": (2, {"dp": 2}, []),
+    "tp2": (2, {"tp": 2}, []),
+    "tp2_sp": (2, {"tp": 2, "sp": "true"}, []),
+    "dp2_tp2": (4, {"dp": 2, "tp": 2}, []),
+    "dp2_zero1": (2, {"dp": 2, "zero": 1}, []),
+    "dp2_zero2": (2, {"dp": 2, "zero": 2}, []),
+    "dp2_zero3": (2, {"dp": 2, "zero": 3}, []),
+    "dp2_static": (2, {"dp": 2}, ["train.mode=static"]),
+    "dp2_tp2_static": (4, {"dp": 2, "tp": 2}, ["train.mode=static"]),
+}
+RING = {  # bytes a member sends, from the array it passes (x) and the group size (n)
+    "all_reduce": lambda x, n: 2 * (n - 1) / n * x,
+    "all_gather": lambda x, n: (n - 1) * x,
+    "reduce_scatter": lambda x, n: (n - 1) / n * x,
+    "all_to_all": lambda x, n: (n - 1) / n * x,
+}
+
+
+def train_overrides(steps: int, parallel: dict, extra: list[str], out: str) -> list[str]:
+    return [
+        f"train.steps={steps}",
+        "schedule.warmup_steps=1",
+        "train.log_every=1",
+        f"out_dir={out}",
+        *(f"parallel.{k}={v}" for k, v in parallel.items()),
+        *extra,
+    ]
+
+
+def train_worker(overrides: list[str], warmup: int) -> None:
+    """One rank of ``llmkit train configs/bench.yaml OVERRIDES``: time its steps, count its bytes."""
+    import llmkit.framework.distributed as dist
+    from llmkit.train.config import load_config
+    from llmkit.train.metrics import peak_rss_bytes
+    from llmkit.train.trainer import Trainer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trainer = Trainer(load_config(os.path.join(root, "configs", "bench.yaml"), overrides), quiet=True)
+    backend = dist.get_backend()
+    sent = [0.0]
+    for kind, cost in RING.items():
+        run = getattr(backend, kind)
+
+        def counted(group, xs, *a, _run=run, _cost=cost, **k):
+            for x in xs.values():
+                sent[0] += _cost(x.nbytes, len(group))
+            return _run(group, xs, *a, **k)
+
+        setattr(backend, kind, counted)
+    times = []
+    for i in range(trainer.cfg.train.steps):
+        before = sent[0]
+        t0 = time.perf_counter()
+        trainer.train_step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            per_step = sent[0] - before
+    me, group = trainer.rank, tuple(range(backend.world_size))
+    mine = np.array([np.median(times), per_step, trainer.state_bytes, peak_rss_bytes()], np.float64)
+    worst = backend.all_reduce(group, {me: mine}, "max")[me] if trainer.backend == "mpi" else mine
+    if me == 0:
+        keys = ("seconds", "sent_bytes", "state_bytes", "peak_rss_bytes")
+        print(json.dumps(dict(zip(keys, map(float, worst)))), flush=True)
+
+
+def predictions(parallel: dict, batch_size: int, seq_len: int) -> dict:
+    """The plan's traffic per step and state bytes per rank for the bench model."""
+    from llmkit.framework import nn
+    from llmkit.framework.distributed.plan import ParallelPlan
+    from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
+    from llmkit.models.llama.parallel import predict_traffic
+
+    kw = {k: (v == "true" if v in ("true", "false") else v) for k, v in parallel.items()}
+    plan = ParallelPlan.make("llama", **kw)
+    config = LlamaConfig.from_preset("bench")
+    with nn.init.skip_init():
+        shapes = {k: p.shape for k, p in LlamaForCausalLM(config).named_parameters()}
+    return {"traffic": predict_traffic(plan, config, batch_size, seq_len), "state": plan.state_bytes(shapes)}
+
+
+def training(args) -> None:
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    steps = args.steps
+    batch, seq = 8, 256  # configs/bench.yaml
+
+    def launch(n: int, parallel: dict, extra: list[str]) -> dict:
+        with tempfile.TemporaryDirectory() as out:
+            ov = train_overrides(steps, parallel, extra, out)
+            cmd = [sys.executable, __file__, "--train-worker", "--warmup", str(args.warmup), "--", *ov]
+            if n > 1:
+                cmd = ["mpiexec", "--oversubscribe", "--allow-run-as-root", "-n", str(n), *cmd]
+            got = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+        if got.returncode != 0:
+            sys.exit(f"{' '.join(cmd[:6])} ... failed:\n{got.stderr[-3000:]}")
+        return json.loads(got.stdout.strip().splitlines()[-1])
+
+    single = launch(1, {}, [])
+    emit("parallel", "train_single_step", single["seconds"], "s", state_bytes=single["state_bytes"],
+         peak_rss_mb=round(single["peak_rss_bytes"] / 2**20))  # fmt: skip
+    for name, (n, parallel, extra) in STRATEGIES.items():
+        if args.strategies and name not in args.strategies:
+            continue
+        got = launch(n, parallel, extra)
+        pred = predictions(parallel, batch, seq)
+        traffic = sum(pred["traffic"].values())
+        emit(
+            "parallel",
+            f"train_{name}_step",
+            got["seconds"],
+            "s",
+            ranks=n,
+            vs_single=round(got["seconds"] / single["seconds"], 2),
+            sent_mb_per_rank=round(got["sent_bytes"] / 2**20, 3),
+            predicted_mb_per_rank=round(traffic / 2**20, 3),
+            predicted_by_cause_mb={k: round(v / 2**20, 3) for k, v in pred["traffic"].items()},
+            traffic_error_pct=round(100 * (got["sent_bytes"] - traffic) / traffic, 1) if traffic else None,
+            state_mb_per_rank=round(got["state_bytes"] / 2**20, 3),
+            predicted_state_mb=round(pred["state"] / 2**20, 3),
+            state_vs_single=round(got["state_bytes"] / single["state_bytes"], 3),
+            peak_rss_mb=round(got["peak_rss_bytes"] / 2**20),
+        )
+    llama7b()
+
+
+def llama7b() -> None:
+    """Predicted bytes and memory for Llama-2-7B beside the published formulas (see the docstring)."""
+    from llmkit.framework import nn
+    from llmkit.framework.distributed.plan import ParallelPlan
+    from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
+    from llmkit.models.llama.parallel import predict_traffic
+
+    config = LlamaConfig.from_preset("7B")
+    with nn.init.skip_init():  # shapes only: no weight is drawn or touched
+        shapes = {k: p.shape for k, p in LlamaForCausalLM(config).named_parameters()}
+    psi = sum(int(np.prod(s)) for s in shapes.values())
+    seq, gb = 4096, 2**30
+    for name, kw in {
+        "dp8": {"dp": 8},
+        "tp8": {"tp": 8},
+        "dp2_tp4": {"dp": 2, "tp": 4},
+        "dp8_zero1": {"dp": 8, "zero": 1},
+        "dp8_zero2": {"dp": 8, "zero": 2},
+        "dp8_zero3": {"dp": 8, "zero": 3},
+    }.items():
+        plan = ParallelPlan.make("llama", **kw)
+        dp, tp, z = plan.size("dp"), plan.size("tp"), plan.zero
+        traffic = predict_traffic(plan, config, dp, seq)  # one 4096-token sequence per dp rank
+        # ZeRO (section 5): 2 + 2 + 12 bytes per parameter (fp16 weights and gradients, fp32 Adam
+        # state and master weights), the state / gradients / weights divided by dp from stages 1/2/3
+        zero_paper = (
+            psi / tp * (2 / (dp if z >= 3 else 1) + 2 / (dp if z >= 2 else 1) + 12 / (dp if z >= 1 else 1))
+        )
+        # published traffic per rank per step, in this run's 4-byte elements: ZeRO 2 Psi (3 Psi at
+        # stage 3) for the data-parallel part; Megatron 4 all-reduces of [b, s, h] per layer
+        psi_dp = psi / tp * (dp - 1) / dp
+        published = (3 if z >= 3 else 2) * psi_dp * 4 if dp > 1 else 0.0
+        if tp > 1:
+            published += 4 * config.num_hidden_layers * 2 * (tp - 1) / tp * seq * config.hidden_size * 4
+        emit(
+            "parallel",
+            f"llama2_7b_{name}",
+            plan.state_bytes(shapes) / gb,
+            "GB/rank",
+            note="parameters + gradients + 2 AdamW moments, float32",
+            zero_paper_gb=round(zero_paper / gb, 2),
+            predicted_traffic_gb_per_step=round(sum(traffic.values()) / gb, 3),
+            published_traffic_gb_per_step=round(published / gb, 3),
+            by_cause_gb={k: round(v / gb, 3) for k, v in traffic.items()},
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[8, 1 << 10, 1 << 16, 1 << 20, 1 << 23])
     p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--procs", type=int, nargs="+", default=[2, 4])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--training", action="store_true", help="parallel training instead of collectives")
+    p.add_argument("--strategies", nargs="*", help=f"with --training: some of {', '.join(STRATEGIES)}")
+    p.add_argument(
+        "--steps", type=int, default=5, help="with --training: steps per run (the first timed after --warmup)"
+    )
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--train-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.train_worker:
+        train_worker(args.overrides, args.warmup)
+        return
     if args.worker:
         worker(args.sizes, args.repeat)
+        return
+    if args.training:
+        if shutil.which("mpiexec") is None:
+            sys.exit("benchmarks/parallel.py --training needs mpiexec (pip install -e '.[dist]')")
+        emit("parallel", "machine", 0, "", **machine())
+        training(args)
         return
     if shutil.which("mpiexec") is None:
         sys.exit("benchmarks/parallel.py needs mpiexec (pip install -e '.[dist]')")

@@ -88,6 +88,16 @@ def _train(cfg, resume: bool, quiet: bool) -> int:
 
 def launch(cfg, nproc: int, hostfile: str | None, argv: list[str]) -> int:
     """Replace this process by ``mpiexec -n N python -m llmkit train ARGS`` (one rank per process)."""
+    cmd, env = mpiexec_command(cfg, nproc, hostfile, argv)
+    sys.stdout.flush()
+    os.execve(cmd[0], cmd, env)
+    return 0  # not reached
+
+
+def mpiexec_command(
+    cfg, nproc: int, hostfile: str | None, argv: list[str]
+) -> tuple[list[str], dict[str, str]]:
+    """The mpiexec command line and environment of ``--nproc``; ConfigError when they cannot work."""
     from llmkit.framework.distributed.comm import launched_by_mpi
 
     from .config import ConfigError
@@ -106,26 +116,18 @@ def launch(cfg, nproc: int, hostfile: str | None, argv: list[str]) -> int:
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         raise ConfigError("--nproc needs mpiexec on PATH (pip install 'llmkit[dist]' installs Open MPI)")
-    cmd = [mpiexec, *mpiexec_flags(nproc, cpu_count())]
+    cores = cpu_count()
+    cmd = [mpiexec, *(["--oversubscribe"] if nproc > cores else [])]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root unless asked
+        cmd.append("--allow-run-as-root")
     if hostfile is not None:
         cmd += ["--hostfile", hostfile]
     cmd += ["-n", str(nproc), sys.executable, "-m", "llmkit", "train", *argv]
     env = dict(os.environ)
-    threads = str(max(1, cpu_count() // nproc))  # BLAS threads per rank: the cores shared out
+    threads = str(max(1, cores // nproc))  # BLAS threads per rank: the cores shared out
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env.setdefault(var, threads)
-    sys.stdout.flush()
-    os.execve(mpiexec, cmd, env)
-    return 0  # not reached
-
-
-def mpiexec_flags(nproc: int, cores: int) -> list[str]:
-    """Open MPI's flags for N ranks here: more ranks than cores, and running as root, are refused
-    unless asked for."""
-    flags = ["--oversubscribe"] if nproc > cores else []
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        flags.append("--allow-run-as-root")
-    return flags
+    return cmd, env
 
 
 def tokenizer_main(argv: list[str]) -> int:

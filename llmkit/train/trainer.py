@@ -328,11 +328,10 @@ class Trainer:
         compiled = jit.to_static(step, input_spec=spec, compiler=t.compiler, names=self.state_names())
         self.static_step = compiled
         # gradients live inside the program: count them in the layout they are reduced to
-        self.state_bytes = (
-            par.planned_state_bytes(self.optimizer)
-            if par is not None
-            else 2 * _nbytes(params) + _nbytes(self._optimizer_state())
-        )
+        shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        state = self.optimizer.states[0]  # every parameter's state alike: its kind and dtype
+        moments, itemsize = len(state), next(iter(state.values())).dtype.itemsize if state else 4
+        self.state_bytes = self.plan.state_bytes(shapes, params[0].dtype.itemsize, moments, itemsize)
 
         def run(batches: list[tuple[Any, Any]]) -> tuple[float, float]:
             self.optimizer.sync_lr()

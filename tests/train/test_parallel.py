@@ -5,7 +5,9 @@ generate; an incomplete checkpoint is never resumed. The same runs over MPI: tes
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -170,13 +172,26 @@ def test_each_dp_rank_reads_its_rows_of_the_same_global_batch(single):
 
 
 def test_nproc_must_match_the_mesh(tmp_path, capsys):
-    from llmkit.train.cli import mpiexec_flags
-
     cfg = tmp_path / "c.yaml"
     cfg.write_text((config(tmp_path / "run", dp=2)).model_dump_json())
     assert cli_main(["train", str(cfg), "--nproc", "3"]) == 2
     assert "parallel.dp (2) x parallel.tp (1) = 2 ranks, but --nproc is 3" in capsys.readouterr().err
-    assert mpiexec_flags(4, cores=2)[0] == "--oversubscribe" and "--oversubscribe" not in mpiexec_flags(2, 2)
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+def test_the_nproc_command_line(tmp_path, monkeypatch):
+    from llmkit.train.cli import mpiexec_command
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("llmkit.train.trainer.cpu_count", lambda: 2)
+    cfg = config(tmp_path / "run", dp=2, tp=2)
+    cmd, env = mpiexec_command(cfg, 4, "hosts", ["c.yaml", "train.steps=3", "--resume"])
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    assert cmd[1:] == ["--oversubscribe", *root, "--hostfile", "hosts", "-n", "4", sys.executable, "-m",
+                       "llmkit", "train", "c.yaml", "train.steps=3", "--resume"]  # fmt: skip
+    assert env["OMP_NUM_THREADS"] == "1"  # two cores shared by four ranks
+    cmd, env = mpiexec_command(config(tmp_path / "run", dp=2), 2, None, ["c.yaml"])
+    assert "--oversubscribe" not in cmd and "--hostfile" not in cmd and env["OMP_NUM_THREADS"] == "1"
 
 
 def test_init_from_a_pretrained_model_places_its_slices(single, tmp_path):

@@ -16,14 +16,13 @@ keeps it for the backward unless the layer recomputes).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..nn.layer import Layer, replace_payload
-from ..placement import Placement, ProcessMesh, Replicate, Shard, local_shape
+from ..placement import Placement, ProcessMesh, Replicate, Shard
 from ..tensor import Tensor
 from .api import from_local, reshard, shard_tensor
 from .comm import get_backend
@@ -162,21 +161,6 @@ class Parallelized:
                 t.set_value(reshard(t.detach(), self.mesh, want))
 
     # ---- memory ------------------------------------------------------------------------------
-    def planned_state_bytes(self, optimizer: Any) -> int:
-        """Parameter + gradient + optimizer-state bytes of the fullest rank by the plan's placements
-        (for a static step, whose gradients live inside the program)."""
-        mesh, per_rank = self.mesh, dict.fromkeys(self.mesh.ranks, 0)
-        states = {id(p): s for p, s in zip(optimizer.params, optimizer.states, strict=True)}
-        for name, p in self.model.named_parameters():
-            kinds = [("param", p.dtype), ("grad", p.dtype)]
-            kinds += [("state", t.dtype) for t in states.get(id(p), {}).values()]
-            for kind, dtype in kinds:
-                placements = self.placements(name, kind)
-                for r in mesh.ranks:
-                    shape = local_shape(p.shape, mesh.shape, placements, mesh.coord(r))
-                    per_rank[r] += math.prod(shape) * dtype.itemsize
-        return max(per_rank.values())
-
     def state_bytes(self) -> int:
         """Parameter + gradient + optimizer-state bytes held by the fullest rank (collective)."""
         tensors = [p for p in self.model.parameters()]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write
-from ..placement import Partial, Placement, ProcessMesh, Replicate, Shard
+from ..placement import Partial, Placement, ProcessMesh, Replicate, Shard, local_shape
 
 PLAN_FILE = "parallel_plan.json"
 FORMAT, VERSION = "llmkit.parallel_plan", 1
@@ -219,6 +220,29 @@ class ParallelPlan:
     def state_placements(self, name: str, shape: Sequence[int]) -> tuple[Placement, ...]:
         """Where its optimizer state lives (and the update runs): ZeRO 1+ sharded over dp."""
         return self._on_dp(name, shape, self.zero >= 1)
+
+    def state_bytes(
+        self,
+        shapes: Mapping[str, Sequence[int]],
+        itemsize: int = 4,
+        moments: int = 2,
+        state_itemsize: int = 4,
+    ) -> int:
+        """Parameter + gradient (``itemsize`` each) + optimizer-state bytes of the fullest rank
+        (``moments`` tensors per parameter of ``state_itemsize``: AdamW's two float32 moments), from
+        the placements alone."""
+        mesh = [s for _, s in self.mesh]
+        coords = [(i, j) for i in range(mesh[0]) for j in range(mesh[1])]
+        per_rank = dict.fromkeys(coords, 0)
+        for name, shape in shapes.items():
+            for placements, nbytes in (
+                (self.param_placements(name, shape), itemsize),
+                (self.grad_placements(name, shape), itemsize),
+                (self.state_placements(name, shape), moments * state_itemsize),
+            ):
+                for c in coords:
+                    per_rank[c] += nbytes * math.prod(local_shape(shape, mesh, placements, c))
+        return max(per_rank.values())
 
     def output_placement(self, layer: str) -> Placement | None:
         """The tp placement a layer's output is resharded to, or None (left as the ops make it)."""

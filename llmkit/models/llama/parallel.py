@@ -18,10 +18,14 @@ moved, a tp-th of the activations' memory in between.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from llmkit.framework import nn
 from llmkit.framework.distributed.plan import ParallelPlan, PlanError, register_plan
-from llmkit.framework.placement import Shard
+from llmkit.framework.placement import Shard, local_shape
+
+from .model import LlamaForCausalLM
 
 COLUMN, ROW, REPLICATE = "S(0)", "S(1)", "R"
 
@@ -66,3 +70,34 @@ def check_plan(plan: ParallelPlan, model: Any) -> None:
                 f"tp={tp} does not divide model.{key} ({heads}): column-parallel {proj}_proj keeps whole "
                 "heads on each rank",
             )
+
+
+def predict_traffic(
+    plan: ParallelPlan, config: Any, batch_size: int, seq_len: int, itemsize: int = 4
+) -> dict:
+    """Bytes each rank sends per training step under ``plan`` (ring collectives: an all-reduce of N
+    bytes over n ranks sends 2(n-1)/n N, an all-gather or reduce-scatter (n-1)/n N), by cause:
+
+    - ``tp_stream``: per layer two row-parallel reductions forward (o, down) and two backward (the
+      inputs of the column-parallel q/k/v and gate/up), plus the embedding's and the lm_head's: 2(2L+1)
+      of a [B/dp, S, H] activation (all-reduces, or as many reduce-scatter + all-gather pairs with sp,
+      the same bytes); the vocab-parallel cross-entropy adds three [B/dp, S] all-reduces;
+    - ``dp_grads``: the gradients of a tp rank's weights, all-reduced (reduce-scattered under ZeRO 2+);
+    - ``zero_gather``: ZeRO 1-2 all-gather the updated weights; ZeRO 3 gathers them in the forward.
+    """
+    dp, tp = plan.size("dp"), plan.size("tp")
+    with nn.init.skip_init():  # the shapes, without drawing (or touching) a 7B model's weights
+        model = LlamaForCausalLM(config)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    per_tp = sum(math.prod(local_shape(s, [tp], [plan.tp_placement(n)], [0])) for n, s in shapes.items())
+    weights = per_tp * itemsize  # one tp rank's weights, whole over dp
+    ring = (tp - 1) / tp
+    act = batch_size // dp * seq_len * config.hidden_size * itemsize
+    rows = batch_size // dp * seq_len * itemsize
+    layers = config.num_hidden_layers
+    d = (dp - 1) / dp
+    return {
+        "tp_stream": 2 * (2 * layers + 1) * 2 * ring * act + 3 * 2 * ring * rows,
+        "dp_grads": (d if plan.zero >= 2 else 2 * d) * weights,
+        "zero_gather": d * weights if plan.zero else 0.0,
+    }

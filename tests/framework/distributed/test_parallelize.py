@@ -134,6 +134,7 @@ def test_zero_stages_place_state_and_count_its_bytes(zero):
                     local = np.array_split(local, mesh.shape[m_dim], axis=pl.dim)[0]
             expect += copies * local.size * 8
     assert par.state_bytes() == expect
+    assert plan.state_bytes({n: p.shape for n, p in m.named_parameters()}, 8, 2, 8) == expect
     opt.step()
     par.settle()
     for name, p in m.named_parameters():
