@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from llmkit.framework.distributed.plan import ParallelPlan, PlanError
@@ -193,3 +194,28 @@ def test_a_damaged_plan_file_is_refused_by_name(tmp_path, edit, message):
     (tmp_path / "parallel_plan.json").write_text("{")
     with pytest.raises(PlanError, match="not valid JSON"):
         ParallelPlan.load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "kw", [{"dp": 4}, {"dp": 4, "zero": 1}, {"dp": 4, "zero": 3}, {"tp": 2}, {"dp": 2, "tp": 2}]
+)
+def test_predicted_traffic_follows_zero_and_megatron(model, kw):
+    from llmkit.models.llama.parallel import predict_traffic
+
+    plan = ParallelPlan.make("llama", **kw)
+    dp, tp, zero = plan.size("dp"), plan.size("tp"), plan.zero
+    c = model.config
+    got = predict_traffic(plan, c, batch_size=8, seq_len=16)
+    psi = sum(int(np.prod(p.shape)) for p in model.parameters())  # every weight of this model is split by tp
+    norms = sum(int(np.prod(p.shape)) for n, p in model.named_parameters() if n.endswith("norm.weight"))
+    per_tp = (psi - norms) / tp + norms
+    # ZeRO (Rajbhandari et al. 2020, 7.2): a ring all-reduce sends 2 (d-1)/d of the gradients, a
+    # reduce-scatter or an all-gather (d-1)/d
+    d = (dp - 1) / dp
+    assert got["dp_grads"] == pytest.approx((d if zero >= 2 else 2 * d) * per_tp * 4)
+    assert got["zero_gather"] == pytest.approx(d * per_tp * 4 if zero else 0)
+    # Megatron (Shoeybi et al. 2019, 3): 4 all-reduces of [b, s, h] per layer, + the embedding's and
+    # the head's (forward and backward), + 3 [b, s] reductions of the vocab-parallel cross-entropy
+    b, t = 8 // dp, (tp - 1) / tp
+    want = (4 * c.num_hidden_layers + 2) * 2 * t * b * 16 * c.hidden_size * 4 + 3 * 2 * t * b * 16 * 4
+    assert got["tp_stream"] == pytest.approx(want)
