@@ -193,6 +193,11 @@ class LlamaForCausalLM(nn.Layer):
         """The output projection [V, H]: the embedding matrix when tied."""
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
+    def head(self, hidden: lf.Tensor) -> lf.Tensor:
+        """Logits [..., V] = hidden [..., H] @ lm_weight()ᵀ, through the lm_head layer when it has one
+        (so that hooks on it apply: a parallel plan's, a quantizer's)."""
+        return O.linear(hidden, self.lm_weight()) if self.config.tie_word_embeddings else self.lm_head(hidden)
+
     def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None, kv_cache=None):
         """Logits [B, S, V]; with ``labels`` [B, S] also the loss of predicting token t+1 at t.
 
@@ -200,7 +205,7 @@ class LlamaForCausalLM(nn.Layer):
         here; positions labelled -100 are ignored.
         """
         hidden = self.model(input_ids, position_ids, attention_mask, kv_cache)
-        logits = O.linear(hidden, self.lm_weight())  # (B, S, V)
+        logits = self.head(hidden)  # (B, S, V)
         loss = None
         if labels is not None:
             loss = O.cross_entropy(logits[:, :-1], labels[:, 1:])
@@ -208,7 +213,7 @@ class LlamaForCausalLM(nn.Layer):
 
     def loss(self, input_ids, labels):
         """Mean cross entropy of logits at every position against pre-shifted ``labels`` [B, S]."""
-        logits = O.linear(self.model(input_ids), self.lm_weight())
+        logits = self.head(self.model(input_ids))
         return O.cross_entropy(logits, labels)
 
     # ---- Hugging Face checkpoints ------------------------------------------------------------------
