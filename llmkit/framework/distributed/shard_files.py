@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import serialization as io
+from .. import serialization
 from ..placement import Partial, Replicate
 from ..tensor import Tensor
 from .comm import get_backend
@@ -74,7 +74,7 @@ def save_shards(tensors: Mapping[str, Tensor], directory: str | os.PathLike[str]
     files = []
     for r in sorted(pieces):
         f = directory / rank_file(r)
-        io.save(pieces[r], f, metadata={PIECES: json.dumps(meta[r], separators=(",", ":"))})
+        serialization.save(pieces[r], f, metadata={PIECES: json.dumps(meta[r], separators=(",", ":"))})
         files.append(f)
     return files
 
@@ -94,11 +94,11 @@ class ShardReader:
         self.pieces: dict[str, list[Piece]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, np.dtype] = {}
-        self._open: dict[Path, io.SafetensorsFile] = {}
+        self._open: dict[Path, serialization.SafetensorsFile] = {}
         self.bytes_read = 0  # bytes this process copied out of the files
         self.rank_bytes: dict[int, int] = {}  # bytes each hosted rank's shards hold (read_placed)
         for file in map(Path, files):
-            f = self._open[file] = io.safe_open(file)
+            f = self._open[file] = serialization.safe_open(file)
             try:
                 meta = json.loads(f.metadata().get(PIECES, "{}"))
             except json.JSONDecodeError as e:

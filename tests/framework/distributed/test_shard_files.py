@@ -14,7 +14,7 @@ from dist_helpers import ref_local
 
 import llmkit.framework as lf
 import llmkit.framework.distributed as dist
-from llmkit.framework import serialization as io
+from llmkit.framework import serialization
 from llmkit.framework.distributed.shard_files import PIECES, ShardError, ShardReader, rank_file, save_shards
 
 R, S = dist.Replicate, dist.Shard
@@ -45,7 +45,7 @@ def test_pieces_cover_each_element_once_and_read_back_any_region(tmp_path, layou
     files = save_shards(tensors, tmp_path)
     assert [f.name for f in files] == [rank_file(r) for r in range(4)]
     # each element once: the pieces' bytes add up to the tensors' bytes
-    stored = sum(a.nbytes for f in files for a in (t.numpy() for t in io.load(f).values()))
+    stored = sum(a.nbytes for f in files for a in (t.numpy() for t in serialization.load(f).values()))
     assert stored == sum(v.nbytes for v in values.values())
     reader = ShardReader(files)
     assert reader.shapes == {"w": (5, 7), "b": (3,)} and reader.total_bytes == stored
@@ -73,7 +73,7 @@ def test_a_reader_on_another_layout_reads_only_its_regions(tmp_path, src, dst):
 
 def test_a_plain_safetensors_file_reads_as_whole_pieces(tmp_path):
     value = np.arange(12, dtype=np.float32).reshape(3, 4)
-    io.save({"w": value}, tmp_path / "model.safetensors")
+    serialization.save({"w": value}, tmp_path / "model.safetensors")
     reader = ShardReader([tmp_path / "model.safetensors"])
     np.testing.assert_array_equal(reader.read("w", (slice(1, 3), slice(0, 2))), value[1:3, :2])
     view = reader.read("w", copy=False)  # one piece holds it: a view of the mapped file
@@ -85,15 +85,19 @@ def test_missing_and_damaged_pieces_are_named(tmp_path):
     files = save_shards({"w": dist.shard_tensor(value, MESH, [S(0), S(1)])}, tmp_path)
     with pytest.raises(ShardError, match=r"'w': the pieces in .* hold 16 of its 20 elements .*missing"):
         ShardReader(files[:3])
-    meta = json.loads(io.load_metadata(files[1])[PIECES])
+    meta = json.loads(serialization.load_metadata(files[1])[PIECES])
     meta["w"]["start"] = [3, 4]
-    io.save({"w": io.load(files[1])["w"]}, files[1], metadata={PIECES: json.dumps(meta)})
+    serialization.save(
+        {"w": serialization.load(files[1])["w"]}, files[1], metadata={PIECES: json.dumps(meta)}
+    )
     with pytest.raises(
         ShardError, match=r"rank-00001.safetensors: 'w': piece \[2, 2\] at \[3, 4\] is outside"
     ):
         ShardReader(files)
     meta["w"]["start"] = [0, 0]
-    io.save({"w": io.load(files[1])["w"]}, files[1], metadata={PIECES: json.dumps(meta)})
+    serialization.save(
+        {"w": serialization.load(files[1])["w"]}, files[1], metadata={PIECES: json.dumps(meta)}
+    )
     with pytest.raises(ShardError, match="overlap"):
         ShardReader(files)
 
