@@ -393,22 +393,17 @@ class Trainer:
     def _stopping(self, stop: StopSignals) -> bool:
         """Whether to stop before the next step; over MPI the ranks agree (a signal may reach one
         process a step before another), so they all save the same step."""
-        if self.backend == "mpi":
-            comm = dist.get_backend()
-            mine = {comm.rank: np.array([stop.signum or 0], np.int64)}
-            agreed = int(
-                comm.all_reduce(tuple(range(comm.world_size)), mine, "max", "stop signal")[comm.rank][0]
-            )
-            stop.signum = stop.signum or agreed or None
+        stop.signum = stop.signum or self._most(stop.signum or 0, "stop signal") or None
         return stop.signum is not None
 
-    def _peak_rss(self) -> int:
-        """Peak host memory of the fullest process (collective over MPI)."""
-        mine = peak_rss_bytes()
+    def _most(self, value: int, what: str) -> int:
+        """The largest ``value`` of the processes (a collective over MPI; elsewhere this one's)."""
         if self.backend != "mpi":
-            return mine
+            return value
         comm = dist.get_backend()
-        got = comm.all_reduce(tuple(range(comm.world_size)), {comm.rank: np.array([mine], np.int64)}, "max")
+        got = comm.all_reduce(
+            tuple(range(comm.world_size)), {comm.rank: np.array([value], np.int64)}, "max", what
+        )
         return int(got[comm.rank][0])
 
     def fit(self) -> dict[str, Any]:
@@ -444,7 +439,7 @@ class Trainer:
                             "mfu": tps * self.flops_per_token / self.peak_flops,
                             "tokens": self.tokens_seen,
                             "state_bytes_per_rank": self.state_bytes,
-                            "peak_rss_bytes": self._peak_rss(),
+                            "peak_rss_bytes": self._most(peak_rss_bytes(), "peak memory"),
                         }
                         window_t, window_tokens = time.perf_counter(), 0
                     if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
