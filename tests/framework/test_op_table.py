@@ -583,6 +583,24 @@ case(
 )
 
 
+def _token_logprobs_ref(logits, tokens, temperature=1.0):
+    out = np.zeros(tokens.shape)
+    for idx in np.ndindex(*tokens.shape):
+        z = [x / temperature for x in logits[idx]]
+        out[idx] = z[tokens[idx]] - math.log(sum(math.exp(x) for x in z))
+    return out
+
+
+case(
+    "token_logprobs",
+    lambda rng: [
+        S([r(rng, 5, 7), ints(rng, 7, 5)]),
+        S([3 * r(rng, 2, 3, 4), ints(rng, 4, 2, 3)], {"temperature": 0.6}),
+    ],
+    _token_logprobs_ref,
+)
+
+
 def _rope_tables(rng, positions, d):
     ang = np.arange(positions)[:, None] * rng.uniform(0.1, 1.0, d // 2)[None, :]
     ang = np.concatenate([ang, ang], -1)
@@ -890,6 +908,71 @@ case(
     ],
     _paged_attention_ref,
 )
+
+
+def _paged_attention_grad_ref(g, q, pool, tables, kv_len, q_start=None, q_len=None, layer=0, scale=None):
+    """From the attention backward per query token: with p the softmax of s_j = q.k_j * scale,
+    dp_j = g.v_j, ds_j = p_j (dp_j - sum_i p_i dp_i); dq = scale sum_j ds_j k_j, dk_j += scale ds_j q,
+    dv_j += p_j g, each key and value at its slot of the pool."""
+    b, hq, s, d = q.shape
+    bs, hk = pool.shape[3], pool.shape[4]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    dq, dpool = np.zeros(q.shape), np.zeros(pool.shape)
+    keys_all, vals_all = pool[layer, 0].reshape(-1, hk, d), pool[layer, 1].reshape(-1, hk, d)
+    dk_all, dv_all = dpool[layer, 0].reshape(-1, hk, d), dpool[layer, 1].reshape(-1, hk, d)  # views
+    starts = range(b * s) if q_start is None else q_start
+    lens = [1] * len(kv_len) if q_len is None else q_len
+    for i in range(len(kv_len)):
+        t = int(kv_len[i])
+        slots = [_slot_of(tables[i], p, bs) for p in range(t)]
+        for j in range(int(lens[i])):
+            row, col = divmod(int(starts[i]) + j, s)
+            pos = t - int(lens[i]) + j
+            for h in range(hq):
+                kh = h // (hq // hk)
+                sc = np.array([q[row, h, col] @ keys_all[slots[p], kh] * scale for p in range(pos + 1)])
+                w = np.exp(sc - sc.max())
+                w /= w.sum()
+                dp = np.array([g[row, h, col] @ vals_all[slots[p], kh] for p in range(pos + 1)])
+                ds = w * (dp - (w * dp).sum())
+                for p in range(pos + 1):
+                    dq[row, h, col] += scale * ds[p] * keys_all[slots[p], kh]
+                    dk_all[slots[p], kh] += scale * ds[p] * q[row, h, col]
+                    dv_all[slots[p], kh] += w[p] * g[row, h, col]
+    return dq, dpool
+
+
+case(
+    "paged_attention_grad",
+    lambda rng: [
+        S(
+            [
+                r(rng, 2, 4, 1, 3),
+                r(rng, 2, 4, 1, 3),
+                r(rng, 2, 2, 5, 2, 2, 3),
+                np.array([[4, 1], [0, 3]]),
+                np.array([3, 4]),
+            ],
+            {"layer": 1},
+        ),
+        # two sequences' prefill in one row: the second after 2 cached keys; a third whose keys
+        # share the first's blocks (their key gradients add up)
+        S(
+            [
+                r(rng, 1, 2, 7, 3),
+                r(rng, 1, 2, 7, 3),
+                r(rng, 1, 2, 4, 2, 1, 3),
+                np.array([[2, 0, 1], [3, 1, 0], [2, 0, 1]]),
+                np.array([2, 5, 3]),
+                np.array([0, 2, 5]),
+                np.array([2, 3, 2]),
+            ],
+            {"scale": 0.4},
+        ),
+    ],
+    _paged_attention_grad_ref,
+)
+
 
 # ---- collectives (ops/collective.py): every rank on its own thread of the sim backend -------------
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .. import backend as B
 from .. import symbolic as sym
 from ..autograd import run_backward
@@ -241,6 +243,52 @@ defop(
     doc="Softmax cross entropy of logits [..., C] against integer labels [...]; labels equal to "
     "ignore_index count for nothing and 'mean' divides by the number of the others. "
     "label_smoothing mixes the target with the uniform distribution.",
+)
+
+
+# ---- token log-probabilities ---------------------------------------------------------------------
+# Sampling's precision (float64) and its definition: the log-softmax kernel above on logits / T. The
+# inference engine's sampler reports log-probs with that same kernel, and this op is opaque (never
+# decomposed, so compiled programs run this kernel too): a trainer that recomputes the log-prob of a
+# sampled token from the same logits gets the sampler's bits (RLHF's exact log-probs).
+
+
+def _tlp_meta(logits, tokens, temperature=1.0):
+    _floating("token_logprobs", logits)
+    if not B.is_integer(tokens.dtype) or logits.ndim < 1 or tuple(tokens.shape) != tuple(logits.shape[:-1]):
+        raise OpError("token_logprobs: expects logits [..., V] and integer tokens [...]", logits, tokens)
+    return Meta(tokens.shape, np.float64)
+
+
+def _tlp_kernel(xp, logits, tokens, temperature=1.0):
+    lp = _log_softmax_kernel(xp, logits.astype(np.float64) / temperature)
+    return xp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+
+
+def _tlp_vjp(g, out, logits, tokens, temperature=1.0):
+    p = O.softmax(O.cast(logits, np.float64) / temperature, axis=-1)
+    onehot = O.one_hot(tokens, num_classes=logits.shape[-1], dtype=np.float64)
+    return (O.cast((onehot - p) * (O.unsqueeze(g, axis=-1) / temperature), logits.dtype), None)
+
+
+def _tlp_spmd(ctx):
+    """Rows shard, with their tokens and log-probs; a row's vocabulary is read whole (a sharded
+    vocab replicates first)."""
+    return P.dim_map(ctx, [((d, d), (d,)) for d in range(ctx.metas[1].ndim)])
+
+
+defop(
+    "token_logprobs",
+    Kind.OPAQUE,
+    inputs=("logits", "tokens"),
+    nondiff={1},
+    attrs=[attr("temperature", A.FLOAT, 1.0, lambda v: None if v > 0 else "must be > 0")],
+    infer_meta=_tlp_meta,
+    kernel=_tlp_kernel,
+    vjp=_tlp_vjp,
+    spmd=P.Rule(_tlp_spmd),
+    doc="log_softmax(logits / temperature)[..., token] in float64 over the full vocabulary: the "
+    "log-probability of each token [...] under logits [..., V] (the inference sampler's definition).",
 )
 
 

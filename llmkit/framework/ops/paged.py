@@ -20,10 +20,12 @@ slot ``block_table[p // BS] * BS + p % BS``. Three ops make that a program:
   weight as ``[in, out]``, the layout BLAS reads fastest (the engine stores weights that way).
 
 They and ``tiled_linear_swiglu`` are the engine's ops (``engine_op``: traits ``inference`` and
-``internal``): the paged ones have no gradient rule (RLHF differentiates the training forward, not
-the engine's programs), none has a decomposition (the compiler must keep their kernels, which
-carry the guarantees above), and each has a hand-written C kernel that the engine's compiled
-programs run (``compiler/native/paged.py``, ``linear.py``).
+``internal``): none has a decomposition (the compiler must keep their kernels, which carry the
+guarantees above), and each has a hand-written C kernel that the engine's compiled programs run
+(``compiler/native/paged.py``, ``linear.py``). ``tiled_linear`` and ``paged_attention`` have
+gradient rules (``paged_attention_grad``: each segment's attention backward, the keys' and values'
+gradients added into a pool-shaped gradient): RLHF's trainer differentiates a forward that runs
+these kernels, so that its log-probs are the engine's bit for bit (``llmkit.rlhf.policy``).
 
 SPMD (tensor-parallel serving): the kv heads shard with the query heads that share them (when
 both split evenly), and the tiled products shard like ``linear`` (batch rows, output features, or
@@ -79,9 +81,10 @@ def engine_op(name, inputs, attrs, infer_meta, kernel, doc, *, traits=(), **kw):
                  traits=traits, doc=doc, **kw)  # fmt: skip
 
 
-def _kv_heads_spmd(pool: int, heads: tuple, out: int):
+def _kv_heads_spmd(pool: int, heads: tuple, out: int | tuple[int, ...]):
     """Shard the pool's kv heads (dim 4) with the heads dim of the tensors at ``heads`` ((input,
-    dim) pairs), the output's dim ``out``; everything else replicated."""
+    dim) pairs), the output's dim ``out`` (one per output); everything else replicated."""
+    outs = out if isinstance(out, tuple) else (out,)
 
     def strategies(ctx):
         groups = []
@@ -90,7 +93,9 @@ def _kv_heads_spmd(pool: int, heads: tuple, out: int):
             ins[pool] = 4
             for i, d in heads:
                 ins[i] = d
-            groups.append((ins, (out,)))
+            groups.append((ins, outs))
+        if not groups:  # all replicated (dim_map counts the outputs from a group's)
+            groups.append(([None] * len(ctx.metas), (None,) * len(outs)))
         return P.dim_map(ctx, groups)
 
     return strategies
@@ -182,24 +187,23 @@ def _attn_meta(q, pool, block_tables, kv_len, q_start=None, q_len=None, layer=0,
     return Meta(q.shape, q.dtype)
 
 
-def _attn_kernel(xp, q, pool, block_tables, kv_len, q_start=None, q_len=None, layer=0, scale=None):
-    b, hq, s, d = q.shape
-    bs, hk = pool.shape[3], pool.shape[4]
-    g = hq // hk
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+def _attn_groups(q, pool, block_tables, kv_len, q_start, q_len):
+    """Segments checked and grouped by (q_len, kv_len): ``(tables, starts, groups)``, groups mapping
+    sizes to member segments. Segments of equal sizes are computed together: each still gets its
+    own BLAS calls and reductions of its own sizes (stacked matmul slices, last-axis reductions), so
+    its result is the same as alone (batch invariance)."""
+    b, _, s, _ = q.shape
     n = b * s
     tables = _host(block_tables)
     lens = _host(kv_len).tolist()
-    starts = range(n) if q_start is None else _host(q_start).tolist()
+    starts = list(range(n)) if q_start is None else _host(q_start).tolist()
     counts = [1] * n if q_len is None else _host(q_len).tolist()
-    # Segments of equal (q_len, kv_len) are computed together: every one of them still gets its own
-    # BLAS calls and reductions of its own sizes (stacked matmul slices, last-axis reductions), so
-    # its result is the same as alone (batch invariance).
     if not len(lens) == len(counts) == len(starts) == tables.shape[0]:
         raise OpError(
             f"paged_attention: {tables.shape[0]} block tables and {len(lens)} kv lengths for "
             f"{len(counts)} segments (without q_start/q_len, one per query token)"
         )
+    bs = pool.shape[3]
     groups: dict[tuple[int, int], list[int]] = {}
     covered = np.zeros(n, bool)
     for i, (m, t, st) in enumerate(zip(counts, lens, starts)):
@@ -216,35 +220,102 @@ def _attn_kernel(xp, q, pool, block_tables, kv_len, q_start=None, q_len=None, la
             raise OpError(f"paged_attention: segment {i} (q_start={st}, q_len={m}) overlaps an earlier one")
         covered[st : st + m] = True
         groups.setdefault((m, t), []).append(i)
-    qt = q.transpose(0, 2, 1, 3).reshape(n, hq, d)  # (N, Hq, D), token-major
-    out = xp.zeros_like(qt)
+    return tables, starts, groups
+
+
+def _attn_group(xp, qt, pool, tables, starts, m, t, members, layer, scale):
+    """One group of C segments of m queries over t keys: (rows of qt, blocks, keys, values
+    [C, T, Hkv, D], stacked queries [C, Hkv, G*M, D], probabilities [C, Hkv, G*M, T])."""
+    bs, hk, d = pool.shape[3], pool.shape[4], pool.shape[5]
+    c, nblk, g = len(members), -(-t // bs), qt.shape[1] // hk
+    if c == 1:  # (the common case in serving: a slice instead of an index array)
+        i = members[0]
+        blocks = tables[i : i + 1, :nblk]
+        rows = slice(starts[i], starts[i] + m)
+    else:
+        idx = np.asarray(members)
+        blocks = tables[idx, :nblk]
+        rows = (np.asarray(starts)[idx][:, None] + np.arange(m)).reshape(-1)  # (C*M,)
     kv = pool[layer]  # (2, NB, BS, Hkv, D)
+    # Gathering along the pool's first axis gives contiguous copies: (C, T, Hkv, D) each.
+    keys = kv[0][blocks].reshape(c, -1, hk, d)[:, :t]
+    values = kv[1][blocks].reshape(c, -1, hk, d)[:, :t]
+    # Query heads sharing a kv head are stacked as rows: (C, Hkv, G*M, D), row = (group, token).
+    qs = qt[rows].reshape(c, m, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(c, hk, g * m, d)
+    scores = xp.matmul(qs, keys.transpose(0, 2, 3, 1))  # (C, Hkv, G*M, T)
+    scores *= scale
+    if m > 1:  # causal, bottom-right aligned: query i sits at position t - m + i
+        scores = scores.reshape(c, hk, g, m, t)
+        scores = xp.where(xp.tri(m, t, t - m, dtype=bool), scores, -xp.inf).reshape(c, hk, g * m, t)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = xp.exp(scores, out=scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    return rows, blocks, keys, values, qs, p
+
+
+def _token_major(q):
+    b, hq, s, d = q.shape
+    return q.transpose(0, 2, 1, 3).reshape(b * s, hq, d)  # (N, Hq, D)
+
+
+def _head_major(x, like):
+    b, hq, s, d = like.shape
+    return x.reshape(b, s, hq, d).transpose(0, 2, 1, 3)  # (B, Hq, S, D)
+
+
+def _attn_kernel(xp, q, pool, block_tables, kv_len, q_start=None, q_len=None, layer=0, scale=None):
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    tables, starts, groups = _attn_groups(q, pool, block_tables, kv_len, q_start, q_len)
+    qt = _token_major(q)
+    out = xp.zeros_like(qt)
+    hk, g, d = pool.shape[4], q.shape[1] // pool.shape[4], q.shape[3]
     for (m, t), members in groups.items():
-        c, nblk = len(members), -(-t // bs)
-        if c == 1:  # (the common case in serving: a slice instead of an index array)
-            i = members[0]
-            blocks = tables[i : i + 1, :nblk]
-            rows = slice(starts[i], starts[i] + m)
-        else:
-            idx = np.asarray(members)
-            blocks = tables[idx, :nblk]
-            rows = (np.asarray(starts)[idx][:, None] + np.arange(m)).reshape(-1)  # (C*M,)
-        # Gathering along the pool's first axis gives contiguous copies: (C, T, Hkv, D) each.
-        keys = kv[0][blocks].reshape(c, -1, hk, d)[:, :t]
-        values = kv[1][blocks].reshape(c, -1, hk, d)[:, :t]
-        # Query heads sharing a kv head are stacked as rows: (C, Hkv, G*M, D), row = (group, token).
-        qs = qt[rows].reshape(c, m, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(c, hk, g * m, d)
-        scores = xp.matmul(qs, keys.transpose(0, 2, 3, 1))  # (C, Hkv, G*M, T)
-        scores *= scale
-        if m > 1:  # causal, bottom-right aligned: query i sits at position t - m + i
-            scores = scores.reshape(c, hk, g, m, t)
-            scores = xp.where(xp.tri(m, t, t - m, dtype=bool), scores, -xp.inf).reshape(c, hk, g * m, t)
-        scores -= scores.max(axis=-1, keepdims=True)
-        p = xp.exp(scores, out=scores)
-        p /= p.sum(axis=-1, keepdims=True)
+        rows, _, _, values, _, p = _attn_group(xp, qt, pool, tables, starts, m, t, members, layer, scale)
         o = xp.matmul(p, values.transpose(0, 2, 1, 3))  # (C, Hkv, G*M, D)
-        out[rows] = o.reshape(c, hk, g, m, d).transpose(0, 3, 1, 2, 4).reshape(c * m, hq, d)
-    return out.reshape(b, s, hq, d).transpose(0, 2, 1, 3)
+        out[rows] = o.reshape(-1, hk, g, m, d).transpose(0, 3, 1, 2, 4).reshape(-1, hk * g, d)
+    return _head_major(out, q)
+
+
+def _attn_vjp(g, out, q, pool, block_tables, kv_len, q_start=None, q_len=None, layer=0, scale=None):
+    dq, dpool = O.paged_attention_grad(
+        g, q, pool, block_tables, kv_len, q_start, q_len, layer=layer, scale=scale
+    )
+    return dq, dpool, None, None, None, None
+
+
+def _attn_grad_meta(g, q, pool, block_tables, kv_len, q_start=None, q_len=None, layer=0, scale=None):
+    _attn_meta(q, pool, block_tables, kv_len, q_start, q_len, layer, scale)
+    if tuple(g.shape) != tuple(q.shape) or g.dtype != q.dtype:
+        raise OpError("paged_attention_grad: g must be [B, Hq, S, D] like q", g, q)
+    return Meta(q.shape, q.dtype), Meta(pool.shape, pool.dtype)
+
+
+def _attn_grad_kernel(xp, g, q, pool, block_tables, kv_len, q_start=None, q_len=None, layer=0, scale=None):
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    tables, starts, groups = _attn_groups(q, pool, block_tables, kv_len, q_start, q_len)
+    qt, gt = _token_major(q), _token_major(g)
+    dq = xp.zeros_like(qt)
+    dpool = xp.zeros_like(pool)
+    bs, hk, d = pool.shape[3], pool.shape[4], pool.shape[5]
+    grp = q.shape[1] // hk
+    flat = dpool[layer].reshape(2, -1, hk, d)  # a view: (2, NB*BS, Hkv, D)
+    for (m, t), members in groups.items():
+        rows, blocks, keys, values, qs, p = _attn_group(
+            xp, qt, pool, tables, starts, m, t, members, layer, scale
+        )
+        c = len(members)
+        gs = gt[rows].reshape(c, m, hk, grp, d).transpose(0, 2, 3, 1, 4).reshape(c, hk, grp * m, d)
+        dp = xp.matmul(gs, values.transpose(0, 2, 3, 1))  # (C, Hkv, G*M, T)
+        ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))  # d(scores before scaling) * 1
+        dqs = xp.matmul(ds, keys.transpose(0, 2, 1, 3)) * scale  # (C, Hkv, G*M, D)
+        dq[rows] = dqs.reshape(c, hk, grp, m, d).transpose(0, 3, 1, 2, 4).reshape(-1, hk * grp, d)
+        dk = xp.matmul(ds.transpose(0, 1, 3, 2), qs) * scale  # (C, Hkv, T, D)
+        dv = xp.matmul(p.transpose(0, 1, 3, 2), gs)
+        pos = np.arange(t)
+        slots = (blocks[:, pos // bs] * bs + pos % bs).reshape(-1)  # (C*T,) where each key lives
+        for j, dx in ((0, dk), (1, dv)):
+            np.add.at(flat[j], slots, dx.transpose(0, 2, 1, 3).reshape(-1, hk, d))
+    return _head_major(dq, q), dpool
 
 
 engine_op(
@@ -253,6 +324,8 @@ engine_op(
     [_LAYER, attr("scale", optional(A.FLOAT), None)],
     _attn_meta,
     _attn_kernel,
+    nondiff={2, 3, 4, 5},
+    vjp=_attn_vjp,
     spmd=P.Rule(_kv_heads_spmd(pool=1, heads=((0, 1),), out=1)),
     doc="Causal attention of q [B, Hq, S, D] against a paged KV pool, segment by segment. Segment i is the "
     "query tokens [q_start[i], q_start[i] + q_len[i]) of the flattened B*S tokens (one row of B); its "
@@ -260,6 +333,22 @@ engine_op(
     "queries are the last q_len[i] of those positions. Without q_start/q_len every token is a "
     "segment (decode). Tokens in no segment get zeros. Grouped-query heads as in "
     "scaled_dot_product_attention; scale defaults to 1/sqrt(D).",
+)
+
+
+defop(  # the training side's backward (internal, not an engine op: no hand-written kernel)
+    "paged_attention_grad",
+    Kind.OPAQUE,
+    inputs=("g", "q", "pool", "block_tables", "kv_len", "q_start?", "q_len?"),
+    attrs=[_LAYER, attr("scale", optional(A.FLOAT), None)],
+    infer_meta=_attn_grad_meta,
+    kernel=_attn_grad_kernel,
+    multi_output=True,
+    traits={"internal"},
+    spmd=P.Rule(_kv_heads_spmd(pool=2, heads=((0, 1), (1, 1)), out=(1, 4))),
+    doc="(dq, dpool) of out = paged_attention(q, pool, ...) for the output gradient g: per segment, "
+    "with P its probabilities and dS = P * (g V^T - rowsum(P * g V^T)), dq = dS K * scale, and the "
+    "keys' dS^T q * scale and values' P^T g added into dpool at their slots (zero elsewhere).",
 )
 
 
