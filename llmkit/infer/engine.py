@@ -55,6 +55,9 @@ class EngineConfig:
     prefill_tile: int = PREFILL_TILE  # rows per BLAS call in prefill (batch invariance); 0 = plain linear
     decode_tile: int = DECODE_TILE  # rows per BLAS call in decode; 0 = plain linear
     enable_prefix_caching: bool = True
+    # from_model: weights relaid once into the layouts the kernels read fastest (refreshed after
+    # each update); False: the programs read the parameters' own arrays (RLHF: nothing to refresh)
+    relayout_weights: bool = True
     max_model_len: int | None = None  # context limit; default (and at most): the model's
     # "cinn": fused compiled kernels, the ops' C kernels and one-call replays of the decode step;
     # "none": the op table's reference kernels; None: to_static's default (cinn where cc works).
@@ -126,6 +129,7 @@ class Engine:
             config.prefill_tile,
             config.decode_tile,
             config.compiler,
+            config.relayout_weights,
         )
         eos = model.config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])

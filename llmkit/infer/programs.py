@@ -347,14 +347,16 @@ def trace_programs(
     prefill_tile: int = PREFILL_TILE,
     decode_tile: int = DECODE_TILE,
     compiler: str | None = None,
+    relayout: bool = True,
 ) -> tuple[dict[str, EngineProgram], ModelSpec]:
     """Trace ``prefill`` and ``decode`` from ``model`` (its parameters stay live program inputs).
 
     The model must provide ``model.model(input_ids, position_ids, attention_mask, kv_cache) ->
     hidden [B, S, H]`` (final norm applied), ``model.lm_weight() -> [V, H]`` and ``model.config``.
     With a tile (rows per BLAS call) the program's linears become ``tiled_linear`` and take their
-    weights relaid (see the passes above). ``compiler`` is passed to ``to_static`` ("cinn", "none";
-    None: to_static's default).
+    weights relaid (see the passes above); with ``relayout=False`` they read the parameters'
+    own ``[out, in]`` arrays (no copies to refresh when training changes them: RLHF).
+    ``compiler`` is passed to ``to_static`` ("cinn", "none"; None: to_static's default).
     """
     spec = model_spec(model, block_size, prefill_tile, decode_tile)
     tiles = {"prefill": prefill_tile, "decode": decode_tile}
@@ -388,10 +390,11 @@ def trace_programs(
         layouts: dict[int, str] = {}
         if tiles[pname]:
             TileLinear(tiles[pname]).apply(cp.program)
-            relayout_pass = TransposeWeights(panels=native)
-            relayout_pass.apply(cp.program)
-            layouts = {i - cp.n_args: v for i, v in relayout_pass.layouts.items()}
-            FuseSwiGLU().apply(cp.program)
+            if relayout:
+                relayout_pass = TransposeWeights(panels=native)
+                relayout_pass.apply(cp.program)
+                layouts = {i - cp.n_args: v for i, v in relayout_pass.layouts.items()}
+                FuseSwiGLU().apply(cp.program)
             cp.program.verify()
         out[pname] = EngineProgram(cp, layouts)
     return out, spec

@@ -87,10 +87,18 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.pool = np.zeros(spec.pool_shape(num_blocks), B.dtype(spec.dtype))
         self._weight_cache: dict[int, tuple[Any, Any]] = {}  # live models: derived weight copies
+        self._live: list[EngineProgram] = []  # live models: the programs reading them
 
     def weights_changed(self) -> None:
         """Drop copies derived from the weights (relaid layouts); they are rebuilt at the next step."""
         self._weight_cache.clear()
+
+    def refresh_weights(self) -> None:
+        """Build the copies derived from the current weights now rather than at the next step (so
+        that a caller can time the refresh); nothing to do for programs reading the weights as they
+        are, or for a static model file."""
+        for p in self._live:
+            p.capture_arrays(self._weight_cache)
 
     # ---- sources ------------------------------------------------------------------------------
     @classmethod
@@ -102,9 +110,10 @@ class ModelRunner:
         prefill_tile: int = PREFILL_TILE,
         decode_tile: int = DECODE_TILE,
         compiler: str | None = None,
+        relayout: bool = True,
     ) -> ModelRunner:
         """Programs traced from a live model: every call reads the model's current parameters."""
-        programs, spec = trace_programs(model, block_size, prefill_tile, decode_tile, compiler)
+        programs, spec = trace_programs(model, block_size, prefill_tile, decode_tile, compiler, relayout)
         cache: dict[tuple[int, str], tuple[Any, Any]] = {}  # relaid weights, shared by both programs
 
         def bind(p: EngineProgram) -> ProgramFn:
@@ -118,6 +127,7 @@ class ModelRunner:
 
         runner = cls(bind(programs["prefill"]), bind(programs["decode"]), spec, num_blocks)
         runner._weight_cache = cache
+        runner._live = list(programs.values())
         return runner
 
     @classmethod

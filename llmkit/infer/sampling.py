@@ -4,7 +4,8 @@
 (its random generator, the tokens it has seen for penalties). Each request is sampled on its own
 row of logits, so sampling never depends on how requests are batched. The order of operations::
 
-    raw logits -> logprobs (reported: the model's own distribution, as vLLM reports by default)
+    raw logits -> logprobs (reported: the model's own distribution, as vLLM reports by default;
+                  logprobs_mode="processed": of the penalized logits / temperature, full vocabulary)
     raw logits -> repetition / presence / frequency penalties
                -> greedy argmax (temperature 0; the lowest id wins ties)
                or / temperature -> top-k -> softmax -> min-p -> top-p -> one draw from the
@@ -21,7 +22,11 @@ from typing import Any
 
 import numpy as np
 
+import llmkit.framework as lf
+
 MAX_LOGPROBS = 20
+LOGPROBS_MODES = ("raw", "processed")
+_LOG_SOFTMAX = lf.ops.table()["log_softmax"].kernel
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the output (besides eos)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k most likely
+    # "raw": of the model's logits; "processed": of the distribution before top-k/top-p/min-p
+    # truncation (penalties and temperature applied; temperature 0 counts as 1): RLHF's log-probs
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
@@ -63,6 +71,8 @@ class SamplingParams:
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
@@ -105,10 +115,10 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     return int(rng.choice(p.shape[0], p=p))
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits.astype(np.float64)
-    z = z - z.max()
-    return z - np.log(np.exp(z).sum())
+def log_softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """Float64 log-probabilities of ``logits / temperature``: the op table's log_softmax kernel, the
+    definition the ``token_logprobs`` op shares (so a trainer recomputes the sampler's bits)."""
+    return _LOG_SOFTMAX(np, logits.astype(np.float64) / temperature)
 
 
 def top_logprobs(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
@@ -179,7 +189,8 @@ class Sampler:
         token = int(np.argmax(z)) if p.greedy else int(self.rng.choice(z.shape[0], p=probabilities(z, p)))
         choice = TokenChoice(token)
         if p.logprobs is not None:
-            lp = log_softmax(logits)
+            processed = p.logprobs_mode == "processed"
+            lp = log_softmax(z, p.temperature or 1.0) if processed else log_softmax(logits)
             choice.logprob = float(lp[token])
             choice.top = top_logprobs(lp, p.logprobs)
         return choice

@@ -89,6 +89,25 @@ def test_logprobs_are_the_raw_distribution():
     assert top_logprobs(ref, 0) == []
 
 
+def test_processed_logprobs_are_of_the_distribution_before_truncation():
+    """logprobs_mode="processed": log-softmax of the penalized logits / temperature over the full
+    vocabulary, as RLHF's trainer recomputes them (top-k does not renormalize them)."""
+    z = np.array([1.0, 3.0, 2.5, 0.0, -1.0], np.float32)
+    params = SamplingParams(
+        temperature=0.7, top_k=2, repetition_penalty=1.5, logprobs=1, logprobs_mode="processed"
+    )
+    c = Sampler(params, prompt_ids=[1], seed=0)(z)
+    penalized = z.astype(np.float64)
+    penalized[1] /= 1.5  # token 1 was seen in the prompt, its logit positive
+    ref = np.log(softmax(penalized / 0.7))
+    assert c.token_id in (1, 2)
+    assert c.logprob == pytest.approx(ref[c.token_id], rel=1e-12)
+    greedy = Sampler(SamplingParams(temperature=0, logprobs=0, logprobs_mode="processed"))(z)
+    assert greedy.logprob == pytest.approx(np.log(softmax(z.astype(np.float64)))[1], rel=1e-12)  # T=0 as 1
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        SamplingParams(logprobs_mode="truncated")
+
+
 @pytest.mark.parametrize(
     "kw, field",
     [
