@@ -47,6 +47,26 @@ class ChatTemplate:
         After an optional leading system message, turns alternate user / assistant and end with a
         user turn (the model writes the next assistant turn).
         """
+        return [t for ids, _ in self._pieces(messages, tokenizer, "user") for t in ids]
+
+    def render_conversation(
+        self, messages: Sequence[Mapping[str, str]], tokenizer: Any
+    ) -> tuple[list[int], list[bool]]:
+        """Ids of a whole conversation ending with an assistant turn, and for each id whether it is
+        the assistant's (its reply's tokens and the eos after it): what supervised fine-tuning
+        trains on. Rendered exactly as :meth:`render` renders the earlier turns of a prompt."""
+        ids: list[int] = []
+        mask: list[bool] = []
+        for piece, assistant in self._pieces(messages, tokenizer, "assistant"):
+            ids += piece
+            mask += [assistant] * len(piece)
+        return ids, mask
+
+    def _pieces(
+        self, messages: Sequence[Mapping[str, str]], tokenizer: Any, last: str
+    ) -> list[tuple[list[int], bool]]:
+        """The rendering as (ids, written by the assistant) pieces; the last message's role must be
+        ``last``."""
         msgs = list(messages)
         system = None
         if msgs and msgs[0]["role"] in ("system", "developer"):
@@ -61,17 +81,16 @@ class ChatTemplate:
                     f"{'an' if want == 'assistant' else 'a'} {want} message (after an optional system "
                     f"message, user and assistant turns alternate), got role {m['role']!r}"
                 )
-        if msgs[-1]["role"] != "user":
-            raise ChatTemplateError("messages: the last message must be from the user")
-        ids: list[int] = []
+        if msgs[-1]["role"] != last:
+            raise ChatTemplateError(f"messages: the last message must be from the {last}")
+        pieces: list[tuple[list[int], bool]] = []
         for i in range(0, len(msgs), 2):
             user = msgs[i]["content"]
             if i == 0 and system is not None:
                 user = self.system.format(content=system) + user
-            if self.bos_each_turn or i == 0:
-                ids.append(tokenizer.bos_id)
-            ids += tokenizer.encode(self.user.format(content=user), add_bos=False)
+            bos = [tokenizer.bos_id] if self.bos_each_turn or i == 0 else []
+            pieces.append((bos + tokenizer.encode(self.user.format(content=user), add_bos=False), False))
             if i + 1 < len(msgs):
-                ids += tokenizer.encode(self.assistant.format(content=msgs[i + 1]["content"]), add_bos=False)
-                ids.append(tokenizer.eos_id)
-        return ids
+                reply = tokenizer.encode(self.assistant.format(content=msgs[i + 1]["content"]), add_bos=False)
+                pieces.append((reply + [tokenizer.eos_id], True))
+        return pieces

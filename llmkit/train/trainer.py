@@ -162,7 +162,7 @@ class Trainer:
         self.data = load_token_data(
             cfg.data.sources, self.tokenizer, cfg.data.val_fraction, cfg.data.cache_dir
         )
-        self.sampler = BatchSampler(self.data.train, t.batch_size, t.seq_len, seed=t.seed)
+        self.sampler = BatchSampler(self.data.train, t.batch_size, t.seq_len, t.seed, self.data.train_mask)
         # Weights about to be loaded (a checkpoint; a pretrained model over several ranks, each
         # reading its slices) are not initialized first: building the model keeps its memory untouched.
         load_init = cfg.model.init_from is not None and self.backend is not None
@@ -349,7 +349,7 @@ class Trainer:
         t = self.cfg.train
         losses = [
             self.value(self.model.loss(*self.place(lambda rows, x=x, y=y: (x[rows], y[rows]))))
-            for x, y in eval_batches(self.data.val, t.eval_steps, t.batch_size, t.seq_len)
+            for x, y in eval_batches(self.data.val, t.eval_steps, t.batch_size, t.seq_len, self.data.val_mask)
         ]
         return float(np.mean(losses))
 

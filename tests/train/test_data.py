@@ -106,9 +106,9 @@ def test_uint32_for_large_vocabularies(
         (
             {"d.jsonl": '{"text": "ok"}\n\n{"content": "x"}\n'},
             "d.jsonl",
-            r"d\.jsonl:3: no \"text\" field \(got \['content'\]\)",
+            r"d\.jsonl:3: no \"text\" or \"messages\" field \(got \['content'\]\)",
         ),
-        ({"d.jsonl": '["text"]\n'}, "d.jsonl", r"d\.jsonl:1: no \"text\" field \(got list\)"),
+        ({"d.jsonl": '["text"]\n'}, "d.jsonl", r"d\.jsonl:1: no \"text\" or \"messages\" field \(got list\)"),
         ({"d.jsonl": '{"text": 5}\n'}, "d.jsonl", r"d\.jsonl:1: \"text\" must be a string, got int"),
         ({"e.txt": ""}, "e.txt", r"contain no text"),
         ({"e.jsonl": "\n\n"}, "e.jsonl", r"contain no text"),
