@@ -148,9 +148,12 @@ def tokenizer_main(argv: list[str]) -> int:
 
 def plot_main(argv: list[str]) -> int:
     """``llmkit plot RUN_DIR [--out FILE]``."""
-    p = ArgumentParser(prog="llmkit plot", description="Plot a run's training and eval loss to PNG.")
+    p = ArgumentParser(
+        prog="llmkit plot",
+        description="Plot a run's curves to PNG: training loss, RLHF reward and KL, preference accuracy.",
+    )
     p.add_argument("run_dir")
-    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/loss.png)")
+    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/loss.png, or reward.png for RLHF)")
     a = p.parse_args(argv)
     from .plot import plot_run
 

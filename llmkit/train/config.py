@@ -21,7 +21,7 @@ import os
 import re
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -51,6 +51,9 @@ class ConfigError(ValueError):
 class _Section(BaseModel):
     # strict: no silent coercions (true -> 1, "10" -> 10); YAML already gives ints, floats and bools.
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+Section = _Section  # the base of every config section (other jobs' schemas build on it)
 
 
 class _ModelSectionBase(_Section):
@@ -224,6 +227,8 @@ class TrainConfig(_Section):
 
 # ---- reading and writing ------------------------------------------------------------------------
 
+C = TypeVar("C", bound=BaseModel)
+
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that reads YAML 1.2 floats: `1e-3` and `1E5` are numbers, not strings."""
@@ -236,8 +241,11 @@ _Loader.add_implicit_resolver(
 )
 
 
-def load_config(path: str | os.PathLike[str], overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Read a YAML run config and apply `section.key=value` overrides (values are YAML)."""
+def load_config(
+    path: str | os.PathLike[str], overrides: list[str] | tuple[str, ...] = (), schema: type[C] | None = None
+) -> C:
+    """Read a YAML run config and apply `section.key=value` overrides (values are YAML); validate it
+    against ``schema`` (a config class built from the sections here; default TrainConfig)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -262,18 +270,20 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | tuple[str, 
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
     for override in overrides:
         _apply_override(raw, override)
-    return parse_config(raw)
+    return parse_config(raw, schema)
 
 
-def parse_config(raw: dict[str, Any]) -> TrainConfig:
-    """Validate a config dict; raise ConfigError with the first problem."""
+def parse_config(raw: dict[str, Any], schema: type[C] | None = None) -> C:
+    """Validate a config dict against ``schema`` (default TrainConfig); raise ConfigError with the
+    first problem."""
+    schema = schema or TrainConfig
     try:
-        return TrainConfig.model_validate(raw)
+        return schema.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_describe(e.errors()[0])) from None
+        raise ConfigError(_describe(e.errors()[0], schema)) from None
 
 
-def dump_config(cfg: TrainConfig, path: str | os.PathLike[str]) -> None:
+def dump_config(cfg: BaseModel, path: str | os.PathLike[str]) -> None:
     """Write the resolved config as YAML, atomically; `load_config` reads it back equal."""
     atomic_write(path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
@@ -400,10 +410,10 @@ _BOUNDS = {
 }
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: dict[str, Any], root: type[BaseModel]) -> str:
     """One line for a pydantic error: dotted key, what was expected, what was given."""
     loc = error["loc"]
-    path, owner, section = _dotted(loc)
+    path, owner, section = _dotted(loc, root)
     kind, got = error["type"], error.get("input")
     ctx = error.get("ctx") or {}
     if kind == "extra_forbidden":
@@ -431,13 +441,13 @@ def _describe(error: dict[str, Any]) -> str:
     return f"{path}: expected {expected}, got {got!r}"
 
 
-def _dotted(loc: tuple[str | int, ...]) -> tuple[str, type[BaseModel] | None, bool]:
+def _dotted(loc: tuple[str | int, ...], root: type[BaseModel]) -> tuple[str, type[BaseModel] | None, bool]:
     """`("optim", "betas", 0)` -> ("optim.betas[0]", OptimSection, False): the dotted key, the
     section class holding its last name, and whether the key is itself a section.
 
     Parts that are not field names (pydantic's union-member tags) are skipped.
     """
-    path, owner, cls = "", None, TrainConfig
+    path, owner, cls = "", None, root
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"

@@ -122,9 +122,13 @@ def load_pretrained(cls: type, path: str | os.PathLike[str], dtype: Any = None) 
     return model
 
 
-def write_config(config: LlamaConfig, dtype: Any, directory: Path) -> None:
-    """``directory/config.json`` of a model whose weights are stored in ``dtype``."""
+def write_config(
+    config: LlamaConfig, dtype: Any, directory: Path, architecture: str = "LlamaForCausalLM"
+) -> None:
+    """``directory/config.json`` of a model (``architecture``: transformers' class name of its
+    head) whose weights are stored in ``dtype``."""
     cfg = config.to_dict()
+    cfg["architectures"] = [architecture]
     cfg["torch_dtype"] = B.dtype_name(dtype)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
@@ -150,7 +154,8 @@ def save_pretrained(
                     and not f.name.startswith("model-")
                 ):
                     (tmp / f.name).write_bytes(f.read_bytes())
-        write_config(model.config, next(iter(state.values())).dtype, tmp)
+        arch = getattr(model, "architecture", "LlamaForCausalLM")
+        write_config(model.config, next(iter(state.values())).dtype, tmp, arch)
         total = sum(a.nbytes for a in state.values())
         if max_shard_size is None or total <= max_shard_size:
             lf.save(state, tmp / WEIGHTS, metadata={"format": "pt"})
