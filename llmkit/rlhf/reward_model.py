@@ -1,0 +1,205 @@
+"""The reward model: a Llama with a scalar head, trained with the Bradley-Terry loss on preference
+pairs (``llmkit rlhf reward cfg.yaml``), and scoring completions through a compiled program.
+
+Its checkpoint is transformers' ``LlamaForSequenceClassification`` with ``num_labels: 1`` (the
+backbone under ``model.*``, the head as ``score.weight``), so transformers loads it as is. It starts
+from a causal LM checkpoint (``llmkit train``'s): the backbone's weights, and a fresh head.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import llmkit.framework as lf
+from llmkit.framework import jit, nn, optim
+from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
+from llmkit.models.llama.checkpoint import load_pretrained, save_pretrained
+from llmkit.models.llama.model import LlamaModel
+
+from . import algorithms as A
+from .config import RewardModelConfig
+from .data import encode_pair, load_pairs, split_heldout, step_rows
+from .policy import compile_function, state_names
+from .run import Run, build_optimizer, model_dir
+
+O = lf.ops
+ARCHITECTURE = "LlamaForSequenceClassification"
+
+
+class LlamaRewardModel(nn.Layer):
+    """``score(ids [B, S], rows [B]) -> [B]``: the head on the hidden state of each sequence's last
+    token (``rows``: its index in the flattened B*S tokens; the model is causal, so padding after
+    it plays no part)."""
+
+    architecture = ARCHITECTURE
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.score = nn.Linear(config.hidden_size, 1, bias=False)
+        LlamaForCausalLM.reset_parameters(self)
+
+    def forward(self, input_ids, rows):
+        hidden = self.model(input_ids)  # (B, S, H)
+        last = O.index_select(O.reshape(hidden, [-1, hidden.shape[-1]]), rows)  # (B, H)
+        return O.squeeze(self.score(last), axis=-1)  # (B,)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> LlamaRewardModel:
+        """A reward model checkpoint, or a causal LM's (its backbone, a fresh head)."""
+        path = Path(path)
+        arch = json.loads((path / "config.json").read_text()).get("architectures") or []
+        if ARCHITECTURE in arch:
+            return load_pretrained(cls, path)
+        lm = LlamaForCausalLM.from_pretrained(path)
+        config = LlamaConfig.from_dict({**lm.config.to_dict(), "num_labels": 1})
+        rm = cls(config)
+        rm.model.load_state_dict(lm.model.state_dict())
+        return rm
+
+    def save_pretrained(self, path: str | Path) -> None:
+        save_pretrained(self, path)
+
+
+def _rows(lengths: np.ndarray, width: int) -> np.ndarray:
+    """Each sequence's last token in the flattened [B, width] batch."""
+    return np.arange(len(lengths), dtype=np.int64) * width + lengths - 1
+
+
+def _pad(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    ids = np.zeros((len(seqs), int(lengths.max())), np.int64)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+    return ids, lengths
+
+
+class RewardModelScorer:
+    """A reward model as a reward function (TRL's signature): the text of prompt + completion,
+    tokenized with the reward model's tokenizer, scored by a compiled forward."""
+
+    def __init__(self, model: LlamaRewardModel, tokenizer: Any, batch_size: int = 64) -> None:
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        specs = [jit.InputSpec(["B", "S"], "int64", "ids"), jit.InputSpec(["B"], "int64", "rows")]
+
+        def score(ids, rows):
+            with lf.no_grad():
+                return model(ids, rows)
+
+        self.program = compile_function(score, specs, state_names(model))
+
+    @classmethod
+    def load(cls, path: str, tokenizer: Any = None) -> RewardModelScorer:
+        src = model_dir(path, "reward.model")
+        return cls(LlamaRewardModel.from_pretrained(src), LlamaTokenizer.from_pretrained(src))
+
+    def scores(self, seqs: list[list[int]]) -> np.ndarray:
+        out = []
+        for i in range(0, len(seqs), self.batch_size):
+            ids, lengths = _pad(seqs[i : i + self.batch_size])
+            out.append(np.asarray(self.program(ids, _rows(lengths, ids.shape[1])), dtype=np.float64))
+        return np.concatenate(out) if out else np.zeros(0)
+
+    def __call__(self, prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        limit = self.model.config.max_position_embeddings
+        seqs = [
+            (self.tokenizer.encode(p, add_bos=True) + self.tokenizer.encode(c, add_bos=False))[:limit]
+            for p, c in zip(prompts, completions)
+        ]
+        return self.scores(seqs).tolist()
+
+
+def pair_selectors(pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """[P, 2P] matrices picking each pair's chosen row (rows 0..P-1) and rejected row (P..2P-1)."""
+    eye = np.eye(pairs)
+    zero = np.zeros((pairs, pairs))
+    return np.concatenate([eye, zero], axis=1), np.concatenate([zero, eye], axis=1)
+
+
+class RewardModelTrainer(Run):
+    """Bradley-Terry training; ``accuracy`` per step, ``eval_accuracy`` on the held-out pairs."""
+
+    desc = "reward"
+    shown = ("loss", "accuracy", "eval_accuracy")
+
+    def __init__(self, cfg: RewardModelConfig, resume: bool = False, quiet: bool = False) -> None:
+        super().__init__(cfg, resume, quiet)
+        src = model_dir(cfg.model.init_from)
+        self.tokenizer = LlamaTokenizer.from_pretrained(src)
+        self.model = LlamaRewardModel.from_pretrained(src)
+        t = cfg.train
+        rows = load_pairs(cfg.data.pairs, t.seed)
+        train, held = split_heldout(rows, cfg.data.val_fraction, t.seed)
+        self.train_pairs = [self._encode(r) for r in train]
+        self.held_pairs = [self._encode(r) for r in held]
+        self.optimizer = build_optimizer(cfg.optim, [self.model])
+        self.scorer = RewardModelScorer(self.model, self.tokenizer)
+        self.step_fn = self._compile_step()
+        self.setup(resume)
+
+    def _encode(self, row: dict[str, Any]) -> tuple[list[int], list[int]]:
+        prompt, chosen, rejected = encode_pair(self.tokenizer, row, self.cfg.train.max_length)
+        return prompt + chosen, prompt + rejected
+
+    def _compile_step(self):
+        model, opt = self.model, self.optimizer
+        clip = self.cfg.optim.grad_clip or float("inf")
+        params = model.parameters()
+
+        def step(ids, rows, chosen, rejected):
+            scores = model(ids, rows)  # (2P,)
+            s = O.unsqueeze(O.cast(scores, "float64"), axis=-1)
+            c, r = O.squeeze(O.matmul(chosen, s), axis=-1), O.squeeze(O.matmul(rejected, s), axis=-1)
+            loss, stats = A.bradley_terry_loss(c, r)
+            loss.backward()
+            norm = optim.clip_grad_norm_(params, clip)
+            opt.step()
+            opt.zero_grad()
+            return {"loss": loss, "grad_norm": norm, **stats}
+
+        specs = [
+            jit.InputSpec(["B", "S"], "int64", "ids"),
+            jit.InputSpec(["B"], "int64", "rows"),
+            jit.InputSpec(["P", "B"], "float64", "chosen"),
+            jit.InputSpec(["P", "B"], "float64", "rejected"),
+        ]
+        run = compile_function(step, specs, state_names(model, optimizer=opt))
+
+        def call(*arrays):
+            opt.sync_lr()
+            return run(*arrays)
+
+        return call
+
+    def train_step(self) -> dict[str, Any]:
+        t = self.cfg.train
+        pairs = step_rows(self.train_pairs, t.batch_size, t.seed, self.step)
+        ids, lengths = _pad([c for c, _ in pairs] + [r for _, r in pairs])
+        t0 = time.perf_counter()
+        out = self.step_fn(ids, _rows(lengths, ids.shape[1]), *pair_selectors(len(pairs)))
+        row = {k: float(v) for k, v in out.items()}
+        row["train_s"] = time.perf_counter() - t0
+        if t.eval_every and self.step > 0 and (self.step + 1) % t.eval_every == 0:
+            row.update(self.evaluate())
+        return row
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out ``eval_accuracy`` (chosen scored above rejected) and ``eval_margin``."""
+        if not self.held_pairs:
+            return {}
+        c = self.scorer.scores([c for c, _ in self.held_pairs])
+        r = self.scorer.scores([r for _, r in self.held_pairs])
+        _, stats = A.bradley_terry_loss(lf.tensor(c), lf.tensor(r))
+        return {
+            "eval_accuracy": float(stats["accuracy"].item()),
+            "eval_margin": float(stats["margin"].item()),
+        }
+
+    def finish(self) -> dict[str, Any]:
+        return self.evaluate()

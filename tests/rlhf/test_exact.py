@@ -1,0 +1,102 @@
+"""Rollouts on the engine bound to the live policy, and exact log-probs.
+
+The engine's log-prob of each sampled token and the trainer's recomputation (its compiled train
+step's forward, before the update) are compared bit for bit: greedy and sampled, batches of 1 and
+8. After an optimizer step the engine must sample from the new weights (its log-probs equal the
+trainer's forward on the updated model) without reusing a prefix computed with the old ones.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmkit.framework import optim
+from llmkit.rlhf import algorithms as A
+from llmkit.rlhf import policy
+from llmkit.rlhf.data import TokenBatch
+from llmkit.rlhf.rollout import Rollouts
+
+from .conftest import small_model
+
+PROMPTS = ["The value of", "Return the", "A list of the", "If the argument is"]
+LONG = "The following methods can be defined to customize the meaning of attribute access for class instances"
+
+
+def loss_fn(logp, logits, values, mask, old_logp, advantages):
+    return A.clipped_policy_loss(logp, old_logp, advantages, mask)
+
+
+def setup(temperature, exact=True, seed=0, lr=1e-3):
+    model = small_model(seed)
+    opt = optim.AdamW(model.parameters(), lr=lr)
+    t = temperature or 1.0  # greedy rollouts report log-probs at temperature 1
+    step = policy.train_step(model, opt, loss_fn, ("mask", "old_logp", "advantages"), exact, t, 1.0)
+    return model, step, t
+
+
+def rollouts(model, tok, temperature, exact=True):
+    return Rollouts(model, tok, max_tokens=12, temperature=temperature, max_batch=8, exact=exact)
+
+
+def trainer_logp(step, batch, seed=0):
+    """One train step on the batch: (its pre-update log-probs, the engine's, mask, outputs)."""
+    tb = TokenBatch.of(batch.prompt_ids, batch.completion_ids)
+    roll = batch.token_array(tb.ids.shape[1])
+    mask = tb.mask.astype(np.float64)
+    adv = np.random.default_rng(seed).standard_normal(tb.ids.shape) * mask
+    out = step(tb.ids, tb.targets, *policy.segment_arrays(*tb.ids.shape), mask, roll, adv)
+    return out["logp"], roll, mask > 0, out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("prompts,n", [(PROMPTS[:1], 1), (PROMPTS, 2)], ids=["batch1", "batch8"])
+def test_logprob_diff_is_zero(tok, temperature, prompts, n):
+    model, step, _ = setup(temperature)
+    ro = rollouts(model, tok, temperature)
+    batch = ro.generate(prompts, n, seed=0, step=0)
+    assert len(batch.completion_ids) == len(prompts) * n
+    logp, roll, on, out = trainer_logp(step, batch)
+    assert on.sum() == batch.num_tokens > 0
+    np.testing.assert_array_equal(logp[on], roll[on])  # bit for bit
+    assert out["ratio_mean"] == 1.0 and out["clip_frac"] == 0.0
+
+
+def test_the_engine_samples_from_the_updated_weights_with_no_stale_prefix(tok):
+    model, step, t = setup(0.8, lr=3e-3)
+    ro = rollouts(model, tok, 0.8)
+    before = ro.generate([LONG], 1, seed=0, step=0)  # a prompt of more than one 16-token block
+    again = ro.generate([LONG], 1, seed=0, step=0)
+    assert again.logprobs == before.logprobs and ro.engine.stats()["prefix_cache_hits"] == 1
+    trainer_logp(step, before)  # one optimizer step
+    assert ro.sync() >= 0.0
+    after = ro.generate([LONG], 1, seed=0, step=0)
+    assert ro.engine.stats()["prefix_cache_hits"] == 1  # nothing cached before the update is used
+    assert after.logprobs != before.logprobs
+    # the engine's log-probs are the updated model's, as the trainer's forward computes them
+    scorer = policy.scorer(model, True, t)
+    tb = TokenBatch.of(after.prompt_ids, after.completion_ids)
+    fresh = scorer(tb.ids, tb.targets, *policy.segment_arrays(*tb.ids.shape))["logp"]
+    on = tb.mask > 0
+    np.testing.assert_array_equal(fresh[on], after.token_array(tb.ids.shape[1])[on])
+
+
+def test_without_exact_logprobs_the_difference_is_small_but_not_zero(tok):
+    model, step, _ = setup(0.8, exact=False)
+    ro = rollouts(model, tok, 0.8, exact=False)
+    batch = ro.generate(PROMPTS, 2, seed=0, step=0)
+    logp, roll, on, _ = trainer_logp(step, batch)
+    diff = np.abs(logp[on] - roll[on]).max()
+    assert 0 < diff < 1e-4
+    assert ro.sync() > 0  # the engine's relaid weight copies are rebuilt
+
+
+def test_rollouts_are_a_function_of_seed_and_step(tok):
+    model = small_model()
+    ro = rollouts(model, tok, 1.0)
+    a = ro.generate(PROMPTS[:2], 2, seed=3, step=5)
+    b = ro.generate(PROMPTS[:2], 2, seed=3, step=5)
+    c = ro.generate(PROMPTS[:2], 2, seed=3, step=6)
+    assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
+    assert a.completion_ids != c.completion_ids
+    assert a.completion_ids[0] != a.completion_ids[1]  # samples of one prompt differ
