@@ -34,9 +34,10 @@ _LINEAR = r"""
    a packed GEMM micro-kernel (KERNEL_FN_knp).
    W in panels (transposed = 2: [N / 16, K, 16], the op's panel=16): the same micro-kernel reads the
    panels as they are (KERNEL_FN_pp), for any number of rows: at 8 rows about 1.8x the [K, N] path.
-   W as [N, K] (a weight that could not be stored transposed, e.g. tied embeddings): y[m, n] is a
-   dot product of two contiguous rows in 8 lanes (lane l sums the k = l mod 8 in order), the lanes
-   added as a fixed tree (hsum), then the last K mod 8 terms.
+   W as [N, K] (a weight that could not be stored transposed, e.g. tied embeddings, or a parameter
+   the engine reads as training leaves it, RLHF): y[m, n] is a dot product of two contiguous rows in
+   8 lanes (lane l sums the k = l mod 8 in order), the lanes added as a fixed tree (hsum), then the
+   last K mod 8 terms; 2 x 4 such chains run side by side.
    bufs: x [M, K], w, bias [N]?, y [M, N], status.
    sizes: M, K, N, has_bias, transposed (0: W [N, K], 1: [K, N], 2: panels). */
 /* columns [0, N) of y, rows of y and W ld apart (a thread's share of the columns) */
@@ -190,19 +191,52 @@ static void KERNEL_FN_pp(const float *x, const float *pw, float *y, int64_t M, i
   }
 }
 
+/* A block of MR rows of x by NR rows of W, each output its own chain as above; the MR * NR chains
+   interleave (independent accumulators: the FMA latency is hidden) and each row of W read serves
+   MR rows of x. */
+static inline __attribute__((always_inline)) void KERNEL_FN_nk_block(
+    const float *x, const float *w, float *y, int64_t K, int64_t ld, const int MR, const int NR) {
+  const int64_t k8 = K - K % 8;
+  KERNEL_FN_v a[2][4];
+  for (int r = 0; r < MR; r++)
+    for (int c = 0; c < NR; c++) a[r][c] = KERNEL_FN_splat(0.0f);
+  for (int64_t k = 0; k < k8; k += 8) {
+    KERNEL_FN_v xv[2];
+    for (int r = 0; r < MR; r++) xv[r] = KERNEL_FN_ld(x + r * K + k);
+    for (int c = 0; c < NR; c++) {
+      const KERNEL_FN_v wv = KERNEL_FN_ld(w + c * K + k);
+      for (int r = 0; r < MR; r++) a[r][c] = KERNEL_FN_mac(a[r][c], xv[r], wv);
+    }
+  }
+  for (int r = 0; r < MR; r++)
+    for (int c = 0; c < NR; c++) {
+      float s = KERNEL_FN_hsum(a[r][c]);
+      for (int64_t k = k8; k < K; k++) s = KERNEL_FN_smac(s, x[r * K + k], w[c * K + k]);
+      y[r * ld + c] = s;
+    }
+}
+
+#define KERNEL_FN_NK(MR)                                                          \
+  for (n = 0; n + 4 <= N; n += 4) KERNEL_FN_nk_block(xm, w + n * K, ym + n, K, ld, MR, 4); \
+  switch (N - n) {                                                                \
+    case 3: KERNEL_FN_nk_block(xm, w + n * K, ym + n, K, ld, MR, 3); break;      \
+    case 2: KERNEL_FN_nk_block(xm, w + n * K, ym + n, K, ld, MR, 2); break;      \
+    case 1: KERNEL_FN_nk_block(xm, w + n * K, ym + n, K, ld, MR, 1); break;      \
+    default: break;                                                               \
+  }
+
 static void KERNEL_FN_nk(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N,
                          int64_t ld) {
-  const int64_t k8 = K - K % 8;
-  for (int64_t m = 0; m < M; m++) {
+  int64_t m = 0, n;
+  for (; m + 2 <= M; m += 2) {
     const float *xm = x + m * K;
-    for (int64_t n = 0; n < N; n++) {
-      const float *wn = w + n * K;
-      KERNEL_FN_v a = KERNEL_FN_splat(0.0f);
-      for (int64_t k = 0; k < k8; k += 8) a = KERNEL_FN_mac(a, KERNEL_FN_ld(xm + k), KERNEL_FN_ld(wn + k));
-      float s = KERNEL_FN_hsum(a);
-      for (int64_t k = k8; k < K; k++) s = KERNEL_FN_smac(s, xm[k], wn[k]);
-      y[m * ld + n] = s;
-    }
+    float *ym = y + m * ld;
+    KERNEL_FN_NK(2)
+  }
+  if (m < M) {
+    const float *xm = x + m * K;
+    float *ym = y + m * ld;
+    KERNEL_FN_NK(1)
   }
 }
 
