@@ -83,10 +83,16 @@ def _softmax_decompose(x, axis=-1):
     return e / O.sum(e, axis=axis, keepdim=True)
 
 
+def _shifted_lse(xp, x, axis=-1):
+    """(x - max, log(sum(exp(x - max)))): log_softmax is their difference."""
+    s = x - xp.max(x, axis=axis, keepdims=True)
+    return s, xp.log(xp.sum(xp.exp(s), axis=axis, keepdims=True))
+
+
 def _log_softmax_kernel(xp, x, axis=-1):
     dtype, x = x.dtype, x.astype(B.accumulation_dtype(x.dtype), copy=False)
-    s = x - xp.max(x, axis=axis, keepdims=True)
-    return (s - xp.log(xp.sum(xp.exp(s), axis=axis, keepdims=True))).astype(dtype, copy=False)
+    s, lse = _shifted_lse(xp, x, axis)
+    return (s - lse).astype(dtype, copy=False)
 
 
 def _log_softmax_decompose(x, axis=-1):
@@ -261,8 +267,9 @@ def _tlp_meta(logits, tokens, temperature=1.0):
 
 
 def _tlp_kernel(xp, logits, tokens, temperature=1.0):
-    lp = _log_softmax_kernel(xp, logits.astype(np.float64) / temperature)
-    return xp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+    # log_softmax's kernel, subtracting only at the tokens: the same operations on the same values
+    s, lse = _shifted_lse(xp, logits.astype(np.float64) / temperature)
+    return (xp.take_along_axis(s, tokens[..., None], axis=-1) - lse)[..., 0]
 
 
 def _tlp_vjp(g, out, logits, tokens, temperature=1.0):
