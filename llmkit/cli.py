@@ -39,7 +39,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ("llmkit.framework.distributed.plan", "PlanError"),
         ("llmkit.train.data", "DataError"),
         ("llmkit.train.checkpoint", "ResumeError"),
-        ("llmkit.rlhf.data", "DataError"),
         ("llmkit.rlhf.rewards", "RewardError"),
         ("llmkit.models.llama.config", "LlamaConfigError"),
         ("llmkit.models.llama.checkpoint", "CheckpointError"),

@@ -6,7 +6,6 @@ A step's data is a function of ``(seed, step)``, so a resumed run draws what it 
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from llmkit.train.data import DataError, jsonl_records
+
 from .tasks import corpus_prompts, make_task, preference_pairs
 
 BUILTIN = "builtin:"
@@ -22,23 +23,12 @@ BUILTIN_PROMPTS = 2048  # prompts of a task's built-in set
 BUILTIN_PAIRS = 2000  # pairs of a built-in preference set
 
 
-class DataError(ValueError):
-    """A data file that cannot be used; the message names the file, line and field."""
-
-
 def read_jsonl(path: str, fields: Sequence[str], key: str) -> list[dict[str, Any]]:
     """Rows of a JSONL file, each an object whose ``fields`` are strings (other fields are kept)."""
-    p = Path(path)
-    if not p.is_file():
+    if not Path(path).is_file():
         raise DataError(f"{key}: file {path!r} not found")
     rows = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{i}: invalid JSON ({e.msg})") from None
+    for i, row in jsonl_records(path):
         if not isinstance(row, dict):
             raise DataError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
         for f in fields:

@@ -102,8 +102,6 @@ class DPOTrainer(Run):
         )
         row = {k: float(v) for k, v in out.items() if k != "logp"}
         row["train_s"] = time.perf_counter() - t0
-        if t.eval_every and (self.step + 1) % t.eval_every == 0:
-            row.update(self.evaluate())
         return row
 
     def evaluate(self) -> dict[str, float]:
@@ -121,6 +119,3 @@ class DPOTrainer(Run):
             "eval_accuracy": float(stats["accuracy"].item()),
             "eval_margin": float(stats["margin"].item()),
         }
-
-    def finish(self) -> dict[str, Any]:
-        return self.evaluate()

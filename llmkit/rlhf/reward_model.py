@@ -185,8 +185,6 @@ class RewardModelTrainer(Run):
         out = self.step_fn(ids, _rows(lengths, ids.shape[1]), *pair_selectors(len(pairs)))
         row = {k: float(v) for k, v in out.items()}
         row["train_s"] = time.perf_counter() - t0
-        if t.eval_every and self.step > 0 and (self.step + 1) % t.eval_every == 0:
-            row.update(self.evaluate())
         return row
 
     def evaluate(self) -> dict[str, float]:
@@ -200,6 +198,3 @@ class RewardModelTrainer(Run):
             "eval_accuracy": float(stats["accuracy"].item()),
             "eval_margin": float(stats["margin"].item()),
         }
-
-    def finish(self) -> dict[str, Any]:
-        return self.evaluate()

@@ -99,8 +99,13 @@ class Run:
         """Run step ``self.step`` (0-based); return its metrics."""
         raise NotImplementedError
 
-    def finish(self) -> None:
-        """After the last step (a subclass's final evaluation)."""
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out metrics, every ``train.eval_every`` steps and after the last (offline jobs)."""
+        return {}
+
+    def finish(self) -> dict[str, Any]:
+        """After the last step: a final row of metrics, if any."""
+        return {}
 
     # ---- the loop ------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -122,6 +127,8 @@ class Run:
                 row = self.train_step()
                 self.schedule.step()
                 self.step += 1
+                if self.step == t.steps or (t.eval_every and self.step % t.eval_every == 0):
+                    row.update(self.evaluate())
                 row = {"step": self.step, **row, "lr": lr, "step_s": time.perf_counter() - t0}
                 bad = next((k for k in ("loss", "grad_norm") if k in row and not math.isfinite(row[k])), None)
                 if bad is not None:

@@ -236,15 +236,20 @@ def _read_text(path: str) -> str:
         raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
-def _read_jsonl(path: str) -> list[str]:
-    docs = []
+def jsonl_records(path: str) -> Iterator[tuple[int, Any]]:
+    """(line number, decoded value) of each non-blank line of a JSONL file; DataError names the line."""
     for lineno, line in enumerate(_read_text(path).split("\n"), start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            yield lineno, json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: invalid JSON: {e}") from None
+
+
+def _read_jsonl(path: str) -> list[str]:
+    docs = []
+    for lineno, record in jsonl_records(path):
         if isinstance(record, dict) and "messages" in record:
             docs.append(_conversation(record["messages"], f"{path}:{lineno}"))
             continue
