@@ -1,0 +1,158 @@
+"""RLHF: rollouts on the inference engine vs eager generation, weight sync, and where a step's time goes.
+
+1. Generation tokens/s of one step's rollouts (``--prompts`` corpus prompts, ``--n`` samples each,
+   ``--max-tokens`` new tokens, temperature 1, no early stop) on the same policy in the same
+   process, interleaved over ``--rounds``: the engine as RLHF runs it (``Rollouts``: every request
+   queued at once, continuous batching, compiled decode reading the live parameters), the engine
+   with relaid weight copies (what ``rlhf.exact_logprobs: false`` runs), and eager ``generate``
+   (the model's own forward with a contiguous KV cache, each prompt's samples as one batch). The
+   headline is engine / eager (issue target: >= 5x).
+2. ``sync_s``: what making the engine see new weights costs after an optimizer step (the prefix
+   cache reset, and, for relaid weights, rebuilding the copies), median over rounds.
+3. A few steps of ``llmkit rlhf`` (GRPO on a built-in task, as ``configs/rlhf-tiny.yaml``): the share
+   of the step in generation, training and sync, with exact log-probs and without (the cost of
+   running the trainer's forward on the engine's kernels).
+
+The policy is ``--model`` (a checkpoint or run directory; default ``runs/tiny`` when it exists) or a
+random tiny Llama.
+
+Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/rlhf.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from _common import emit, emit_paired_ratio, machine
+
+import llmkit.framework as lf
+from llmkit.generate import generate
+from llmkit.infer import SamplingParams
+from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
+from llmkit.rlhf.config import load_rlhf_config
+from llmkit.rlhf.rollout import Rollouts
+from llmkit.rlhf.run import model_dir
+from llmkit.rlhf.tasks import corpus_prompts
+from llmkit.rlhf.trainer import PolicyTrainer
+from llmkit.train.corpus import builtin_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def policy(path: str | None) -> tuple[LlamaForCausalLM, object, str]:
+    from llmkit.models.llama import LlamaTokenizer
+
+    if path is None and (ROOT / "runs" / "tiny").is_dir():
+        path = str(ROOT / "runs" / "tiny")
+    if path is not None:
+        src = model_dir(path)
+        return LlamaForCausalLM.from_pretrained(src), LlamaTokenizer.from_pretrained(src), str(src)
+    lf.seed(0)
+    return (
+        LlamaForCausalLM(LlamaConfig.from_preset("tiny", vocab_size=4096)),
+        builtin_tokenizer(4096),
+        "random",
+    )
+
+
+def eager_rollout(model, tok, prompts, n, max_tokens) -> tuple[int, float]:
+    """Eager generate, one call per prompt with its n samples as the batch: (tokens, seconds)."""
+    params = SamplingParams(temperature=1.0, seed=0)
+    t0 = time.perf_counter()
+    tokens = 0
+    for p in prompts:
+        ids = tok.encode(p, add_bos=True)
+        tokens += sum(map(len, generate(model, [ids] * n, max_tokens, params)))
+    return tokens, time.perf_counter() - t0
+
+
+def engine_rollout(ro: Rollouts, prompts, n, step) -> tuple[int, float]:
+    batch = ro.generate(prompts, n, seed=0, step=step)
+    return batch.num_tokens, batch.seconds
+
+
+def rollouts(args, model, tok) -> None:
+    prompts = corpus_prompts(args.prompts, seed=0)
+    kw = dict(max_tokens=args.max_tokens, temperature=1.0, max_batch=args.prompts * args.n)
+    engines = {
+        "live": Rollouts(model, tok, exact=True, **kw),
+        "relaid": Rollouts(model, tok, exact=False, **kw),
+    }
+    for ro in engines.values():
+        ro.params = ro.params.replace(ignore_eos=True)  # every sample writes max_tokens, as eager does
+        engine_rollout(ro, prompts, args.n, 0)  # warm-up: compile, first-touch
+    eager_rollout(model, tok, prompts[:1], args.n, 2)
+    speeds: dict[str, list[float]] = {k: [] for k in (*engines, "eager")}
+    syncs: dict[str, list[float]] = {k: [] for k in engines}
+    for r in range(args.rounds):
+        for name, ro in engines.items():
+            tokens, secs = engine_rollout(ro, prompts, args.n, r + 1)
+            speeds[name].append(tokens / secs)
+            syncs[name].append(ro.sync())
+        tokens, secs = eager_rollout(model, tok, prompts, args.n, args.max_tokens)
+        speeds["eager"].append(tokens / secs)
+    shape = {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens}
+    for name, values in speeds.items():
+        emit("rlhf", f"rollout_tokens_per_s_{name}", statistics.median(values), "tokens/s", **shape)
+    emit_paired_ratio("rlhf", "rollout_speedup_engine_vs_eager", speeds["live"], speeds["eager"], **shape)
+    emit_paired_ratio("rlhf", "rollout_speedup_relaid_vs_eager", speeds["relaid"], speeds["eager"], **shape)
+    for name, values in syncs.items():
+        emit("rlhf", f"sync_s_{name}", statistics.median(values), "s")
+
+
+def steps(args, model_path: str) -> None:
+    """A few steps of the GRPO job, exact log-probs on and off: time shares and the cost of exact."""
+    config = ROOT / "configs" / "rlhf-tiny.yaml"
+    for exact in (True, False):
+        with tempfile.TemporaryDirectory() as out:
+            overrides = [
+                f"model.init_from={model_path}",
+                f"train.steps={args.steps}",
+                "train.save_every=0",
+                f"rlhf.exact_logprobs={str(exact).lower()}",
+                f"out_dir={out}",
+            ]
+            trainer = PolicyTrainer(load_rlhf_config(config, overrides), quiet=True)
+            trainer.fit()
+            rows = [r for r in _rows(Path(out)) if "gen_s" in r][1:]  # the first step compiles
+            gen, train, sync = (statistics.mean(r[k] for r in rows) for k in ("gen_s", "train_s", "sync_s"))
+            total = statistics.mean(r["step_s"] for r in rows)
+            tag = "exact" if exact else "not_exact"
+            emit("rlhf", f"step_s_{tag}", total, "s", steps=len(rows))
+            emit("rlhf", f"generation_share_{tag}", gen / total, "fraction")
+            emit("rlhf", f"training_share_{tag}", train / total, "fraction")
+            emit("rlhf", f"sync_s_step_{tag}", sync, "s")
+            emit("rlhf", f"logprob_diff_max_{tag}", max(r["logprob_diff_max"] for r in rows), "nats")
+
+
+def _rows(out: Path) -> list[dict]:
+    from llmkit.train.metrics import read_metrics
+
+    return read_metrics(out / "metrics.jsonl")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--model", default=None, help="checkpoint or run directory (default runs/tiny, else random)"
+    )
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6, help="llmkit rlhf steps per setting (0: skip part 3)")
+    args = p.parse_args()
+    emit("rlhf", "machine", 0, "", **machine())
+    model, tok, source = policy(args.model)
+    emit("rlhf", "policy", 0, "", source=source, parameters=sum(x.size for x in model.parameters()))
+    rollouts(args, model, tok)
+    if args.steps and source != "random":
+        steps(args, source)
+
+
+if __name__ == "__main__":
+    main()
