@@ -149,11 +149,11 @@ def test_reward_model_separates_held_out_pairs_above_0_9(tmp_path, policy_dir):
 
 
 def test_resume_after_sigkill_continues_with_identical_metrics(tmp_path, policy_dir):
-    cfg = grpo_config(tmp_path, policy_dir, "run", train__steps=6, train__save_every=2, optim__lr=3e-3)
+    cfg = grpo_config(tmp_path, policy_dir, "run", train__steps=4, train__save_every=2, optim__lr=3e-3)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "llmkit.cli", "rlhf", str(cfg), "--quiet"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    ckpt = tmp_path / "run" / "checkpoints" / "step-00000004"
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
     deadline = time.monotonic() + 600
     while not ckpt.is_dir() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -163,9 +163,9 @@ def test_resume_after_sigkill_continues_with_identical_metrics(tmp_path, policy_
     subprocess.run(cmd + ["--resume"], env=env, check=True, timeout=600, capture_output=True)
     resumed = read_metrics(tmp_path / "run" / "metrics.jsonl")
 
-    other = grpo_config(tmp_path, policy_dir, "whole", train__steps=6, train__save_every=2, optim__lr=3e-3)
+    other = grpo_config(tmp_path, policy_dir, "whole", train__steps=4, train__save_every=2, optim__lr=3e-3)
     assert cli_main(["rlhf", str(other), "--quiet"]) == 0
     whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]
-    assert [r["step"] for r in resumed] == list(range(1, 7))
+    assert [r["step"] for r in resumed] == list(range(1, 5))
     assert strip(resumed) == strip(whole)
