@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
+
+from llmkit.train.cli import ArgumentParser
+from llmkit.train.trainer import Interrupted
+
+from .run import interrupted_message
 
 
 def _policy_job(cfg: Any, resume: bool, quiet: bool) -> Any:
@@ -47,19 +52,26 @@ JOBS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
 def main(argv: list[str]) -> int:
     job = "reward" if argv[:1] == ["reward"] else "rlhf"
     description, load, build = JOBS[job]
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="llmkit rlhf" + (" reward" if job == "reward" else ""),
         description=description + " Overrides use dotted keys: rollout.n=4 train.steps=50.",
         epilog=None if job == "reward" else "llmkit rlhf reward CONFIG ...: train a reward model instead.",
     )
     p.add_argument("config", help="YAML config (see configs/rlhf-tiny.yaml, configs/dpo-tiny.yaml)")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    a = p.parse_args(argv[1:] if job == "reward" else argv)
+    a = p.parse_intermixed_args(argv[1:] if job == "reward" else argv)
     cfg = load(a.config, a.overrides)
     trainer = build(cfg, a.resume, a.quiet)
-    last = trainer.fit()
+    if trainer.resumed_from is not None:
+        print(f"resume: step {trainer.step} from {trainer.resumed_from}")
+        print(f"resume: {', '.join(trainer.resume_changes) or 'the config is unchanged'}")
+    try:
+        last = trainer.fit()
+    except Interrupted as e:
+        print(interrupted_message(e, p.prog), file=sys.stderr)
+        return 128 + e.signum
     summary = ", ".join(
         f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float) and not k.endswith("_s")
     )

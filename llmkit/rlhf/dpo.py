@@ -54,7 +54,7 @@ class DPOTrainer(Run):
             self.model, self.optimizer, self._loss, INPUTS, self.exact, self.temperature, cfg.optim.grad_clip
         )
         self.policy_score = policy.scorer(self.model, self.exact, self.temperature)
-        self.setup(resume)
+        self.setup()
 
     def _loss(self, logp, logits, values, mask, ref_seq_logp, chosen, rejected):
         seq = O.unsqueeze((logp * mask).sum(axis=-1), axis=-1)  # (2P, 1) each response's log-prob

@@ -141,7 +141,7 @@ class RewardModelTrainer(Run):
         self.optimizer = build_optimizer(cfg.optim, [self.model])
         self.scorer = RewardModelScorer(self.model, self.tokenizer)
         self.step_fn = self._compile_step()
-        self.setup(resume)
+        self.setup()
 
     def _encode(self, row: dict[str, Any]) -> tuple[list[int], list[int]]:
         prompt, chosen, rejected = encode_pair(self.tokenizer, row, self.cfg.train.max_length)

@@ -1,5 +1,6 @@
 """What every RLHF job shares with ``llmkit train``: the resolved config in ``out_dir``,
-``metrics.jsonl``, a progress bar, and checkpoints that ``--resume`` continues exactly.
+``metrics.jsonl``, a progress bar, stopping on SIGINT / SIGTERM, and checkpoints that ``--resume``
+continues exactly (the layout and helpers of ``llmkit.train.checkpoint``).
 
     out_dir/checkpoints/step-00000100/
         model/                    the policy (or reward model): Hugging Face layout + tokenizer.model
@@ -10,7 +11,9 @@
 A job's step is a function of its step number (its prompts or pairs and its sampling seeds are), so
 a checkpoint needs no data position or RNG state, and a run killed at any moment (even with
 ``kill -9``) resumes from its newest checkpoint with the same metrics as an uninterrupted run (the
-wall-clock ones apart).
+wall-clock ones apart). As in ``llmkit train``: a step is all or nothing (a first signal lets it
+finish, a second one rolls it back), a resumed run takes its settings from the config given now
+(``FIXED_ON_RESUME`` lists what it cannot change) and its state from the checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -27,13 +31,21 @@ from tqdm import tqdm
 import llmkit.framework as lf
 from llmkit.framework import nn, optim
 from llmkit.framework.files import atomic_dir
-from llmkit.train.checkpoint import CHECKPOINTS, TRAINER_STATE
-from llmkit.train.config import ConfigError, dump_config
+from llmkit.train import checkpoint
+from llmkit.train.checkpoint import OPTIMIZER, TRAINER_STATE, ResumeError
+from llmkit.train.config import ConfigError, dump_config, resume_changes
 from llmkit.train.metrics import MetricsLog
-from llmkit.train.trainer import SCHEDULES
+from llmkit.train.trainer import SCHEDULES, Interrupted, StopSignals
 
-OPTIMIZER = "optimizer.safetensors"
 TIMINGS = ("gen_s", "train_s", "sync_s", "gen_tokens_per_s", "step_s")  # wall-clock metrics
+
+# What a resumed RLHF run cannot change, and why (see llmkit.train.config.resume_changes).
+FIXED_ON_RESUME: dict[str, str] = {
+    "algorithm": "the checkpoint holds that algorithm's trained layers and optimizer state",
+    "model": "the checkpoint's weights are that model's, and the reference is its start",
+    "optim.name": "the checkpoint holds that optimizer's state",
+    "train.seed": "it chose the prompts, pairs and samples of the steps already taken",
+}
 
 
 def model_dir(path: str | Path, key: str = "model.init_from") -> Path:
@@ -42,9 +54,9 @@ def model_dir(path: str | Path, key: str = "model.init_from") -> Path:
     p = Path(path)
     if (p / "config.json").is_file():
         return p
-    ckpts = sorted((p / CHECKPOINTS).glob("step-*/model")) if (p / CHECKPOINTS).is_dir() else []
-    if ckpts:
-        return ckpts[-1]
+    found = [c / "model" for c in checkpoint.checkpoints(p) if (c / "model" / "config.json").is_file()]
+    if found:
+        return found[-1]
     if not p.exists():
         raise ConfigError(
             f"{key}: {str(path)!r} does not exist; train the model first "
@@ -71,8 +83,8 @@ def build_optimizer(o: Any, layers: list[nn.Layer]) -> optim.Optimizer:
 
 
 class Run:
-    """A job's loop; subclasses set ``model``, ``tokenizer``, ``optimizer`` and ``schedule`` (see
-    :meth:`setup`) and implement :meth:`train_step`."""
+    """A job's loop; subclasses set ``model``, ``tokenizer`` and ``optimizer``, then call
+    :meth:`setup`, and implement :meth:`train_step`."""
 
     desc = "rlhf"
     shown: tuple[str, ...] = ()  # metrics on the progress bar
@@ -83,14 +95,26 @@ class Run:
         self.out = Path(cfg.out_dir)
         self.step = 0
         self.extra_layers = {}
+        self.resumed_from: Path | None = checkpoint.latest(self.out) if resume else None
+        self.resume_changes: list[str] = []
 
-    def setup(self, resume: bool) -> None:
-        """After the subclass built its parts: the optimizer's schedule, resume, config and metrics."""
+    def setup(self) -> None:
+        """After the subclass built its parts: the schedule, resume, config and metrics."""
         self.schedule = SCHEDULES[self.cfg.schedule.name](
             self.optimizer, self.cfg.schedule, self.cfg.train.steps
         )
-        if resume:
-            self.load_checkpoint(self.latest_checkpoint())
+        layers = [self.model, *self.extra_layers.values()]
+        # what a step rebinds: held before each step so that an aborted one can be rolled back
+        self._state = [
+            *(p for layer in layers for p in layer.parameters()),
+            *(v for state in self.optimizer.states for v in state.values()),
+            *self.optimizer.lr_tensors,
+            self.optimizer.step_count,
+        ]
+        self._saved_step: int | None = None
+        if self.resumed_from is not None:
+            self.load_checkpoint(self.resumed_from)
+            self._saved_step = self.step
         self.out.mkdir(parents=True, exist_ok=True)
         dump_config(self.cfg, self.out / "config.yaml")
         self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate_after=self.step)
@@ -99,16 +123,41 @@ class Run:
         """Run step ``self.step`` (0-based); return its metrics."""
         raise NotImplementedError
 
+    def rolled_back(self) -> None:
+        """After an aborted step's state was restored (the engine must forget what it cached)."""
+
     def evaluate(self) -> dict[str, Any]:
         """Held-out metrics, every ``train.eval_every`` steps and after the last (offline jobs)."""
         return {}
 
-    def finish(self) -> dict[str, Any]:
-        """After the last step: a final row of metrics, if any."""
-        return {}
+    def finish(self) -> None:
+        """After the last step."""
 
     # ---- the loop ------------------------------------------------------------------------------------
+    def _step(self, stop: StopSignals) -> dict[str, Any]:
+        """One step, all or nothing: a KeyboardInterrupt inside restores the state before it."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        before = [t.detach() for t in self._state]  # arrays are rebound, never written: a snapshot
+        t0 = time.perf_counter()
+        try:
+            with stop.abortable():
+                row = self.train_step()
+        except KeyboardInterrupt:
+            for t, value in zip(self._state, before, strict=True):
+                t.set_value(value)
+            self.optimizer.zero_grad()
+            self.rolled_back()
+            raise
+        bad = next((k for k in ("loss", "grad_norm") if k in row and not math.isfinite(row[k])), None)
+        if bad is not None:
+            raise FloatingPointError(f"{bad} became {row[bad]} at step {self.step + 1}; lower optim.lr?")
+        self.schedule.step()
+        self.step += 1
+        return {"step": self.step, **row, "lr": lr, "step_s": time.perf_counter() - t0}
+
     def fit(self) -> dict[str, Any]:
+        """Run to ``train.steps``. On SIGINT or SIGTERM: finish the step in flight (roll it back on a
+        second signal), save a checkpoint and raise ``Interrupted``."""
         t = self.cfg.train
         bar = tqdm(
             total=t.steps,
@@ -119,54 +168,36 @@ class Run:
             dynamic_ncols=True,
         )
         last: dict[str, Any] = {}
-        interrupted = False
-        try:
-            while self.step < t.steps:
-                lr = self.optimizer.param_groups[0]["lr"]
-                t0 = time.perf_counter()
-                row = self.train_step()
-                self.schedule.step()
-                self.step += 1
-                if self.step == t.steps or (t.eval_every and self.step % t.eval_every == 0):
-                    row.update(self.evaluate())
-                row = {"step": self.step, **row, "lr": lr, "step_s": time.perf_counter() - t0}
-                bad = next((k for k in ("loss", "grad_norm") if k in row and not math.isfinite(row[k])), None)
-                if bad is not None:
-                    raise FloatingPointError(f"{bad} became {row[bad]} at step {self.step}; lower optim.lr?")
-                if self.step % t.log_every == 0 or self.step == t.steps:
-                    self.metrics.write(row)
-                last.update(row)
-                bar.set_postfix({k: _fmt(last[k]) for k in self.shown if k in last}, refresh=False)
-                bar.update(1)
-                if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
-                    self.save_checkpoint()
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            bar.close()
-        self.save_checkpoint()
-        if interrupted:
-            raise KeyboardInterrupt
-        final = self.finish()
-        if final:
-            final = {"step": self.step, **final}
-            self.metrics.write(final)
-            last.update(final)
+        with StopSignals() as stop:
+            try:
+                while self.step < t.steps and stop.signum is None:
+                    row = self._step(stop)
+                    if self.step == t.steps or (t.eval_every and self.step % t.eval_every == 0):
+                        with stop.abortable():
+                            row.update(self.evaluate())
+                    if self.step % t.log_every == 0 or self.step == t.steps:
+                        self.metrics.write(row)
+                    last.update(row)
+                    bar.set_postfix({k: _fmt(last[k]) for k in self.shown if k in last}, refresh=False)
+                    bar.update(1)
+                    if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
+                        self.save_checkpoint()
+            except KeyboardInterrupt:  # a second signal (or one outside the main thread)
+                stop.signum = stop.signum or signal.SIGINT
+            finally:
+                bar.close()
+            path = self.save_checkpoint()  # signals stay deferred: a save is never cut short
+        if stop.signum is not None:
+            raise Interrupted(stop.signum, self.step, path)
+        self.finish()
         return last
 
     # ---- checkpoints -----------------------------------------------------------------------------------
-    def checkpoint_dir(self, step: int) -> Path:
-        return self.out / CHECKPOINTS / f"step-{step:08d}"
-
-    def latest_checkpoint(self) -> Path:
-        found = sorted((self.out / CHECKPOINTS).glob("step-*")) if (self.out / CHECKPOINTS).is_dir() else []
-        if not found:
-            raise FileNotFoundError(f"--resume: no checkpoint under {self.out / CHECKPOINTS}")
-        return found[-1]
-
     def save_checkpoint(self) -> Path:
-        """The run's state at ``self.step``, atomically; the newest ``keep_last`` are kept."""
-        path = self.checkpoint_dir(self.step)
+        """The run's state at ``self.step`` (once per step), atomically; the newest ``keep_last`` kept."""
+        path = checkpoint.checkpoint_dir(self.out, self.step)
+        if self._saved_step == self.step:
+            return path
         with atomic_dir(path) as tmp:
             self.model.save_pretrained(tmp / "model")
             self.tokenizer.save_pretrained(tmp / "model")
@@ -181,26 +212,53 @@ class Run:
                 "config": self.cfg.model_dump(mode="json"),
             }
             (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
-        for old in sorted((self.out / CHECKPOINTS).glob("step-*"))[: -self.cfg.train.keep_last]:
+        self._saved_step = self.step
+        for old in checkpoint.checkpoints(self.out)[: -self.cfg.train.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         return path
 
     def load_checkpoint(self, path: Path) -> None:
-        state = json.loads((path / TRAINER_STATE).read_text())
+        """The state of checkpoint ``path``, with this run's settings (optimizer hyperparameters,
+        schedule); ConfigError names a setting that cannot change, ResumeError a bad file."""
+        try:
+            state = json.loads((path / TRAINER_STATE).read_text())
+            step, saved_config = int(state["step"]), state["config"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ResumeError(f"{path / TRAINER_STATE}: unreadable ({e!r})") from None
+        self.resume_changes = [
+            f"{k} {a} -> {b}" for k, a, b in resume_changes(saved_config, self.cfg, FIXED_ON_RESUME)
+        ]
+        if self.cfg.train.steps < step:
+            raise ConfigError(f"train.steps ({self.cfg.train.steps}) is below the step of {path} ({step})")
         loaded = type(self.model).from_pretrained(path / "model")
         if loaded.config.to_dict() != self.model.config.to_dict():
-            raise ValueError(f"{path}: the checkpoint's model config differs from this run's model")
+            raise ResumeError(
+                f"{path / 'model'}: the checkpoint's model config differs from this run's model"
+            )
+        opt = self.optimizer
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        try:
+            opt.load_state_dict(optim.unflatten_state_dict(lf.load(path / OPTIMIZER), state["optimizer"]))
+        except (ValueError, KeyError) as e:
+            raise ResumeError(f"{path / OPTIMIZER}: {e}") from None
+        for group, h in zip(opt.param_groups, hyper, strict=True):
+            group.update(h)  # this run's lr, betas, weight decay (a resumed run may change them)
         self.model.load_state_dict(loaded.state_dict())
         for name, layer in self.extra_layers.items():
             layer.load_state_dict(lf.load(path / f"{name}.safetensors"))
-        self.optimizer.load_state_dict(
-            optim.unflatten_state_dict(lf.load(path / OPTIMIZER), state["optimizer"])
-        )
-        self.schedule.load_state_dict(state["schedule"])
-        self.step = state["step"]
+        # the schedule is a closed form of the step: this run's settings, the checkpoint's step
+        self.schedule.load_state_dict({**self.schedule.state_dict(), "last_step": step})
+        self.step = step
 
     def final_model_dir(self) -> Path:
-        return self.checkpoint_dir(self.step) / "model"
+        return checkpoint.checkpoint_dir(self.out, self.step) / "model"
+
+
+def interrupted_message(e: Interrupted, prog: str) -> str:
+    return (
+        f"{prog}: stopped by {signal.Signals(e.signum).name} at step {e.step}; saved {e.path} "
+        "(continue with --resume)"
+    )
 
 
 def _fmt(v: Any) -> str:

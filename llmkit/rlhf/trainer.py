@@ -181,7 +181,7 @@ class PolicyTrainer(Run):
             if self.value_head
             else None
         )
-        self.setup(resume)
+        self.setup()
 
     # ---- one step ----------------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
@@ -258,13 +258,15 @@ class PolicyTrainer(Run):
                 calls += 1
         return {**{k: v / calls for k, v in totals.items()}, "first_logprob_diff": first_diff}
 
-    def finish(self) -> dict[str, Any]:
+    def rolled_back(self) -> None:
+        self.rollouts.sync()
+
+    def finish(self) -> None:
         if not self.quiet:
             prompts = [row["prompt"] for row in self.prompts[:2]]
             batch = self.rollouts.generate(prompts, 1, self.cfg.train.seed, self.cfg.train.steps)
             for p, c in zip(batch.prompt_ids, batch.texts):
                 print(f"sample: {self.tokenizer.decode(p)!r} -> {c!r}")
-        return {}
 
 
 def _diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> float:

@@ -337,11 +337,14 @@ FIXED_ON_RESUME: dict[str, str] = {
 }
 
 
-def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[tuple[str, Any, Any]]:
+def resume_changes(
+    saved: dict[str, Any], cfg: BaseModel, fixed: dict[str, str] = FIXED_ON_RESUME
+) -> list[tuple[str, Any, Any]]:
     """The (dotted key, saved value, new value) of every setting `cfg` changes from the config a
     checkpoint was written with (`saved`, as `model_dump(mode="json")` gave it).
 
-    Raises ConfigError naming the first key that cannot change on resume (FIXED_ON_RESUME).
+    Raises ConfigError naming the first key that cannot change on resume (``fixed``: key or section
+    -> why; FIXED_ON_RESUME for training runs).
     """
     old, new = _flatten(saved), _flatten(cfg.model_dump(mode="json"))
     changes = [
@@ -350,8 +353,8 @@ def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[tuple[str, A
         if old.get(k) != new.get(k)
     ]
     for key, before, after in changes:
-        for fixed, why in FIXED_ON_RESUME.items():
-            if key == fixed or key.startswith(fixed + "."):
+        for name, why in fixed.items():
+            if key == name or key.startswith(name + "."):
                 raise ConfigError(
                     f"{key} cannot change on --resume (checkpoint: {before}, now: {after}): {why}; "
                     "train in a new out_dir instead"

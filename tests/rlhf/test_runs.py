@@ -169,3 +169,27 @@ def test_resume_after_sigkill_continues_with_identical_metrics(tmp_path, policy_
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]
     assert [r["step"] for r in resumed] == list(range(1, 5))
     assert strip(resumed) == strip(whole)
+
+
+def test_sigint_finishes_the_step_saves_and_resumes(tmp_path, policy_dir):
+    cfg = grpo_config(tmp_path, policy_dir, "stop", train__steps=50, optim__lr=3e-3)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "llmkit.cli", "rlhf", str(cfg), "--quiet"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "stop" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    step = len(read_metrics(metrics))
+    assert f"stopped by SIGINT at step {step}; saved" in err and "continue with --resume" in err
+    assert (tmp_path / "stop" / "checkpoints" / f"step-{step:08d}" / "model" / "config.json").is_file()
+    out = subprocess.run(
+        cmd + ["--resume", "train.steps=" + str(step + 1)], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"resume: step {step} from" in out.stdout and f"train.steps 50 -> {step + 1}" in out.stdout
+    assert len(read_metrics(metrics)) == step + 1
