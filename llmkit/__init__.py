@@ -1,4 +1,4 @@
-"""llmkit: train and serve Llama models; every job runs the same static program."""
+"""llmkit: train, align and serve Llama models; every job runs the same static program."""
 
 import os as _os
 import sys as _sys
