@@ -29,6 +29,7 @@ import numpy as np
 import llmkit.framework as lf
 from llmkit.framework import jit, nn, optim
 from llmkit.infer.programs import PREFILL_TILE, TileLinear
+from llmkit.train.trainer import state_names
 
 O = lf.ops
 
@@ -126,21 +127,6 @@ def _to_host(x: Any) -> Any:
     return x
 
 
-def state_names(model: Any, extra: dict[str, Any] | None = None, optimizer: Any = None) -> dict[int, str]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    names.update({id(b): n for n, b in model.named_buffers()})
-    for prefix, layer in (extra or {}).items():
-        names.update({id(p): f"{prefix}.{n}" for n, p in layer.named_parameters()})
-    if optimizer is not None:
-        for p, state in zip(optimizer.params, optimizer.states):
-            for k, v in state.items():
-                names[id(v)] = f"optim.{names.get(id(p), 'param')}.{k}"
-        for i, lr in enumerate(optimizer.lr_tensors):
-            names[id(lr)] = f"optim.lr{i}"
-        names[id(optimizer.step_count)] = "optim.step"
-    return names
-
-
 def scorer(model: Any, exact: bool, temperature: float, value_head: ValueHead | None = None) -> Callable:
     """A compiled no-grad forward: ``(ids, targets, *segments) -> logp [B, S] float64`` (and
     ``values`` [B, S] with a value head): the reference model's log-probs, PPO's pre-update pass."""
@@ -155,7 +141,7 @@ def scorer(model: Any, exact: bool, temperature: float, value_head: ValueHead | 
             return out
 
     extra = {"value_head": value_head} if value_head is not None else None
-    return fwd.compile(score, _specs(_SEQ + _SEG), state_names(model, extra))
+    return fwd.compile(score, _specs(_SEQ + _SEG), state_names(model, extra=extra))
 
 
 # Inputs of a train step besides ids, targets and segments: name -> (shape, dtype); float64 where
@@ -211,7 +197,7 @@ def train_step(
 
     specs = _specs(_SEQ + _SEG + [(n, *STEP_INPUTS[n]) for n in inputs])
     extra = {"value_head": value_head} if value_head is not None else None
-    run = fwd.compile(step, specs, state_names(model, extra, optimizer))
+    run = fwd.compile(step, specs, state_names(model, optimizer, extra))
 
     def call(*arrays: np.ndarray) -> dict[str, Any]:
         optimizer.sync_lr()

@@ -20,11 +20,12 @@ from llmkit.framework import jit, nn, optim
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 from llmkit.models.llama.checkpoint import load_pretrained, save_pretrained
 from llmkit.models.llama.model import LlamaModel
+from llmkit.train.trainer import state_names
 
 from . import algorithms as A
 from .config import RewardModelConfig
 from .data import encode_pair, load_pairs, split_heldout, step_rows
-from .policy import compile_function, state_names
+from .policy import compile_function
 from .run import Run, build_optimizer, model_dir
 
 O = lf.ops
@@ -169,7 +170,7 @@ class RewardModelTrainer(Run):
             jit.InputSpec(["P", "B"], "float64", "chosen"),
             jit.InputSpec(["P", "B"], "float64", "rejected"),
         ]
-        run = compile_function(step, specs, state_names(model, optimizer=opt))
+        run = compile_function(step, specs, state_names(model, opt))
 
         def call(*arrays):
             opt.sync_lr()

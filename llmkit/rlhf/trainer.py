@@ -134,7 +134,6 @@ class PolicyTrainer(Run):
         super().__init__(cfg, resume, quiet)
         self.algo = ALGORITHMS[cfg.algorithm]
         src = model_dir(cfg.model.init_from)
-        self.init_dir = src
         self.tokenizer = LlamaTokenizer.from_pretrained(src)
         self.model = LlamaForCausalLM.from_pretrained(src)
         r, ro = cfg.rlhf, cfg.rollout
@@ -209,12 +208,8 @@ class PolicyTrainer(Run):
         per_row = {"mask": mask, "old_logp": roll, "advantages": advantages, "ref_logp": ref}
         if values is not None:
             per_row.update(old_values=values, returns=returns)
-        stats = self._update(tokens, per_row)
+        stats, first_diff = self._update(tokens, per_row)
         train_s = time.perf_counter() - t0
-        if diff is None:
-            diff = stats.pop("first_logprob_diff")
-        else:
-            stats.pop("first_logprob_diff")
 
         sync_s = self.rollouts.sync()
         kl = A.KL_ESTIMATORS[cfg.rlhf.kl_estimator](lf.tensor(roll), lf.tensor(ref)).numpy()
@@ -223,7 +218,7 @@ class PolicyTrainer(Run):
             "reward_std": float(rewards.std()),
             "kl": float((kl * mask).sum() / max(mask.sum(), 1.0)),
             **stats,
-            "logprob_diff_max": diff,
+            "logprob_diff_max": first_diff if diff is None else diff,
             "response_len_mean": float(np.mean([len(c) for c in batch.completion_ids])),
             "gen_tokens_per_s": batch.num_tokens / batch.seconds,
             "gen_s": batch.seconds,
@@ -231,9 +226,9 @@ class PolicyTrainer(Run):
             "sync_s": sync_s,
         }
 
-    def _update(self, tokens: TokenBatch, per_row: dict[str, np.ndarray]) -> dict[str, float]:
-        """``epochs`` passes of ``minibatches`` compiled steps over the step's rows; the metrics'
-        means, and the log-prob difference of the first (pre-update) minibatch."""
+    def _update(self, tokens: TokenBatch, per_row: dict[str, np.ndarray]) -> tuple[dict[str, float], float]:
+        """``epochs`` passes of ``minibatches`` compiled steps over the step's rows: the means of
+        their metrics, and the log-prob difference of the first (pre-update) minibatch."""
         r, n = self.cfg.rlhf, len(tokens.ids)
         totals: dict[str, float] = {}
         first_diff, calls = None, 0
@@ -256,7 +251,7 @@ class PolicyTrainer(Run):
                     if k != "logp":
                         totals[k] = totals.get(k, 0.0) + float(v)
                 calls += 1
-        return {**{k: v / calls for k, v in totals.items()}, "first_logprob_diff": first_diff}
+        return {k: v / calls for k, v in totals.items()}, first_diff
 
     def rolled_back(self) -> None:
         self.rollouts.sync()

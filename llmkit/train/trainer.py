@@ -128,6 +128,25 @@ def build_optimizer(cfg: TrainConfig, model: LlamaForCausalLM) -> optim.Optimize
     return optim.SGD(groups, lr=o.lr, momentum=o.momentum)
 
 
+def state_names(
+    model: Any, optimizer: optim.Optimizer | None = None, extra: dict[str, Any] | None = None
+) -> dict[int, str]:
+    """Readable names of the tensors a traced step captures: parameters and buffers of ``model``
+    (and of the ``extra`` layers, under their prefix), the optimizer's state, lr and step count."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    names.update({id(b): n for n, b in model.named_buffers()})
+    for prefix, layer in (extra or {}).items():
+        names.update({id(p): f"{prefix}.{n}" for n, p in layer.named_parameters()})
+    if optimizer is not None:
+        for p, state in zip(optimizer.params, optimizer.states):
+            for k, v in state.items():
+                names[id(v)] = f"optim.{names.get(id(p), 'param')}.{k}"
+        for i, lr in enumerate(optimizer.lr_tensors):
+            names[id(lr)] = f"optim.lr{i}"
+        names[id(optimizer.step_count)] = "optim.step"
+    return names
+
+
 SCHEDULES = {
     "constant": lambda opt, s, steps: optim.ConstantLR(opt, warmup_steps=s.warmup_steps),
     "cosine": lambda opt, s, steps: optim.WarmupCosine(opt, s.warmup_steps, steps, s.min_lr_ratio),
@@ -288,15 +307,7 @@ class Trainer:
 
     def state_names(self) -> dict[int, str]:
         """Readable names of every tensor a traced step captures (for programs and errors)."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        names.update({id(b): n for n, b in self.model.named_buffers()})
-        for p, state in zip(self.optimizer.params, self.optimizer.states):
-            for k, v in state.items():
-                names[id(v)] = f"optim.{names.get(id(p), 'param')}.{k}"
-        for i, lr in enumerate(self.optimizer.lr_tensors):
-            names[id(lr)] = f"optim.lr{i}"
-        names[id(self.optimizer.step_count)] = "optim.step"
-        return names
+        return state_names(self.model, self.optimizer)
 
     def _static_step(self):
         """The whole step — micro-batches, backward, gradient reduction, clipping, update — as one
