@@ -35,9 +35,9 @@ from llmkit.infer import SamplingParams
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.rlhf.config import load_rlhf_config
 from llmkit.rlhf.rollout import Rollouts
-from llmkit.rlhf.run import model_dir
 from llmkit.rlhf.tasks import corpus_prompts
 from llmkit.rlhf.trainer import PolicyTrainer
+from llmkit.train.checkpoint import model_dir
 from llmkit.train.corpus import builtin_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

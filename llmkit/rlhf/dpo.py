@@ -16,13 +16,14 @@ import numpy as np
 
 import llmkit.framework as lf
 from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
+from llmkit.train.checkpoint import model_dir
 
 from . import algorithms as A
 from . import policy
 from .config import RLHFConfig
 from .data import TokenBatch, encode_pair, load_pairs, split_heldout, step_rows
 from .reward_model import pair_selectors
-from .run import Run, build_optimizer, model_dir
+from .run import Run, build_optimizer
 
 O = lf.ops
 INPUTS = ("mask", "ref_seq_logp", "chosen", "rejected")

@@ -20,13 +20,14 @@ from llmkit.framework import jit, nn, optim
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 from llmkit.models.llama.checkpoint import load_pretrained, save_pretrained
 from llmkit.models.llama.model import LlamaModel
+from llmkit.train.checkpoint import model_dir
 from llmkit.train.trainer import state_names
 
 from . import algorithms as A
 from .config import RewardModelConfig
 from .data import encode_pair, load_pairs, split_heldout, step_rows
 from .policy import compile_function
-from .run import Run, build_optimizer, model_dir
+from .run import Run, build_optimizer
 
 O = lf.ops
 ARCHITECTURE = "LlamaForSequenceClassification"

@@ -48,25 +48,6 @@ FIXED_ON_RESUME: dict[str, str] = {
 }
 
 
-def model_dir(path: str | Path, key: str = "model.init_from") -> Path:
-    """A Hugging Face model directory, or a run directory (``llmkit train``'s or ``llmkit rlhf``'s
-    ``out_dir``) standing for its newest checkpoint's ``model/``."""
-    p = Path(path)
-    if (p / "config.json").is_file():
-        return p
-    found = [c / "model" for c in checkpoint.checkpoints(p) if (c / "model" / "config.json").is_file()]
-    if found:
-        return found[-1]
-    if not p.exists():
-        raise ConfigError(
-            f"{key}: {str(path)!r} does not exist; train the model first "
-            "(llmkit train configs/tiny.yaml writes runs/tiny) or point it at a checkpoint directory"
-        )
-    raise ConfigError(
-        f"{key}: {str(path)!r} is neither a model directory (config.json) nor a run with checkpoints"
-    )
-
-
 def param_groups(layers: list[nn.Layer], weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only, as ``llmkit train``'s optimizer."""
     decay = [p for layer in layers for p in layer.parameters() if p.ndim >= 2]

@@ -24,6 +24,7 @@ import numpy as np
 
 import llmkit.framework as lf
 from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
+from llmkit.train.checkpoint import model_dir
 
 from . import algorithms as A
 from . import policy
@@ -31,7 +32,7 @@ from .config import RLHFConfig
 from .data import TokenBatch, load_prompts, step_rows
 from .rewards import build_reward
 from .rollout import Rollouts
-from .run import Run, build_optimizer, model_dir
+from .run import Run, build_optimizer
 
 O = lf.ops
 

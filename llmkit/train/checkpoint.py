@@ -43,6 +43,7 @@ from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 from llmkit.models.llama.checkpoint import check_weights, write_config
 from llmkit.models.llama.checkpoint import weights as llama_weights
 
+from .config import ConfigError
 from .metrics import peak_rss_bytes
 
 if TYPE_CHECKING:
@@ -124,6 +125,25 @@ def latest(out_dir: Path) -> Path:
         hint = f" ({', '.join(cut)}: incomplete, no {COMPLETE} marker)" if cut else ""
         raise ResumeError(f"--resume: no checkpoint under {out_dir / CHECKPOINTS}{hint}")
     return found[-1]
+
+
+def model_dir(path: str | Path, key: str = "model.init_from") -> Path:
+    """A Hugging Face model directory, or a run directory (``llmkit train``'s or ``llmkit rlhf``'s
+    ``out_dir``) standing for its newest checkpoint's ``model/``."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return p
+    found = [c / "model" for c in checkpoints(p) if (c / "model" / "config.json").is_file()]
+    if found:
+        return found[-1]
+    if not p.exists():
+        raise ConfigError(
+            f"{key}: {str(path)!r} does not exist; train the model first "
+            "(llmkit train configs/tiny.yaml writes runs/tiny) or point it at a checkpoint directory"
+        )
+    raise ConfigError(
+        f"{key}: {str(path)!r} is neither a model directory (config.json) nor a run with checkpoints"
+    )
 
 
 def read_state(path: Path) -> TrainerState:

@@ -10,7 +10,7 @@ import pytest
 
 from llmkit.cli import main as cli_main
 from llmkit.rlhf.config import load_reward_config, load_rlhf_config
-from llmkit.rlhf.run import model_dir
+from llmkit.train.checkpoint import model_dir
 from llmkit.train.config import ConfigError
 
 BASE = {"algorithm": "grpo", "reward": {"task": "avoid_letter"}, "out_dir": "runs/x"}
