@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from llmkit.train.cli import ArgumentParser
+from llmkit.train.cli import ArgumentParser, report_interrupted, report_resume
 from llmkit.train.trainer import Interrupted
-
-from .run import interrupted_message
 
 
 def _policy_job(cfg: Any, resume: bool, quiet: bool) -> Any:
@@ -62,16 +59,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_intermixed_args(argv[1:] if job == "reward" else argv)
-    cfg = load(a.config, a.overrides)
-    trainer = build(cfg, a.resume, a.quiet)
+    trainer = build(load(a.config, a.overrides), a.resume, a.quiet)
     if trainer.resumed_from is not None:
-        print(f"resume: step {trainer.step} from {trainer.resumed_from}")
-        print(f"resume: {', '.join(trainer.resume_changes) or 'the config is unchanged'}")
+        report_resume(trainer)
     try:
         last = trainer.fit()
     except Interrupted as e:
-        print(interrupted_message(e, p.prog), file=sys.stderr)
-        return 128 + e.signum
+        return report_interrupted(e, p.prog)
     summary = ", ".join(
         f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float) and not k.endswith("_s")
     )

@@ -235,13 +235,6 @@ class Run:
         return checkpoint.checkpoint_dir(self.out, self.step) / "model"
 
 
-def interrupted_message(e: Interrupted, prog: str) -> str:
-    return (
-        f"{prog}: stopped by {signal.Signals(e.signum).name} at step {e.step}; saved {e.path} "
-        "(continue with --resume)"
-    )
-
-
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1e4 else f"{v:,.0f}"

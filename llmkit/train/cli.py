@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import sys
+from typing import Any
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -64,8 +65,7 @@ def _train(cfg, resume: bool, quiet: bool) -> int:
     if trainer.par is not None:
         say(f"parallel: {trainer.plan.describe()} on {trainer.backend} ({trainer.plan.world_size} ranks)")
     if trainer.resumed_from is not None:
-        say(f"resume: step {trainer.step} from {trainer.resumed_from}")
-        say(f"resume: {', '.join(trainer.resume_changes) or 'the config is unchanged'}")
+        report_resume(trainer, say)
         read, total, rss = trainer.load_report
         mb = 2**20
         say(
@@ -75,15 +75,26 @@ def _train(cfg, resume: bool, quiet: bool) -> int:
     try:
         last = trainer.fit()
     except Interrupted as e:
-        say(
-            f"llmkit train: stopped by {signal.Signals(e.signum).name} at step {e.step}; saved {e.path} "
-            "(continue with --resume)",
-            file=sys.stderr,
-        )
-        return 128 + e.signum
+        return report_interrupted(e, "llmkit train", say)
     summary = ", ".join(f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float))
     say(f"done: step {trainer.step}, {summary}; checkpoints and metrics.jsonl in {cfg.out_dir}")
     return 0
+
+
+def report_resume(job: Any, say: Any = print) -> None:
+    """Where a resumed job continues from, and what its config changed (every job's command line)."""
+    say(f"resume: step {job.step} from {job.resumed_from}")
+    say(f"resume: {', '.join(job.resume_changes) or 'the config is unchanged'}")
+
+
+def report_interrupted(e: Any, prog: str, say: Any = print) -> int:
+    """The line of a job stopped by SIGINT or SIGTERM (``Interrupted``), and its exit status."""
+    say(
+        f"{prog}: stopped by {signal.Signals(e.signum).name} at step {e.step}; saved {e.path} "
+        "(continue with --resume)",
+        file=sys.stderr,
+    )
+    return 128 + e.signum
 
 
 def launch(cfg, nproc: int, hostfile: str | None, argv: list[str]) -> int:
@@ -148,12 +159,9 @@ def tokenizer_main(argv: list[str]) -> int:
 
 def plot_main(argv: list[str]) -> int:
     """``llmkit plot RUN_DIR [--out FILE]``."""
-    p = ArgumentParser(
-        prog="llmkit plot",
-        description="Plot a run's curves to PNG: training loss, RLHF reward and KL, preference accuracy.",
-    )
+    p = ArgumentParser(prog="llmkit plot", description="Plot a run's training and eval loss to PNG.")
     p.add_argument("run_dir")
-    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/loss.png, or reward.png for RLHF)")
+    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/loss.png)")
     a = p.parse_args(argv)
     from .plot import plot_run
 
