@@ -9,9 +9,10 @@
    headline is engine / eager (issue target: >= 5x).
 2. ``sync_s``: what making the engine see new weights costs after an optimizer step (the prefix
    cache reset, and, for relaid weights, rebuilding the copies), median over rounds.
-3. A few steps of ``llmkit rlhf`` (GRPO on a built-in task, as ``configs/rlhf-tiny.yaml``): the share
-   of the step in generation, training and sync, with exact log-probs and without (the cost of
-   running the trainer's forward on the engine's kernels).
+3. ``--steps`` steps of ``llmkit rlhf`` (GRPO on a built-in task, as ``configs/rlhf-tiny.yaml``), with
+   exact log-probs and without, alternating over ``--rounds``: the share of the step in generation,
+   training and sync, and the cost of running the trainer's forward on the engine's kernels (the
+   paired ratio of step and training times).
 
 The policy is ``--model`` (a checkpoint or run directory; default ``runs/tiny`` when it exists) or a
 random tiny Llama.
@@ -35,6 +36,7 @@ from llmkit.infer import SamplingParams
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.rlhf.config import load_rlhf_config
 from llmkit.rlhf.rollout import Rollouts
+from llmkit.rlhf.run import TIMINGS
 from llmkit.rlhf.tasks import corpus_prompts
 from llmkit.rlhf.trainer import PolicyTrainer
 from llmkit.train.checkpoint import model_dir
@@ -105,28 +107,39 @@ def rollouts(args, model, tok) -> None:
 
 
 def steps(args, model_path: str) -> None:
-    """A few steps of the GRPO job, exact log-probs on and off: time shares and the cost of exact."""
+    """Steps of the GRPO job, exact log-probs on and off, alternating over ``--rounds`` (a drifting
+    machine loads both alike): time shares, and the cost of exact as the paired step-time ratio."""
     config = ROOT / "configs" / "rlhf-tiny.yaml"
-    for exact in (True, False):
-        with tempfile.TemporaryDirectory() as out:
-            overrides = [
-                f"model.init_from={model_path}",
-                f"train.steps={args.steps}",
-                "train.save_every=0",
-                f"rlhf.exact_logprobs={str(exact).lower()}",
-                f"out_dir={out}",
-            ]
-            trainer = PolicyTrainer(load_rlhf_config(config, overrides), quiet=True)
-            trainer.fit()
-            rows = [r for r in _rows(Path(out)) if "gen_s" in r][1:]  # the first step compiles
-            gen, train, sync = (statistics.mean(r[k] for r in rows) for k in ("gen_s", "train_s", "sync_s"))
-            total = statistics.mean(r["step_s"] for r in rows)
-            tag = "exact" if exact else "not_exact"
-            emit("rlhf", f"step_s_{tag}", total, "s", steps=len(rows))
-            emit("rlhf", f"generation_share_{tag}", gen / total, "fraction")
-            emit("rlhf", f"training_share_{tag}", train / total, "fraction")
-            emit("rlhf", f"sync_s_step_{tag}", sync, "s")
-            emit("rlhf", f"logprob_diff_max_{tag}", max(r["logprob_diff_max"] for r in rows), "nats")
+    per: dict[bool, list[dict]] = {True: [], False: []}
+    for _ in range(args.rounds):
+        for exact in (True, False):
+            with tempfile.TemporaryDirectory() as out:
+                overrides = [
+                    f"model.init_from={model_path}",
+                    f"train.steps={args.steps}",
+                    "train.save_every=0",
+                    "schedule.warmup_steps=0",
+                    f"rlhf.exact_logprobs={str(exact).lower()}",
+                    f"out_dir={out}",
+                ]
+                PolicyTrainer(load_rlhf_config(config, overrides), quiet=True).fit()
+                rows = [r for r in _rows(Path(out)) if "gen_s" in r][1:]  # the first step compiles
+                per[exact].append(
+                    {k: statistics.mean(r[k] for r in rows) for k in TIMINGS}
+                    | {"logprob_diff_max": max(r["logprob_diff_max"] for r in rows)}
+                )
+    for exact, runs in per.items():
+        tag = "exact" if exact else "not_exact"
+        total = statistics.median(r["step_s"] for r in runs)
+        emit("rlhf", f"step_s_{tag}", total, "s", steps=args.steps - 1, rounds=args.rounds)
+        for key, name in (("gen_s", "generation"), ("train_s", "training")):
+            share = statistics.median(r[key] / r["step_s"] for r in runs)
+            emit("rlhf", f"{name}_share_{tag}", share, "fraction")
+        emit("rlhf", f"sync_s_step_{tag}", statistics.median(r["sync_s"] for r in runs), "s")
+        emit("rlhf", f"logprob_diff_max_{tag}", max(r["logprob_diff_max"] for r in runs), "nats")
+    for key, name in (("step_s", "step"), ("train_s", "train")):
+        ours, theirs = [r[key] for r in per[True]], [r[key] for r in per[False]]
+        emit_paired_ratio("rlhf", f"{name}_time_exact_over_not_exact", ours, theirs)
 
 
 def _rows(out: Path) -> list[dict]:
