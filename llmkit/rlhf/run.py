@@ -7,6 +7,7 @@ continues exactly (the layout and helpers of ``llmkit.train.checkpoint``).
         <extra>.safetensors       other trained layers (PPO's value head)
         optimizer.safetensors     the optimizer's moments
         trainer_state.json        step, optimizer groups, schedule, and the config
+        COMPLETE                  written last: a checkpoint without it does not count
 
 A job's step is a function of its step number (its prompts or pairs and its sampling seeds are), so
 a checkpoint needs no data position or RNG state, and a run killed at any moment (even with
@@ -30,9 +31,9 @@ from tqdm import tqdm
 
 import llmkit.framework as lf
 from llmkit.framework import nn, optim
-from llmkit.framework.files import atomic_dir
+from llmkit.framework.files import atomic_dir, atomic_write
 from llmkit.train import checkpoint
-from llmkit.train.checkpoint import OPTIMIZER, TRAINER_STATE, ResumeError
+from llmkit.train.checkpoint import COMPLETE, OPTIMIZER, TRAINER_STATE, ResumeError
 from llmkit.train.config import ConfigError, dump_config, resume_changes
 from llmkit.train.metrics import MetricsLog
 from llmkit.train.trainer import SCHEDULES, Interrupted, StopSignals
@@ -193,6 +194,7 @@ class Run:
                 "config": self.cfg.model_dump(mode="json"),
             }
             (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+            atomic_write(tmp / COMPLETE, f"step {self.step}\n")  # the commit marker, last
         self._saved_step = self.step
         for old in checkpoint.checkpoints(self.out)[: -self.cfg.train.keep_last]:
             shutil.rmtree(old, ignore_errors=True)

@@ -58,6 +58,10 @@ def test_model_dir_finds_a_runs_newest_checkpoint(tmp_path):
         d = tmp_path / "run" / "checkpoints" / f"step-{step:08d}" / "model"
         d.mkdir(parents=True)
         (d / "config.json").write_text("{}")
+        (d.parent / "COMPLETE").write_text("done\n")
+    incomplete = tmp_path / "run" / "checkpoints" / "step-00000020" / "model"  # no commit marker
+    incomplete.mkdir(parents=True)
+    (incomplete / "config.json").write_text("{}")
     assert model_dir(tmp_path / "run") == tmp_path / "run" / "checkpoints" / "step-00000010" / "model"
     assert model_dir(tmp_path / "run" / "checkpoints" / "step-00000002" / "model").name == "model"
     with pytest.raises(
