@@ -70,7 +70,7 @@ def _table(cfg: QuantConfig, r: dict[str, Any]) -> str:
     rows = [
         ("", "float32", name),
         ("perplexity", f"{fp:.3f}", f"{qp:.3f}  ({100 * (qp / fp - 1):+.2f}%)"),
-        ("mean KL (nats/token)", "-", f"{r['kl']:.5f}"),
+        ("mean KL (nats/token)", "-", f"{r['kl']:.3g}"),
         ("top-1 agreement", "-", f"{100 * r['top1']:.2f}%"),
         (
             "quantized linears",

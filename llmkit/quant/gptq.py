@@ -28,16 +28,25 @@ BLOCK = 128  # columns per lazy-update block
 
 
 class Hessian:
-    """Running ``2 XᵀX / N`` of a linear's inputs (float64), fed batch by batch."""
+    """Running ``2 XᵀX / N`` of a linear's inputs, fed batch by batch: each batch's ``XᵀX`` (a float32
+    product: BLAS speed, about 1e-6 relative error, far below the damping) summed in float64."""
 
     def __init__(self, in_features: int) -> None:
         self.sum = np.zeros((in_features, in_features))
         self.count = 0
 
+    @staticmethod
+    def gram(x: np.ndarray) -> tuple[np.ndarray, int]:
+        """``(XᵀX, N)`` of inputs ``x`` [..., in] (computed once for linears that share an input)."""
+        x = np.asarray(x, np.float32).reshape(-1, x.shape[-1])  # (N, in)
+        return x.T @ x, len(x)
+
     def add(self, x: np.ndarray) -> None:
-        x = np.asarray(x, np.float64).reshape(-1, self.sum.shape[0])  # (N, in)
-        self.sum += x.T @ x
-        self.count += len(x)
+        self.add_gram(*self.gram(x))
+
+    def add_gram(self, xtx: np.ndarray, n: int) -> None:
+        self.sum += xtx
+        self.count += n
 
     def value(self) -> np.ndarray:
         return 2.0 * self.sum / max(self.count, 1)

@@ -78,15 +78,26 @@ def _layer_inputs(model: Any, ids: np.ndarray) -> list[tuple]:
     return got
 
 
-def _hessians(paths: dict[str, Any], run: Callable[[], Any]) -> dict[str, np.ndarray]:
-    """Each linear's Hessian 2 XᵀX / N over the inputs it sees while ``run()`` runs."""
+def _hessians(paths: dict[str, Any], batches: list[Callable[[], Any]]) -> dict[str, np.ndarray]:
+    """Each linear's Hessian 2 XᵀX / N over the inputs it sees while the ``batches`` run (linears
+    that read one tensor, as q/k/v and gate/up do, share its XᵀX)."""
     acc = {p: Hessian(sub.in_features) for p, sub in paths.items()}
-    handles = [
-        sub.register_forward_pre_hook(lambda _, args, h=acc[p]: h.add(args[0].numpy()))
-        for p, sub in paths.items()
-    ]
+    grams: dict[int, tuple[Any, tuple[np.ndarray, int]]] = {}  # id(input) -> (input, its XᵀX, N)
+
+    def hook(path: str) -> Callable[..., None]:
+        def add(_: Any, args: tuple) -> None:
+            x = args[0]
+            if id(x) not in grams:
+                grams[id(x)] = (x, Hessian.gram(x.numpy()))  # holding x keeps its id unique
+            acc[path].add_gram(*grams[id(x)][1])
+
+        return add
+
+    handles = [sub.register_forward_pre_hook(hook(p)) for p, sub in paths.items()]
     try:
-        run()
+        for run in batches:
+            run()
+            grams.clear()
     finally:
         for h in handles:
             h.remove()
@@ -121,7 +132,7 @@ def quantize_model(
     for i, layer in enumerate(decoder):
         mine = {p: layers[p] for p in paths if p.startswith(f"model.layers.{i}.")}
         if cfg.method == "gptq":
-            hess = _hessians(mine, lambda: [layer(*a) for a in inputs])
+            hess = _hessians(mine, [lambda a=a: layer(*a) for a in inputs])
             install(
                 model,
                 {p: gptq(m.weight.numpy(), hess[p], cfg, act_order, damp) for p, m in mine.items()},
@@ -134,7 +145,7 @@ def quantize_model(
     if lm_head:
         head = layers["lm_head"]
         if cfg.method == "gptq":
-            hess = _hessians({"lm_head": head}, lambda: [head(model.model.norm(a[0])) for a in inputs])
+            hess = _hessians({"lm_head": head}, [lambda a=a: head(model.model.norm(a[0])) for a in inputs])
             install(model, {"lm_head": gptq(head.weight.numpy(), hess["lm_head"], cfg, act_order, damp)}, cfg)
         else:
             install(model, {"lm_head": quantize_rtn(head.weight.numpy(), cfg)}, cfg)
