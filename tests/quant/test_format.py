@@ -4,6 +4,8 @@ text (docs/quantize.md), round to nearest, and quantized checkpoints on disk."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llmkit.framework as lf
-from llmkit.framework import nn
+from llmkit.framework import io, nn
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.models.llama.checkpoint import CheckpointError
 from llmkit.quant import QuantConfig, QuantError, install, pack, quantize_rtn, targets, unpack
@@ -181,3 +183,21 @@ def test_bad_quantized_checkpoints_are_clear_errors(tmp_path):
         load_with({**good, "bits": 4, "group_size": 128})  # int8 codes read as 4-bit: wrong shape
     with pytest.raises(CheckpointError, match="missing 7: .*zeros"):
         load_with({**good, "bits": 4, "sym": False})  # also asymmetric without zeros
+
+
+def test_the_reader_in_the_docs_reads_what_we_write(tmp_path):
+    """docs/quantize.md's numpy reader (its ``dequantize``), run on checkpoints written here."""
+    doc = (Path(__file__).parents[2] / "docs" / "quantize.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "def dequantize" in b)
+    reader: dict = {}
+    exec(block[: block.index("cfg = json.load")], reader)  # the imports and the function
+    for i, cfg in enumerate(
+        [QuantConfig(8, -1, True, "rtn"), QuantConfig(4, 64, True), QuantConfig(4, 32, False)]
+    ):
+        model, d = _tiny(tmp_path / str(i), cfg)
+        qc = json.loads((d / "config.json").read_text())["quantization_config"]
+        tensors = {k: v.numpy() for k, v in io.load(d / "model.safetensors").items()}
+        for path in targets(model):
+            got = reader["dequantize"](tensors, path, qc)
+            layer = dict(model.named_sublayers())[path]
+            np.testing.assert_array_equal(got.astype(np.float32), layer.weight.numpy())
