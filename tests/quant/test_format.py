@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llmkit.framework as lf
-from llmkit.framework import io, nn
+from llmkit.framework import nn
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.models.llama.checkpoint import CheckpointError
 from llmkit.quant import QuantConfig, QuantError, install, pack, quantize_rtn, targets, unpack
@@ -196,7 +196,7 @@ def test_the_reader_in_the_docs_reads_what_we_write(tmp_path):
     ):
         model, d = _tiny(tmp_path / str(i), cfg)
         qc = json.loads((d / "config.json").read_text())["quantization_config"]
-        tensors = {k: v.numpy() for k, v in io.load(d / "model.safetensors").items()}
+        tensors = {k: v.numpy() for k, v in lf.load(d / "model.safetensors").items()}
         for path in targets(model):
             got = reader["dequantize"](tensors, path, qc)
             layer = dict(model.named_sublayers())[path]

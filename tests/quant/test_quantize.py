@@ -13,7 +13,7 @@ from serve.conftest import API_KEY, start_server  # tests/ is on sys.path (pytes
 
 import llmkit.framework as lf
 from llmkit.cli import main as cli_main
-from llmkit.framework import io, nn
+from llmkit.framework import nn
 from llmkit.infer import Engine, EngineConfig, SamplingParams
 from llmkit.models.llama import LlamaForCausalLM
 from llmkit.quant.cli import default_out, resolve_model_dir
@@ -70,7 +70,7 @@ def test_the_directory_holds_the_format(quantized, trained_tiny):
     assert (d / "tokenizer.model").read_bytes() == (
         resolve_model_dir(trained_tiny) / "tokenizer.model"
     ).read_bytes()
-    tensors = io.load(d / "model.safetensors")
+    tensors = lf.load(d / "model.safetensors")
     lin = "model.layers.0.mlp.down_proj"  # [128, 344]: groups 128, 128, 88
     assert f"{lin}.weight" not in tensors and f"{lin}.zeros" not in tensors
     assert (tensors[f"{lin}.qweight"].dtype, tensors[f"{lin}.qweight"].shape) == (np.uint8, (128, 172))
