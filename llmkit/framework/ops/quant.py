@@ -18,8 +18,10 @@ consecutive input columns (column c is in group ``c // group_size``, the last gr
 on the other rows (the engine's batch invariance).
 
 Both have no gradient rule (codes are integers, and nothing trains scales) and are ``internal``
-(no Tensor methods). SPMD: rows of x and output features (a weight's rows, with their
-scales and zeros) shard; the inner dim stays whole, since a group must not straddle two shards.
+(no Tensor methods); ``quant_linear`` is an engine op (``engine_op``) whose compiled programs run
+its hand-written kernel (``compiler/native/quant.py``). SPMD: rows of x and output features (a
+weight's rows, with their scales and zeros) shard; the inner dim stays whole, since a group must
+not straddle two shards.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .. import symbolic as sym
 from ..opspec import A, Kind, Meta, OpError, attr, defop, describe
 from . import spmd as P
 from .contraction import _linear_kernel, _linear_meta
-from .paged import _tiled_kernel
+from .paged import _tiled_kernel, engine_op
 
 BITS = (4, 8)
 CODE_DTYPE = {8: np.dtype(np.int8), 4: np.dtype(np.uint8)}  # qweight dtype per width
@@ -147,14 +149,12 @@ def _ql_kernel(xp, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=
     return _linear_kernel(xp, x, w)
 
 
-defop(
+engine_op(
     "quant_linear",
-    Kind.OPAQUE,
-    inputs=("x", "qweight", "scales", "zeros?"),
-    attrs=[*_quant_attrs(), attr("rows", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0")],
-    infer_meta=_ql_meta,
-    kernel=_ql_kernel,
-    traits={"internal"},
+    ("x", "qweight", "scales", "zeros?"),
+    [*_quant_attrs(), attr("rows", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0")],
+    _ql_meta,
+    _ql_kernel,
     spmd=_weight_spmd(1),
     doc="linear(x, dequantize(qweight, scales, zeros)) with the weight never stored in float: "
     "x [..., in] -> [..., out]. rows >= 1 computes in products of exactly `rows` rows, as "
