@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -50,3 +52,20 @@ def machine() -> dict[str, Any]:
         "blas_env_unset": "OPENBLAS_CORETYPE" not in os.environ,
         "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
     }
+
+
+def engine_steps(engine: Any, batch: int, prompt_len: int, new_tokens: int) -> list[float]:
+    """Seconds per engine step while ``batch`` requests decode (their prefill step excluded)."""
+    from llmkit.infer import SamplingParams
+
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(rng.integers(3, engine.spec.vocab_size, prompt_len).tolist(), params)
+    engine.step()  # admission + prefill + first tokens
+    times = []
+    while engine.has_work():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return times[:-1] or times  # the last step only finishes requests

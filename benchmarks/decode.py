@@ -21,12 +21,12 @@ import os
 import time
 
 import numpy as np
-from _common import emit, machine
+from _common import emit, engine_steps, machine
 
 import llmkit.framework as lf
 from llmkit.framework.blas import get_blas_threads, set_blas_threads
 from llmkit.framework.compiler.build import spin_between_kernels
-from llmkit.infer import Engine, EngineConfig, SamplingParams
+from llmkit.infer import Engine, EngineConfig
 from llmkit.models.llama import KVCache, LlamaConfig, LlamaForCausalLM
 
 
@@ -44,21 +44,6 @@ def eager_steps(model, batch: int, prompt_len: int, new_tokens: int) -> list[flo
         logits = model(lf.tensor(nxt), kv_cache=cache).logits.numpy()[:, -1]
         times.append(time.perf_counter() - t)
     return times
-
-
-def engine_steps(engine: Engine, batch: int, prompt_len: int, new_tokens: int) -> list[float]:
-    """Seconds per engine step while ``batch`` requests decode (their prefill step excluded)."""
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(rng.integers(3, engine.spec.vocab_size, prompt_len).tolist(), params)
-    engine.step()  # admission + prefill + first tokens
-    times = []
-    while engine.has_work():
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    return times[:-1] or times  # the last step only finishes requests
 
 
 def main() -> None:

@@ -24,6 +24,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "plot": ("plot a run's curves to PNG (training loss, RLHF reward and KL)", "llmkit.train.cli:plot_main"),
     "checkpoint": ("merge a checkpoint written by several processes", "llmkit.train.cli:checkpoint_main"),
+    "quantize": (
+        "quantize a model's weights to int8 or int4 (GPTQ or RTN)",
+        "llmkit.quant.cli:quantize_main",
+    ),
+    "eval": ("perplexity of a model on held-out text", "llmkit.quant.cli:eval_main"),
     "export": ("write the static model file a server runs", "llmkit.serve.export:main"),
     "serve": ("serve a static model file over an OpenAI-compatible HTTP API", "llmkit.serve.server:main"),
 }
@@ -45,6 +50,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ("llmkit.tokenizer", "TokenizerError"),
         ("llmkit.framework.jit", "FormatError"),
         ("llmkit.serve.export", "ExportError"),
+        ("llmkit.quant.format", "QuantError"),
+        ("llmkit.quant.evaluate", "EvalError"),
     ]:
         m = sys.modules.get(mod)
         if m is not None and hasattr(m, name):

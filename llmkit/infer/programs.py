@@ -15,13 +15,14 @@ segment: a run of tokens of one sequence, see ``paged_attention``), and returns 
 ``logit_rows``; ``decode`` runs one token per sequence. ``pool`` is ``[layers, 2, NB, BS, Hkv, D]``
 with NB symbolic: the server sizes its pool at startup.
 
-After tracing, two passes rewrite them: ``tile-linear`` turns every ``linear`` into
+After tracing, passes rewrite them: ``tile-linear`` turns every ``linear`` into
 ``tiled_linear`` (BLAS calls of a fixed number of rows: 1 in decode, 8 in prefill), which is the
-batch-invariance guarantee (docs/serve.md), and ``transpose-weights`` makes the weights only those
-linears read ``[in, out]`` inputs (BLAS's fast layout), or, in compiled programs, 16-column panels
-(the C kernel's). The programs capture the model's parameters as inputs read at every call, so
-programs traced from a live model always use its current weights (what RLHF rollouts need);
-:meth:`EngineProgram.capture_arrays` supplies the relaid copies.
+batch-invariance guarantee (docs/serve.md); ``quantize-linear`` turns those of quantized layers
+(a dequantized weight) into ``quant_linear`` with the same tiles; ``transpose-weights`` makes the
+float weights only those linears read ``[in, out]`` inputs (BLAS's fast layout), or, in compiled
+programs, 16-column panels (the C kernel's). The programs capture the model's parameters as inputs
+read at every call, so programs traced from a live model always use its current weights (what RLHF
+rollouts need); :meth:`EngineProgram.capture_arrays` supplies the relaid copies.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from llmkit.framework.compiler import available as compiler_available
 from llmkit.framework.ir import Program, TensorType
 from llmkit.framework.ir.core import OpResult
 from llmkit.framework.ir.pass_manager import Pass, register_pass
+from llmkit.framework.ir.passes import QuantizeLinear
 from llmkit.framework.ir.rewriter import PatternRewriter, RewritePattern, apply_patterns
 from llmkit.framework.jit.compile import default_compiler
 from llmkit.framework.ops.paged import PANEL, pack_panels
@@ -390,11 +392,12 @@ def trace_programs(
         layouts: dict[int, str] = {}
         if tiles[pname]:
             TileLinear(tiles[pname]).apply(cp.program)
-            if relayout:
-                relayout_pass = TransposeWeights(panels=native)
-                relayout_pass.apply(cp.program)
-                layouts = {i - cp.n_args: v for i, v in relayout_pass.layouts.items()}
-                FuseSwiGLU().apply(cp.program)
-            cp.program.verify()
+        QuantizeLinear().apply(cp.program)  # quantized layers: quant_linear, with the tiles
+        if tiles[pname] and relayout:
+            relayout_pass = TransposeWeights(panels=native)
+            relayout_pass.apply(cp.program)
+            layouts = {i - cp.n_args: v for i, v in relayout_pass.layouts.items()}
+            FuseSwiGLU().apply(cp.program)
+        cp.program.verify()
         out[pname] = EngineProgram(cp, layouts)
     return out, spec

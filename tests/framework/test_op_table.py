@@ -1083,6 +1083,69 @@ case(
 )
 
 
+# ---- quantized linears (ops/quant.py) -----------------------------------------------------------
+
+
+def _codes(rng, out, n_in, bits):
+    """Random codes and their packed qweight, packed here from the format's text."""
+    if bits == 8:
+        q = rng.integers(-127, 128, (out, n_in))
+        return q, q.astype(np.int8)
+    q = rng.integers(0, 16, (out, n_in))
+    return q, (q[:, 0::2] + 16 * q[:, 1::2]).astype(np.uint8)  # column 2j low nibble, 2j+1 high
+
+
+def _dequant_ref(qweight, scales, zeros=None, bits=4, group_size=128):
+    out, n_in = qweight.shape[0], qweight.shape[1] * (2 if bits == 4 else 1)
+    w = np.zeros((out, n_in))
+    for n in range(out):
+        for c in range(n_in):
+            if bits == 8:
+                q = int(qweight[n, c])
+            else:
+                lo, hi = int(qweight[n, c // 2]) % 16, int(qweight[n, c // 2]) // 16
+                q = hi if c % 2 else lo
+            g = 0 if group_size == -1 else c // group_size
+            zero = 0 if bits == 8 else (8 if zeros is None else int(zeros[n, g]))
+            w[n, c] = (q - zero) * float(scales[n, g])
+    return w
+
+
+def _quant_samples(rng, with_x):
+    """(bits, out, in, group_size, zeros?) settings: per channel, groups with a shorter last one."""
+    out = []
+    for bits, o, i, g, asym in [
+        (8, 3, 5, -1, False),
+        (8, 2, 6, 4, False),
+        (4, 3, 10, 4, False),
+        (4, 2, 8, -1, True),
+    ]:
+        _, qw = _codes(rng, o, i, bits)
+        groups = 1 if g == -1 else -(-i // g)
+        ins = [qw, pos(rng, o, groups)] + (
+            [rng.integers(0, 16, (o, groups)).astype(np.uint8)] if asym else []
+        )
+        k = len(ins) + with_x
+        keep = tuple((j, ax) for j in range(with_x, k) for ax in (0, 1))
+        attrs = {"bits": bits, "group_size": g}
+        if with_x:
+            for x, rows in ((r(rng, 2, 3, i), 2), (r(rng, 1, i), 0)):
+                kx = keep + ((0, x.ndim - 1),)  # the input width is the weight's (static)
+                out.append(S([x, *ins], {**attrs, "rows": rows}, keep=kx))
+        else:
+            out.append(S(ins, attrs, keep=keep))
+    return out
+
+
+case("dequantize", lambda rng: _quant_samples(rng, False), _dequant_ref)
+case(
+    "quant_linear",
+    lambda rng: _quant_samples(rng, True),
+    lambda x, qw, s, z=None, bits=4, group_size=128, rows=0: np.einsum(
+        "...i,oi->...o", x, _dequant_ref(qw, s, z, bits, group_size)
+    ),
+)
+
 # ---- the walk -----------------------------------------------------------------------------------
 
 

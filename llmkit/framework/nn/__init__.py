@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import functional, init
-from .basic import GELU, Dropout, Embedding, Linear, ReLU, RMSNorm, SiLU
+from .basic import GELU, Dropout, Embedding, Linear, QuantizedLinear, ReLU, RMSNorm, SiLU, quantize_linears
 from .container import LayerDict, LayerList, ModuleDict, ModuleList, Sequential
 from .layer import HookHandle, IncompatibleKeys, Layer, Module, StateDictError
 
@@ -20,6 +20,7 @@ __all__ = [
     "Module",
     "ModuleDict",
     "ModuleList",
+    "QuantizedLinear",
     "RMSNorm",
     "ReLU",
     "Sequential",
@@ -27,4 +28,5 @@ __all__ = [
     "StateDictError",
     "functional",
     "init",
+    "quantize_linears",
 ]

@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import backend as B
 from .. import ops
-from ..creation import empty
+from ..creation import empty, ones, zeros
 from ..tape import is_grad_enabled
 from ..tensor import Parameter, Tensor
 from . import functional as F
@@ -49,6 +49,81 @@ class Linear(Layer):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         )
+
+
+class QuantizedLinear(Layer):
+    """A Linear whose weight is stored quantized: y = x dequantize(qweight, scales, zeros)ᵀ + b.
+
+    Buffers (not trained), named as the quantized checkpoint format names them (docs/quantize.md):
+    ``qweight`` (int8 [out, in] for 8 bits; uint8 [out, in / 2], two columns per byte, for 4),
+    ``scales`` [out, groups] and, 4-bit asymmetric only, ``zeros`` uint8 [out, groups], with groups
+    of ``group_size`` input columns (-1: one per output channel). ``weight`` is the dequantized
+    matrix, computed by the ``dequantize`` op where it is read; traced programs hold
+    ``linear(x, dequantize(...))``, which the ``quantize-linear`` pass turns into ``quant_linear``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bits: int = 4,
+        group_size: int = 128,
+        sym: bool = True,
+        bias: bool = False,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__()
+        if bits == 4 and in_features % 2:
+            raise ValueError(f"QuantizedLinear: 4-bit weights need an even in_features, got {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size, self.sym = bits, group_size, sym
+        groups = 1 if group_size == -1 else -(-in_features // group_size)
+        codes = (out_features, in_features) if bits == 8 else (out_features, in_features // 2)
+        self.register_buffer("qweight", zeros(*codes, dtype="int8" if bits == 8 else "uint8"))
+        self.register_buffer("scales", ones(out_features, groups, dtype=dtype))
+        self.register_buffer("zeros", None if sym else zeros(out_features, groups, dtype="uint8"))
+        self.bias = _new_param((out_features,), dtype) if bias else None
+        if self.bias is not None:
+            init.zeros_(self.bias)
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight [out_features, in_features]."""
+        return ops.dequantize(
+            self.qweight, self.scales, self.zeros, bits=self.bits, group_size=self.group_size
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+            f"group_size={self.group_size}, sym={self.sym}, bias={self.bias is not None}"
+        )
+
+
+def quantize_linears(
+    root: Layer, paths: list[str], bits: int, group_size: int, sym: bool
+) -> dict[str, QuantizedLinear]:
+    """Replace the ``Linear`` sublayers at ``paths`` (dotted, as ``named_sublayers`` gives them) by
+    ``QuantizedLinear`` layers of the same shape, in place; their codes start at zero (fill them
+    with ``load_state_dict``); a bias stays the same Parameter. Returns the new layers by path."""
+    layers = dict(root.named_sublayers())
+    out = {}
+    for path in paths:
+        old = layers.get(path)
+        if not isinstance(old, Linear):
+            what = type(old).__name__ if old is not None else "no sublayer"
+            raise ValueError(f"quantize_linears: {path!r} is {what}, not a Linear")
+        new = QuantizedLinear(
+            old.in_features, old.out_features, bits, group_size, sym, False, old.weight.dtype
+        )
+        new.bias = old.bias
+        parent, _, name = path.rpartition(".")
+        (layers[parent] if parent else root)._sublayers[name] = new  # in its place: containers keep order
+        out[path] = new
+    return out
 
 
 class Embedding(Layer):

@@ -23,6 +23,7 @@ import llmkit.framework as lf
 from llmkit.framework import backend as B
 from llmkit.framework.distributed.shard_files import RANK_FILES, ShardError, ShardReader
 from llmkit.framework.files import atomic_dir, recover
+from llmkit.framework.ops.quant import BITS as QUANT_BITS
 
 from .config import LlamaConfig
 
@@ -63,10 +64,15 @@ def weights(path: str | os.PathLike[str]) -> ShardReader:
 
 
 def check_weights(
-    reader: ShardReader, expected: dict[str, tuple[int, ...]], where: Path, tied: bool
+    reader: ShardReader,
+    expected: dict[str, tuple[int, ...]],
+    where: Path,
+    tied: bool,
+    dtypes: dict[str, np.dtype] | None = None,
 ) -> list[str]:
     """The names of ``expected`` to read from ``reader``; CheckpointError lists every missing,
-    unexpected or mis-shaped tensor."""
+    unexpected or mis-shaped tensor, and every one of ``dtypes`` (quantized codes, whose dtype is
+    part of the format) stored in another dtype."""
     names = {
         n
         for n in reader.names()
@@ -79,7 +85,12 @@ def check_weights(
         for n in sorted(names & set(expected))
         if reader.shapes[n] != tuple(expected[n])
     ]
-    if missing or unexpected or wrong:
+    wrong_dtype = [
+        f"{n}: checkpoint {B.dtype_name(reader.dtypes[n])} vs {B.dtype_name(dt)}"
+        for n, dt in sorted((dtypes or {}).items())
+        if n in names and reader.dtypes[n] != dt
+    ]
+    if missing or unexpected or wrong or wrong_dtype:
 
         def some(names: list[str]) -> str:
             return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
@@ -91,6 +102,8 @@ def check_weights(
             parts.append(f"unexpected {len(unexpected)}: {some(unexpected)}")
         if wrong:
             parts.append("shape mismatch: " + "; ".join(wrong[:8]))
+        if wrong_dtype:
+            parts.append("dtype mismatch: " + "; ".join(wrong_dtype[:8]))
         raise CheckpointError(f"{where}: checkpoint does not match config.json ({'; '.join(parts)})")
     return sorted(names)
 
@@ -112,14 +125,43 @@ def load_pretrained(cls: type, path: str | os.PathLike[str], dtype: Any = None) 
     reader = weights(path)
     target = B.dtype(dtype or "float32")
     model = cls(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    names = check_weights(reader, expected, path, config.tie_word_embeddings)
+    _quantized_layers(path, model, set(reader.names()))
+    state = model.state_dict()
+    expected = {k: tuple(v.shape) for k, v in state.items()}
+    codes = {k: v.dtype for k, v in state.items() if not B.is_floating(v.dtype)}  # never cast
+    names = check_weights(reader, expected, path, config.tie_word_embeddings, codes)
     model.load_state_dict(
-        {n: reader.read(n, copy=False).astype(target, copy=False) for n in names}, strict=True
+        {n: reader.read(n, copy=False).astype(codes.get(n, target), copy=False) for n in names}, strict=True
     )
     if target != model.model.norm.weight.dtype:
         model.to(target)
     return model
+
+
+def _quantized_layers(path: Path, model: Any, names: set[str]) -> None:
+    """A quantized checkpoint (``quantization_config``, docs/quantize.md): each linear ``P`` stored
+    as ``P.qweight`` becomes a ``QuantizedLinear`` of the config's bits, group size and symmetry."""
+    qc = model.config.extra.get("quantization_config")
+    if qc is None:
+        return
+    where = f"{path / 'config.json'}: quantization_config"
+    if not isinstance(qc, dict) or qc.get("quant_method") != "llmkit":
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise CheckpointError(f"{where}: quant_method {method!r} is not supported (llmkit reads 'llmkit')")
+    bits, group, sym = qc.get("bits"), qc.get("group_size"), qc.get("sym")
+    if bits not in QUANT_BITS:
+        raise CheckpointError(f"{where}: bits must be one of {list(QUANT_BITS)}, got {bits!r}")
+    if isinstance(group, bool) or not isinstance(group, int) or not (group == -1 or group >= 1):
+        raise CheckpointError(f"{where}: group_size must be a positive integer or -1, got {group!r}")
+    if not isinstance(sym, bool) or (bits == 8 and not sym):
+        raise CheckpointError(f"{where}: sym must be true or false (true for 8 bits), got {sym!r}")
+    paths = sorted(n.removesuffix(".qweight") for n in names if n.endswith(".qweight"))
+    if model.config.tie_word_embeddings and "lm_head" in paths:
+        raise CheckpointError(f"{path}: lm_head.qweight in a model whose lm_head is tied to the embeddings")
+    try:
+        lf.nn.quantize_linears(model, paths, bits, group, sym)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def write_config(
@@ -142,8 +184,9 @@ def save_pretrained(
     """
     path = Path(path)
     target = B.dtype(dtype) if dtype is not None else None
-    state = {
-        k: (v.numpy() if target is None else v.numpy().astype(target)) for k, v in model.state_dict().items()
+    state = {  # floating tensors in ``dtype``; quantized codes as they are
+        k: (v.numpy() if target is None or not B.is_floating(v.dtype) else v.numpy().astype(target))
+        for k, v in model.state_dict().items()
     }
     with atomic_dir(path) as tmp:
         if path.is_dir():  # keep companions such as tokenizer.model

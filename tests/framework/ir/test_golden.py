@@ -38,7 +38,15 @@ def load(path: Path) -> tuple[str, str, str]:
 
 def test_there_are_goldens_for_every_standard_pass():
     runs = " ".join(load(p)[0] for p in CASES)
-    for name in ("dce", "cse", "fold-constants", "canonicalize", "simplify-shapes", "fuse-patterns"):
+    for name in (
+        "dce",
+        "cse",
+        "fold-constants",
+        "canonicalize",
+        "simplify-shapes",
+        "fuse-patterns",
+        "quantize-linear",
+    ):
         assert name in runs, f"no golden test runs {name}"
 
 

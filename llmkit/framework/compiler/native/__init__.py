@@ -12,6 +12,7 @@ their threads come from the pool in ``par.py``.
 ``simd``        vector helpers the kernels share (AVX2 + FMA, else GCC vectors)
 ``linear``      ``tiled_linear``, ``tiled_linear_swiglu``: the engine's batch-invariant products
 ``paged``       ``paged_attention``, ``paged_kv_write``: the engine's KV cache
+``quant``       ``quant_linear``: products with int8 / int4 weights, dequantized in the loop
 ``gather``      ``index_select``, ``index_add``: embedding rows and their gradient
 ``attention``   flash attention forward and backward (``scaled_dot_product_attention*``)
 ==============  ==============================================================================
@@ -45,7 +46,7 @@ def native_kernel(
     return spec.native
 
 
-from . import attention, gather, linear, paged  # noqa: E402, F401  (they attach their kernels)
+from . import attention, gather, linear, paged, quant  # noqa: E402, F401  (they attach their kernels)
 from .run import NativeOp, Replays, build_c, native_of  # noqa: E402
 
 __all__ = ["NativeOp", "Replays", "build_c", "native_kernel", "native_of"]

@@ -1,0 +1,162 @@
+"""Weight-only quantized linears: ``dequantize`` and ``quant_linear`` (docs/quantize.md has the format).
+
+A weight ``W [out, in]`` is stored as integer codes and float scales, in groups of ``group_size``
+consecutive input columns (column c is in group ``c // group_size``, the last group may be shorter;
+``group_size=-1``: one group of the whole row, per output channel)::
+
+    bits=8   qweight int8  [out, in]       values in [-127, 127]           W[n, c] = q * scale
+    bits=4   qweight uint8 [out, in / 2]   column 2j in the low nibble,     W[n, c] = (q - zero) * scale
+                                           2j + 1 in the high; q in [0, 15]
+
+    scales  float [out, ceil(in / group_size)];  zeros  uint8, the same shape (4-bit asymmetric only;
+    without it the zero point is 8)
+
+``dequantize`` gives ``W`` (in the scales' dtype); ``quant_linear(x, qweight, scales, zeros)`` is
+``linear(x, W)`` without storing ``W``: the program form of a linear whose weight is quantized
+(the ``quantize-linear`` pass makes it from ``linear(x, dequantize(...))``). With ``rows`` it keeps
+``tiled_linear``'s contract: products of exactly ``rows`` rows, so a row's result does not depend
+on the other rows (the engine's batch invariance).
+
+Both have no gradient rule (codes are integers, and nothing trains scales) and are ``internal``
+(no Tensor methods); ``quant_linear`` is an engine op (``engine_op``) whose compiled programs run
+its hand-written kernel (``compiler/native/quant.py``). SPMD: rows of x and output features (a
+weight's rows, with their scales and zeros) shard; the inner dim stays whole, since a group must
+not straddle two shards.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend as B
+from .. import symbolic as sym
+from ..opspec import A, Kind, Meta, OpError, attr, defop, describe
+from . import spmd as P
+from .contraction import _linear_kernel, _linear_meta
+from .paged import _tiled_kernel, engine_op
+
+BITS = (4, 8)
+CODE_DTYPE = {8: np.dtype(np.int8), 4: np.dtype(np.uint8)}  # qweight dtype per width
+PACK = {8: 1, 4: 2}  # input columns per qweight element
+SYM_ZERO = {8: 0, 4: 8}  # the zero point without a zeros tensor
+_U8 = np.dtype(np.uint8)
+
+
+def num_groups(in_features: sym.Dim, group_size: int) -> sym.Dim | None:
+    """Groups per row: ceil(in / group_size), one for ``group_size=-1`` (None: a symbolic ``in``)."""
+    if group_size == -1:
+        return 1
+    return -(-in_features // group_size) if isinstance(in_features, int) else None
+
+
+def _known_differ(a: sym.Dim, b: sym.Dim) -> bool:
+    return isinstance(a, int) and isinstance(b, int) and a != b
+
+
+def _weight_meta(op, qweight, scales, zeros=None, bits=4, group_size=128):
+    """The Meta of the float weight [out, in] the tensors stand for; every input checked."""
+    want = CODE_DTYPE[bits]
+    if qweight.ndim != 2 or qweight.dtype != want:
+        raise OpError(f"{op}: a {bits}-bit qweight must be a 2-D {want.name} tensor, got {describe(qweight)}")
+    out, cols = qweight.shape
+    in_features = sym.mul(cols, PACK[bits])
+    if scales.ndim != 2 or not B.is_floating(scales.dtype):
+        raise OpError(f"{op}: scales must be a 2-D floating tensor [out, groups], got {describe(scales)}")
+    groups = num_groups(in_features, group_size)
+    if _known_differ(scales.shape[0], out) or (groups is not None and _known_differ(scales.shape[1], groups)):
+        raise OpError(
+            f"{op}: scales must be [out, ceil(in / group_size)] = [{out}, {groups}] "
+            f"(in = {in_features}, group_size = {group_size})",
+            qweight,
+            scales,
+        )
+    if zeros is not None:
+        if bits != 4:
+            raise OpError(f"{op}: zeros belong to 4-bit weights only (8-bit codes are symmetric)", zeros)
+        if zeros.dtype != _U8 or zeros.ndim != 2 or any(map(_known_differ, zeros.shape, scales.shape)):
+            raise OpError(f"{op}: zeros must be uint8 with the shape of scales", scales, zeros)
+    return Meta((out, in_features), scales.dtype)
+
+
+def codes(xp, qweight, bits: int):
+    """The integer codes [out, in] (int16) of a qweight: 4-bit nibbles unpacked, low nibble first."""
+    if bits == 8:
+        return qweight.astype(xp.int16)
+    q = qweight.astype(xp.int16)
+    return xp.stack([q & 15, q >> 4], axis=-1).reshape(q.shape[0], 2 * q.shape[1])
+
+
+def _dequantize_kernel(xp, qweight, scales, zeros=None, bits=4, group_size=128):
+    q = codes(xp, qweight, bits)  # (out, in)
+    n_in = q.shape[1]
+    g = n_in if group_size == -1 else group_size
+
+    def per_column(t):  # (out, groups) -> (out, in)
+        return xp.repeat(t, g, axis=1)[:, :n_in]
+
+    z = SYM_ZERO[bits] if zeros is None else per_column(zeros.astype(xp.int16))
+    return (q - z).astype(scales.dtype) * per_column(scales)  # q - z is exact; one rounding
+
+
+def _quant_attrs() -> list:
+    return [
+        attr("bits", A.INT, 4, lambda v: None if v in BITS else "must be 4 or 8"),
+        attr("group_size", A.INT, 128, lambda v: None if v == -1 or v >= 1 else "must be >= 1, or -1"),
+    ]
+
+
+def _weight_spmd(x: int):
+    """Output features (dim 0 of qweight, scales, zeros at inputs x.., the output's last dim) and,
+    with an ``x`` input (quant_linear), its rows."""
+
+    def strategies(ctx):
+        n = len(ctx.metas)
+        out_nd = 2 if x == 0 else ctx.metas[0].ndim
+        rows = [((d,) + (None,) * (n - 1), (d,)) for d in range(out_nd - 1)] if x else []
+        feat = ((None,) * x + (0,) * (n - x), (out_nd - 1 if x else 0,))
+        return P.dim_map(ctx, [*rows, feat])
+
+    return P.Rule(strategies)
+
+
+defop(
+    "dequantize",
+    Kind.OPAQUE,
+    inputs=("qweight", "scales", "zeros?"),
+    attrs=_quant_attrs(),
+    infer_meta=lambda *a, **k: _weight_meta("dequantize", *a, **k),
+    kernel=_dequantize_kernel,
+    traits={"internal"},
+    spmd=_weight_spmd(0),
+    doc="The float weight [out, in] that quantized codes stand for: (q - zero) * scale per group of "
+    "group_size input columns (-1: per output channel). bits=8: qweight int8 [out, in], zero 0; "
+    "bits=4: qweight uint8 [out, in/2] (column 2j low nibble, 2j+1 high), zero 8 or zeros [out, "
+    "groups] uint8. No gradient.",
+)
+
+
+def _ql_meta(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
+    w = _weight_meta("quant_linear", qweight, scales, zeros, bits, group_size)
+    if x.dtype != scales.dtype:
+        raise OpError("quant_linear: x and scales must have one dtype", x, scales)
+    return _linear_meta(x, w)
+
+
+def _ql_kernel(xp, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
+    w = _dequantize_kernel(xp, qweight, scales, zeros, bits, group_size)
+    if rows:
+        return _tiled_kernel(xp, x, w, None, rows)
+    return _linear_kernel(xp, x, w)
+
+
+engine_op(
+    "quant_linear",
+    ("x", "qweight", "scales", "zeros?"),
+    [*_quant_attrs(), attr("rows", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0")],
+    _ql_meta,
+    _ql_kernel,
+    spmd=_weight_spmd(1),
+    doc="linear(x, dequantize(qweight, scales, zeros)) with the weight never stored in float: "
+    "x [..., in] -> [..., out]. rows >= 1 computes in products of exactly `rows` rows, as "
+    "tiled_linear (each row's result independent of the others); 0: one product. No gradient.",
+)

@@ -1,0 +1,203 @@
+"""``llmkit quantize`` and ``llmkit eval``.
+
+::
+
+    llmkit quantize --model runs/tiny --bits 4            # -> runs/tiny-int4 (GPTQ, groups of 128)
+    llmkit quantize --model DIR --bits 8 --method rtn --out DIR8
+    llmkit eval --model runs/tiny-int4                    # perplexity on the held-out split
+    llmkit eval --model DIR --data notes.txt
+
+``--model`` is a model directory (config.json, model.safetensors, tokenizer.model) or a training run
+directory (its newest ``checkpoints/step-*/model``). The default ``--out`` is the run's directory (or
+the model directory) with ``-int4`` / ``-int8`` appended, next to it, so ``llmkit export --model
+runs/tiny-int4`` follows without editing a path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from .evaluate import SEQ_LEN, eval_tokens, evaluate
+from .format import QuantConfig, QuantError
+from .quantize import quantize_model, save_quantized, weight_bytes
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A model directory as given, or a run directory's newest checkpoint model."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return p
+    found = sorted((p / "checkpoints").glob("step-*/model")) if (p / "checkpoints").is_dir() else []
+    if not found:
+        raise FileNotFoundError(
+            f"{p}: neither a model directory (config.json) nor a run directory (checkpoints/step-*/model)"
+        )
+    return found[-1]
+
+
+def default_out(model_dir: Path, bits: int) -> Path:
+    """``<run>-int<bits>`` next to the run of ``<run>/checkpoints/step-N/model``, else ``<dir>-int<bits>``."""
+    m = model_dir
+    base = m.parent.parent.parent if m.name == "model" and m.parent.parent.name == "checkpoints" else m
+    return base.parent / f"{base.name}-int{bits}"
+
+
+def _load(model_dir: Path) -> tuple[Any, Any]:
+    from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
+    from llmkit.models.llama.checkpoint import CheckpointError
+
+    model = LlamaForCausalLM.from_pretrained(str(model_dir))
+    model.eval()
+    tok = LlamaTokenizer.from_pretrained(model_dir)
+    if tok.vocab_size != model.config.vocab_size:
+        raise CheckpointError(
+            f"{model_dir}: tokenizer vocab ({tok.vocab_size}) does not match the model's "
+            f"({model.config.vocab_size})"
+        )
+    return model, tok
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def _table(cfg: QuantConfig, r: dict[str, Any]) -> str:
+    name = f"int{cfg.bits} {'g' + str(cfg.group_size) if cfg.group_size > 0 else 'per-channel'} {cfg.method}"
+    (fp, qp), b = r["perplexity"].values(), r["bytes"]
+    rows = [
+        ("", "float32", name),
+        ("perplexity", f"{fp:.3f}", f"{qp:.3f}  ({100 * (qp / fp - 1):+.2f}%)"),
+        ("mean KL (nats/token)", "-", f"{r['kl']:.3g}"),
+        ("top-1 agreement", "-", f"{100 * r['top1']:.2f}%"),
+        (
+            "quantized linears",
+            _mb(b["layers_float"]),
+            f"{_mb(b['layers_quant'])}  ({b['layers_quant'] / b['layers_float']:.3f}x)",
+        ),
+        ("whole model", _mb(b["model_float"]), _mb(b["model_quant"])),
+    ]
+    lines = [f"{a:<22}{x:>12}   {y}" for a, x, y in rows]
+    e = r["eval"]
+    lines.append(f"({e['tokens']:,} tokens of {e['data']}, windows of {e['seq_len']})")
+    return "\n".join(lines)
+
+
+def calibration_ids(tokenizer: Any, source: str, samples: int, seq_len: int, seed: int):
+    """``samples`` windows of ``seq_len`` tokens at seeded random offsets: from the built-in corpus's
+    training split ("builtin"; the held-out split stays unseen) or from a text / .jsonl file."""
+    from llmkit.train.config import DataSection
+    from llmkit.train.data import BUILTIN, BatchSampler, load_token_data
+
+    if samples < 1:
+        raise QuantError(f"--calib-samples must be >= 1, got {samples}")
+    if source == BUILTIN:
+        tokens = load_token_data([BUILTIN], tokenizer, DataSection().val_fraction).train
+    else:
+        tokens = load_token_data([source], tokenizer, 0.0).tokens
+    return BatchSampler(tokens, samples, seq_len, seed).batch(0)[0]
+
+
+def quantize_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="llmkit quantize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", required=True, help="model directory, or a run directory (its newest checkpoint)"
+    )
+    p.add_argument("--bits", type=int, required=True, choices=[8, 4], help="8: int8 codes; 4: two per byte")
+    p.add_argument(
+        "--group",
+        type=int,
+        default=None,
+        help="input columns per scale (default 128 for 4 bits; -1: per channel)",
+    )
+    p.add_argument(
+        "--method", choices=["gptq", "rtn"], default="gptq", help="GPTQ (calibrated) or round to nearest"
+    )
+    sym = p.add_mutually_exclusive_group()
+    sym.add_argument(
+        "--sym", dest="sym", action="store_true", default=True, help="zero point 8 (the default)"
+    )
+    sym.add_argument("--asym", dest="sym", action="store_false", help="4 bits: a uint8 zero point per group")
+    p.add_argument(
+        "--calib", default="builtin", help="GPTQ calibration text: 'builtin' or a text/.jsonl FILE"
+    )
+    p.add_argument("--calib-samples", type=int, default=128, help="calibration sequences")
+    p.add_argument(
+        "--seq-len", type=int, default=SEQ_LEN, help="tokens per calibration and evaluation window"
+    )
+    p.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
+    p.add_argument("--damp", type=float, default=0.01, help="GPTQ: diagonal damping, a fraction of its mean")
+    p.add_argument("--lm-head", action="store_true", help="quantize the lm_head too (untied models)")
+    p.add_argument(
+        "--eval-tokens", type=int, default=0, help="held-out tokens for the report (0: the whole split)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="calibration window offsets")
+    p.add_argument("--out", default=None, help="directory to write (default: <run or model dir>-int<bits>)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    group = a.group if a.group is not None else (128 if a.bits == 4 else -1)
+    cfg = QuantConfig(a.bits, group, a.sym, a.method)
+    src = resolve_model_dir(a.model)
+    out = Path(a.out) if a.out else default_out(src, a.bits)
+    if out.resolve() == src.resolve():
+        raise QuantError("--out must differ from --model")
+    if out.exists() and not (out / "config.json").is_file():
+        raise QuantError(f"--out {out} exists and is not a model directory; refusing to replace it")
+    float_model, tok = _load(src)
+    if "quantization_config" in float_model.config.extra:
+        raise QuantError(f"{src} is already quantized; quantize its float source instead")
+    model, _ = _load(src)
+    start = time.perf_counter()
+    calib = (
+        calibration_ids(tok, a.calib, a.calib_samples, a.seq_len, a.seed) if cfg.method == "gptq" else None
+    )
+    paths = quantize_model(model, cfg, calib, a.lm_head, a.act_order, a.damp, progress=not a.quiet)
+    seconds = time.perf_counter() - start
+    ev = evaluate([float_model, model], eval_tokens(tok), a.seq_len, a.eval_tokens)
+    report = {
+        "quantization_config": cfg.to_hf(),
+        "act_order": a.act_order,
+        "lm_head": a.lm_head,
+        "calibration": None
+        if calib is None
+        else {"data": a.calib, "samples": a.calib_samples, "seq_len": a.seq_len, "seed": a.seed},
+        "linears": len(paths),
+        "seconds": round(seconds, 2),
+        "eval": {"data": "the built-in corpus' held-out split", "tokens": ev["tokens"], "seq_len": a.seq_len},
+        "perplexity": {"float": ev["ppl"][0], "quant": ev["ppl"][1]},
+        "kl": ev["kl"],
+        "top1": ev["top1"],
+        "bytes": weight_bytes(float_model, model, paths),
+    }
+    save_quantized(model, src, out, report)
+    print(f"llmkit quantize: {len(paths)} linears of {src} in {seconds:.1f} s -> {out}")
+    print(_table(cfg, report))
+    return 0
+
+
+def eval_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="llmkit eval", description="Perplexity of a float or quantized model on held-out text."
+    )
+    p.add_argument(
+        "--model", required=True, help="model directory, or a run directory (its newest checkpoint)"
+    )
+    p.add_argument(
+        "--data", default=None, help="a text/.jsonl file (default: the built-in corpus' held-out split)"
+    )
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per window")
+    p.add_argument("--max-tokens", type=int, default=0, help="evaluate at most this many tokens (0: all)")
+    a = p.parse_args(argv)
+    src = resolve_model_dir(a.model)
+    model, tok = _load(src)
+    r = evaluate([model], eval_tokens(tok, a.data), a.seq_len, a.max_tokens)
+    qc = model.config.extra.get("quantization_config")
+    kind = "float" if qc is None else f"int{qc['bits']}, group {qc['group_size']}, {qc['method']}"
+    what = a.data or "the built-in corpus' held-out split"
+    n = r["tokens"]
+    print(f"perplexity {r['ppl'][0]:.3f}  ({src}, {kind}; {n:,} tokens of {what}, windows of {a.seq_len})")
+    return 0

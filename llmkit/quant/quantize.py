@@ -1,0 +1,183 @@
+"""Quantizing a Llama model in place, and writing it as a quantized checkpoint directory.
+
+Which weights: every ``Linear`` of the decoder layers (attention q/k/v/o, MLP gate/up/down), and
+the ``lm_head`` when asked (``lm_head=True``, untied models). Embeddings and norms stay float: a
+lookup reads one row per token, and the norms are a few vectors.
+
+GPTQ runs the decoder layers in order (as the paper does): the calibration batches' inputs to
+layer ``l`` are the outputs of the already quantized layers before it, each linear's Hessian is
+accumulated from its own inputs (forward pre-hooks) while layer ``l`` runs in float, its weights
+are quantized, and layer ``l`` runs again, quantized, to make the next layer's inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+import llmkit.framework as lf
+from llmkit.framework import nn
+from llmkit.framework.files import atomic_dir
+
+from .format import QuantConfig, QuantError, QuantizedWeight, check_shape, quantize_rtn
+from .gptq import Hessian, gptq
+
+REPORT = "quant_report.json"
+COMPANIONS = ("tokenizer.model", "generation_config.json")  # files a quantized directory keeps
+CALIB_BATCH = 16  # calibration sequences per forward
+
+
+def targets(model: Any, lm_head: bool = False) -> list[str]:
+    """The dotted paths of the linears to quantize (see the module docstring)."""
+    paths = [p for p, sub in model.model.layers.named_sublayers("model.layers") if isinstance(sub, nn.Linear)]
+    if lm_head:
+        if model.config.tie_word_embeddings:
+            raise QuantError("--lm-head: this model's lm_head is tied to the embeddings, which stay float")
+        paths.append("lm_head")
+    return paths
+
+
+def install(model: Any, weights: dict[str, QuantizedWeight], cfg: QuantConfig) -> None:
+    """Replace the linears at ``weights``' paths by ``QuantizedLinear`` layers holding them, and mark
+    the model's config quantized (its ``quantization_config``)."""
+    for path, layer in nn.quantize_linears(model, list(weights), cfg.bits, cfg.group_size, cfg.sym).items():
+        qw = weights[path]
+        layer.qweight.set_value(qw.qweight)
+        layer.scales.set_value(qw.scales.astype(layer.scales.dtype))
+        if qw.zeros is not None:
+            layer.zeros.set_value(qw.zeros)
+    model.config.extra["quantization_config"] = cfg.to_hf()
+
+
+class _Captured(Exception):
+    """Raised by the hook that records layer 0's inputs: nothing after it needs to run."""
+
+
+def _layer_inputs(model: Any, ids: np.ndarray) -> list[tuple]:
+    """The positional arguments of ``model.model.layers[0]`` for each calibration batch."""
+    got: list[tuple] = []
+
+    def catch(layer: Any, args: tuple) -> None:
+        got.append(args)
+        raise _Captured
+
+    handle = model.model.layers[0].register_forward_pre_hook(catch)
+    try:
+        for i in range(0, len(ids), CALIB_BATCH):
+            with contextlib.suppress(_Captured):
+                model.model(lf.tensor(ids[i : i + CALIB_BATCH]))
+    finally:
+        handle.remove()
+    return got
+
+
+def _hessians(paths: dict[str, Any], batches: list[Callable[[], Any]]) -> dict[str, np.ndarray]:
+    """Each linear's Hessian 2 XᵀX / N over the inputs it sees while the ``batches`` run (linears
+    that read one tensor, as q/k/v and gate/up do, share its XᵀX)."""
+    acc = {p: Hessian(sub.in_features) for p, sub in paths.items()}
+    grams: dict[int, tuple[Any, tuple[np.ndarray, int]]] = {}  # id(input) -> (input, its XᵀX, N)
+
+    def hook(path: str) -> Callable[..., None]:
+        def add(_: Any, args: tuple) -> None:
+            x = args[0]
+            if id(x) not in grams:
+                grams[id(x)] = (x, Hessian.gram(x.numpy()))  # holding x keeps its id unique
+            acc[path].add_gram(*grams[id(x)][1])
+
+        return add
+
+    handles = [sub.register_forward_pre_hook(hook(p)) for p, sub in paths.items()]
+    try:
+        for run in batches:
+            run()
+            grams.clear()
+    finally:
+        for h in handles:
+            h.remove()
+    return {p: h.value() for p, h in acc.items()}
+
+
+@lf.no_grad()
+def quantize_model(
+    model: Any,
+    cfg: QuantConfig,
+    calib: np.ndarray | None = None,
+    lm_head: bool = False,
+    act_order: bool = False,
+    damp: float = 0.01,
+    progress: bool = True,
+) -> list[str]:
+    """Quantize ``model`` (a LlamaForCausalLM, float) in place; returns the quantized paths.
+
+    ``calib`` [N, S] int64 token ids: GPTQ's calibration sequences (unused by RTN).
+    """
+    paths = targets(model, lm_head)
+    layers = dict(model.named_sublayers())
+    for p in paths:
+        check_shape(p, layers[p].out_features, layers[p].in_features, cfg)
+    if cfg.method == "gptq" and (calib is None or len(calib) == 0):
+        raise QuantError("GPTQ needs calibration token ids")
+    decoder = model.model.layers
+    bar = tqdm(
+        total=len(decoder) + lm_head, desc=f"quantize {cfg.method}", unit="layer", disable=not progress
+    )
+    inputs = _layer_inputs(model, calib) if cfg.method == "gptq" else []
+    for i, layer in enumerate(decoder):
+        mine = {p: layers[p] for p in paths if p.startswith(f"model.layers.{i}.")}
+        if cfg.method == "gptq":
+            hess = _hessians(mine, [lambda a=a: layer(*a) for a in inputs])
+            install(
+                model,
+                {p: gptq(m.weight.numpy(), hess[p], cfg, act_order, damp) for p, m in mine.items()},
+                cfg,
+            )
+            inputs = [(layer(*a), *a[1:]) for a in inputs]  # the next layer's inputs, from this one quantized
+        else:
+            install(model, {p: quantize_rtn(m.weight.numpy(), cfg) for p, m in mine.items()}, cfg)
+        bar.update()
+    if lm_head:
+        head = layers["lm_head"]
+        if cfg.method == "gptq":
+            hess = _hessians({"lm_head": head}, [lambda a=a: head(model.model.norm(a[0])) for a in inputs])
+            install(model, {"lm_head": gptq(head.weight.numpy(), hess["lm_head"], cfg, act_order, damp)}, cfg)
+        else:
+            install(model, {"lm_head": quantize_rtn(head.weight.numpy(), cfg)}, cfg)
+        bar.update()
+    bar.close()
+    return paths
+
+
+def weight_bytes(float_model: Any, quant_model: Any, paths: list[str]) -> dict[str, int]:
+    """Bytes of the quantized linears before (float) and after (codes, scales, zeros), and of the
+    whole state of each model."""
+    fl, qu = dict(float_model.named_sublayers()), dict(quant_model.named_sublayers())
+
+    def state(m: Any) -> int:
+        return sum(t.numpy().nbytes for t in m.state_dict().values())
+
+    return {
+        "layers_float": sum(fl[p].weight.numpy().nbytes for p in paths),
+        "layers_quant": sum(sum(b.numpy().nbytes for b in qu[p].buffers()) for p in paths),
+        "model_float": state(float_model),
+        "model_quant": state(quant_model),
+    }
+
+
+def save_quantized(model: Any, src: str | Path, out: str | Path, report: dict[str, Any]) -> Path:
+    """Write ``model`` as an HF-layout quantized directory ``out`` (atomically), with the source
+    directory's tokenizer and generation config, and ``quant_report.json``."""
+    src, out = Path(src), Path(out)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(str(tmp))
+        for name in COMPANIONS:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, tmp / name)
+        (tmp / REPORT).write_text(json.dumps(report, indent=1) + "\n")
+    return out
