@@ -990,6 +990,11 @@ case(
     lambda x, mesh, placements: x * 1,
 )
 case(
+    "reshard_like",  # x's value in like's layout (reshard's gradient); on plain tensors the identity
+    lambda rng: [S([r(rng, 3, 4), r(rng, 3, 4)]), S([r(rng, 2, 3, 2), r(rng, 2, 3, 2)])],
+    lambda x, like: x * 1,
+)
+case(
     "all_reduce",
     lambda rng: [
         S([_rows(rng, 3, 2, 3)], {"group": [0, 1, 2]}),

@@ -139,10 +139,13 @@ def step_op(step: Step, shape: Sequence[int], mesh: Any, placements: Sequence[Pl
     """``(op name, attributes)`` doing ``step`` at ``rank`` on its local array: ``slice`` or
     ``zeros_like`` locally, or a collective op of ``ops/collective.py`` over the group along the
     step's mesh dim; ``(None, {})`` when the rank keeps its array. Eager reshards run these with the
-    communicator; the partition pass emits them as ops of the per-rank program."""
+    communicator; the partition pass emits them as ops of the per-rank program. Over a mesh dim
+    of one rank every step keeps the array."""
     m, kind = step.dim, step.kind
     group = mesh.group(rank, m)
     n, i = len(group), group.index(rank)
+    if n == 1:
+        return None, {}  # one rank along this mesh dim: every layout of it is the whole value
     coord = mesh.coord(rank)
     region = local_region(shape, mesh.shape, placements, coord)
     parent = list(placements)

@@ -5,7 +5,8 @@ traces the global program as usual; the passes below then run, each a function o
 
 1. :func:`annotate`: the function's ``mesh`` and each input's ``arg_placements``;
 2. :func:`propagate_forward`: every op's result ``placements`` from the op's SPMD rule, in
-   program order (ops whose rule asks for it are replaced by their decomposition);
+   program order (ops whose rule asks for it are replaced by their decomposition, and a
+   ``reshard_like`` by the reshard it means);
 3. :func:`fold_reshards`: reshards that change nothing go, chains become one, equal ones merge;
 4. :func:`propagate_backward`: an op whose every consumer wants its replicated result sharded
    computes it sharded, when its inputs can be sliced for free;
@@ -28,7 +29,7 @@ from ..ir import BlockArgument, Builder, FuncOp, Operation, Program, TensorType,
 from ..ir.attributes import ArrayAttr, MeshAttr, PlacementAttr
 from ..ir.dialects.llm import DIST_ATTR
 from ..jit.static_function import register_payload_kind
-from ..ops.spmd import RESHARD, decide, local_attrs
+from ..ops.spmd import RESHARD, RESHARD_LIKE, decide, dense, local_attrs
 from ..placement import Placement, ProcessMesh, Replicate, Shard, local_region, local_shape
 from ..tensor import Tensor
 from ..tracer import Trace, tracing
@@ -141,6 +142,11 @@ def propagate_forward(program: Program, func: str | None = None) -> Program:
                     f"dist.reshard to {op.plain_attrs['mesh']!r}: static programs stay on their mesh "
                     f"{mesh!r} (move values between meshes eagerly, with dist.reshard outside to_static)"
                 )
+        elif spec.spmd is RESHARD_LIKE:  # reshard's gradient: a reshard to the layout it names
+            x, like = op.operands
+            attrs = {"mesh": mesh, "placements": dense(placements(like))}
+            op.results[0].replace_all_uses_with(Builder.before_op(op).create("dist.reshard", [x], attrs).result)
+            op.erase()
         else:
             d = _decision(op, mesh)
             if d.decompose:

@@ -18,7 +18,7 @@ import numpy as np
 from .. import backend as B
 from ..autograd import no_grad
 from ..dispatch import EAGER, World, register_world
-from ..ops.spmd import RESHARD, decide, local_attrs
+from ..ops.spmd import RESHARD, RESHARD_LIKE, decide, dense, local_attrs
 from ..opspec import Meta, OpError, OpSpec
 from ..placement import Replicate, format_placements
 from ..tensor import Tensor
@@ -42,6 +42,10 @@ class DistWorld(World):
     name = "distributed"
 
     def run(self, spec: OpSpec, payloads: list[Any], attrs: dict[str, Any], inputs: tuple = ()) -> Any:
+        if spec.spmd is RESHARD_LIKE:  # the gradient of a move between meshes moves back
+            x, like = payloads
+            if isinstance(x, DistArray) and isinstance(like, DistArray) and x.mesh != like.mesh:
+                return move(x, like.mesh, dense(like.placements), "reshard's gradient")
         mesh = None
         for p in payloads:
             if isinstance(p, DistArray):

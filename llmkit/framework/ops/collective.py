@@ -2,7 +2,11 @@
 
 ``reshard(x, mesh, placements)`` is the global view: the value stays the same and takes the layout
 ``placements`` on ``mesh`` (the distributed world moves the shards; on plain tensors it is the
-identity). Its gradient is the identity too: a layout is not a computation.
+identity). Its gradient is the same value too (a layout is not a computation), laid out as the input
+was: ``reshard_like(g, x)``, with a Partial placement of x's made Replicate. So the backward of the
+plan's reshards is Megatron's: the gradient of a row-parallel product's all-reduced output reaches
+the product replicated (one all-reduce of the activation's gradient, never a weight moved), that of
+a sequence-parallel reduce-scatter is all-gathered, that of an all-gather reduce-scattered.
 
 The others act on the local arrays of a per-rank program (what the auto-parallel partition pass
 emits) over ``group``, the ranks taking part, in order; ``mesh`` only names where they come from in
@@ -26,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..dispatch import O
 from ..opspec import A, Kind, Meta, OpError, attr, defop, optional
 from ..placement import check
 from . import spmd as P
@@ -113,9 +118,29 @@ defop(
     attrs=[attr("mesh", A.MESH), attr("placements", A.PLACEMENTS)],
     infer_meta=_reshard_meta,
     kernel=lambda xp, x, mesh, placements: x,
-    vjp=lambda g, out, x, mesh, placements: (g,),
+    vjp=lambda g, out, x, mesh, placements: (O.reshard_like(g, x),),
     spmd=P.RESHARD,
     doc="The same value laid out as `placements` (one per mesh dim) on `mesh`.",
+)
+
+
+def _reshard_like_meta(x, like):
+    if x.ndim != like.ndim:  # (a rank's shard of x beside like's global shape is fine)
+        raise OpError("reshard_like: x and like must have one rank", x, like)
+    return Meta(x.shape, x.dtype)
+
+
+defop(
+    "reshard_like",
+    Kind.COLLECTIVE,
+    inputs=("x", "like"),
+    infer_meta=_reshard_like_meta,
+    kernel=lambda xp, x, like: x,
+    nondiff={1},
+    vjp=lambda g, out, x, like: (g, None),
+    traits={"internal"},
+    spmd=P.RESHARD_LIKE,
+    doc="The same value laid out as `like` is, Partial placements as Replicate (reshard's gradient).",
 )
 
 

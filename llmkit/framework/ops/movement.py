@@ -550,6 +550,46 @@ def _indexed(ctx, data, index_dims):
     return groups, 1, data
 
 
+def _own_rows(index, region: slice, rows: int):
+    """Global ``index`` into a table of which this rank holds ``rows`` rows from ``region.start``:
+    (the index into the local rows, 0 where not held; whether each is held)."""
+    local = index - region.start
+    valid = O.logical_and(local >= 0, local < rows)
+    return O.where(valid, local, 0), valid
+
+
+def _along(valid, ndim: int, ax: int):
+    """A 1-D mask as a broadcastable [1, .., n, .., 1] along ``ax``."""
+    return O.reshape(valid, [-1 if d == ax else 1 for d in range(ndim)])
+
+
+def _select_own(regions, x, index, axis=0):
+    """index_select with ``x`` sharded along the axis: a rank picks the slices it holds, zeros for
+    the others (their sum over ranks is the selection: a Partial sum)."""
+    ax = axis % x.ndim
+    local, valid = _own_rows(index, regions[0][ax], x.shape[ax])
+    out = O.index_select(x, local, axis=ax)
+    return O.where(_along(valid, out.ndim, ax), out, 0)
+
+
+def _add_own(regions, x, index, src, axis=0):
+    """index_add with ``x`` sharded along the axis: a rank adds the slices of src that land in its
+    rows (the others add zeros to its first row)."""
+    ax = axis % x.ndim
+    local, valid = _own_rows(index, regions[0][ax], x.shape[ax])
+    return O.index_add(x, local, O.where(_along(valid, src.ndim, ax), src, 0), axis=ax)
+
+
+def _sharded_table(ctx, out, local):
+    """The strategy of an indexed op whose table (input 0) is sharded along the indexed axis, the
+    index replicated: ``out`` the output's placement, computed by ``local``."""
+    ax = norm_axis("index", ctx.attrs["axis"], ctx.metas[0].ndim)
+    if not ctx.nonempty(0, ax):
+        return []
+    ins = (P.Shard(ax), P.R) + (P.R,) * (len(ctx.metas) - 2)
+    return [P.Strategy(ins, (out(ax),), local)]
+
+
 def _index_select_meta(x, index, axis=0):
     _int_index("index_select", index)
     if index.ndim != 1:
@@ -567,7 +607,10 @@ defop(
     kernel=lambda xp, x, index, axis=0: xp.take(x, index, axis=axis),
     nondiff={1},
     vjp=lambda g, out, x, index, axis: (O.index_add(O.zeros_like(x), index, g, axis=axis), None),
-    spmd=_moving(lambda ctx: _indexed(ctx, (0,), index_dims=False)),
+    spmd=_moving(
+        lambda ctx: _indexed(ctx, (0,), index_dims=False),
+        extra=lambda ctx: _sharded_table(ctx, lambda ax: P.Partial("sum"), _select_own),
+    ),
     doc="out = x.take(index, axis): whole slices picked by a 1-D index.",
 )
 
@@ -605,7 +648,10 @@ defop(
     kernel=_index_add_kernel,
     nondiff={1},
     vjp=lambda g, out, x, index, src, axis: (g, None, O.index_select(g, index, axis=axis)),
-    spmd=_moving(lambda ctx: _indexed(ctx, (0, 2), index_dims=False)),
+    spmd=_moving(
+        lambda ctx: _indexed(ctx, (0, 2), index_dims=False),
+        extra=lambda ctx: _sharded_table(ctx, P.Shard, _add_own),
+    ),
     doc="x with src's slices added at index along axis (repeated indices accumulate).",
 )
 
@@ -679,9 +725,8 @@ def _vocab_parallel(regions, ids, weight):
     the others (the sum over ranks is the lookup: a Partial sum)."""
     if weight.shape[0] == 0:
         return O.full(tuple(ids.shape) + (weight.shape[1],), 0.0, dtype=weight.dtype)
-    local = ids - regions[1][0].start
-    valid = O.logical_and(local >= 0, local < weight.shape[0])
-    out = O.embedding(O.where(valid, local, 0), weight)
+    local, valid = _own_rows(ids, regions[1][0], weight.shape[0])
+    out = O.embedding(local, weight)
     return out * O.unsqueeze(O.cast(valid, weight.dtype), axis=-1)
 
 

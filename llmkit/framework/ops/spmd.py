@@ -612,3 +612,18 @@ def _reshard(ctx: Ctx) -> list[Strategy]:
 # reshard only moves data: the distributed world and the propagation pass recognise this rule and
 # move the value themselves.
 RESHARD = Rule(_reshard, doc="changes the layout: the caller moves the data")
+
+
+def dense(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """``placements`` with Partial ones made Replicate: where a gradient of a value so laid out goes
+    (the gradient of a sum of the ranks' values is the same on every rank)."""
+    return tuple(R if isinstance(p, Partial) else p for p in placements)
+
+
+def _reshard_like(ctx: Ctx) -> list[Strategy]:
+    (want,) = dense((ctx.cur(1),))
+    return [Strategy((want, ANY), (want,))]
+
+
+# reshard_like(x, like): x takes like's layout (reshard's gradient); an op like any other on one mesh
+RESHARD_LIKE = Rule(_reshard_like, shape_only=(1,), doc="x laid out as like is (Partial as Replicate)")
