@@ -21,12 +21,13 @@ executor: under ``sim`` one thread per rank, under ``mpi`` this process's rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..ir import BlockArgument, Builder, FuncOp, Operation, Program, TensorType, Value
-from ..ir.attributes import ArrayAttr, MeshAttr, PlacementAttr
+from ..ir.attributes import ArrayAttr, MeshAttr, PlacementAttr, ShapeAttr
 from ..ir.dialects.llm import DIST_ATTR
 from ..jit.static_function import register_payload_kind
 from ..ops.spmd import RESHARD, RESHARD_LIKE, decide, dense, local_attrs
@@ -80,8 +81,11 @@ def _set(op: Operation, outs: list[tuple]) -> None:
 # ---- 1. annotate ----------------------------------------------------------------------------------
 
 
-def annotate(program: Program, payloads: list[Any], func: str | None = None) -> ProcessMesh:
-    """Record the mesh and the inputs' placements (plain arrays: replicated) on the function."""
+def annotate(
+    program: Program, payloads: list[Any], func: str | None = None, params: Sequence[int] = ()
+) -> ProcessMesh:
+    """Record the mesh, the inputs' placements (plain arrays: replicated) and which inputs are
+    parameters (``param_args``: the SPMD choice moves them last) on the function."""
     f = program.function(func)
     meshes = {p.mesh for p in payloads if isinstance(p, DistArray)}
     if len(meshes) != 1:
@@ -93,6 +97,7 @@ def annotate(program: Program, payloads: list[Any], func: str | None = None) -> 
     ps = [p.placements if isinstance(p, DistArray) else (Replicate(),) * mesh.ndim for p in payloads]
     f.op.set_attr("mesh", MeshAttr(mesh))
     f.op.set_attr("arg_placements", ArrayAttr(_attr(p) for p in ps))
+    f.op.set_attr("param_args", ShapeAttr(tuple(params)))
     return mesh
 
 
@@ -106,7 +111,15 @@ def _decision(op: Operation, mesh: ProcessMesh, want: tuple | None = None):
     if want is None and DIST_ATTR in op.attributes:
         want = placements(op.results[0])
     attrs = {k: v for k, v in op.plain_attrs.items() if k != DIST_ATTR}
-    return decide(spec, list(op.operands), [placements(v) for v in op.operands], attrs, mesh.shape, want=want)
+    ps = [placements(v) for v in op.operands]
+    return decide(spec, list(op.operands), ps, attrs, mesh.shape, want=want, fixed=_params(op))
+
+
+def _params(op: Operation) -> list[int]:
+    """The operands of ``op`` that are parameters (arguments named by ``param_args``)."""
+    a = op.parent_op.attributes.get("param_args")
+    params = set(a.value) if a is not None else set()
+    return [i for i, v in enumerate(op.operands) if isinstance(v, BlockArgument) and v.index in params]
 
 
 def _decompose(op: Operation, program: Program, f: FuncOp) -> Operation | None:
@@ -145,7 +158,9 @@ def propagate_forward(program: Program, func: str | None = None) -> Program:
         elif spec.spmd is RESHARD_LIKE:  # reshard's gradient: a reshard to the layout it names
             x, like = op.operands
             attrs = {"mesh": mesh, "placements": dense(placements(like))}
-            op.results[0].replace_all_uses_with(Builder.before_op(op).create("dist.reshard", [x], attrs).result)
+            op.results[0].replace_all_uses_with(
+                Builder.before_op(op).create("dist.reshard", [x], attrs).result
+            )
             op.erase()
         else:
             d = _decision(op, mesh)
@@ -323,10 +338,10 @@ def _lower_reshard(b: Builder, x: Value, op: Operation, mesh: ProcessMesh, rank:
 PASSES = (propagate_forward, fold_reshards, propagate_backward, insert_reshards, fold_reshards)
 
 
-def prepare_global(program: Program, payloads: list[Any]) -> Program:
+def prepare_global(program: Program, payloads: list[Any], params: Sequence[int] = ()) -> Program:
     """The annotated global program (a copy of ``program``) ready to partition."""
     p = program.clone()
-    annotate(p, payloads)
+    annotate(p, payloads, params=params)
     for run in PASSES:
         run(p)
     p.verify()
@@ -337,8 +352,10 @@ class DistRunner:
     """Runs a traced program on distributed inputs: partitioned per rank (once per rank), compiled,
     and run by the executor on this process's ranks (under sim one thread each)."""
 
-    def __init__(self, program: Program, payloads: list[Any], compiler: str | None) -> None:
-        self.program = prepare_global(program, payloads)
+    def __init__(
+        self, program: Program, payloads: list[Any], compiler: str | None, params: Sequence[int] = ()
+    ) -> None:
+        self.program = prepare_global(program, payloads, params)
         f = self.program.function()
         self.mesh = func_mesh(f)
         self.compiler = compiler
@@ -386,8 +403,10 @@ class _StaticKind:
         return (x.mesh, x.placements)
 
     @staticmethod
-    def prepare(program: Program, payloads: list[Any], compiler: str | None) -> DistRunner:
-        return DistRunner(program, payloads, compiler)
+    def prepare(
+        program: Program, payloads: list[Any], compiler: str | None, params: Sequence[int]
+    ) -> DistRunner:
+        return DistRunner(program, payloads, compiler, params)
 
 
 register_payload_kind(DistArray, _StaticKind())

@@ -21,7 +21,7 @@ from ..dispatch import EAGER, World, register_world
 from ..ops.spmd import RESHARD, RESHARD_LIKE, decide, dense, local_attrs
 from ..opspec import Meta, OpError, OpSpec
 from ..placement import Replicate, format_placements
-from ..tensor import Tensor
+from ..tensor import Parameter, Tensor
 from .comm import get_backend
 from .dist_array import DistArray
 from .reshard import move, reshard_array
@@ -67,7 +67,8 @@ class DistWorld(World):
             )
         metas = [Meta(x.shape, x.dtype) for x in xs]
         out_metas = spec.infer_meta(*metas, **attrs)  # one clear error for bad input, before any move
-        d = decide(spec, metas, [x.placements for x in xs], attrs, mesh.shape)
+        fixed = [i for i, t in enumerate(inputs) if isinstance(t, Parameter)]
+        d = decide(spec, metas, [x.placements for x in xs], attrs, mesh.shape, fixed=fixed)
         if d.decompose:
             with no_grad():
                 out = spec.decompose(*[Tensor._wrap(x) for x in xs], **attrs)

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import backend as B
 from ..ir import Program, Value, paused_gc
-from ..tensor import Tensor
+from ..tensor import Parameter, Tensor
 from ..tracer import Trace, TraceError, tracing
 from . import pytree
 
@@ -43,7 +43,8 @@ class InputSpec:
 
 # Payloads of other worlds that change how a traced program runs (the distributed layer registers
 # DistArray): ``kind.signature(payload)`` joins a call's cache key, and ``kind.prepare(program,
-# payloads, compiler)`` annotates the traced program and returns what runs it (``.run(payloads)``).
+# payloads, compiler, params)`` annotates the traced program and returns what runs it
+# (``.run(payloads)``); ``params`` are the positions of the payloads that are Parameters.
 _PAYLOAD_KINDS: dict[type, Any] = {}
 
 
@@ -203,6 +204,8 @@ class StaticFunction:
         self.trace_count += 1
         payloads = [t._data for t in tensors] + [before for _, before, _ in trace.captures]
         kind = next((_PAYLOAD_KINDS[type(p)] for p in payloads if type(p) in _PAYLOAD_KINDS), None)
+        inputs = [*tensors, *(t for t, _, _ in trace.captures)]
+        params = [i for i, t in enumerate(inputs) if isinstance(t, Parameter)]
         return ConcreteProgram(
             program,
             len(traced_args),
@@ -211,7 +214,7 @@ class StaticFunction:
             tree,
             len(out_values),
             self.compiler,
-            None if kind is None else kind.prepare(program, payloads, self.compiler),
+            None if kind is None else kind.prepare(program, payloads, self.compiler, params),
         )
 
     def _check_grads(self, trace: Trace) -> None:

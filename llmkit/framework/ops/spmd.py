@@ -166,10 +166,13 @@ def decide(
     attrs: dict,
     mesh_shape: tuple,
     want: Any = None,
+    fixed: Sequence[int] = (),
 ) -> Decision:
     """The strategy per mesh dim for ``spec`` on inputs with ``placements`` (None: absent input).
     ``want``: placements wished for the first output; on a mesh dim where a strategy gives it for
-    free (no input moves but slices), that one is taken."""
+    free (no input moves but slices), that one is taken. ``fixed``: the inputs that are parameters
+    (large and persistent, where the plan put them): a strategy moving fewer of their bytes wins
+    over any that moves fewer activation bytes, so activations follow the weights' layout."""
     rule = spec.spmd
     if rule is None:
         raise OpError(
@@ -192,17 +195,19 @@ def decide(
             raise OpError(f"{spec.name}: its SPMD rule offers no strategy on mesh dim {m}")
 
         def cost(s: Strategy) -> tuple:
-            total, changed = 0.0, 0
+            weights, total, changed = 0.0, 0.0, 0
             for i, req in enumerate(s.inputs):
                 if req is None or req == ANY or cur[i] is None:
                     continue
                 have = cur[i][m]
                 if have != req:
                     changed += 1
-                    total += move_cost(have, req, _nbytes(metas[i], cur[i], mesh_shape, m), mesh_shape[m])
-            return (total, changed)
+                    sent = move_cost(have, req, _nbytes(metas[i], cur[i], mesh_shape, m), mesh_shape[m])
+                    total += sent
+                    weights += sent if i in fixed else 0.0
+            return (weights, total, changed)
 
-        free = [s for s in options if want is not None and s.outputs[0] == want[m] and cost(s)[0] == 0]
+        free = [s for s in options if want is not None and s.outputs[0] == want[m] and cost(s)[1] == 0]
         best = min(free or options, key=cost)
         for i, req in enumerate(best.inputs):
             if req is not None and req != ANY and cur[i] is not None:

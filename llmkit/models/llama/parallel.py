@@ -80,8 +80,9 @@ def predict_traffic(
 
     - ``tp_stream``: per layer two row-parallel reductions forward (o, down) and two backward (the
       inputs of the column-parallel q/k/v and gate/up), plus the embedding's and the lm_head's: 2(2L+1)
-      of a [B/dp, S, H] activation (all-reduces, or as many reduce-scatter + all-gather pairs with sp,
-      the same bytes); the vocab-parallel cross-entropy adds three [B/dp, S] all-reduces;
+      all-reduces of a [B/dp, S, H] activation; with sp as many reduce-scatter + all-gather pairs
+      (Korthikanti et al. 2022, 4.2.2: the same bytes, (n-1)/n N each); the vocab-parallel
+      cross-entropy adds three [B/dp, S] all-reduces;
     - ``dp_grads``: the gradients of a tp rank's weights, all-reduced (reduce-scattered under ZeRO 2+);
     - ``zero_gather``: ZeRO 1-2 all-gather the updated weights; ZeRO 3 gathers them in the forward.
     """

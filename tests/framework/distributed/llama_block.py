@@ -8,6 +8,9 @@ Plans (placements per mesh dim):
   parallel (S(1)), norms replicated, activations replicated;
 - ``sp``: ``tp`` with the activations' sequence dim sharded between the parallel regions;
 - ``dp_tp``: ``dp`` x ``tp`` on a 2x2 mesh.
+
+:func:`planned` lays the block out with the built-in ``llama`` ParallelPlan instead (tp=2, with or
+without sequence parallelism): the plan's placements and its output reshards, as training uses them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import numpy as np
 
 import llmkit.framework as lf
 import llmkit.framework.distributed as dist
+from llmkit.framework import nn
+from llmkit.framework.distributed.parallelize import Parallelized
+from llmkit.framework.distributed.plan import ParallelPlan
 from llmkit.framework.jit import to_static
 from llmkit.models.llama.config import LlamaConfig
 from llmkit.models.llama.model import LlamaDecoderLayer
@@ -114,3 +120,30 @@ def distributed(plan: str, mode: str, dtype: str, seed: int = 0) -> list[np.ndar
     fn = step(layer, dist.shard_tensor(cos, mesh, rep), dist.shard_tensor(sin, mesh, rep))
     outs = fn(*args) if mode == "eager" else to_static(fn, compiler="none")(*args)
     return [dist.unshard(o).numpy() for o in outs]
+
+
+class _Layers(nn.Layer):
+    """The block named as in a Llama model (``layers.0.*``), so the plan's globs find it."""
+
+    def __init__(self, layer) -> None:
+        super().__init__()
+        self.layers = nn.LayerList([layer])
+
+
+def planned(sp: bool, dtype: str = "float64", seed: int = 0):
+    """The block under ``plan: llama`` with tp=2 (``sp``: sequence parallel): (step function, its
+    distributed arguments, the block). The step returns the output, the input's gradient in the
+    input's layout (as the block below takes it) and the parameters' gradients."""
+    layer, cos, sin, x, pos, w = make(dtype, seed)
+    par = Parallelized(_Layers(layer), ParallelPlan.make("llama", tp=2, sp=sp))
+    mesh, rep = par.mesh, [R] * par.mesh.ndim
+    act = [S(0), S(1) if sp else R]  # [dp, tp]: the residual stream between the tp regions
+    inner = step(layer, dist.shard_tensor(cos, mesh, rep), dist.shard_tensor(sin, mesh, rep))
+
+    def fn(x, pos, w):
+        out, gx, *grads = inner(x, pos, w)
+        return (out, dist.reshard(gx, mesh, act), *grads)
+
+    X = dist.shard_tensor(lf.tensor(x, requires_grad=True), mesh, act)
+    args = (X, dist.shard_tensor(pos, mesh, [S(0), R]), dist.shard_tensor(w, mesh, act))
+    return fn, args, layer

@@ -131,6 +131,52 @@ def test_reshard_is_differentiable_and_its_gradient_keeps_the_values():
     np.testing.assert_array_equal(dist.unshard(x.grad).numpy(), 2 * np.arange(4.0))
 
 
+def test_reshards_gradient_takes_the_inputs_layout_with_partial_made_replicate(collectives):
+    """The backward of reshard(x) lays the gradient out as x was (Megatron's f/g: the gradient of an
+    all-reduced partial sum is replicated, that of an all-gather reduce-scattered back)."""
+    mesh = dist.ProcessMesh((2,), ["tp"])
+    rng = np.random.default_rng(4)
+    x, w = rng.standard_normal((4, 6)), rng.standard_normal((4, 6))
+    for src, dst, grad in ((P("sum"), R(), R()), (S(0), R(), S(0)), (S(1), S(0), S(1))):
+        xd = dist.shard_tensor(lf.tensor(x, requires_grad=True), mesh, [src])
+        y = dist.reshard(xd * 2.0, mesh, [dst])
+        (y * dist.shard_tensor(w, mesh, [R()])).sum().backward()
+        assert xd.grad.placements == (grad,), (src, dst)
+        np.testing.assert_allclose(dist.unshard(xd.grad).numpy(), 2 * w, rtol=1e-15)
+    other = dist.ProcessMesh((2,), ["tp"], ranks=[2, 3])  # moved to another mesh: the gradient comes back
+    xd = dist.shard_tensor(lf.tensor(x, requires_grad=True), mesh, [S(0)])
+    (dist.reshard(xd, other, [R()]) * dist.shard_tensor(w, other, [R()])).sum().backward()
+    assert xd.grad.mesh == mesh and xd.grad.placements == (S(0),)
+    np.testing.assert_allclose(dist.unshard(xd.grad).numpy(), w, rtol=1e-15)
+
+
+def test_parameters_stay_put_and_activations_follow_them(collectives):
+    """A column-parallel weight [out, in] S(0) and a batch-sharded input on the same mesh dim: the
+    input is gathered (more bytes than the weight here), never the weight."""
+    mesh = dist.ProcessMesh((2,), ["tp"])
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((8, 3)), rng.standard_normal((4, 3))
+    wd = dist.shard_tensor(lf.Parameter(w), mesh, [S(0)])
+    y = O.linear(dist.shard_tensor(x, mesh, [S(0)]), wd)
+    assert y.placements == (S(1),) and collectives == [("all_gather", (4, 3))]
+    np.testing.assert_allclose(dist.unshard(y).numpy(), x @ w.T, rtol=1e-14)
+    plain = O.linear(dist.shard_tensor(x, mesh, [S(0)]), dist.shard_tensor(w, mesh, [S(0)]))
+    assert plain.placements == (S(0),) and collectives[-1] == ("all_gather", (2, 3))  # by bytes alone
+
+
+def test_vocab_parallel_embedding_gradient_stays_sharded(collectives):
+    mesh = dist.ProcessMesh((3,), ["tp"])
+    rng = np.random.default_rng(6)
+    ids, w, g = rng.integers(0, 10, (2, 5)), rng.standard_normal((10, 4)), rng.standard_normal((2, 5, 4))
+    wd = dist.shard_tensor(lf.Parameter(w), mesh, [S(0)])
+    out = O.embedding(dist.shard_tensor(ids, mesh, [R()]), wd)
+    (out * dist.shard_tensor(g, mesh, [R()])).sum().backward()
+    assert wd.grad.placements == (S(0),) and collectives == []  # each rank adds the rows it holds
+    want = np.zeros_like(w)
+    np.add.at(want, ids.reshape(-1), g.reshape(-1, 4))
+    np.testing.assert_allclose(dist.unshard(wd.grad).numpy(), want, rtol=1e-14)
+
+
 def test_local_in_a_rank_thread():
     mesh = dist.ProcessMesh((2,), ["x"])
     t = dist.shard_tensor(np.arange(5.0), mesh, [S(0)])

@@ -51,25 +51,40 @@ def reference():
     return loss.item(), {n: p.grad.numpy() for n, p in m.named_parameters()}
 
 
+# Bytes a rank sends in a ring collective, from the array it passes and the group's size
+RING = {
+    "all_reduce": lambda nbytes, n: 2 * (n - 1) / n * nbytes,
+    "all_gather": lambda nbytes, n: (n - 1) * nbytes,
+    "reduce_scatter": lambda nbytes, n: (n - 1) / n * nbytes,
+    "all_to_all": lambda nbytes, n: (n - 1) / n * nbytes,
+}
+
+
 class Recorder:
-    """The collectives the sim backend runs: (kind, shape of one member's input)."""
+    """The collectives the sim backend runs: (kind, shape of one member's input), and the ring
+    bytes rank 0 sends."""
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[str, tuple]] = []
+        self.sent = 0.0
         backend = dist.get_backend()
-        for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        for kind in RING:
             monkeypatch.setattr(backend, kind, self.wrap(kind, getattr(backend, kind)))
 
     def wrap(self, kind, fn):
         def run(group, xs, *args, **kw):
             if len(group) > 1:
                 self.calls.append((kind, tuple(next(iter(xs.values())).shape)))
+                if 0 in xs:
+                    self.sent += RING[kind](xs[0].nbytes, len(group))
             return fn(group, xs, *args, **kw)
 
         return run
 
 
 def run(plan, monkeypatch=None):
+    """Loss and reduced gradients of one step; with ``monkeypatch`` also the collectives of the
+    forward, of the backward (with the gradient reduction) and rank 0's ring bytes of both."""
     m = model()
     par = Parallelized(m, plan)
     x, y = batch()
@@ -78,8 +93,9 @@ def run(plan, monkeypatch=None):
     forward = list(rec.calls) if rec else None
     loss.backward()
     par.reduce_grads()
+    traffic = (forward, rec.calls[len(forward) :], rec.sent) if rec else None
     grads = {n: dist.unshard(p.grad).numpy() for n, p in m.named_parameters()}
-    return dist.unshard(loss).item(), grads, forward
+    return dist.unshard(loss).item(), grads, traffic
 
 
 @pytest.mark.parametrize(
@@ -93,18 +109,38 @@ def test_loss_and_gradients_equal_the_plain_model(reference, kw):
 
 
 @pytest.mark.parametrize("sp", [False, True])
-def test_the_forward_communicates_as_megatron_does(monkeypatch, sp):
-    _, _, calls = run(ParallelPlan.make("llama", tp=2, sp=sp), monkeypatch)
-    stream = [c for c in calls if c[1] == (B, S, H) or c[1] == (B, S // 2, H)]
+def test_forward_and_backward_communicate_as_megatron_does(monkeypatch, sp):
+    _, _, (forward, backward, _) = run(ParallelPlan.make("llama", tp=2, sp=sp), monkeypatch)
     layers = CFG["num_hidden_layers"]
-    if sp:  # embedding + o + down reduce-scattered over the sequence; each norm's output gathered
-        assert [k for k, _ in stream].count("reduce_scatter") == 1 + 2 * layers
-        assert [k for k, _ in stream].count("all_gather") == 2 * layers + 1
-        assert "all_reduce" not in [k for k, _ in stream]
-    else:  # embedding + o + down all-reduced, nothing else of the stream moves
-        assert [k for k, _ in stream] == ["all_reduce"] * (1 + 2 * layers)
-    # vocab-parallel cross-entropy: per-row statistics move, never (a tp-th of) the logits
-    assert max(np.prod(shape) for _, shape in calls) <= B * S * H
+    for calls in (forward, backward):
+        stream = [k for k, shape in calls if shape in ((B, S, H), (B, S // 2, H))]
+        if sp:  # embedding + o + down reduce-scattered over the sequence; each norm's output gathered
+            assert sorted(stream) == ["all_gather"] * (2 * layers + 1) + ["reduce_scatter"] * (2 * layers + 1)
+        else:  # embedding + o + down all-reduced (forward); their gradients (backward, Megatron's f)
+            assert stream == ["all_reduce"] * (1 + 2 * layers)
+        # vocab-parallel cross-entropy: per-row statistics move, never (a tp-th of) the logits
+        assert max(np.prod(shape) for _, shape in calls) <= B * S * H
+        # and nothing else: only per-row statistics ([B, S, 1]) and the norms' weight gradients ([H])
+        others = [(k, shape) for k, shape in calls if shape not in ((B, S, H), (B, S // 2, H))]
+        assert all(np.prod(shape) <= B * S for _, shape in others), others
+
+
+@pytest.mark.parametrize(
+    "kw", [{"tp": 2}, {"tp": 2, "sp": True}, {"dp": 2, "tp": 2}, {"dp": 2, "tp": 2, "sp": True}], ids=str
+)
+def test_the_bytes_moved_are_the_plans_prediction(monkeypatch, kw):
+    """Rank 0's ring bytes over a step (forward, backward, gradient reduction) against
+    predict_traffic (Megatron's per-layer count, ZeRO's data-parallel volume) plus the norms' weight
+    gradients (all-reduced over tp, which the prediction leaves out): within 2% for tp (a few
+    per-row statistics); with dp 3-4% under, since the embedding's gradient over dp is computed
+    sharded on the hidden dim and gathered, cheaper than the all-reduce the prediction counts."""
+    from llmkit.models.llama.parallel import predict_traffic
+
+    plan = ParallelPlan.make("llama", **kw)
+    *_, (_, _, sent) = run(plan, monkeypatch)
+    want = sum(predict_traffic(plan, LlamaConfig.from_preset("tiny", **CFG), B, S, itemsize=8).values())
+    norms = (2 * CFG["num_hidden_layers"] + 1) * H * 8 * 2 * (1 - 1 / plan.size("tp"))
+    assert 0.95 < sent / (want + norms) < 1.02
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

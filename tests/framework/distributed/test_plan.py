@@ -197,7 +197,15 @@ def test_a_damaged_plan_file_is_refused_by_name(tmp_path, edit, message):
 
 
 @pytest.mark.parametrize(
-    "kw", [{"dp": 4}, {"dp": 4, "zero": 1}, {"dp": 4, "zero": 3}, {"tp": 2}, {"dp": 2, "tp": 2}]
+    "kw",
+    [
+        {"dp": 4},
+        {"dp": 4, "zero": 1},
+        {"dp": 4, "zero": 3},
+        {"tp": 2},
+        {"tp": 2, "sp": True},
+        {"dp": 2, "tp": 2},
+    ],
 )
 def test_predicted_traffic_follows_zero_and_megatron(model, kw):
     from llmkit.models.llama.parallel import predict_traffic
@@ -215,7 +223,9 @@ def test_predicted_traffic_follows_zero_and_megatron(model, kw):
     assert got["dp_grads"] == pytest.approx((d if zero >= 2 else 2 * d) * per_tp * 4)
     assert got["zero_gather"] == pytest.approx(d * per_tp * 4 if zero else 0)
     # Megatron (Shoeybi et al. 2019, 3): 4 all-reduces of [b, s, h] per layer, + the embedding's and
-    # the head's (forward and backward), + 3 [b, s] reductions of the vocab-parallel cross-entropy
+    # the head's (forward and backward), + 3 [b, s] reductions of the vocab-parallel cross-entropy;
+    # with sequence parallelism (Korthikanti et al. 2022, 4.2.2) each all-reduce is a reduce-scatter
+    # and an all-gather: the same bytes
     b, t = 8 // dp, (tp - 1) / tp
     want = (4 * c.num_hidden_layers + 2) * 2 * t * b * 16 * c.hidden_size * 4 + 3 * 2 * t * b * 16 * 4
     assert got["tp_stream"] == pytest.approx(want)
