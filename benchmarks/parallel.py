@@ -32,6 +32,12 @@ stage says) and traffic (2 Psi per rank for data parallelism and ZeRO 1-2, 3 Psi
 Megatron-LM's four all-reduces of the [b, s, h] activation per layer and step (Shoeybi et al. 2019,
 section 3). On this 2-core machine the ranks share the cores: correctness and bytes are the point,
 not speed.
+
+``--eager``: the eager distributed step's overhead. ``llmkit train configs/bench.yaml`` with tp=2
+and dp=2 x tp=2 in one process (``sim``: every rank here), each step timed twice in turn: with the
+SPMD decisions remembered per (op, attributes, shapes, placements) as shipped (``spmd.decide``),
+and decided afresh at every op (``spmd.choose``, the baseline), with the share of the afresh step
+spent deciding. Ratios are paired per round (the two measured back to back on this drifting VM).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import sys
 import time
 
 import numpy as np
-from _common import emit, machine
+from _common import emit, emit_paired_ratio, machine
 
 KINDS = {  # name: (source, target, ring steps as a function of n)
     "all_reduce": ("P", "R", lambda n: 2 * (n - 1)),
@@ -271,6 +277,52 @@ def training(args) -> None:
     llama7b()
 
 
+def eager_overhead(args) -> None:
+    """The eager step on sim with decisions remembered against decided afresh (see the docstring)."""
+    import tempfile
+
+    import llmkit.framework.distributed.world as world
+    from llmkit.framework.ops import spmd
+    from llmkit.train.config import load_config
+    from llmkit.train.trainer import Trainer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    deciding = [0.0]
+
+    def afresh(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return spmd.choose(*a, **k)
+        finally:
+            deciding[0] += time.perf_counter() - t0
+
+    for name in args.strategies or ("tp2", "dp2_tp2"):
+        _, parallel, extra = STRATEGIES[name]
+        with tempfile.TemporaryDirectory() as out:
+            ov = train_overrides(args.steps + 1, parallel, extra, out)
+            trainer = Trainer(load_config(os.path.join(root, "configs", "bench.yaml"), ov), quiet=True)
+            trainer.train_step()  # warm-up: the decisions of every op made once
+            remembered, fresh, shares = [], [], []
+            for _ in range(args.steps):
+                for decide, times in ((afresh, fresh), (spmd.decide, remembered)):
+                    world.decide, deciding[0] = decide, 0.0
+                    t0 = time.perf_counter()
+                    trainer.train_step()
+                    times.append(time.perf_counter() - t0)
+                shares.append(deciding[0] / fresh[-1])
+            world.decide = spmd.decide
+        emit_paired_ratio(
+            "parallel",
+            f"eager_step_{name}_sim_remembered_vs_afresh",
+            remembered,
+            fresh,
+            remembered_s=round(float(np.median(remembered)), 3),
+            afresh_s=round(float(np.median(fresh)), 3),
+            deciding_share_afresh=round(float(np.median(shares)), 3),
+            decisions_kept=len(spmd._DECISIONS),
+        )
+
+
 def llama7b() -> None:
     """Predicted bytes and memory for Llama-2-7B beside the published formulas (see the docstring)."""
     from llmkit.framework import nn
@@ -325,7 +377,12 @@ def main() -> None:
     p.add_argument("--procs", type=int, nargs="+", default=[2, 4])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--training", action="store_true", help="parallel training instead of collectives")
-    p.add_argument("--strategies", nargs="*", help=f"with --training: some of {', '.join(STRATEGIES)}")
+    p.add_argument(
+        "--eager", action="store_true", help="the eager distributed step's decision overhead (sim)"
+    )
+    p.add_argument(
+        "--strategies", nargs="*", help=f"with --training or --eager: some of {', '.join(STRATEGIES)}"
+    )
     p.add_argument(
         "--steps", type=int, default=5, help="with --training: steps per run (the first timed after --warmup)"
     )
@@ -338,6 +395,10 @@ def main() -> None:
         return
     if args.worker:
         worker(args.sizes, args.repeat)
+        return
+    if args.eager:
+        emit("parallel", "machine", 0, "", **machine())
+        eager_overhead(args)
         return
     if args.training:
         if shutil.which("mpiexec") is None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -109,13 +109,13 @@ class Rule:
     doc: str = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Decision:
     """What :func:`decide` chose: the placements the inputs must take (None: absent input, or any),
     the outputs' placements, an optional local implementation, or ``decompose``."""
 
-    inputs: list = field(default_factory=list)
-    outputs: list = field(default_factory=list)
+    inputs: tuple = ()
+    outputs: tuple = ()
     local: Callable[..., Any] | None = None
     decompose: bool = False
 
@@ -159,6 +159,10 @@ def move_cost(src: Placement, dst: Placement, nbytes: float, n: int) -> float:
     return 2 * gather  # all-reduce (P -> R, or P -> P' through R)
 
 
+_DECISIONS: dict[tuple, Decision] = {}
+DECISIONS_KEPT = 1 << 14  # a bound for programs whose shapes keep changing (decoding)
+
+
 def decide(
     spec: Any,
     metas: Sequence[Any],
@@ -172,13 +176,50 @@ def decide(
     ``want``: placements wished for the first output; on a mesh dim where a strategy gives it for
     free (no input moves but slices), that one is taken. ``fixed``: the inputs that are parameters
     (large and persistent, where the plan put them): a strategy moving fewer of their bytes wins
-    over any that moves fewer activation bytes, so activations follow the weights' layout."""
+    over any that moves fewer activation bytes, so activations follow the weights' layout.
+
+    A decision is a function of the op's rule, attributes, the inputs' global shapes, dtypes and
+    placements, the mesh's shape, ``want`` and ``fixed``: it is computed once per such key
+    (:func:`choose`) and remembered, so a training step pays for each of its ops' decisions once.
+    """
     rule = spec.spmd
     if rule is None:
         raise OpError(
             f"{spec.name}: no SPMD rule, so it cannot run on distributed tensors; give its defop an "
             "spmd= rule (ops/spmd.py has the families), or replicate_only('why') if it cannot be sharded"
         )
+    try:
+        key = (
+            spec.name,
+            id(rule),
+            tuple(attrs.items()),
+            tuple(None if m is None else (tuple(m.shape), m.dtype) for m in metas),
+            tuple(None if p is None else tuple(p) for p in placements),
+            tuple(mesh_shape),
+            None if want is None else tuple(want),
+            tuple(fixed),
+        )
+        hit = _DECISIONS.get(key)
+    except TypeError:  # an attribute that cannot be a key (a list): decided afresh
+        return choose(spec, metas, placements, attrs, mesh_shape, want, fixed)
+    if hit is None:
+        if len(_DECISIONS) >= DECISIONS_KEPT:
+            _DECISIONS.clear()
+        hit = _DECISIONS[key] = choose(spec, metas, placements, attrs, mesh_shape, want, fixed)
+    return hit
+
+
+def choose(
+    spec: Any,
+    metas: Sequence[Any],
+    placements: Sequence[Any],
+    attrs: dict,
+    mesh_shape: tuple,
+    want: Any = None,
+    fixed: Sequence[int] = (),
+) -> Decision:
+    """:func:`decide`'s decision, computed: per mesh dim, the cheapest strategy of the rule."""
+    rule = spec.spmd
     pad = 0 if spec.variadic else len(spec.inputs) - len(metas)  # omitted trailing optional inputs
     metas = list(metas) + [None] * pad
     cur = [None if p is None else list(p) for p in placements] + [None] * pad
@@ -219,8 +260,8 @@ def decide(
         if best.local is not None:
             local = best.local
     return Decision(
-        inputs=[None if c is None else tuple(c) for c in cur],
-        outputs=[tuple(o) for o in (out or [])],
+        inputs=tuple(None if c is None else tuple(c) for c in cur),
+        outputs=tuple(tuple(o) for o in (out or [])),
         local=local,
     )
 
