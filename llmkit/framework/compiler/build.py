@@ -6,7 +6,8 @@ that failed: its group then runs the reference kernels, with one warning naming 
 named by the hash of their source, so the same group in every layer is compiled once, and a
 cached kernel is reused by every later run.
 
-Flags keep IEEE semantics: ``-O3 -march=native -fopenmp`` plus ``-fno-math-errno`` (no errno
+Flags keep IEEE semantics: ``-O3 -march=native -fopenmp-simd`` (OpenMP's SIMD pragmas, not its
+runtime: kernel threads come from ``par.py``) plus ``-fno-math-errno`` (no errno
 writes from sqrt/exp, so they vectorize), ``-fno-trapping-math`` (no FP traps, which are never
 enabled anyway) and ``-ffp-contract=off`` (no fused multiply-add: results match numpy's separate
 roundings). Never ``-ffast-math``: NaN, inf and signed zeros must behave as in the reference.
@@ -39,62 +40,29 @@ from .codegen_c import PRELUDE
 
 log = logging.getLogger("llmkit.compiler")
 
-SPIN_COUNT = 20000  # libgomp spin iterations (a few hundred microseconds here) before a thread sleeps
-SPIN_NS = 200_000  # how long the thread pool's helpers (par.py) spin, likewise
-
-
-def _libgomp_loaded() -> bool:
-    """Whether the system's libgomp (the one kernels link) is loaded; wheels that bundle a renamed
-    copy (sentencepiece's ``libgomp-<hash>.so``) have their own, which kernels never use. (torch
-    bundles one named ``libgomp.so.1``: kernels loaded after ``import torch`` use that one.)"""
-    try:
-        with open("/proc/self/maps") as f:
-            return any(os.path.basename(line.split()[-1]).startswith("libgomp.so") for line in f)
-    except OSError:
-        return True  # cannot tell: leave the process as it is
-
-
-# OpenMP threads that spin after a kernel would steal the core BLAS's threads need next (and the
-# reverse; a training step at 2x its time with OMP_WAIT_POLICY=ACTIVE): idle kernel threads sleep
-# at once. libgomp reads this once, when it loads; that is with the first kernel, unless a library
-# imported earlier loaded it (torch does): then the first kernel warns (``_load_pool``).
-_USER_OMP = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-_OMP_TOO_LATE = _libgomp_loaded() and all(v is None for v in _USER_OMP.values())
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-OMP_TOO_LATE = (
-    "cinn: OpenMP (libgomp) was loaded before llmkit could set OMP_WAIT_POLICY=PASSIVE (by a library "
-    "imported first, such as torch), so idle kernel threads spin after every kernel on the cores BLAS "
-    "needs next; set OMP_WAIT_POLICY=PASSIVE in the environment, or import llmkit.framework.compiler "
-    "before that library"
-)
+SPIN_NS = 200_000  # how long the thread pool's helpers (par.py) spin between kernels, where they do
 
 
 class FallbackWarning(RuntimeWarning):
     """Compiled work runs the reference kernels instead (no C compiler, a kernel that failed to
-    compile or to load, a group the compiler could not lower): still correct, much slower. The
-    test suite turns it into an error (pyproject.toml), so a compiled path cannot pass on fallbacks."""
+    compile or to load, a group the compiler could not lower), or its kernels run on one thread
+    (the thread pool failed to build): still correct, much slower. The test suite turns it into
+    an error (pyproject.toml), so a compiled path cannot pass on fallbacks."""
 
 
-def spin_between_kernels() -> bool:
-    """For processes that only run inference (``llmkit serve``, ``llmkit generate``): kernel threads
-    spin a while after each kernel instead of sleeping at once, so the next kernel of a replayed
-    decode step does not wait for them to wake (decode at batch 1 and 8 about 1.3-1.6x faster
-    here). Training keeps the default: its BLAS calls need the cores spinning threads would hold.
-    The thread pool's helpers spin from now on; OpenMP's threads (``GOMP_SPINCOUNT``) only if no
-    kernel has loaded yet, and never against ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` given by the
-    user; returns whether OpenMP's setting applied."""
+def spin_between_kernels() -> None:
+    """For processes that only run inference (``llmkit serve``, ``llmkit generate``): the thread
+    pool's helpers spin a while after each kernel instead of sleeping at once, so the next kernel
+    of a replayed decode step does not wait for them to wake (decode at batch 1 and 8 about
+    1.3-1.6x faster here). Training keeps the default: its BLAS calls need the cores spinning
+    threads would hold."""
     par.set_spin(SPIN_NS)
-    if any(v is not None for v in _USER_OMP.values()) or _libgomp_loaded():
-        return False
-    os.environ.pop("OMP_WAIT_POLICY", None)
-    os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
-    return True
 
 
 CPUS = int(os.environ.get("LLMKIT_CINN_THREADS", 0)) or os.cpu_count() or 1  # threads a kernel may use
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
-         "-fPIC", "-shared")  # fmt: skip
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+         "-ffp-contract=off", "-fPIC", "-shared")  # fmt: skip
 PER_PROCESS = 12  # kernels per compiler invocation (parallel invocations share the rest)
 
 _cache_dir: Path | None = None
@@ -190,7 +158,8 @@ def toolchain() -> Toolchain | None:
 _PROBE = """
 void probe(void **bufs, const int64_t *sizes, int64_t nthreads) {
   const float *x = (const float *)bufs[0]; float *y = (float *)bufs[1];
-  #pragma omp parallel for simd num_threads(nthreads)
+  (void)nthreads;
+  #pragma omp simd
   for (int64_t i = 0; i < sizes[0]; i++) y[i] = exp(x[i]) + log(x[i]) + tanh(x[i]) + pow(x[i], x[i]);
 }
 """
@@ -213,9 +182,10 @@ def _probe(tc: Toolchain) -> bool:
 
 
 def kernel_name(source: str, tc: Toolchain | None = None) -> str:
-    """``k_<hash>`` of a kernel source whose function is named ``KERNEL`` (the caller renames it)."""
+    """``k_<hash>`` of a kernel source whose function is named ``KERNEL`` (the caller renames it),
+    compiled after ``PRELUDE`` with the toolchain's flags."""
     tc = tc or toolchain()
-    h = hashlib.sha256(((tc.ident if tc else "") + "\n" + source).encode()).hexdigest()
+    h = hashlib.sha256(((tc.ident if tc else "") + "\n" + PRELUDE + source).encode()).hexdigest()
     return "k_" + h[:20]
 
 
@@ -295,16 +265,17 @@ def _compile(tc: Toolchain, source: str, so: Path, libs: tuple[str, ...] = ()) -
 
 def _load_pool(tc: Toolchain, d: Path) -> None:
     """The kernels' thread pool (``par.py``), built once per toolchain into the cache and
-    loaded before any kernel: kernels bind to its symbols (without it they fail to load, and fall
-    back with the warning ``build`` gives)."""
+    loaded before any kernel: kernels bind to its symbols (without it, they run their loops on
+    the calling thread, and one warning says so)."""
     if par.loaded():
         return
-    if _OMP_TOO_LATE:
-        warn_once("omp-too-late", OMP_TOO_LATE, RuntimeWarning)
     so = d / f"par_{hashlib.sha256((tc.ident + par.SOURCE).encode()).hexdigest()[:20]}.so"
     err = None if so.exists() else _compile(tc, par.SOURCE, so, ("-lpthread",))
     if err is not None:
-        warn_once("par", f"cinn: the kernels' thread pool failed to compile.\n{err[:2000]}")
+        warn_once(
+            "par",
+            f"cinn: the kernels' thread pool failed to compile; kernels run on one thread.\n{err[:2000]}",
+        )
         return
     par.attach(so)
 

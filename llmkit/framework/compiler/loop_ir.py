@@ -298,6 +298,8 @@ class Loop:
     body: list = field(default_factory=list)
     kind: str = "serial"  # serial | parallel (threads / blocks) | vector (SIMD lanes / CUDA threads)
     start: Expr = field(default_factory=lambda: Affine((), 0))
+    prefetch: list = field(default_factory=list)  # Loads of the next parallel iteration to fetch
+    # while this loop's streamed stores run (``schedule.mark_streams``)
 
 
 @dataclass
@@ -338,6 +340,8 @@ class Store:
     buf: str
     index: Expr
     value: Expr
+    stream: bool = False  # an output written once, along its vector loop, never read back: may
+    # bypass the caches when large (``schedule.mark_streams``, ``codegen_c``)
 
 
 @dataclass
@@ -483,7 +487,8 @@ def _print_body(body: list, depth: int, lines: list[str], lang: Lang) -> None:
         if isinstance(s, Loop):
             kind = "" if s.kind == "serial" else s.kind + " "
             start = render(s.start, lang)
-            lines.append(f"{pad}{kind}for {s.var} in {start}..{render(s.extent, lang)}:")
+            ahead = "".join(f" prefetch {render(ld, lang)}" for ld in s.prefetch)
+            lines.append(f"{pad}{kind}for {s.var} in {start}..{render(s.extent, lang)}:{ahead}")
             _print_body(s.body, depth + 1, lines, lang)
         elif isinstance(s, Let):
             lines.append(f"{pad}{s.name}: {lang.ctype(s.value.dtype)} = {render(s.value, lang)}")
@@ -499,7 +504,8 @@ def _print_body(body: list, depth: int, lines: list[str], lang: Lang) -> None:
         elif isinstance(s, Finish):
             pass  # NaN bookkeeping: not worth a line when reading a kernel
         elif isinstance(s, Store):
-            lines.append(f"{pad}{s.buf}[{render(s.index, lang)}] = {render(s.value, lang)}")
+            streamed = "  (stream)" if s.stream else ""
+            lines.append(f"{pad}{s.buf}[{render(s.index, lang)}] = {render(s.value, lang)}{streamed}")
         else:
             raise TypeError(f"unknown statement {s!r}")
 

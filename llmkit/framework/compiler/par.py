@@ -20,10 +20,18 @@ parallel loop, as many as it asks for less one; each spins a while after its las
 Two callers at once (two Python threads running kernels), or a chunk that opens a loop itself, run
 that loop on their own thread. After ``fork`` the child starts its own helpers.
 
-The C interface, declared in the kernels that use it (``DECLARE``): ``llmkit_par_for(n, threads,
-fn, ctx)`` calls ``fn(ctx, chunk, worker)`` once for every chunk in ``0 .. n-1``, on at most
-``threads`` threads, and returns when all have returned; ``worker`` is 0 for the caller and
-1 .. threads-1 for helpers (an index for per-thread scratch).
+Every kernel, generated (``codegen_c``: each ``parallel`` loop of the loop IR) or hand-written
+(``native/``), runs its threads here: kernels are compiled without OpenMP's runtime
+(``-fopenmp-simd``: its SIMD pragmas only), so no OpenMP wait policy or import order decides how
+kernel threads wait. The C interface, in every kernel library's prelude (``DECLARE``):
+``llmkit_par_run(n, threads, fn, ctx)`` calls ``fn(ctx, chunk, worker)`` once for every chunk in
+``0 .. n-1``, on at most ``threads`` threads, and returns when all have returned; ``worker`` is 0
+for the caller and 1 .. threads-1 for helpers (an index for per-thread scratch). The pool's own
+symbol is declared weak, so a kernel still loads where the pool failed to build (one
+``FallbackWarning`` says so): it then runs every chunk on the calling thread.
+
+``counts()`` reads two counters, for tests and profiles: loops handed to helpers, and the claims
+helpers ran.
 """
 
 from __future__ import annotations
@@ -32,7 +40,15 @@ import ctypes
 from pathlib import Path
 from typing import Any
 
-DECLARE = "void llmkit_par_for(int64_t n, int64_t threads, void (*)(void *, int64_t, int64_t), void *ctx);\n"
+DECLARE = r"""
+typedef void (*llmkit_par_fn)(void *, int64_t, int64_t);
+__attribute__((weak)) void llmkit_par_for(int64_t n, int64_t threads, llmkit_par_fn fn, void *ctx);
+/* the pool's loop, or every chunk on this thread where the pool is not loaded */
+static inline void llmkit_par_run(int64_t n, int64_t threads, llmkit_par_fn fn, void *ctx) {
+  if (llmkit_par_for) llmkit_par_for(n, threads, fn, ctx);
+  else for (int64_t i = 0; i < n; i++) fn(ctx, i, 0);
+}
+"""
 
 SOURCE = r"""
 #define _GNU_SOURCE
@@ -65,6 +81,7 @@ static struct {
   _Alignas(64) _Atomic uint32_t wake; /* futex word: bumped at every job */
   _Atomic int sleepers, started, busy;
   _Atomic int64_t spin_ns;
+  _Atomic int64_t jobs, helped; /* counters: loops handed to helpers, claims helpers ran */
 } P;
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -110,7 +127,7 @@ static int64_t work(int64_t me) {
     if (atomic_compare_exchange_weak(&P.state, &s, s + 1)) {
       for (int64_t c = i * g; c < (i + 1) * g && c < total; c++) fn(ctx, c, me);
       ran++;
-      if (me) atomic_fetch_add(&P.done, 1);
+      if (me) atomic_fetch_add(&P.done, 1), atomic_fetch_add_explicit(&P.helped, 1, memory_order_relaxed);
     }
   }
 }
@@ -169,6 +186,8 @@ void llmkit_par_set_spin(int64_t ns) { atomic_store(&P.spin_ns, ns); }
 
 int64_t llmkit_par_helpers(void) { return atomic_load(&P.started); }
 
+void llmkit_par_counts(int64_t *out) { out[0] = atomic_load(&P.jobs), out[1] = atomic_load(&P.helped); }
+
 void llmkit_par_for(int64_t total, int64_t threads, par_fn fn, void *ctx) {
   int idle = 0;
   if (total <= 0) return;
@@ -191,6 +210,7 @@ void llmkit_par_for(int64_t total, int64_t threads, par_fn fn, void *ctx) {
   atomic_store(&P.ctx, ctx);
   const uint64_t job = (atomic_load(&P.state) >> (NEXT_BITS + COUNT_BITS)) + 1;
   atomic_store(&P.state, (job << (NEXT_BITS + COUNT_BITS)) | ((uint64_t)n << NEXT_BITS));
+  atomic_fetch_add_explicit(&P.jobs, 1, memory_order_relaxed);
   atomic_fetch_add(&P.wake, 1);
 #ifdef __linux__
   if (atomic_load(&P.sleepers) > 0) syscall(SYS_futex, &P.wake, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
@@ -233,3 +253,13 @@ def set_spin(ns: int) -> None:
 def helpers() -> int:
     """Helper threads the pool has started (0 before its first parallel loop, or when not loaded)."""
     return int(_lib.llmkit_par_helpers()) if _lib is not None else 0
+
+
+def counts() -> tuple[int, int]:
+    """(loops handed to helpers, claims the helpers ran) since the process started; (0, 0) when
+    the pool is not loaded."""
+    if _lib is None:
+        return (0, 0)
+    out = (ctypes.c_int64 * 2)()
+    _lib.llmkit_par_counts(out)
+    return (int(out[0]), int(out[1]))

@@ -252,7 +252,85 @@ def build(low: Lowered, name: str, strategy: str = "rows", tile: int = 0) -> L.K
     k.work = _work(low)  # type: ignore[attr-defined]
     # an epilogue writing over the matmul product it reads: those two pointers alias
     k.aliased = {low.inputs[-1].buf, low.outputs[low.inplace][0]} if low.inplace is not None else set()  # type: ignore[attr-defined]
+    mark_streams(k)
     return k
+
+
+def mark_streams(k: L.Kernel) -> None:
+    """Mark the stores of outputs written once and never read back (not an output staged as a row
+    buffer, not one aliasing an input) whose every store walks its vector loop contiguously: those
+    may bypass the caches (``codegen_c`` does when the output is large). Such a loop inside a
+    parallel loop over rows also prefetches the next row of the inputs it reads contiguously: the
+    row's first pass then finds them in L2, and memory keeps streaming while outputs go out."""
+    loads: set[str] = set()
+    for s in L.walk_stmts(k.body):
+        for e in _stmt_exprs(s):
+            _loaded(e, loads)
+    stores: dict[str, list[tuple[L.Store, bool]]] = {}
+    rows: list[tuple[L.Loop, str | None]] = []  # vector loops with their enclosing parallel loop's var
+
+    def walk(body: list, row: str | None) -> None:
+        for loop in body:
+            if not isinstance(loop, L.Loop):
+                if isinstance(loop, L.Store):  # outside any loop
+                    stores.setdefault(loop.buf, []).append((loop, False))
+                continue
+            vector = loop.kind in ("vector", "parallel_vector")
+            inner = {s.name for s in loop.body if isinstance(s, (L.Let, L.Decl))}
+            plain = vector and not any(isinstance(s, (L.Accum, L.Loop)) for s in loop.body)
+            for s in loop.body:
+                if isinstance(s, L.Store):
+                    ix = s.index
+                    ok = plain and isinstance(ix, L.Affine) and ix.coef(loop.var) == 1
+                    ok = ok and not any(v in inner for v, _ in ix.terms)  # type: ignore[union-attr]
+                    stores.setdefault(s.buf, []).append((s, ok))
+            if plain:
+                rows.append((loop, row))
+            walk(
+                [s for s in loop.body if isinstance(s, L.Loop)], loop.var if loop.kind == "parallel" else row
+            )
+
+    walk(k.body, None)
+    outputs = {p.name for p in k.params if p.kind == "out"}
+    for buf, found in stores.items():
+        if buf not in loads and buf not in k.aliased and all(ok for _, ok in found):  # type: ignore[attr-defined]
+            for s, _ in found:
+                s.stream = True
+    for loop, row in rows:
+        if row is None or not any(isinstance(s, L.Store) and s.stream for s in loop.body):
+            continue
+        ahead: dict[L.Load, None] = {}
+        for s in loop.body:
+            for e in _stmt_exprs(s):
+                for ld in _load_nodes(e):
+                    ix = ld.index
+                    contiguous = isinstance(ix, L.Affine) and ix.coef(loop.var) == 1
+                    if ld.buf not in outputs and contiguous and ix.coef(row):  # type: ignore[union-attr]
+                        ahead[L.Load(ld.buf, L.add(ix, L.as_index(ix.coef(row))), ld.dtype)] = None  # type: ignore[union-attr]
+        loop.prefetch = list(ahead)
+
+
+def _stmt_exprs(s) -> list[L.Expr]:
+    if isinstance(s, L.Loop):
+        return [s.start, s.extent]
+    if isinstance(s, L.Let):
+        return [s.value]
+    if isinstance(s, L.Accum):
+        return [s.value]
+    if isinstance(s, L.Store):
+        return [s.index, s.value]
+    return []
+
+
+def _loaded(e: L.Expr, out: set[str]) -> None:
+    out.update(ld.buf for ld in _load_nodes(e))
+
+
+def _load_nodes(e: L.Expr) -> list[L.Load]:
+    found = [e] if isinstance(e, L.Load) else []
+    for c in L.children(e):
+        found += _load_nodes(c)
+    return found
 
 
 _EXPENSIVE = ("exp(", "log(", "pow(", "tanh(", "erf(", "sin(", "cos(")

@@ -173,79 +173,117 @@ _PARAMS = r"""
   const int64_t NB = sizes[0], HQ = sizes[1], HK = sizes[2], S = sizes[3], T = sizes[4];
   const int64_t G = HQ / HK, OFF = T - S;  /* query i sees keys j <= i + OFF when causal */
   const int64_t TP = (T + BC - 1) / BC * BC, LT = TP + 2 * W;  /* LT: no power-of-two row stride */
-  const int nt = (S * T * HQ * NB >= 32768) ? (int)nthreads : 1;
+  (void)causal, (void)scale, (void)G, (void)OFF;
 """
 
-_FORWARD = r"""
-/* scaled_dot_product_attention forward (flash): one task per (batch, kv head), split into
-   interleaved sets of query tiles only when there are too few (batch, kv head) pairs to share */
+# Tasks run on the thread pool (par.py), each worker with its own scratch buffers (a kernel's
+# ``scratch``: names and sizes in elements), which the kernel allocates before it hands tasks out.
+_TASKS = r"""
+typedef struct { @T@ *@BUFFERS@; } KERNEL_FN_scratch;
+typedef struct {
+  void **bufs;
+  const int64_t *sizes;
+  int64_t parts;
+  KERNEL_FN_scratch *scratch; /* [threads] */
+} KERNEL_FN_job;
+
+static void KERNEL_FN_task(void *arg, int64_t task, int64_t worker) {
+  const KERNEL_FN_job *job = (const KERNEL_FN_job *)arg;
+  void **bufs = job->bufs;
+  const int64_t *sizes = job->sizes, parts = job->parts;
+  const KERNEL_FN_scratch sc = job->scratch[worker];
+  (void)parts;
+@ARGS@
+@PARAMS@
+@TASK@
+}
+
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+@PARAMS@
+  const int64_t nt = (S * T * HQ * NB >= 32768) ? nthreads : 1;
+@PARTS@  const int64_t tasks = @TASKS@;
+  KERNEL_FN_job job = {bufs, sizes, @NPARTS@, (KERNEL_FN_scratch *)calloc(nt, sizeof(KERNEL_FN_scratch))};
+  for (int64_t w = 0; w < nt; w++) {
+@ALLOC@
+  }
+  llmkit_par_run(tasks, nt, KERNEL_FN_task, &job);
+  for (int64_t w = 0; w < nt; w++) {
+@FREE@
+  }
+  free(job.scratch);
+}
+"""
+
+# forward (flash): one task per (batch, kv head), split into interleaved sets of query tiles only
+# when there are too few (batch, kv head) pairs to share
+_FORWARD = dict(
+    args=r"""
   const @T@ *restrict q = (const @T@ *)bufs[0];
   const @T@ *restrict k = (const @T@ *)bufs[1];
   const @T@ *restrict v = (const @T@ *)bufs[2];
   @T@ *restrict o = (@T@ *)bufs[3];
   @T@ *restrict lse = @LSE@ ? (@T@ *)bufs[4] : NULL;  /* each row's log-sum-exp, for the backward */
   const int64_t *qs = sizes + 5, *ks = sizes + 9, *vs = sizes + 13, *os = sizes + 17, *ls = sizes + 21;
-@PARAMS@
+""",
+    scratch=(
+        ("kT", "D * LT"),  # k^T [D][LT]
+        ("vr", "TP * DVP"),  # v rows [TP][DVP]
+        ("qb", "BR * DP"),  # the tile's queries times scale [BR][DP]
+        ("sb", "BR * BC"),  # scores, then probabilities [BR][BC]
+        ("acc", "BR * DVP"),  # unnormalized output rows [BR][DVP]
+    ),
+    tasks="NB * HK * parts",
+    parts=r"""
   const int64_t tiles = (S + BR - 1) / BR;
   int64_t parts = (4 * nt + NB * HK - 1) / (NB * HK);
   parts = parts < 1 ? 1 : parts > tiles ? tiles : parts;
-  #pragma omp parallel num_threads(nt)
-  {
-    @T@ *kT = attn_scratch_@S@(D * LT);      /* k^T [D][LT] */
-    @T@ *vr = attn_scratch_@S@(TP * DVP);    /* v rows [TP][DVP] */
-    @T@ *qb = attn_scratch_@S@(BR * DP);     /* the tile's queries times scale [BR][DP] */
-    @T@ *sb = attn_scratch_@S@(BR * BC);     /* scores, then probabilities [BR][BC] */
-    @T@ *acc = attn_scratch_@S@(BR * DVP);   /* unnormalized output rows [BR][DVP] */
-    @T@ m[BR], l[BR];
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < NB * HK * parts; task++) {
-      const int64_t part = task % parts, b = task / parts / HK, hk = task / parts % HK;
-      int64_t kmax = T;  /* keys the part's last tile sees */
-      if (causal) {
-        const int64_t last = ((tiles - 1 - part) / parts * parts + part) * BR;
-        const int64_t e = (last + BR < S ? last + BR : S) + OFF;
-        kmax = e < 0 ? 0 : e < T ? e : T;
-      }
-      attn_cols_@S@(kT, LT, k + b * ks[0] + hk * ks[1], kmax, D, ks[2], ks[3]);
-      attn_rows_@S@(vr, DVP, v + b * vs[0] + hk * vs[1], 0, kmax, DV, vs[2], vs[3], 1);
-      for (int64_t g = 0; g < G; g++) {
-        const int64_t h = hk * G + g;
-        @T@ *oh = o + b * os[0] + h * os[1];
-        for (int64_t i0 = part * BR; i0 < S; i0 += parts * BR) {
-          const int64_t rows = S - i0 < BR ? S - i0 : BR;
-          int64_t kend = T;
-          if (causal) kend = i0 + rows + OFF < 0 ? 0 : i0 + rows + OFF < T ? i0 + rows + OFF : T;
-          attn_rows_@S@(qb, DP, q + b * qs[0] + h * qs[1], i0, rows, D, qs[2], qs[3], scale);
-          for (int64_t r = 0; r < rows; r++) { m[r] = -INFINITY; l[r] = 0; }
-          memset(acc, 0, sizeof(@T@) * BR * DVP);
-          for (int64_t j0 = 0; j0 < kend; j0 += BC) {
-            const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-            attn_mm_@S@(rows, D, BC, qb, DP, kT + j0, LT, sb, BC, 0);
-            for (int64_t r = 0; r < rows; r++) {
-              const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
-              const @T@ alpha = attn_online_@S@(sb + r * BC, n, BC, &m[r], &l[r], 1);
-              if (alpha != 1)
-                for (int64_t d = 0; d < DVP; d++) acc[r * DVP + d] *= alpha;
-            }
-            attn_mm_@S@(rows, cols, DVP, sb, BC, vr + j0 * DVP, DVP, acc, DVP, 1);
-          }
-          for (int64_t r = 0; r < rows; r++)
-            for (int64_t d = 0; d < DV; d++) oh[(i0 + r) * os[2] + d * os[3]] = acc[r * DVP + d] / l[r];
-          if (@LSE@)
-            for (int64_t r = 0; r < rows; r++)
-              lse[b * ls[0] + h * ls[1] + (i0 + r) * ls[2]] = m[r] + log(l[r]);
-        }
-      }
-    }
-    free(kT); free(vr); free(qb); free(sb); free(acc);
+""",
+    task=r"""
+  const int64_t tiles = (S + BR - 1) / BR;
+  @T@ m[BR], l[BR];
+  const int64_t part = task % parts, b = task / parts / HK, hk = task / parts % HK;
+  int64_t kmax = T;  /* keys the part's last tile sees */
+  if (causal) {
+    const int64_t last = ((tiles - 1 - part) / parts * parts + part) * BR;
+    const int64_t e = (last + BR < S ? last + BR : S) + OFF;
+    kmax = e < 0 ? 0 : e < T ? e : T;
   }
-}
-"""
+  attn_cols_@S@(sc.kT, LT, k + b * ks[0] + hk * ks[1], kmax, D, ks[2], ks[3]);
+  attn_rows_@S@(sc.vr, DVP, v + b * vs[0] + hk * vs[1], 0, kmax, DV, vs[2], vs[3], 1);
+  for (int64_t g = 0; g < G; g++) {
+    const int64_t h = hk * G + g;
+    @T@ *oh = o + b * os[0] + h * os[1];
+    for (int64_t i0 = part * BR; i0 < S; i0 += parts * BR) {
+      const int64_t rows = S - i0 < BR ? S - i0 : BR;
+      int64_t kend = T;
+      if (causal) kend = i0 + rows + OFF < 0 ? 0 : i0 + rows + OFF < T ? i0 + rows + OFF : T;
+      attn_rows_@S@(sc.qb, DP, q + b * qs[0] + h * qs[1], i0, rows, D, qs[2], qs[3], scale);
+      for (int64_t r = 0; r < rows; r++) { m[r] = -INFINITY; l[r] = 0; }
+      memset(sc.acc, 0, sizeof(@T@) * BR * DVP);
+      for (int64_t j0 = 0; j0 < kend; j0 += BC) {
+        const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
+        attn_mm_@S@(rows, D, BC, sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
+        for (int64_t r = 0; r < rows; r++) {
+          const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
+          const @T@ alpha = attn_online_@S@(sc.sb + r * BC, n, BC, &m[r], &l[r], 1);
+          if (alpha != 1)
+            for (int64_t d = 0; d < DVP; d++) sc.acc[r * DVP + d] *= alpha;
+        }
+        attn_mm_@S@(rows, cols, DVP, sc.sb, BC, sc.vr + j0 * DVP, DVP, sc.acc, DVP, 1);
+      }
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t d = 0; d < DV; d++) oh[(i0 + r) * os[2] + d * os[3]] = sc.acc[r * DVP + d] / l[r];
+      if (@LSE@)
+        for (int64_t r = 0; r < rows; r++)
+          lse[b * ls[0] + h * ls[1] + (i0 + r) * ls[2]] = m[r] + log(l[r]);
+    }
+  }
+""",
+)
 
-_BACKWARD = r"""
-/* scaled_dot_product_attention_grad (flash): one task per (batch, kv head) */
-void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+# scaled_dot_product_attention_grad (flash): one task per (batch, kv head)
+_BACKWARD = dict(
+    args=r"""
   enum { L = @LSE@ };  /* 1: the forward's log-sum-exp is bufs[2] ([B, Hq, S]): no first pass */
   const @T@ *restrict go = (const @T@ *)bufs[0];
   const @T@ *restrict o = (const @T@ *)bufs[1];
@@ -258,93 +296,113 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   @T@ *restrict dv = (@T@ *)bufs[7 + L];
   const int64_t *gs = sizes + 5, *os = sizes + 9, *ls = sizes + 13, *qs = sizes + 13 + 3 * L;
   const int64_t *ks = qs + 4, *vs = qs + 8, *dqs = qs + 12, *dks = qs + 16, *dvs = qs + 20;
-@PARAMS@
-  #pragma omp parallel num_threads(nt)
-  {
-    @T@ *kT = attn_scratch_@S@(D * LT);      /* k^T [D][LT] */
-    @T@ *vT = attn_scratch_@S@(DV * LT);     /* v^T [DV][LT] */
-    @T@ *kr = attn_scratch_@S@(TP * DP);     /* k rows [TP][DP] */
-    @T@ *dkr = attn_scratch_@S@(TP * DP);    /* dk rows */
-    @T@ *dvr = attn_scratch_@S@(TP * DVP);   /* dv rows */
-    @T@ *qb = attn_scratch_@S@(BR * DP);     /* the tile's queries times scale */
-    @T@ *gb = attn_scratch_@S@(BR * DVP);    /* their output gradients */
-    @T@ *dqb = attn_scratch_@S@(BR * DP);    /* their dq (before the scale) */
-    @T@ *sb = attn_scratch_@S@(BR * BC);     /* scores, then P */
-    @T@ *pb = attn_scratch_@S@(BR * BC);     /* g v^T, then dS */
-    @T@ m[BR], l[BR], di[BR];
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < NB * HK; task++) {
-      const int64_t b = task / HK, hk = task % HK;
-      const @T@ *kh = k + b * ks[0] + hk * ks[1], *vh = v + b * vs[0] + hk * vs[1];
-      attn_cols_@S@(kT, LT, kh, T, D, ks[2], ks[3]);
-      attn_cols_@S@(vT, LT, vh, T, DV, vs[2], vs[3]);
-      attn_rows_@S@(kr, DP, kh, 0, T, D, ks[2], ks[3], 1);
-      memset(dkr, 0, sizeof(@T@) * TP * DP);
-      memset(dvr, 0, sizeof(@T@) * TP * DVP);
-      for (int64_t g = 0; g < G; g++) {
-        const int64_t h = hk * G + g;
-        const @T@ *oh = o + b * os[0] + h * os[1], *gh = go + b * gs[0] + h * gs[1];
-        for (int64_t i0 = 0; i0 < S; i0 += BR) {
-          const int64_t rows = S - i0 < BR ? S - i0 : BR;
-          attn_rows_@S@(qb, DP, q + b * qs[0] + h * qs[1], i0, rows, D, qs[2], qs[3], scale);
-          attn_rows_@S@(gb, DVP, gh, i0, rows, DV, gs[2], gs[3], 1);
+""",
+    scratch=(
+        ("kT", "D * LT"),  # k^T [D][LT]
+        ("vT", "DV * LT"),  # v^T [DV][LT]
+        ("kr", "TP * DP"),  # k rows [TP][DP]
+        ("dkr", "TP * DP"),  # dk rows
+        ("dvr", "TP * DVP"),  # dv rows
+        ("qb", "BR * DP"),  # the tile's queries times scale
+        ("gb", "BR * DVP"),  # their output gradients
+        ("dqb", "BR * DP"),  # their dq (before the scale)
+        ("sb", "BR * BC"),  # scores, then P
+        ("pb", "BR * BC"),  # g v^T, then dS
+    ),
+    tasks="NB * HK",
+    parts="",
+    task=r"""
+  @T@ m[BR], l[BR], di[BR];
+  const int64_t b = task / HK, hk = task % HK;
+  const @T@ *kh = k + b * ks[0] + hk * ks[1], *vh = v + b * vs[0] + hk * vs[1];
+  attn_cols_@S@(sc.kT, LT, kh, T, D, ks[2], ks[3]);
+  attn_cols_@S@(sc.vT, LT, vh, T, DV, vs[2], vs[3]);
+  attn_rows_@S@(sc.kr, DP, kh, 0, T, D, ks[2], ks[3], 1);
+  memset(sc.dkr, 0, sizeof(@T@) * TP * DP);
+  memset(sc.dvr, 0, sizeof(@T@) * TP * DVP);
+  for (int64_t g = 0; g < G; g++) {
+    const int64_t h = hk * G + g;
+    const @T@ *oh = o + b * os[0] + h * os[1], *gh = go + b * gs[0] + h * gs[1];
+    for (int64_t i0 = 0; i0 < S; i0 += BR) {
+      const int64_t rows = S - i0 < BR ? S - i0 : BR;
+      attn_rows_@S@(sc.qb, DP, q + b * qs[0] + h * qs[1], i0, rows, D, qs[2], qs[3], scale);
+      attn_rows_@S@(sc.gb, DVP, gh, i0, rows, DV, gs[2], gs[3], 1);
+      for (int64_t r = 0; r < rows; r++) {
+        @T@ sum = 0;  /* rowsum(g * out) = sum_j P_j (g v^T)_j */
+        for (int64_t d = 0; d < DV; d++) sum += sc.gb[r * DVP + d] * oh[(i0 + r) * os[2] + d * os[3]];
+        di[r] = sum;
+        m[r] = -INFINITY; l[r] = 0;
+      }
+      memset(sc.dqb, 0, sizeof(@T@) * BR * DP);
+      int64_t kend = T;
+      if (causal) kend = i0 + rows + OFF < 0 ? 0 : i0 + rows + OFF < T ? i0 + rows + OFF : T;
+      if (L) {  /* the forward kept each row's log-sum-exp */
+        for (int64_t r = 0; r < rows; r++) m[r] = lse[b * ls[0] + h * ls[1] + (i0 + r) * ls[2]];
+      } else {
+        for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 1: each row's log-sum-exp */
+          const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
+          attn_mm_@S@(rows, D, BC, sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
           for (int64_t r = 0; r < rows; r++) {
-            @T@ sum = 0;  /* rowsum(g * out) = sum_j P_j (g v^T)_j */
-            for (int64_t d = 0; d < DV; d++) sum += gb[r * DVP + d] * oh[(i0 + r) * os[2] + d * os[3]];
-            di[r] = sum;
-            m[r] = -INFINITY; l[r] = 0;
+            const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
+            attn_online_@S@(sc.sb + r * BC, n, BC, &m[r], &l[r], 0);
           }
-          memset(dqb, 0, sizeof(@T@) * BR * DP);
-          int64_t kend = T;
-          if (causal) kend = i0 + rows + OFF < 0 ? 0 : i0 + rows + OFF < T ? i0 + rows + OFF : T;
-          if (L) {  /* the forward kept each row's log-sum-exp */
-            for (int64_t r = 0; r < rows; r++) m[r] = lse[b * ls[0] + h * ls[1] + (i0 + r) * ls[2]];
-          } else {
-            for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 1: each row's log-sum-exp */
-              const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-              attn_mm_@S@(rows, D, BC, qb, DP, kT + j0, LT, sb, BC, 0);
-              for (int64_t r = 0; r < rows; r++) {
-                const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
-                attn_online_@S@(sb + r * BC, n, BC, &m[r], &l[r], 0);
-              }
-            }
-            for (int64_t r = 0; r < rows; r++) m[r] += log(l[r]);
-          }
-          for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 2: the gradients */
-            const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-            attn_mm_@S@(rows, D, BC, qb, DP, kT + j0, LT, sb, BC, 0);
-            attn_mm_@S@(rows, DV, BC, gb, DVP, vT + j0, LT, pb, BC, 0);
-            for (int64_t r = 0; r < rows; r++) {
-              @T@ *sr = sb + r * BC, *dr = pb + r * BC;
-              const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
-              const @T@ lse = m[r], d0 = di[r];
-              #pragma omp simd
-              for (int64_t c = 0; c < n; c++) {
-                const @T@ p = exp(sr[c] - lse);
-                sr[c] = p;
-                dr[c] = p * (dr[c] - d0);
-              }
-              for (int64_t c = n; c < BC; c++) { sr[c] = 0; dr[c] = 0; }
-            }
-            attn_mmt_@S@(cols, rows, DVP, sb, BC, gb, DVP, dvr + j0 * DVP, DVP, 1);
-            attn_mmt_@S@(cols, rows, DP, pb, BC, qb, DP, dkr + j0 * DP, DP, 1);
-            attn_mm_@S@(rows, cols, DP, pb, BC, kr + j0 * DP, DP, dqb, DP, 1);
-          }
-          @T@ *dqh = dq + b * dqs[0] + h * dqs[1];
-          for (int64_t r = 0; r < rows; r++)
-            for (int64_t d = 0; d < D; d++) dqh[(i0 + r) * dqs[2] + d * dqs[3]] = dqb[r * DP + d] * scale;
         }
+        for (int64_t r = 0; r < rows; r++) m[r] += log(l[r]);
       }
-      @T@ *dkh = dk + b * dks[0] + hk * dks[1], *dvh = dv + b * dvs[0] + hk * dvs[1];
-      for (int64_t t = 0; t < T; t++) {
-        for (int64_t d = 0; d < D; d++) dkh[t * dks[2] + d * dks[3]] = dkr[t * DP + d];
-        for (int64_t d = 0; d < DV; d++) dvh[t * dvs[2] + d * dvs[3]] = dvr[t * DVP + d];
+      for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 2: the gradients */
+        const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
+        attn_mm_@S@(rows, D, BC, sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
+        attn_mm_@S@(rows, DV, BC, sc.gb, DVP, sc.vT + j0, LT, sc.pb, BC, 0);
+        for (int64_t r = 0; r < rows; r++) {
+          @T@ *sr = sc.sb + r * BC, *dr = sc.pb + r * BC;
+          const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
+          const @T@ lse = m[r], d0 = di[r];
+          #pragma omp simd
+          for (int64_t c = 0; c < n; c++) {
+            const @T@ p = exp(sr[c] - lse);
+            sr[c] = p;
+            dr[c] = p * (dr[c] - d0);
+          }
+          for (int64_t c = n; c < BC; c++) { sr[c] = 0; dr[c] = 0; }
+        }
+        attn_mmt_@S@(cols, rows, DVP, sc.sb, BC, sc.gb, DVP, sc.dvr + j0 * DVP, DVP, 1);
+        attn_mmt_@S@(cols, rows, DP, sc.pb, BC, sc.qb, DP, sc.dkr + j0 * DP, DP, 1);
+        attn_mm_@S@(rows, cols, DP, sc.pb, BC, sc.kr + j0 * DP, DP, sc.dqb, DP, 1);
       }
+      @T@ *dqh = dq + b * dqs[0] + h * dqs[1];
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t d = 0; d < D; d++) dqh[(i0 + r) * dqs[2] + d * dqs[3]] = sc.dqb[r * DP + d] * scale;
     }
-    free(kT); free(vT); free(kr); free(dkr); free(dvr); free(qb); free(gb); free(dqb); free(sb); free(pb);
   }
-}
-"""
+  @T@ *dkh = dk + b * dks[0] + hk * dks[1], *dvh = dv + b * dvs[0] + hk * dvs[1];
+  for (int64_t t = 0; t < T; t++) {
+    for (int64_t d = 0; d < D; d++) dkh[t * dks[2] + d * dks[3]] = sc.dkr[t * DP + d];
+    for (int64_t d = 0; d < DV; d++) dvh[t * dvs[2] + d * dvs[3]] = sc.dvr[t * DVP + d];
+  }
+""",
+)
+
+
+def _kernel(parts: dict) -> str:
+    """One attention kernel: its task function and the kernel that hands the tasks to the pool."""
+    names = [n for n, _ in parts["scratch"]]
+    subs = {
+        "@BUFFERS@": ", *".join(names),
+        "@ARGS@": parts["args"],
+        "@TASK@": parts["task"],
+        "@TASKS@": parts["tasks"],
+        "@PARTS@": parts["parts"].lstrip("\n"),
+        "@NPARTS@": "parts" if parts["parts"] else "1",
+        "@ALLOC@": "\n".join(
+            f"    job.scratch[w].{n} = attn_scratch_@S@({size});" for n, size in parts["scratch"]
+        ),
+        "@FREE@": "\n".join(f"    free(job.scratch[w].{n});" for n in names),
+    }
+    src = _TASKS
+    for key, val in subs.items():
+        src = src.replace(key, val)
+    return src
+
 
 _CTYPES = {"float32": "float", "float64": "double"}
 
@@ -405,7 +463,7 @@ def _flash(op: str, body: str, n_in: int, lse: bool = False) -> None:
     native_kernel(op, source, sizes=sizes, applies=applies, strided=True)
 
 
-_flash("scaled_dot_product_attention", _FORWARD, 3)
-_flash("scaled_dot_product_attention_grad", _BACKWARD, 5)
-_flash("scaled_dot_product_attention_lse", _FORWARD, 3, lse=True)
-_flash("scaled_dot_product_attention_lse_grad", _BACKWARD, 6, lse=True)
+_flash("scaled_dot_product_attention", _kernel(_FORWARD), 3)
+_flash("scaled_dot_product_attention_grad", _kernel(_BACKWARD), 5)
+_flash("scaled_dot_product_attention_lse", _kernel(_FORWARD), 3, lse=True)
+_flash("scaled_dot_product_attention_lse_grad", _kernel(_BACKWARD), 6, lse=True)

@@ -16,7 +16,6 @@ import numpy as np
 
 from ...ops.paged import PANEL
 from ...opspec import get
-from ..par import DECLARE as PAR
 from . import native_kernel
 from .simd import VEC
 
@@ -257,7 +256,6 @@ static inline int64_t KERNEL_FN_chunk_cols(int64_t M, int64_t K, int64_t N, int6
 TILED_LINEAR = (
     VEC
     + _LINEAR
-    + PAR
     + _CHUNK
     + r"""
 typedef struct {
@@ -289,7 +287,7 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   KERNEL_FN_job job = {(const float *)bufs[0], (const float *)bufs[1], y, NULL, M, K, N, mode, cols,
                        KERNEL_FN_KC * (cols / 8 * 8 + 16)};
   if (mode == 1 && M >= KERNEL_FN_PACK_ROWS) job.bufs = (float *)malloc(sizeof(float) * nt * job.buf);
-  llmkit_par_for(chunks, nt, KERNEL_FN_cols, &job);
+  llmkit_par_run(chunks, nt, KERNEL_FN_cols, &job);
   free(job.bufs);
   if (has_bias) {
     const float *bias = (const float *)bufs[2];
@@ -303,7 +301,6 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
 TILED_LINEAR_SWIGLU = (
     VEC
     + _LINEAR
-    + PAR
     + _CHUNK
     + r"""
 /* tiled_linear_swiglu: y[m, j] = silu(x[m] . Wg[:, j]) * (x[m] . Wu[:, j]), both weights in
@@ -344,7 +341,7 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
                        (float *)bufs[3], NULL, M, K, N, cols};
   job.scratch = (float *)malloc(sizeof(float) * (size_t)(nt * 2 * (M > 0 ? M : 1) * cols));
   if (!job.scratch) { status[0] = 3; return; }
-  llmkit_par_for(chunks, nt, KERNEL_FN_cols, &job);
+  llmkit_par_run(chunks, nt, KERNEL_FN_cols, &job);
   free(job.scratch);
 }
 """

@@ -11,7 +11,6 @@ import struct
 
 import numpy as np
 
-from ..par import DECLARE as PAR
 from . import native_kernel
 from .simd import VEC
 
@@ -20,7 +19,6 @@ _I64 = np.dtype(np.int64)
 
 PAGED_ATTENTION = (
     VEC
-    + PAR
     + r"""
 #include <stdlib.h>
 #include <string.h>
@@ -236,7 +234,7 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   if (!scratch) { status[0] = 3; free(seg); return; }
   KERNEL_FN_job job = {q, out, keys, values, tables, seg, len, scratch, HQ * longest,
                        S, D, MB, BS, row, block, HK, G, scale};
-  llmkit_par_for(N, nt, KERNEL_FN_one, &job);
+  llmkit_par_run(N, nt, KERNEL_FN_one, &job);
   free(scratch);
   free(seg);
 }
