@@ -256,9 +256,13 @@ def build(low: Lowered, name: str, strategy: str = "rows", tile: int = 0) -> L.K
     return k
 
 
+MIN_STREAM_RUN = 256  # bytes: a loop of fewer iterations (a piece of a concat) never streams
+
+
 def mark_streams(k: L.Kernel) -> None:
     """Mark the stores of outputs written once and never read back (not an output staged as a row
-    buffer, not one aliasing an input) whose every store walks its vector loop contiguously: those
+    buffer, not one aliasing an input) whose every store walks its vector loop contiguously, for
+    at least ``MIN_STREAM_RUN`` bytes where the loop's length is known: those
     may bypass the caches (``codegen_c`` does when the output is large). Such a loop inside a
     parallel loop over rows also prefetches the next row of the inputs it reads contiguously: the
     row's first pass then finds them in L2, and memory keeps streaming while outputs go out."""
@@ -268,6 +272,7 @@ def mark_streams(k: L.Kernel) -> None:
             _loaded(e, loads)
     stores: dict[str, list[tuple[L.Store, bool]]] = {}
     rows: list[tuple[L.Loop, str | None]] = []  # vector loops with their enclosing parallel loop's var
+    dtypes = {p.name: p.dtype for p in k.params}
 
     def walk(body: list, row: str | None) -> None:
         for loop in body:
@@ -278,10 +283,13 @@ def mark_streams(k: L.Kernel) -> None:
             vector = loop.kind in ("vector", "parallel_vector")
             inner = {s.name for s in loop.body if isinstance(s, (L.Let, L.Decl))}
             plain = vector and not any(isinstance(s, (L.Accum, L.Loop)) for s in loop.body)
+            trip = L.add(loop.extent, L.mul(loop.start, -1))
+            short = isinstance(trip, L.Affine) and trip.is_const and isinstance(trip.const, int)
             for s in loop.body:
                 if isinstance(s, L.Store):
                     ix = s.index
-                    ok = plain and isinstance(ix, L.Affine) and ix.coef(loop.var) == 1
+                    few = short and trip.const * dtypes[s.buf].itemsize < MIN_STREAM_RUN  # type: ignore[union-attr]
+                    ok = plain and not few and isinstance(ix, L.Affine) and ix.coef(loop.var) == 1
                     ok = ok and not any(v in inner for v, _ in ix.terms)  # type: ignore[union-attr]
                     stores.setdefault(s.buf, []).append((s, ok))
             if plain:
