@@ -58,7 +58,9 @@ def main() -> None:
     )
     a = p.parse_args()
     set_blas_threads(a.blas_threads)
-    spun = False if a.no_spin else spin_between_kernels()  # as llmkit serve / generate run
+    spun = not a.no_spin
+    if spun:
+        spin_between_kernels()  # as llmkit serve / generate run
     lf.seed(0)
     model = LlamaForCausalLM(LlamaConfig.from_preset(a.preset, vocab_size=4096))
     model.eval()

@@ -8,11 +8,9 @@ fused and compiled, or ``none``), which also times eager in the same run for the
 does so with PyTorch "at its best" as the issue measured it: MKL's check for an Intel CPU answered
 yes (a one-function shim, built here with the C compiler and preloaded by re-executing this script;
 MKL otherwise takes slow generic paths on AMD) and glibc's malloc thresholds raised (the executor
-raises them for the whole process before any step is timed). In one process PyTorch's OpenMP
-threads also sleep at once after each region (the compiler sets ``OMP_WAIT_POLICY=PASSIVE``, one
-libgomp serves both), which costs it 5-8%; so ``--torch-tuned`` then also times each alone, in a
-process of its own (PyTorch with OpenMP's default policy), ours and PyTorch alternated ``--rounds``
-times so that both see the same stretches of this drifting machine (``..._own_process``, medians).
+raises them for the whole process before any step is timed). ``--torch-tuned`` then also times
+each alone, in a process of its own, ours and PyTorch alternated ``--rounds`` times so that both
+see the same stretches of this drifting machine (``..._own_process``, medians).
 
 Run:
   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/train_throughput.py
@@ -44,8 +42,6 @@ from llmkit.framework.memory import keep_freed_memory
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.train.config import load_config
 from llmkit.train.metrics import matmul_peak_flops
-
-USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")  # before the compiler sets its default
 
 
 def model_config(cfg) -> LlamaConfig:
@@ -157,14 +153,10 @@ def alone(a: argparse.Namespace) -> None:
 
 
 def own_process(a: argparse.Namespace, which: str) -> float:
-    """Tokens/s of one variant alone in a process of its own (OpenMP's default wait policy for
-    PyTorch; the compiler sets its own in ours, as in any llmkit process)."""
-    env = dict(os.environ)
-    if USER_OMP_WAIT_POLICY is None:
-        env.pop("OMP_WAIT_POLICY", None)
+    """Tokens/s of one variant alone in a process of its own."""
     cmd = [sys.executable, sys.argv[0], "--alone", which, "--config", a.config, "--steps", str(a.steps)]
     cmd += ["--warmup", str(a.warmup), "--compiler", a.compiler]
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return float(out.strip().splitlines()[-1])
 
 

@@ -6,14 +6,14 @@ The pipeline, one named stage per file::
     fuse        primitives -> ``cinn.fusion`` groups, by each op's ``kind``         fuse.py
     lower       a group -> expressions over its loop domain                         lower.py
     schedule    -> a loop-IR kernel (coalesced loops, threads, SIMD, tiles)         schedule.py, loop_ir.py
-    codegen     -> C (OpenMP) or CUDA                                               codegen_c.py, cuda.py
+    codegen     -> C (parallel loops on the pool, par.py) or CUDA                   codegen_c.py, cuda.py
     build       -> shared library, cached by content hash, loaded with ctypes       build.py
     tune        -> the fastest schedule per kernel and shape class, kept on disk    tune.py
     run         the executor calls each group's kernel                              runtime.py
 
 Hand-written kernels (``native/``: the engine's ops, embeddings, flash attention) are declared on
 their ops' specs there and run in place of the reference kernels (``native/run.py``); ops whose
-kernel applies are not decomposed. Their thread pool is ``par.py``.
+kernel applies are not decomposed. Every kernel's threads come from the pool in ``par.py``.
 
 ``compile_program(program)`` runs it all (``jit.to_static(..., compiler="cinn")`` does it for
 you); ``fuse_program(program)`` stops after grouping (what the golden tests print);

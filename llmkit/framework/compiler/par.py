@@ -8,15 +8,16 @@ share) holds up the whole team until it runs again, even when the others could h
 loop is ``n`` chunks that any thread claims one at a time (a compare-and-swap on one word: the job's
 number, its chunk count and the next chunk); the caller claims chunks too, and when none is left it
 waits only for the chunks other threads have claimed and not finished. A helper that wakes late
-finds nothing left and goes back to waiting. Which thread computes a chunk never changes its
+finds nothing left and goes back to waiting (one set aside in the middle of a chunk it claimed
+still holds the caller up until it runs again). Which thread computes a chunk never changes its
 result: a kernel's chunks are independent (columns of a product, query tokens of attention), each
 computed the same way by whoever claims it.
 
 One pool per process, in its own shared library (``compiler.build`` compiles it into the kernel
 cache and loads it with ``RTLD_GLOBAL`` before any kernel, so every kernel library binds to it).
-Helpers start at the first
-parallel loop, as many as it asks for less one; each spins a while after its last chunk
-(``set_spin``: inference processes, see ``build.spin_between_kernels``), then sleeps on a futex.
+Helpers start at the first parallel loop, as many as it asks for less one; each spins a while
+after its last chunk (``set_spin``: inference processes, see ``build.spin_between_kernels``), then
+sleeps on a futex.
 Two callers at once (two Python threads running kernels), or a chunk that opens a loop itself, run
 that loop on their own thread. After ``fork`` the child starts its own helpers.
 

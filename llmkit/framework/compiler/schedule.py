@@ -7,7 +7,7 @@ Two steps, both readable on the printed loop IR:
    elementwise becomes one loop; ``x[B, S, H] + w[H]`` keeps two (``w`` does not walk ``B, S``).
 2. :func:`build` makes the loop nest for a strategy:
 
-   - ``rows``: the kept axes are one flattened ``parallel`` loop (OpenMP threads / CUDA blocks);
+   - ``rows``: the kept axes are one flattened ``parallel`` loop (the thread pool / CUDA blocks);
      inside it, one pass over the reduced axes per level of dependent reductions (softmax: max,
      then the sum), then a pass storing the per-element outputs, then the per-row outputs. The
      innermost loop is ``vector`` (``omp simd`` with reduction clauses / CUDA threads).
@@ -19,6 +19,9 @@ Two steps, both readable on the printed loop IR:
 Each expression is bound to a local (``Let``) at the outermost loop where everything it reads is
 defined: loop-invariant work (an AdamW step's bias corrections, a row's ``rsqrt``) is hoisted,
 and values shared by several uses are computed once.
+
+Last, :func:`mark_streams` marks the stores that may bypass the caches (an output written once,
+contiguously, never read back) and, in a row loop, the next row's inputs to prefetch meanwhile.
 """
 
 from __future__ import annotations
