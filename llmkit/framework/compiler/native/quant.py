@@ -15,7 +15,6 @@ import math
 
 import numpy as np
 
-from ..par import DECLARE as PAR
 from . import native_kernel
 from .simd import VEC
 
@@ -23,7 +22,6 @@ _F32 = np.dtype(np.float32)
 
 QUANT_LINEAR = (
     VEC
-    + PAR
     + r"""
 #include <stdlib.h>
 /* quant_linear: y[m, n] = hsum(v) + t, where, over the groups gi of row n in order, v (a vector of
