@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmkit.models.llama.checkpoint import derived_path
+
 from .evaluate import SEQ_LEN, eval_tokens, evaluate
 from .format import QuantConfig, QuantError
 from .quantize import quantize_model, save_quantized, weight_bytes
@@ -39,10 +41,8 @@ def resolve_model_dir(path: str | Path) -> Path:
 
 
 def default_out(model_dir: Path, bits: int) -> Path:
-    """``<run>-int<bits>`` next to the run of ``<run>/checkpoints/step-N/model``, else ``<dir>-int<bits>``."""
-    m = model_dir
-    base = m.parent.parent.parent if m.name == "model" and m.parent.parent.name == "checkpoints" else m
-    return base.parent / f"{base.name}-int{bits}"
+    """``runs/tiny/checkpoints/step-N/model`` -> ``runs/tiny-int<bits>``; ``DIR`` -> ``DIR-int<bits>``."""
+    return derived_path(model_dir, f"-int{bits}")
 
 
 def _load(model_dir: Path) -> tuple[Any, Any]:

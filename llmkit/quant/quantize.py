@@ -25,11 +25,12 @@ from tqdm import tqdm
 import llmkit.framework as lf
 from llmkit.framework import nn
 from llmkit.framework.files import atomic_dir
+from llmkit.train.metrics import QUANT_REPORT
 
 from .format import QuantConfig, QuantError, QuantizedWeight, check_shape, quantize_rtn
 from .gptq import Hessian, gptq
 
-REPORT = "quant_report.json"
+REPORT = QUANT_REPORT  # what llmkit plot reads
 COMPANIONS = ("tokenizer.model", "generation_config.json")  # files a quantized directory keeps
 CALIB_BATCH = 16  # calibration sequences per forward
 

@@ -1,4 +1,8 @@
-"""``llmkit export --model DIR --out model.llmkit``: the static model file the server runs.
+"""``llmkit export --model DIR [--out FILE]``: the static model file the server runs.
+
+``--out`` defaults to the model directory's name with ``.llmkit`` appended, next to it
+(``runs/tiny-int4`` -> ``runs/tiny-int4.llmkit``; a checkpoint's ``runs/tiny/checkpoints/step-N/model``
+-> ``runs/tiny.llmkit``), so ``llmkit serve runs/tiny-int4.llmkit`` follows without editing a path.
 
 It reads a Hugging Face layout model directory (as the trainer writes it: ``config.json``,
 ``model.safetensors``, ``tokenizer.model``, optionally ``generation_config.json``), traces the
@@ -28,6 +32,8 @@ from llmkit.framework.tensor import Tensor
 from llmkit.infer.chat import ChatTemplate
 from llmkit.infer.programs import BLOCK_SIZE, relayout, trace_programs
 from llmkit.infer.sampling import SamplingParams
+
+SUFFIX = ".llmkit"  # the default --out: the model's directory (or run) with this appended
 
 
 class ExportError(ValueError):
@@ -113,7 +119,9 @@ def main(argv: list[str]) -> int:
         "--model", required=True, help="model directory (config.json, model.safetensors, tokenizer.model)"
     )
     p.add_argument(
-        "--out", required=True, help="the static model file to write (a directory, e.g. model.llmkit)"
+        "--out",
+        default=None,
+        help="the static model file to write (a directory; default: <model or run dir>.llmkit next to it)",
     )
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache dtype"
@@ -124,8 +132,15 @@ def main(argv: list[str]) -> int:
     )
     a = p.parse_args(argv)
     from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
+    from llmkit.models.llama.checkpoint import derived_path
 
-    src, out = Path(a.model), Path(a.out)
+    src = Path(a.model)
+    out = Path(a.out) if a.out else derived_path(src, SUFFIX)
+    if not (src / "config.json").is_file() and (src / "checkpoints").is_dir():
+        raise ExportError(
+            f"--model {src} is a run directory: give one of its checkpoints' model directories "
+            f"({src}/checkpoints/step-NNNNNNNN/model)"
+        )
     if out.exists() and not (out / MANIFEST).is_file():
         raise ExportError(f"--out {out} exists and is not a static model file; refusing to replace it")
     if out.parent.exists() and not out.parent.is_dir():

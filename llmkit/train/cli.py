@@ -158,14 +158,20 @@ def tokenizer_main(argv: list[str]) -> int:
 
 
 def plot_main(argv: list[str]) -> int:
-    """``llmkit plot RUN_DIR [--out FILE]``."""
-    p = ArgumentParser(prog="llmkit plot", description="Plot a run's training and eval loss to PNG.")
-    p.add_argument("run_dir")
-    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/loss.png)")
+    """``llmkit plot RUN [RUN ...] [--out FILE]``."""
+    p = ArgumentParser(
+        prog="llmkit plot",
+        description="Plot runs to PNG: training loss, RLHF reward and KL, quantization's perplexity "
+        "and bytes; several runs (the whole pipeline) one row each.",
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN", help="a run or quantized model directory")
+    p.add_argument(
+        "--out", default=None, help="PNG path (default RUN/<first panel>.png; several: pipeline.png by them)"
+    )
     a = p.parse_args(argv)
-    from .plot import plot_run
+    from .plot import plot_runs
 
-    out = plot_run(a.run_dir, a.out)
+    out = plot_runs(a.run_dirs, a.out)
     print(f"wrote {out}")
     return 0
 

@@ -11,6 +11,10 @@ from typing import Any
 
 import numpy as np
 
+# the file in a job's directory that describes its run (what ``llmkit plot`` reads)
+METRICS = "metrics.jsonl"  # llmkit train, llmkit rlhf: one JSON object per logged step
+QUANT_REPORT = "quant_report.json"  # llmkit quantize: perplexities, KL, top-1 agreement, bytes
+
 
 class MetricsLog:
     """One JSON object per line. On resume, lines after the resumed step are dropped first, so the

@@ -37,6 +37,17 @@ class CheckpointError(ValueError):
     """A checkpoint directory that does not match what the config says it holds."""
 
 
+def derived_path(model_dir: str | os.PathLike[str], suffix: str) -> Path:
+    """Where a command writes what it makes of ``model_dir`` by default: the run's directory with
+    ``suffix`` appended, next to it, for a training or RLHF checkpoint's model
+    (``runs/tiny/checkpoints/step-N/model`` -> ``runs/tiny<suffix>``), else the directory's
+    (``runs/tiny-int4`` -> ``runs/tiny-int4<suffix>``)."""
+    m = Path(model_dir)
+    m = m if m.name else m.resolve()  # "." names no directory
+    base = m.parent.parent.parent if m.name == "model" and m.parent.parent.name == "checkpoints" else m
+    return base.parent / f"{base.name}{suffix}"
+
+
 def weights(path: str | os.PathLike[str]) -> ShardReader:
     """The weights of a model directory, read by name (and by slice): ``model.safetensors``, the
     files of its index, or the ranks' pieces ``rank-NNNNN.safetensors`` of a training checkpoint
