@@ -22,7 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "align a model: GRPO, PPO, RLOO, DPO (llmkit rlhf reward: a reward model)",
         "llmkit.rlhf.cli:main",
     ),
-    "plot": ("plot a run's curves to PNG (training loss, RLHF reward and KL)", "llmkit.train.cli:plot_main"),
+    "plot": (
+        "plot runs to PNG (training loss, RLHF reward and KL, quantization's perplexity)",
+        "llmkit.train.cli:plot_main",
+    ),
     "checkpoint": ("merge a checkpoint written by several processes", "llmkit.train.cli:checkpoint_main"),
     "quantize": (
         "quantize a model's weights to int8 or int4 (GPTQ or RTN)",
@@ -44,6 +47,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ("llmkit.framework.distributed.plan", "PlanError"),
         ("llmkit.train.data", "DataError"),
         ("llmkit.train.checkpoint", "ResumeError"),
+        ("llmkit.train.plot", "PlotError"),
         ("llmkit.rlhf.rewards", "RewardError"),
         ("llmkit.models.llama.config", "LlamaConfigError"),
         ("llmkit.models.llama.checkpoint", "CheckpointError"),

@@ -32,6 +32,10 @@ PANELS: list[tuple[str, str, list[tuple[str, str, str]]]] = [
 ]
 
 
+class PlotError(ValueError):
+    """A run directory with nothing to plot, or a report that is not one (printed as one line)."""
+
+
 @dataclass
 class Panel:
     """One plot, ``name`` the file a run's figure is named after when it comes first. ``curves``:
@@ -55,7 +59,7 @@ def metric_panels(path: Path) -> list[Panel]:
         if curves:
             panels.append(Panel(title, title, ylabel, "curves", curves))
     if not panels:
-        raise ValueError(f"{path} has no values to plot (loss, reward, kl or accuracy)")
+        raise PlotError(f"{path} has no values to plot (loss, reward, kl or accuracy)")
     if panels[0].name == "reward" and len(panels) > 2:
         panels = panels[:1] + [p for p in panels[1:] if p.name == "kl"]  # RLHF: reward and KL
     return panels
@@ -73,7 +77,7 @@ def quant_panels(path: Path) -> list[Panel]:
         kl, top1, tokens = float(r["kl"]), float(r["top1"]), int(r["eval"]["tokens"])
         mb = [[size[k] / 1e6 for k in (f"layers_{s}", f"model_{s}")] for s in ("float", "quant")]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a quantization report ({type(e).__name__}: {e})") from None
+        raise PlotError(f"{path}: not a quantization report ({type(e).__name__}: {e})") from None
     change = f"{qp / fp - 1:+.2%}"
     perplexity = Panel(
         "perplexity",
@@ -130,7 +134,7 @@ def plot_runs(run_dirs: list[str | os.PathLike[str]], out: str | os.PathLike[str
     """One row of panels per run, in one PNG; returns its path (default: one run's
     ``RUN/<first panel>.png``, several runs' ``pipeline.png`` beside the first)."""
     if not run_dirs:
-        raise ValueError("no run directory to plot")
+        raise PlotError("no run directory to plot")
     runs = [Path(r) for r in run_dirs]
     rows = [run_panels(r) for r in runs]
     try:

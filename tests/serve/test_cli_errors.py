@@ -82,6 +82,10 @@ HF_BAD = {
     "bad tokenizer": (edit("hf", "tokenizer.model", b"garbage"), "is not a sentencepiece model"),
 }
 EXPORT_BAD = {
+    "a run directory": (
+        lambda t, h, s: h.parents[2],  # <run>/checkpoints/step-N/model -> <run>
+        "is a run directory: give one of its checkpoints' model directories",
+    ),
     "generation config not JSON": (
         edit("hf", "generation_config.json", b"{"),
         "generation_config.json: not valid",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from llmkit.cli import main as cli_main
 from llmkit.framework import jit
 from llmkit.framework.compiler import available
 from llmkit.infer import Engine, EngineConfig, SamplingParams
+from llmkit.models.llama.checkpoint import derived_path
 
 
 def test_manifest_programs_weights_and_metadata(model_file, trained):
@@ -128,6 +131,17 @@ def test_export_refuses_to_replace_other_directories(trained, tmp_path, capsys):
     assert "refusing to replace it" in capsys.readouterr().err
     assert (precious / "notes.txt").read_text() == "keep me"
     assert cli_main(["export", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_out_defaults_to_the_model_directory_or_its_run_with_llmkit_appended(trained, tmp_path, capsys):
+    assert derived_path(Path("runs/tiny/checkpoints/step-00000600/model"), ".llmkit") == Path(
+        "runs/tiny.llmkit"
+    )
+    assert derived_path(Path("runs/tiny-int4"), ".llmkit") == Path("runs/tiny-int4.llmkit")
+    model = shutil.copytree(trained[1], tmp_path / "mine")
+    assert cli_main(["export", "--model", str(model)]) == 0
+    assert (tmp_path / "mine.llmkit" / "manifest.json").is_file()
+    assert f"wrote {tmp_path / 'mine.llmkit'} " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv", [["--help"]])
