@@ -38,12 +38,9 @@ from llmkit.rlhf.trainer import PolicyTrainer
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ["model.num_hidden_layers=2", "model.hidden_size=64", "model.intermediate_size=128"]
 TRAIN_STEPS, RLHF_STEPS = 20, 3
 TRAIN = [
-    *MODEL,
-    "model.num_attention_heads=2",
-    "model.num_key_value_heads=1",
+    "model.num_hidden_layers=2",  # configs/tiny.yaml's width: the kernels other tests compiled
     f"train.steps={TRAIN_STEPS}",
     "train.batch_size=4",
     "train.seq_len=32",
@@ -169,7 +166,3 @@ def test_train_rlhf_quantize_export_serve(nproc, tmp_path, monkeypatch):
     engine = Engine.from_static(model_file)
     local = engine.generate([PROMPT], SamplingParams(temperature=0.8, max_tokens=12, seed=SEED))[0]
     assert served.choices[0].text == local.text and local.token_ids
-
-    # one picture of the whole pipeline
-    assert cli_main(["plot", "runs/tiny", "runs/rlhf-tiny", str(quant)]) == 0
-    assert Path("runs/pipeline.png").read_bytes()[:4] == b"\x89PNG"
