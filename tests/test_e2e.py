@@ -148,7 +148,7 @@ def test_train_rlhf_quantize_export_serve(nproc, tmp_path, monkeypatch):
         half = scale[:, 0] / 2 * (1 + 1e-6)
         assert np.all(np.abs(w[:, 0] - policy[name + ".weight"][:, 0]) <= half), name
         moved += int(np.sum(np.abs(w[:, 0] - trained[name + ".weight"][:, 0]) > half))
-    assert moved > 0  # RLHF changed them: quantizing the trained model would not give these codes
+    assert moved > 0  # RLHF moved them: these codes do not round from the trained weights
 
     # export to the default path, serve it, and one completion over HTTP equals the engine's
     assert cli_main(["export", "--model", str(quant)]) == 0
