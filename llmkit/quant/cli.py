@@ -4,6 +4,7 @@
 
     llmkit quantize --model runs/tiny --bits 4            # -> runs/tiny-int4 (GPTQ, groups of 128)
     llmkit quantize --model DIR --bits 8 --method rtn --out DIR8
+    llmkit quantize --model runs/tiny-tp2 --bits 4 --nproc 2   # two MPI processes share the work
     llmkit eval --model runs/tiny-int4                    # perplexity on the held-out split
     llmkit eval --model DIR --data notes.txt
 
@@ -11,6 +12,11 @@
 directory (its newest ``checkpoints/step-*/model``). The default ``--out`` is the run's directory (or
 the model directory) with ``-int4`` / ``-int8`` appended, next to it, so ``llmkit export --model
 runs/tiny-int4`` follows without editing a path.
+
+A checkpoint trained with a parallel plan (its ``parallel_plan.json``, beside ``model/``) keeps
+it: the quantized directory's plan places each linear's scales and zeros as its weight
+(``llmkit.quant.parallel``). ``--nproc N`` runs N processes under mpiexec, sharing the work; the
+result is the same bits as one process's.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from llmkit.models.llama.checkpoint import derived_path
 
 from .evaluate import SEQ_LEN, eval_tokens, evaluate
 from .format import QuantConfig, QuantError
-from .quantize import quantize_model, save_quantized, weight_bytes
+from .parallel import Ranks, derive, plan_file
+from .quantize import quantize_model, save_quantized, targets, weight_bytes
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -138,7 +145,16 @@ def quantize_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="calibration window offsets")
     p.add_argument("--out", default=None, help="directory to write (default: <run or model dir>-int<bits>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--nproc", type=int, metavar="N", help="run N processes with mpiexec, sharing the work")
+    p.add_argument("--hostfile", help="with --nproc: mpiexec's hostfile, to run on several machines")
     a = p.parse_args(argv)
+    if a.nproc is not None:
+        from llmkit.train.cli import nproc_command, relaunch
+
+        rest = _without(argv, {"--nproc", "--hostfile"})
+        return relaunch(*nproc_command(a.nproc, a.hostfile, ["quantize", *rest]))
+    if a.hostfile is not None:
+        p.error("--hostfile goes with --nproc")
     group = a.group if a.group is not None else (128 if a.bits == 4 else -1)
     cfg = QuantConfig(a.bits, group, a.sym, a.method)
     src = resolve_model_dir(a.model)
@@ -147,16 +163,32 @@ def quantize_main(argv: list[str]) -> int:
         raise QuantError("--out must differ from --model")
     if out.exists() and not (out / "config.json").is_file():
         raise QuantError(f"--out {out} exists and is not a model directory; refusing to replace it")
-    float_model, tok = _load(src)
-    if "quantization_config" in float_model.config.extra:
+    import llmkit.framework.distributed as dist
+    from llmkit.framework.distributed.plan import ParallelPlan
+
+    dist.init()  # mpi under mpiexec (one rank per process), else sim (this process alone)
+    ranks = Ranks()
+    model, tok = _load(src)
+    if "quantization_config" in model.config.extra:
         raise QuantError(f"{src} is already quantized; quantize its float source instead")
-    model, _ = _load(src)
+    layers = dict(model.named_sublayers())
+    paths = targets(model, a.lm_head)
+    found = plan_file(src)
+    plan = None
+    if found is not None:  # checked before any work: a group straddling two shards is an error now
+        plan = derive(ParallelPlan.load(found), {q: layers[q].weight.shape for q in paths}, cfg)
+    if ranks.is_first and (plan is not None or ranks.size > 1):
+        where = f"plan {plan.describe()} from {found}" if plan else "no parallel plan"
+        print(f"llmkit quantize: {where}; {ranks.size} rank(s) on {ranks.comm.name}", flush=True)
     start = time.perf_counter()
     calib = (
         calibration_ids(tok, a.calib, a.calib_samples, a.seq_len, a.seed) if cfg.method == "gptq" else None
     )
-    paths = quantize_model(model, cfg, calib, a.lm_head, a.act_order, a.damp, progress=not a.quiet)
+    paths = quantize_model(model, cfg, calib, a.lm_head, a.act_order, a.damp, not a.quiet, ranks)
     seconds = time.perf_counter() - start
+    if not ranks.is_first:
+        return 0  # rank 0 reports and writes
+    float_model, _ = _load(src)
     ev = evaluate([float_model, model], eval_tokens(tok), a.seq_len, a.eval_tokens)
     report = {
         "quantization_config": cfg.to_hf(),
@@ -166,6 +198,7 @@ def quantize_main(argv: list[str]) -> int:
         if calib is None
         else {"data": a.calib, "samples": a.calib_samples, "seq_len": a.seq_len, "seed": a.seed},
         "linears": len(paths),
+        "parallel": {"plan": None if found is None else str(found), "ranks": ranks.size},
         "seconds": round(seconds, 2),
         "eval": {"data": "the built-in corpus' held-out split", "tokens": ev["tokens"], "seq_len": a.seq_len},
         "perplexity": {"float": ev["ppl"][0], "quant": ev["ppl"][1]},
@@ -173,10 +206,23 @@ def quantize_main(argv: list[str]) -> int:
         "top1": ev["top1"],
         "bytes": weight_bytes(float_model, model, paths),
     }
-    save_quantized(model, src, out, report)
+    save_quantized(model, src, out, report, plan)
     print(f"llmkit quantize: {len(paths)} linears of {src} in {seconds:.1f} s -> {out}")
     print(_table(cfg, report))
     return 0
+
+
+def _without(argv: list[str], options: set[str]) -> list[str]:
+    """``argv`` less ``options`` and their values (``--opt V`` or ``--opt=V``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif arg.split("=", 1)[0] not in options:
+            out.append(arg)
+    return out
 
 
 def eval_main(argv: list[str]) -> int:

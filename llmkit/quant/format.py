@@ -142,8 +142,17 @@ def store(q: np.ndarray, scales: np.ndarray, zeros: np.ndarray, cfg: QuantConfig
     )
 
 
+def join(parts: list[QuantizedWeight], in_features: int, cfg: QuantConfig) -> QuantizedWeight:
+    """Row blocks of one weight (in order) as one; no blocks: a weight of zero rows."""
+    if not parts:
+        empty = np.zeros((0, cfg.groups(in_features)), np.int64)
+        return store(np.zeros((0, in_features), np.int64), empty.astype(np.float32), empty, cfg)
+    return QuantizedWeight(*(None if a[0] is None else np.concatenate(a) for a in zip(*parts)))
+
+
 def quantize_rtn(w: np.ndarray, cfg: QuantConfig) -> QuantizedWeight:
-    """Round to nearest: each group's parameters from its own weights, every code the nearest."""
+    """Round to nearest: each group's parameters from its own weights, every code the nearest (rows
+    are independent, so any row block of ``w`` gives the same rows of the result)."""
     n_out, n_in = w.shape
     g = cfg.group_width(n_in)
     scales = np.empty((n_out, cfg.groups(n_in)), np.float32)

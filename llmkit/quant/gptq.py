@@ -16,56 +16,89 @@ its first column is reached; blocks are whole groups so that they are. With ``ac
 go in order of decreasing ``diag(H)``, and, to keep the format's contiguous groups, every group's
 parameters are fixed up front from the original weights ("static groups"). Per-channel (one group)
 parameters are always fixed up front.
+
+Rows are independent (each sees the same ``H``), so the work is done in fixed blocks of ``ROWS``
+rows (``row_blocks``): a block's bits never depend on which other rows were quantized with it, and
+ranks that share a weight's blocks (``llmkit.quant.parallel``) give the one-process result exactly.
+Likewise ``XᵀX`` is summed in fixed blocks of ``ROWS`` of its rows.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .format import QuantConfig, QuantizedWeight, group_params, quantize_codes, store
+from .format import QuantConfig, QuantizedWeight, group_params, join, quantize_codes, store
 
 BLOCK = 128  # columns per lazy-update block
+ROWS = 64  # weight rows (and rows of XᵀX) per unit of work
+
+
+def row_blocks(n: int) -> list[slice]:
+    """``[0, n)`` in consecutive blocks of ``ROWS`` (the last may be shorter)."""
+    return [slice(a, min(a + ROWS, n)) for a in range(0, n, ROWS)]
 
 
 class Hessian:
-    """Running ``2 XᵀX / N`` of a linear's inputs, fed batch by batch: each batch's ``XᵀX`` (a float32
-    product: BLAS speed, about 1e-6 relative error, far below the damping) summed in float64."""
+    """Running ``2 XᵀX / N`` of a linear's inputs, fed batch by batch: each batch's ``XᵀX`` (float32
+    products of ``ROWS`` of its rows at a time: BLAS speed, about 1e-6 relative error, far below the
+    damping) summed in float64. ``rows``: the row blocks to keep (default all; a rank keeps its own)."""
 
-    def __init__(self, in_features: int) -> None:
-        self.sum = np.zeros((in_features, in_features))
+    def __init__(self, in_features: int, rows: list[slice] | None = None) -> None:
+        self.rows = row_blocks(in_features) if rows is None else rows
+        self.sum = np.zeros((sum(b.stop - b.start for b in self.rows), in_features))
         self.count = 0
 
     @staticmethod
-    def gram(x: np.ndarray) -> tuple[np.ndarray, int]:
-        """``(XᵀX, N)`` of inputs ``x`` [..., in] (computed once for linears that share an input)."""
+    def gram(x: np.ndarray, rows: list[slice]) -> tuple[np.ndarray, int]:
+        """``(XᵀX[rows], N)`` of inputs ``x`` [..., in] (computed once for linears that share an input)."""
         x = np.asarray(x, np.float32).reshape(-1, x.shape[-1])  # (N, in)
-        return x.T @ x, len(x)
+        return np.concatenate([np.zeros((0, x.shape[1]), np.float32)] + [x[:, b].T @ x for b in rows]), len(x)
 
     def add(self, x: np.ndarray) -> None:
-        self.add_gram(*self.gram(x))
+        self.add_gram(*self.gram(x, self.rows))
 
     def add_gram(self, xtx: np.ndarray, n: int) -> None:
         self.sum += xtx
         self.count += n
 
     def value(self) -> np.ndarray:
+        """``2 XᵀX / N`` [rows kept, in]: the whole Hessian when every row block is kept."""
         return 2.0 * self.sum / max(self.count, 1)
 
 
 def gptq(
-    w: np.ndarray, h: np.ndarray, cfg: QuantConfig, act_order: bool = False, damp: float = 0.01
+    w: np.ndarray,
+    h: np.ndarray,
+    cfg: QuantConfig,
+    act_order: bool = False,
+    damp: float = 0.01,
+    rows: list[slice] | None = None,
 ) -> QuantizedWeight:
     """Quantize ``w`` [out, in] against the Hessian ``h`` [in, in] of its inputs (see the module docstring).
 
     ``damp`` adds ``damp * mean(diag(h))`` to the diagonal, so ``h`` is safely positive definite;
-    inputs that were always zero (a zero diagonal) get weight zero, as they never matter.
+    inputs that were always zero (a zero diagonal) get weight zero, as they never matter. ``rows``:
+    the row blocks to quantize (default all, ``row_blocks(out)``); the result holds them in order.
     """
-    w = np.array(w, np.float64)
     h = np.array(h, np.float64)
-    n_out, n_in = w.shape
+    n_in = h.shape[0]
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
+    perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(n_in)
+    h = h[np.ix_(perm, perm)]
+    h[np.diag_indices(n_in)] += damp * np.mean(np.diag(h))
+    u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: H⁻¹ = UᵀU
+    rows = row_blocks(len(w)) if rows is None else rows
+    return join([_gptq_rows(w[b], u, perm, dead, cfg, act_order) for b in rows], n_in, cfg)
+
+
+def _gptq_rows(
+    w: np.ndarray, u: np.ndarray, perm: np.ndarray, dead: np.ndarray, cfg: QuantConfig, act_order: bool
+) -> QuantizedWeight:
+    """GPTQ of the rows ``w`` [rows, in], given ``U`` (of the permuted Hessian) and the column order."""
+    w = np.array(w, np.float64)
     w[:, dead] = 0.0
+    n_out, n_in = w.shape
     g = cfg.group_width(n_in)
     scales = np.empty((n_out, cfg.groups(n_in)), np.float32)
     zeros = np.empty(scales.shape, np.int64)
@@ -73,10 +106,7 @@ def gptq(
     if static:
         for j in range(scales.shape[1]):
             scales[:, j], zeros[:, j] = group_params(w[:, j * g : (j + 1) * g], cfg.bits, cfg.sym)
-    perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(n_in)
-    w, h = w[:, perm], h[np.ix_(perm, perm)]
-    h[np.diag_indices(n_in)] += damp * np.mean(np.diag(h))
-    u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: H⁻¹ = UᵀU
+    w = w[:, perm]
     q = np.empty((n_out, n_in), np.int64)
     block = BLOCK if static else g * max(1, BLOCK // g)  # dynamic groups never straddle two blocks
     for i1 in range(0, n_in, block):

@@ -8,6 +8,9 @@ GPTQ runs the decoder layers in order (as the paper does): the calibration batch
 layer ``l`` are the outputs of the already quantized layers before it, each linear's Hessian is
 accumulated from its own inputs (forward pre-hooks) while layer ``l`` runs in float, its weights
 are quantized, and layer ``l`` runs again, quantized, to make the next layer's inputs.
+
+``ranks`` (``llmkit.quant.parallel.Ranks``) share the Hessians' and the weights' row blocks; the
+result is the same bits on any number of ranks.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from tqdm import tqdm
 
 import llmkit.framework as lf
 from llmkit.framework import nn
+from llmkit.framework.distributed.plan import PLAN_FILE, ParallelPlan
 from llmkit.framework.files import atomic_dir
 from llmkit.train.metrics import QUANT_REPORT
 
-from .format import QuantConfig, QuantError, QuantizedWeight, check_shape, quantize_rtn
+from .format import QuantConfig, QuantError, QuantizedWeight, check_shape, join, quantize_rtn
 from .gptq import Hessian, gptq
+from .parallel import Ranks
 
 REPORT = QUANT_REPORT  # what llmkit plot reads
 COMPANIONS = ("tokenizer.model", "generation_config.json")  # files a quantized directory keeps
@@ -79,17 +84,17 @@ def _layer_inputs(model: Any, ids: np.ndarray) -> list[tuple]:
     return got
 
 
-def _hessians(paths: dict[str, Any], batches: list[Callable[[], Any]]) -> dict[str, np.ndarray]:
+def _hessians(paths: dict[str, Any], batches: list[Callable[[], Any]], ranks: Ranks) -> dict[str, np.ndarray]:
     """Each linear's Hessian 2 XᵀX / N over the inputs it sees while the ``batches`` run (linears
-    that read one tensor, as q/k/v and gate/up do, share its XᵀX)."""
-    acc = {p: Hessian(sub.in_features) for p, sub in paths.items()}
+    that read one tensor, as q/k/v and gate/up do, share its XᵀX); the ranks' row blocks gathered."""
+    acc = {p: Hessian(sub.in_features, ranks.rows(sub.in_features)) for p, sub in paths.items()}
     grams: dict[int, tuple[Any, tuple[np.ndarray, int]]] = {}  # id(input) -> (input, its XᵀX, N)
 
     def hook(path: str) -> Callable[..., None]:
         def add(_: Any, args: tuple) -> None:
             x = args[0]
-            if id(x) not in grams:
-                grams[id(x)] = (x, Hessian.gram(x.numpy()))  # holding x keeps its id unique
+            if id(x) not in grams:  # holding x keeps its id unique
+                grams[id(x)] = (x, Hessian.gram(x.numpy(), acc[path].rows))
             acc[path].add_gram(*grams[id(x)][1])
 
         return add
@@ -102,7 +107,7 @@ def _hessians(paths: dict[str, Any], batches: list[Callable[[], Any]]) -> dict[s
     finally:
         for h in handles:
             h.remove()
-    return {p: h.value() for p, h in acc.items()}
+    return {p: ranks.gather(h.value(), h.sum.shape[1]) for p, h in acc.items()}
 
 
 @lf.no_grad()
@@ -114,11 +119,14 @@ def quantize_model(
     act_order: bool = False,
     damp: float = 0.01,
     progress: bool = True,
+    ranks: Ranks | None = None,
 ) -> list[str]:
     """Quantize ``model`` (a LlamaForCausalLM, float) in place; returns the quantized paths.
 
-    ``calib`` [N, S] int64 token ids: GPTQ's calibration sequences (unused by RTN).
+    ``calib`` [N, S] int64 token ids: GPTQ's calibration sequences (unused by RTN). ``ranks``: who
+    shares the work (default: this process alone under ``sim``, every process under ``mpi``).
     """
+    ranks = Ranks() if ranks is None else ranks
     paths = targets(model, lm_head)
     layers = dict(model.named_sublayers())
     for p in paths:
@@ -127,29 +135,41 @@ def quantize_model(
         raise QuantError("GPTQ needs calibration token ids")
     decoder = model.model.layers
     bar = tqdm(
-        total=len(decoder) + lm_head, desc=f"quantize {cfg.method}", unit="layer", disable=not progress
+        total=len(decoder) + lm_head,
+        desc=f"quantize {cfg.method}",
+        unit="layer",
+        disable=not (progress and ranks.is_first),
     )
+
+    def rtn(m: Any) -> QuantizedWeight:
+        w = m.weight.numpy()
+        return ranks.gather_weight(
+            join([quantize_rtn(w[b], cfg) for b in ranks.rows(len(w))], w.shape[1], cfg), len(w)
+        )
+
+    def gptq_(m: Any, h: np.ndarray) -> QuantizedWeight:
+        w = m.weight.numpy()
+        return ranks.gather_weight(gptq(w, h, cfg, act_order, damp, ranks.rows(len(w))), len(w))
+
     inputs = _layer_inputs(model, calib) if cfg.method == "gptq" else []
     for i, layer in enumerate(decoder):
         mine = {p: layers[p] for p in paths if p.startswith(f"model.layers.{i}.")}
         if cfg.method == "gptq":
-            hess = _hessians(mine, [lambda a=a: layer(*a) for a in inputs])
-            install(
-                model,
-                {p: gptq(m.weight.numpy(), hess[p], cfg, act_order, damp) for p, m in mine.items()},
-                cfg,
-            )
+            hess = _hessians(mine, [lambda a=a: layer(*a) for a in inputs], ranks)
+            install(model, {p: gptq_(m, hess[p]) for p, m in mine.items()}, cfg)
             inputs = [(layer(*a), *a[1:]) for a in inputs]  # the next layer's inputs, from this one quantized
         else:
-            install(model, {p: quantize_rtn(m.weight.numpy(), cfg) for p, m in mine.items()}, cfg)
+            install(model, {p: rtn(m) for p, m in mine.items()}, cfg)
         bar.update()
     if lm_head:
         head = layers["lm_head"]
         if cfg.method == "gptq":
-            hess = _hessians({"lm_head": head}, [lambda a=a: head(model.model.norm(a[0])) for a in inputs])
-            install(model, {"lm_head": gptq(head.weight.numpy(), hess["lm_head"], cfg, act_order, damp)}, cfg)
+            batches = [lambda a=a: head(model.model.norm(a[0])) for a in inputs]
+            install(
+                model, {"lm_head": gptq_(head, _hessians({"lm_head": head}, batches, ranks)["lm_head"])}, cfg
+            )
         else:
-            install(model, {"lm_head": quantize_rtn(head.weight.numpy(), cfg)}, cfg)
+            install(model, {"lm_head": rtn(head)}, cfg)
         bar.update()
     bar.close()
     return paths
@@ -171,12 +191,17 @@ def weight_bytes(float_model: Any, quant_model: Any, paths: list[str]) -> dict[s
     }
 
 
-def save_quantized(model: Any, src: str | Path, out: str | Path, report: dict[str, Any]) -> Path:
+def save_quantized(
+    model: Any, src: str | Path, out: str | Path, report: dict[str, Any], plan: ParallelPlan | None = None
+) -> Path:
     """Write ``model`` as an HF-layout quantized directory ``out`` (atomically), with the source
-    directory's tokenizer and generation config, and ``quant_report.json``."""
+    directory's tokenizer and generation config, ``quant_report.json`` and the parallel ``plan``
+    (``parallel.derive``'s), if any."""
     src, out = Path(src), Path(out)
     with atomic_dir(out) as tmp:
         model.save_pretrained(str(tmp))
+        if plan is not None:
+            plan.save(tmp / PLAN_FILE)
         for name in COMPANIONS:
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)

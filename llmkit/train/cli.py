@@ -99,7 +99,11 @@ def report_interrupted(e: Any, prog: str, say: Any = print) -> int:
 
 def launch(cfg, nproc: int, hostfile: str | None, argv: list[str]) -> int:
     """Replace this process by ``mpiexec -n N python -m llmkit train ARGS`` (one rank per process)."""
-    cmd, env = mpiexec_command(cfg, nproc, hostfile, argv)
+    return relaunch(*mpiexec_command(cfg, nproc, hostfile, argv))
+
+
+def relaunch(cmd: list[str], env: dict[str, str]) -> int:
+    """Replace this process by ``cmd`` (an mpiexec command line)."""
     sys.stdout.flush()
     os.execve(cmd[0], cmd, env)
     return 0  # not reached
@@ -108,20 +112,29 @@ def launch(cfg, nproc: int, hostfile: str | None, argv: list[str]) -> int:
 def mpiexec_command(
     cfg, nproc: int, hostfile: str | None, argv: list[str]
 ) -> tuple[list[str], dict[str, str]]:
-    """The mpiexec command line and environment of ``--nproc``; ConfigError when they cannot work."""
-    from llmkit.framework.distributed.comm import launched_by_mpi
-
+    """The mpiexec command line and environment of ``llmkit train --nproc``; ConfigError when the
+    config's mesh has another number of ranks."""
     from .config import ConfigError
-    from .trainer import cpu_count
 
     par = cfg.parallel
-    if nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {nproc}")
     if par.dp * par.tp != nproc:
         raise ConfigError(
             f"parallel.dp ({par.dp}) x parallel.tp ({par.tp}) = {par.dp * par.tp} ranks, but --nproc is "
             f"{nproc}; make them equal"
         )
+    return nproc_command(nproc, hostfile, ["train", *argv])
+
+
+def nproc_command(nproc: int, hostfile: str | None, argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``mpiexec -n N python -m llmkit ARGV`` and its environment (the BLAS threads shared out), for
+    any command's ``--nproc N [--hostfile F]``; ConfigError when it cannot work."""
+    from llmkit.framework.distributed.comm import launched_by_mpi
+
+    from .config import ConfigError
+    from .trainer import cpu_count
+
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {nproc}")
     if launched_by_mpi():
         raise ConfigError("--nproc: this process already runs under mpiexec; drop --nproc")
     mpiexec = shutil.which("mpiexec")
@@ -133,7 +146,7 @@ def mpiexec_command(
         cmd.append("--allow-run-as-root")
     if hostfile is not None:
         cmd += ["--hostfile", hostfile]
-    cmd += ["-n", str(nproc), sys.executable, "-m", "llmkit", "train", *argv]
+    cmd += ["-n", str(nproc), sys.executable, "-m", "llmkit", *argv]
     env = dict(os.environ)
     threads = str(max(1, cores // nproc))  # BLAS threads per rank: the cores shared out
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
