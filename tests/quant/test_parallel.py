@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 
 import llmkit.framework as lf
-from llmkit.framework.distributed.plan import PLAN_FILE, ParallelPlan
+from llmkit.framework.distributed.plan import ParallelPlan
 from llmkit.framework.placement import Replicate, Shard, local_region
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.quant import QuantConfig, QuantError, quantize_model
-from llmkit.quant.cli import quantize_main
 from llmkit.quant.parallel import Ranks, derive, placements
 
 from .test_format import read_weight
@@ -119,8 +118,10 @@ def test_each_served_rank_dequantizes_its_shards_to_its_slice_of_the_weight(cfg)
 
 def test_a_group_straddling_two_shards_is_an_error_naming_weight_group_and_shard():
     model = tiny(intermediate_size=384)  # o_proj [128, 128]: tp=2 shards of 64 input columns
-    with pytest.raises(QuantError, match=r"o_proj.weight \[128, 128\] is row parallel .* tp=2: shards of 64 .*"
-                       r"groups of 48 input columns"):  # fmt: skip
+    message = (
+        r"o_proj.weight \[128, 128\] is row parallel .* tp=2: shards of 64 .* groups of 48 input columns"
+    )
+    with pytest.raises(QuantError, match=message):
         derive(ParallelPlan.make("llama", tp=2), shapes(model), QuantConfig(4, 48))
     with pytest.raises(QuantError, match=r"shards of 32 .* groups of 64"):
         derive(ParallelPlan.make("llama", tp=4), shapes(model), QuantConfig(4, 64))
