@@ -6,6 +6,7 @@ checkpoint quantizes with its plan kept."""
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -127,3 +128,19 @@ def test_a_group_straddling_two_shards_is_an_error_naming_weight_group_and_shard
         derive(ParallelPlan.make("llama", tp=4), shapes(model), QuantConfig(4, 64))
     derive(ParallelPlan.make("llama", tp=4), shapes(model), QuantConfig(4, 32))  # 32 | 32: fine
     derive(ParallelPlan.make("llama", tp=4), shapes(model), QuantConfig(8, -1))  # per channel: R scales
+
+
+def test_nproc_relaunches_the_same_command_under_mpiexec(monkeypatch):
+    from llmkit.quant.cli import _without
+    from llmkit.train.cli import nproc_command
+
+    argv = ["--model", "runs/x", "--nproc", "2", "--bits", "4", "--hostfile=h", "--quiet"]
+    rest = _without(argv, {"--nproc", "--hostfile"})
+    assert rest == ["--model", "runs/x", "--bits", "4", "--quiet"]
+    monkeypatch.setattr("llmkit.train.trainer.cpu_count", lambda: 2)
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/mpiexec")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cmd, env = nproc_command(4, None, ["quantize", *rest])
+    assert cmd[0] == "/usr/bin/mpiexec" and "--oversubscribe" in cmd  # 4 ranks on 2 cores
+    assert cmd[cmd.index("-n") :] == ["-n", "4", sys.executable, "-m", "llmkit", "quantize", *rest]
+    assert env["OMP_NUM_THREADS"] == "1"

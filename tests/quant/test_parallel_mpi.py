@@ -85,3 +85,14 @@ def test_the_quantized_directory_keeps_the_plan_and_loads(tp2_run, one):
     assert plan.tp_placement("model.layers.0.mlp.up_proj.zeros") == Shard(0)
     model = LlamaForCausalLM.from_pretrained(str(one))
     assert model.config.extra["quantization_config"]["group_size"] == 32
+
+
+def test_a_straddling_group_is_one_line_before_any_work(tp2_run, tmp_path, capsys):
+    from llmkit.cli import main
+
+    argv = ["quantize", "--model", str(tp2_run), "--bits", "4", "--out", str(tmp_path / "q"), "--quiet"]
+    assert main(argv) == 2  # the default group of 128 over o_proj's shards of 64 columns
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and not (tmp_path / "q").exists()
+    assert "o_proj.weight [128, 128] is row parallel (S(1)) over tp=2: shards of 64 input columns" in err
+    assert "groups of 128 input columns" in err
