@@ -8,6 +8,13 @@ both again with the lm_head quantized (``--lm-head``; on the 134M model the floa
 a fifth of the weights). Batch 1 and 8, greedy, tokens/s from the median step time over interleaved
 rounds; each ratio is the median over rounds of the two measured in the same round.
 
+The bound of each variant: a decode step reads every weight once (of the embedding table one row
+per sequence), ``weight_MB`` per step, so ``GB_per_s`` = weight bytes / median step time is the
+memory speed the step achieved. ``format_bound_x`` = float32's weight bytes / the variant's is the
+speedup if the variant streamed its weights as fast as float32 does (the most the format allows
+when float32 is memory bound); ``GB_per_s_of_float32`` = the variant's GB/s / float32's says how
+near the kernel comes to that (1: the format is the limit; well below 1: the kernel is).
+
 Accuracy (``--model``, a trained model or run directory, default runs/tiny): perplexity on the
 held-out split, mean KL of next-token distributions and top-1 agreement against the float model,
 for every method (rtn, gptq) and setting (int8 per channel; int4 groups of 32, 64, 128; 128
@@ -63,18 +70,30 @@ def model_of(config: LlamaConfig, variant: tuple | None) -> LlamaForCausalLM:
     return model
 
 
+def step_bytes(model: LlamaForCausalLM) -> int:
+    """Weight bytes a decode step reads: every tensor once, of an untied embedding table one row."""
+    total = sum(t.numpy().nbytes for t in model.state_dict().values())
+    if not model.config.tie_word_embeddings:
+        emb = model.model.embed_tokens.weight.numpy()
+        total -= emb.nbytes - emb[0].nbytes
+    return total
+
+
 def speed(name: str, rounds: int, prompt_len: int, new_tokens: int, info: dict) -> None:
     config = MODELS[name]()
-    engines = {}
+    engines, weights = {}, {}
     for v, q in SPEED.items():
         t = time.perf_counter()
-        engines[v] = Engine.from_model(model_of(config, q), None, EngineConfig(max_batch=8))
+        model = model_of(config, q)
+        weights[v] = step_bytes(model)
+        engines[v] = Engine.from_model(model, None, EngineConfig(max_batch=8))
         emit("quant", f"{name}_{v}_setup_s", time.perf_counter() - t, "s", model=name)
     for batch in (1, 8):
         per_round: dict[str, list[float]] = {v: [] for v in engines}
         for _ in range(rounds):
             for v, e in engines.items():
                 per_round[v].append(float(np.median(engine_steps(e, batch, prompt_len, new_tokens))))
+        gbps = {v: weights[v] / float(np.median(steps)) / 1e9 for v, steps in per_round.items()}
         for v, steps in per_round.items():
             med = float(np.median(steps))
             emit(
@@ -83,6 +102,9 @@ def speed(name: str, rounds: int, prompt_len: int, new_tokens: int, info: dict) 
                 batch / med,
                 "tokens/s",
                 step_ms=round(med * 1e3, 2),
+                weight_MB=round(weights[v] / 1e6, 2),
+                MB_per_token=round(weights[v] / batch / 1e6, 2),
+                GB_per_s=round(gbps[v], 2),
                 **info,
             )
         for v in engines:
@@ -93,7 +115,9 @@ def speed(name: str, rounds: int, prompt_len: int, new_tokens: int, info: dict) 
                     [1 / s for s in per_round[v]],
                     [1 / s for s in per_round["float32"]],
                     model=name,
-                    note="decode tokens/s, same run",
+                    format_bound_x=round(weights["float32"] / weights[v], 3),
+                    GB_per_s_of_float32=round(gbps[v] / gbps["float32"], 3),
+                    note="decode tokens/s, same run; bound: float32's GB/s over the variant's bytes",
                 )
 
 
