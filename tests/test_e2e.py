@@ -12,7 +12,8 @@ model and the steps, and a check at every hand-off:
 - the exported file runs the quantized codes (``quant_linear``), the server answers from it, and the
   served completion equals the engine's on that file for the same prompt and seed.
 
-With ``nproc=2`` training runs data parallel over two MPI processes (``parallel.dp=2 --nproc 2``).
+With ``nproc=2`` training runs data parallel over two MPI processes (``parallel.dp=2 --nproc 2``) and
+quantization shares GPTQ's rows between two (``--nproc 2``).
 """
 
 from __future__ import annotations
@@ -133,7 +134,18 @@ def test_train_rlhf_quantize_export_serve(nproc, tmp_path, monkeypatch):
     assert [r["step"] for r in rows if "reward_mean" in r] == list(range(1, RLHF_STEPS + 1))
 
     # the quantized model is the RLHF policy's (GPTQ's first column of each linear is rounded as is)
-    assert cli_main(["quantize", "--model", "runs/rlhf-tiny", *QUANTIZE]) == 0
+    quantize = ["quantize", "--model", "runs/rlhf-tiny", *QUANTIZE]
+    if nproc == 2:  # two MPI processes share GPTQ's rows (--nproc execs mpiexec: a subprocess here)
+        q = subprocess.run(
+            [sys.executable, "-m", "llmkit", *quantize, "--nproc", "2"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert q.returncode == 0, q.stdout[-3000:] + q.stderr[-3000:]
+    else:
+        assert cli_main(quantize) == 0
     quant = Path("runs/rlhf-tiny-int4")
     qc = json.loads((quant / "config.json").read_text())["quantization_config"]
     assert (qc["bits"], qc["sym"], qc["method"]) == (4, True, "gptq")
