@@ -100,3 +100,34 @@ def test_rollouts_are_a_function_of_seed_and_step(tok):
     assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
     assert a.completion_ids != c.completion_ids
     assert a.completion_ids[0] != a.completion_ids[1]  # samples of one prompt differ
+
+
+def test_the_exact_train_step_has_the_gradients_of_the_model_s_own_forward():
+    """The compiled exact step (tiled linears, paged attention over a pool of the batch's own keys
+    and values) against eager autograd of the model's own forward (linear, sdpa): an independent
+    computation. Several rows of different lengths: with more than one row the keys' and values'
+    gradients once went into a copy of the pool's gradient (paged_attention_grad) and were lost.
+    SGD at lr 1 makes each weight's change its gradient (float32 weights of magnitude <= 1: 1e-6)."""
+    import llmkit.framework as lf
+
+    model, ref = small_model(0), small_model(0)
+    opt = optim.SGD(model.parameters(), lr=1.0)
+
+    def mean_logp(logp, logits, values, mask):
+        return -(logp * mask).sum() / mask.sum(), {}
+
+    step = policy.train_step(model, opt, mean_logp, ("mask",), True, 1.0, None)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 4000, n).tolist() for n in (2, 5, 3)]
+    tb = TokenBatch.of(prompts, [rng.integers(3, 4000, n).tolist() for n in (6, 2, 4)])
+    mask = tb.mask.astype(np.float64)
+    before = [p.numpy().copy() for p in model.parameters()]
+    out = step(tb.ids, tb.targets, *policy.segment_arrays(*tb.ids.shape), mask)
+
+    fwd = policy.PolicyForward(ref, exact=False)
+    logits = fwd.logits(fwd.hidden(lf.tensor(tb.ids), None, None, None, None))
+    loss, _ = mean_logp(lf.ops.token_logprobs(logits, lf.tensor(tb.targets)), None, None, lf.tensor(mask))
+    loss.backward()
+    assert out["loss"] == pytest.approx(loss.item(), rel=1e-6)
+    for (name, p), b, r in zip(model.named_parameters(), before, ref.parameters(), strict=True):
+        np.testing.assert_allclose(b - p.numpy(), r.grad.numpy(), atol=1e-6, err_msg=name)

@@ -295,7 +295,9 @@ def _attn_grad_kernel(xp, g, q, pool, block_tables, kv_len, q_start=None, q_len=
     tables, starts, groups = _attn_groups(q, pool, block_tables, kv_len, q_start, q_len)
     qt, gt = _token_major(q), _token_major(g)
     dq = xp.zeros_like(qt)
-    dpool = xp.zeros_like(pool)
+    # C-contiguous whatever the pool's strides (zeros_like keeps a transposed pool's): the reshape
+    # below must be a view for add.at to write into dpool (the trainer's pool is a transposed k, v)
+    dpool = xp.zeros(pool.shape, pool.dtype)
     bs, hk, d = pool.shape[3], pool.shape[4], pool.shape[5]
     grp = q.shape[1] // hk
     flat = dpool[layer].reshape(2, -1, hk, d)  # a view: (2, NB*BS, Hkv, D)
