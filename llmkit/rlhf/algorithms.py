@@ -10,6 +10,10 @@ the token at ``s`` (whatever alignment the caller chose); ``mask`` [B, S] is 1.0
 loss sees (response tokens) and 0.0 on prompt tokens and padding, in the dtype of the log-probs.
 Every loss is the same mathematics whether or not masked positions hold garbage.
 
+Data parallel: a loss's means are sums divided by counts, and ``counts`` (``{"token": masked tokens,
+"sequence": sequences}``, or ``count`` pairs) may be the whole batch's when the call sees one rank's
+share of it: the ranks' losses, statistics and gradients then add up to the whole batch's.
+
 ==================  ==========================================================================
 GRPO                group-normalized advantages, clipped ratio, KL to the reference in the loss
 RLOO                leave-one-out baseline, clipped ratio (KL in the reward)
@@ -21,7 +25,7 @@ reward model        Bradley-Terry: -log sigmoid(r_chosen - r_rejected)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -86,31 +90,46 @@ def gae(
     return adv, (adv + v) * m
 
 
-def whiten(x: np.ndarray, mask: np.ndarray, eps: float = 1e-8) -> np.ndarray:
-    """``(x - mean) / (std + eps)`` over the masked entries (population std); zero off the mask."""
+def whiten(
+    x: np.ndarray,
+    mask: np.ndarray,
+    eps: float = 1e-8,
+    total: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> np.ndarray:
+    """``(x - mean) / (std + eps)`` over the masked entries (population std); zero off the mask.
+    ``total`` sums an array over the data-parallel ranks when ``x`` is one rank's share of the batch
+    (the statistics are then the whole batch's)."""
+    total = total or (lambda a: a)
     x, m = np.asarray(x, dtype=np.float64), np.asarray(mask, dtype=np.float64)
-    n = max(m.sum(), 1.0)
-    mean = (x * m).sum() / n
-    std = np.sqrt((((x - mean) * m) ** 2).sum() / n)
+    s, n = total(np.array([(x * m).sum(), m.sum()]))
+    n = max(n, 1.0)
+    mean = s / n
+    std = np.sqrt(total(np.array([(((x - mean) * m) ** 2).sum()]))[0] / n)
     return (x - mean) / (std + eps) * m
 
 
 # ---- reductions over masked tokens -----------------------------------------------------------------
 
 
-def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``x`` over the masked tokens of the whole batch (0 when there are none)."""
-    return (x * mask).sum() / O.maximum(mask.sum(), 1.0)
+Counts = Mapping[str, Tensor]  # {"token": masked tokens, "sequence": sequences} of the whole batch
 
 
-def sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
+def masked_mean(x: Tensor, mask: Tensor, counts: Counts | None = None) -> Tensor:
+    """Mean of ``x`` over the masked tokens of the whole batch (0 when there are none):
+    ``sum(x * mask) / counts["token"]``, by default ``max(sum(mask), 1)``."""
+    n = O.maximum(mask.sum(), 1.0) if counts is None else counts["token"]
+    return (x * mask).sum() / n
+
+
+def sequence_mean(x: Tensor, mask: Tensor, counts: Counts | None = None) -> Tensor:
     """Each sequence's mean over its masked tokens, then the mean over the sequences (GRPO's
-    original normalization: every sequence weighs the same whatever its length)."""
+    original normalization: every sequence weighs the same whatever its length); the sequences'
+    sum over ``counts["sequence"]``, by default B."""
     per_seq = (x * mask).sum(axis=-1) / O.maximum(mask.sum(axis=-1), 1.0)  # (B,)
-    return per_seq.mean()
+    return per_seq.mean() if counts is None else per_seq.sum() / counts["sequence"]
 
 
-AGGREGATIONS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, Counts | None], Tensor]] = {
     "token": masked_mean,
     "sequence": sequence_mean,
 }
@@ -147,6 +166,7 @@ def clipped_policy_loss(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     aggregation: str = "token",
+    counts: Counts | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate (GRPO, RLOO and PPO share it), with an optional KL term (GRPO).
 
@@ -155,9 +175,9 @@ def clipped_policy_loss(
 
         loss_t = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) + kl_coef * KL_t(pi, ref)
 
-    aggregated over the mask by ``aggregation`` ("token" or "sequence"). Stats: ``kl`` (masked mean of
-    the estimator; 0 without a reference), ``clip_frac`` (tokens whose clipped term was the minimum
-    and differed), ``ratio_mean``.
+    aggregated over the mask by ``aggregation`` ("token" or "sequence"; ``counts``: see above).
+    Stats: ``kl`` (masked mean of the estimator; 0 without a reference), ``clip_frac`` (tokens whose
+    clipped term was the minimum and differed), ``ratio_mean``.
     """
     agg = AGGREGATIONS[aggregation]
     on = mask > 0.0  # off the mask the log-probs may be anything: keep exp() there at exp(0)
@@ -166,26 +186,31 @@ def clipped_policy_loss(
     unclipped_obj, clipped_obj = ratio * advantages, clipped * advantages
     per_token = -O.minimum(unclipped_obj, clipped_obj)
     stats = {
-        "clip_frac": masked_mean(O.cast(clipped_obj < unclipped_obj, dtype=logp.dtype), mask),
-        "ratio_mean": masked_mean(ratio, mask),
+        "clip_frac": masked_mean(O.cast(clipped_obj < unclipped_obj, dtype=logp.dtype), mask, counts),
+        "ratio_mean": masked_mean(ratio, mask, counts),
     }
     if ref_logp is not None:
         kl = KL_ESTIMATORS[kl_estimator](logp, O.where(on, ref_logp, logp))
-        stats["kl"] = masked_mean(kl, mask)
+        stats["kl"] = masked_mean(kl, mask, counts)
         if kl_coef:
             per_token = per_token + kl_coef * kl
-    return agg(per_token, mask), stats
+    return agg(per_token, mask, counts), stats
 
 
 def clipped_value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float = 0.2
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: float = 0.2,
+    counts: Counts | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's value loss: ``0.5 max((V - R)^2, (V_clip - R)^2)`` with ``V_clip = old + clip(V - old,
     -clip, clip)``, masked mean over tokens. Stats: ``value_clip_frac``."""
     v_clip = old_values + O.minimum(O.maximum(values - old_values, -clip), clip)
     a, b = (values - returns) ** 2, (v_clip - returns) ** 2
-    loss = 0.5 * masked_mean(O.maximum(a, b), mask)
-    return loss, {"value_clip_frac": masked_mean(O.cast(b > a, dtype=values.dtype), mask)}
+    loss = 0.5 * masked_mean(O.maximum(a, b), mask, counts)
+    return loss, {"value_clip_frac": masked_mean(O.cast(b > a, dtype=values.dtype), mask, counts)}
 
 
 def entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
@@ -222,30 +247,40 @@ def dpo_loss(
     ref_rejected_logp: Tensor,
     beta: float = 0.1,
     kind: str = "sigmoid",
+    count: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DPO over sequence log-probabilities [B] (sums over each response's tokens).
 
     With ``h = (log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l))``:
     "sigmoid" (Rafailov et al. 2023) ``-log sigmoid(beta h)``; "ipo" (Azar et al. 2023)
-    ``(h - 1 / (2 beta))^2``; mean over pairs. Stats: the implicit rewards ``beta (log pi - log ref)``
-    of chosen and rejected, ``accuracy`` (chosen's above rejected's) and ``margin`` (their mean gap).
+    ``(h - 1 / (2 beta))^2``; mean over pairs (sums over ``count``, by default B). Stats: the
+    implicit rewards ``beta (log pi - log ref)`` of chosen and rejected, ``accuracy`` (chosen's above
+    rejected's) and ``margin`` (their mean gap).
     """
     chosen = beta * (chosen_logp - ref_chosen_logp)
     rejected = beta * (rejected_logp - ref_rejected_logp)
     h = (chosen_logp - ref_chosen_logp) - (rejected_logp - ref_rejected_logp)
-    loss = DPO_LOSSES[kind](h, beta).mean()
+    mean = _pair_mean(count)
+    loss = mean(DPO_LOSSES[kind](h, beta))
     stats = {
-        "accuracy": O.cast(chosen > rejected, dtype=chosen.dtype).mean(),
-        "margin": (chosen - rejected).mean(),
-        "reward_chosen": chosen.mean(),
-        "reward_rejected": rejected.mean(),
+        "accuracy": mean(O.cast(chosen > rejected, dtype=chosen.dtype)),
+        "margin": mean(chosen - rejected),
+        "reward_chosen": mean(chosen),
+        "reward_rejected": mean(rejected),
     }
     return loss, stats
 
 
-def bradley_terry_loss(chosen: Tensor, rejected: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-    """Reward-model loss ``-log sigmoid(r_w - r_l)`` averaged over pairs [B]; stats ``accuracy``
-    (r_w > r_l) and ``margin`` (mean r_w - r_l)."""
+def _pair_mean(count: float | None) -> Callable[[Tensor], Tensor]:
+    return (lambda x: x.mean()) if count is None else (lambda x: x.sum() / count)
+
+
+def bradley_terry_loss(
+    chosen: Tensor, rejected: Tensor, count: float | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Reward-model loss ``-log sigmoid(r_w - r_l)`` averaged over pairs [B] (sums over ``count``,
+    by default B); stats ``accuracy`` (r_w > r_l) and ``margin`` (mean r_w - r_l)."""
     d = chosen - rejected
-    stats = {"accuracy": O.cast(d > 0.0, dtype=d.dtype).mean(), "margin": d.mean()}
-    return -log_sigmoid(d).mean(), stats
+    mean = _pair_mean(count)
+    stats = {"accuracy": mean(O.cast(d > 0.0, dtype=d.dtype)), "margin": mean(d)}
+    return mean(-log_sigmoid(d)), stats

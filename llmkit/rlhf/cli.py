@@ -1,11 +1,14 @@
-"""``llmkit rlhf CONFIG [section.key=value ...] [--resume]`` and ``llmkit rlhf reward CONFIG ...``."""
+"""``llmkit rlhf CONFIG [section.key=value ...] [--resume] [--quiet] [--nproc N [--hostfile F]]`` and
+``llmkit rlhf reward CONFIG ...``."""
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
-from llmkit.train.cli import ArgumentParser, report_interrupted, report_resume
+from llmkit.train.cli import ArgumentParser, nproc_command, relaunch, report_interrupted, report_resume
 from llmkit.train.trainer import Interrupted
 
 
@@ -58,16 +61,49 @@ def main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    a = p.parse_intermixed_args(argv[1:] if job == "reward" else argv)
-    trainer = build(load(a.config, a.overrides), a.resume, a.quiet)
-    if trainer.resumed_from is not None:
-        report_resume(trainer)
-    try:
-        last = trainer.fit()
-    except Interrupted as e:
-        return report_interrupted(e, p.prog)
-    summary = ", ".join(
-        f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float) and not k.endswith("_s")
+    p.add_argument(
+        "--nproc", type=int, metavar="N", help="run N processes with mpiexec (parallel.dp must be N)"
     )
-    print(f"done: step {trainer.step}, {summary}; model in {trainer.final_model_dir()}")
-    return 0
+    p.add_argument("--hostfile", help="with --nproc: mpiexec's hostfile, to run on several machines")
+    a = p.parse_intermixed_args(argv[1:] if job == "reward" else argv)
+    cfg = load(a.config, a.overrides)
+    if a.nproc is not None:
+        flags = [f for f, on in (("--resume", a.resume), ("--quiet", a.quiet)) if on]
+        command = ("rlhf", "reward") if job == "reward" else ("rlhf",)
+        if cfg.parallel.dp != a.nproc:
+            from llmkit.train.config import ConfigError
+
+            raise ConfigError(
+                f"parallel.dp ({cfg.parallel.dp}) ranks, but --nproc is {a.nproc}; make them equal"
+            )
+        return relaunch(*nproc_command(a.nproc, a.hostfile, [*command, a.config, *a.overrides, *flags]))
+    if a.hostfile is not None:
+        p.error("--hostfile goes with --nproc")
+    from llmkit.framework.distributed import CollectiveError
+    from llmkit.framework.distributed.comm import launched_by_mpi
+
+    from .parallel import run_ranks
+
+    def rank(stop: Any) -> int:
+        trainer = build(cfg, a.resume, a.quiet)
+        say = print if trainer.dp.is_rank0 else lambda *args, **kw: None
+        if trainer.resumed_from is not None:
+            report_resume(trainer, say)
+        try:
+            last = trainer.fit(stop)
+        except Interrupted as e:
+            return report_interrupted(e, p.prog, say)
+        summary = ", ".join(
+            f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float) and not k.endswith("_s")
+        )
+        say(f"done: step {trainer.step}, {summary}; model in {trainer.final_model_dir()}")
+        return 0
+
+    try:
+        return run_ranks(rank, cfg.parallel.dp)
+    except CollectiveError as e:  # under mpiexec: a rank died or hangs; name it, do not wait for it
+        if not launched_by_mpi():
+            raise
+        print(f"{p.prog}: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)

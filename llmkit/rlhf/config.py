@@ -4,9 +4,10 @@
 
 Sections: ``algorithm`` (grpo | ppo | rloo | dpo), ``model`` (the policy's checkpoint), ``reward``
 (one source), ``rollout`` (sampling), ``data`` (prompts or preference pairs), ``rlhf`` (the
-algorithm's hyperparameters), ``optim`` and ``schedule`` (as ``llmkit train``'s), ``train`` (the
-loop), ``out_dir``. Errors name the dotted key, as ``llmkit train``'s do; the reward model job
-(``llmkit rlhf reward``) has its own schema built from the same sections.
+algorithm's hyperparameters), ``optim``, ``schedule`` and ``parallel`` (as ``llmkit train``'s; data
+parallel only: see parallel.py), ``train`` (the loop), ``out_dir``. Errors name the dotted key, as
+``llmkit train``'s do; the reward model job (``llmkit rlhf reward``) has its own schema built from
+the same sections.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from llmkit.train.config import OptimSection, ScheduleSection, Section, load_config
+from llmkit.train.config import OptimSection, ParallelSection, ScheduleSection, Section, load_config
 
 ALGORITHMS = ("grpo", "ppo", "rloo", "dpo")
 
@@ -102,6 +103,24 @@ class LoopSection(Section):
     max_length: int = Field(128, gt=0)  # DPO / reward model: prompt + response tokens, longer cut
 
 
+def check_data_parallel(par: ParallelSection, rows: int, key: str) -> None:
+    """RLHF jobs run data parallel only; each of the ``dp`` ranks takes as many of a step's ``rows``
+    (config key ``key``) as the others. ValueError names the key at fault."""
+    for name, unset in (("tp", par.tp == 1), ("sp", not par.sp), ("zero", par.zero == 0)):
+        if not unset:
+            raise ValueError(
+                f"parallel.{name}: llmkit rlhf runs data parallel only (parallel.dp); "
+                "tensor parallel and ZeRO are llmkit train's"
+            )
+    if "plan" in par.model_fields_set:
+        raise ValueError("parallel.plan: llmkit rlhf runs data parallel only (parallel.dp); it takes no plan")
+    if rows % par.dp:
+        raise ValueError(
+            f"{key} ({rows}) must be a multiple of parallel.dp ({par.dp}): each data-parallel rank "
+            "takes as many of a step's rows as the others"
+        )
+
+
 class RLHFConfig(Section):
     """A whole RLHF run."""
 
@@ -114,6 +133,7 @@ class RLHFConfig(Section):
     optim: OptimSection = OptimSection(lr=1e-5, weight_decay=0.0)
     schedule: ScheduleSection = ScheduleSection(name="constant")
     train: LoopSection = LoopSection()
+    parallel: ParallelSection = ParallelSection()  # dp: data-parallel ranks (--nproc N: processes)
     out_dir: str = "runs/rlhf"
 
     @model_validator(mode="after")
@@ -125,6 +145,10 @@ class RLHFConfig(Section):
             raise ValueError(f"reward: {self.algorithm} needs a reward (reward.task, .function or .model)")
         if self.algorithm in ("grpo", "rloo") and self.rollout.n < 2:
             raise ValueError(f"rollout.n: {self.algorithm} compares samples of a prompt; use n >= 2")
+        if self.algorithm == "dpo":
+            check_data_parallel(self.parallel, self.train.batch_size, "train.batch_size")
+        else:  # whole prompts per rank: a prompt's n samples (its group) stay together
+            check_data_parallel(self.parallel, self.rollout.prompts_per_step, "rollout.prompts_per_step")
         if self.schedule.warmup_steps > self.train.steps:
             steps = self.train.steps
             raise ValueError(
@@ -141,12 +165,14 @@ class RewardModelConfig(Section):
     optim: OptimSection = OptimSection(lr=3e-4, weight_decay=0.0)
     schedule: ScheduleSection = ScheduleSection(name="constant")
     train: LoopSection = LoopSection(steps=200)
+    parallel: ParallelSection = ParallelSection()
     out_dir: str = "runs/reward"
 
     @model_validator(mode="after")
     def _has_pairs(self) -> RewardModelConfig:
         if self.data.pairs is None:
             raise ValueError("data.pairs: a reward model trains on preference pairs")
+        check_data_parallel(self.parallel, self.train.batch_size, "train.batch_size")
         return self
 
 

@@ -5,6 +5,10 @@ the start, by a compiled forward; each step then runs one compiled program over 
 pairs (chosen and rejected sequences in one batch): the policy's log-probs, the DPO (sigmoid) or IPO
 loss of ``algorithms.dpo_loss``, backward and the optimizer step. ``eval_accuracy`` is the share of
 held-out pairs whose chosen response gets the larger implicit reward ``beta (log pi - log ref)``.
+
+Data parallel: every rank scores its share of the pairs and gathers the others' (the reference's
+log-probs, the evaluation), takes its share of each step's pairs with the whole batch's pair count,
+and the compiled step sums the gradients over the ranks.
 """
 
 from __future__ import annotations
@@ -52,7 +56,14 @@ class DPOTrainer(Run):
         )
         self.optimizer = build_optimizer(cfg.optim, [self.model])
         self.step_fn = policy.train_step(
-            self.model, self.optimizer, self._loss, INPUTS, self.exact, self.temperature, cfg.optim.grad_clip
+            self.model,
+            self.optimizer,
+            self._loss,
+            INPUTS,
+            self.exact,
+            self.temperature,
+            cfg.optim.grad_clip,
+            group=self.dp.group if self.dp.size > 1 else None,
         )
         self.policy_score = policy.scorer(self.model, self.exact, self.temperature)
         self.setup()
@@ -61,9 +72,15 @@ class DPOTrainer(Run):
         seq = O.unsqueeze((logp * mask).sum(axis=-1), axis=-1)  # (2P, 1) each response's log-prob
         ref = O.unsqueeze(ref_seq_logp, axis=-1)
         pick = lambda sel, x: O.squeeze(O.matmul(sel, x), axis=-1)
-        r = self.cfg.rlhf
+        r, count = self.cfg.rlhf, float(self.cfg.train.batch_size)  # the whole step's pairs
         return A.dpo_loss(
-            pick(chosen, seq), pick(rejected, seq), pick(chosen, ref), pick(rejected, ref), r.beta, r.dpo_loss
+            pick(chosen, seq),
+            pick(rejected, seq),
+            pick(chosen, ref),
+            pick(rejected, ref),
+            r.beta,
+            r.dpo_loss,
+            count,
         )
 
     @staticmethod
@@ -73,15 +90,17 @@ class DPOTrainer(Run):
         return TokenBatch.of(prompts, [c for _, c, _, *_ in pairs] + [r for _, _, r, *_ in pairs])
 
     def _sequence_logps(self, score: Any, pairs: list[tuple]) -> np.ndarray:
-        """[P, 2] log-probs (chosen, rejected) of each pair's responses under a compiled scorer."""
-        out = []
-        for i in range(0, len(pairs), SCORE_BATCH // 2):
-            chunk = pairs[i : i + SCORE_BATCH // 2]
+        """[P, 2] log-probs (chosen, rejected) of each pair's responses under a compiled scorer (each
+        rank scores its share of the pairs)."""
+        mine = pairs[self.dp.rows(len(pairs))]
+        out = [np.zeros((0, 2))]
+        for i in range(0, len(mine), SCORE_BATCH // 2):
+            chunk = mine[i : i + SCORE_BATCH // 2]
             tb = self._batch(chunk)
             logp = score(tb.ids, tb.targets, *policy.segment_arrays(*tb.ids.shape))["logp"]
             seq = (logp * tb.mask).sum(axis=1)
             out.append(np.stack([seq[: len(chunk)], seq[len(chunk) :]], axis=1))
-        return np.concatenate(out) if out else np.zeros((0, 2))
+        return self.dp.gather(np.concatenate(out), self.dp.sizes(len(pairs)), "sequence log-probs")
 
     def _with_reference(self, pairs: list[tuple], reference: Any) -> list[tuple]:
         ref = self._sequence_logps(reference, pairs)
@@ -90,6 +109,7 @@ class DPOTrainer(Run):
     def train_step(self) -> dict[str, Any]:
         t = self.cfg.train
         pairs = step_rows(self.train_pairs, t.batch_size, t.seed, self.step)
+        pairs = pairs[self.dp.rows(len(pairs))]
         tb = self._batch(pairs)
         ref = np.array([p[3] for p in pairs] + [p[4] for p in pairs])
         t0 = time.perf_counter()
@@ -101,8 +121,8 @@ class DPOTrainer(Run):
             ref,
             *pair_selectors(len(pairs)),
         )
-        row = {k: float(v) for k, v in out.items() if k != "logp"}
-        row["train_s"] = time.perf_counter() - t0
+        row = self.dp_stats({k: float(v) for k, v in out.items() if k != "logp"})
+        row["train_s"] = float(self.dp.max([time.perf_counter() - t0], "train_s")[0])
         return row
 
     def evaluate(self) -> dict[str, float]:

@@ -28,6 +28,7 @@ import numpy as np
 
 import llmkit.framework as lf
 from llmkit.framework import jit, nn, optim
+from llmkit.framework.distributed.parallelize import all_reduce_grads
 from llmkit.infer.programs import PREFILL_TILE, TileLinear
 from llmkit.train.trainer import state_names
 
@@ -157,6 +158,8 @@ STEP_INPUTS: dict[str, tuple[list, str]] = {
     "ref_seq_logp": (["B"], _F64),  # the reference's log-prob of each whole response
     "chosen": (["P", "B"], _F64),  # row p: 1 at pair p's chosen sequence
     "rejected": (["P", "B"], _F64),
+    "tokens": ([], _F64),  # the whole batch's masked tokens (a data-parallel rank sees a share)
+    "sequences": ([], _F64),  # the whole batch's sequences
 }
 
 
@@ -169,10 +172,12 @@ def train_step(
     temperature: float,
     grad_clip: float | None,
     value_head: ValueHead | None = None,
+    group: tuple[int, ...] | None = None,
 ) -> Callable:
     """The whole update as one compiled program: forward, ``token_logprobs``, ``loss_fn(logp=...,
-    logits=..., values=..., **inputs) -> (loss, stats)``, backward, global-norm clipping and the
-    optimizer step. Returns ``step(ids, targets, *segments, *inputs) -> {"loss", "logp", "grad_norm",
+    logits=..., values=..., **inputs) -> (loss, stats)``, backward, the gradients summed over the
+    data-parallel ranks of ``group`` (each rank's loss its rows' share), global-norm clipping and
+    the optimizer step. Returns ``step(ids, targets, *segments, *inputs) -> {"loss", "logp", "grad_norm",
     **stats}`` (logp: the trainer's log-probs before this update)."""
     fwd = PolicyForward(model, exact)
     params = model.parameters() + (value_head.parameters() if value_head is not None else [])
@@ -185,6 +190,8 @@ def train_step(
         values = value_head(h) if value_head is not None else None
         loss, stats = loss_fn(logp=logp, logits=logits, values=values, **dict(zip(inputs, extra)))
         loss.backward()
+        if group is not None:
+            all_reduce_grads(params, group)
         norm = optim.clip_grad_norm_(params, clip)
         optimizer.step()
         optimizer.zero_grad()

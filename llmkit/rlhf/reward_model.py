@@ -17,6 +17,7 @@ import numpy as np
 
 import llmkit.framework as lf
 from llmkit.framework import jit, nn, optim
+from llmkit.framework.distributed.parallelize import all_reduce_grads
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 from llmkit.models.llama.checkpoint import load_pretrained, save_pretrained
 from llmkit.models.llama.model import LlamaModel
@@ -53,8 +54,10 @@ class LlamaRewardModel(nn.Layer):
         return O.squeeze(self.score(last), axis=-1)  # (B,)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> LlamaRewardModel:
-        """A reward model checkpoint, or a causal LM's (its backbone, a fresh head)."""
+    def from_pretrained(cls, path: str | Path, seed: int = 0) -> LlamaRewardModel:
+        """A reward model checkpoint, or a causal LM's: its backbone, and a fresh head drawn from
+        N(0, initializer_range) by a generator of its own seeded with ``seed`` (so every data-parallel
+        rank, and every run with that seed, starts from the same head)."""
         path = Path(path)
         arch = json.loads((path / "config.json").read_text()).get("architectures") or []
         if ARCHITECTURE in arch:
@@ -63,6 +66,10 @@ class LlamaRewardModel(nn.Layer):
         config = LlamaConfig.from_dict({**lm.config.to_dict(), "num_labels": 1})
         rm = cls(config)
         rm.model.load_state_dict(lm.model.state_dict())
+        w = rm.score.weight
+        w.set_value(
+            np.random.default_rng(seed).normal(0.0, config.initializer_range, w.shape).astype(w.dtype)
+        )
         return rm
 
     def save_pretrained(self, path: str | Path) -> None:
@@ -125,7 +132,9 @@ def pair_selectors(pairs: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class RewardModelTrainer(Run):
-    """Bradley-Terry training; ``accuracy`` per step, ``eval_accuracy`` on the held-out pairs."""
+    """Bradley-Terry training; ``accuracy`` per step, ``eval_accuracy`` on the held-out pairs. Data
+    parallel as DPO: each rank takes its share of a step's pairs (the loss over the whole step's
+    count), the gradients summed over the ranks, the held-out pairs scored in shares."""
 
     desc = "reward"
     shown = ("loss", "accuracy", "eval_accuracy")
@@ -134,7 +143,7 @@ class RewardModelTrainer(Run):
         super().__init__(cfg, resume, quiet)
         src = model_dir(cfg.model.init_from)
         self.tokenizer = LlamaTokenizer.from_pretrained(src)
-        self.model = LlamaRewardModel.from_pretrained(src)
+        self.model = LlamaRewardModel.from_pretrained(src, cfg.train.seed)
         t = cfg.train
         rows = load_pairs(cfg.data.pairs, t.seed)
         train, held = split_heldout(rows, cfg.data.val_fraction, t.seed)
@@ -153,13 +162,16 @@ class RewardModelTrainer(Run):
         model, opt = self.model, self.optimizer
         clip = self.cfg.optim.grad_clip or float("inf")
         params = model.parameters()
+        count, group = float(self.cfg.train.batch_size), self.dp.group  # the whole step's pairs
 
         def step(ids, rows, chosen, rejected):
             scores = model(ids, rows)  # (2P,)
             s = O.unsqueeze(O.cast(scores, "float64"), axis=-1)
             c, r = O.squeeze(O.matmul(chosen, s), axis=-1), O.squeeze(O.matmul(rejected, s), axis=-1)
-            loss, stats = A.bradley_terry_loss(c, r)
+            loss, stats = A.bradley_terry_loss(c, r, count)
             loss.backward()
+            if len(group) > 1:
+                all_reduce_grads(params, group)
             norm = optim.clip_grad_norm_(params, clip)
             opt.step()
             opt.zero_grad()
@@ -182,19 +194,21 @@ class RewardModelTrainer(Run):
     def train_step(self) -> dict[str, Any]:
         t = self.cfg.train
         pairs = step_rows(self.train_pairs, t.batch_size, t.seed, self.step)
+        pairs = pairs[self.dp.rows(len(pairs))]
         ids, lengths = _pad([c for c, _ in pairs] + [r for _, r in pairs])
         t0 = time.perf_counter()
         out = self.step_fn(ids, _rows(lengths, ids.shape[1]), *pair_selectors(len(pairs)))
-        row = {k: float(v) for k, v in out.items()}
-        row["train_s"] = time.perf_counter() - t0
+        row = self.dp_stats({k: float(v) for k, v in out.items()})
+        row["train_s"] = float(self.dp.max([time.perf_counter() - t0], "train_s")[0])
         return row
 
     def evaluate(self) -> dict[str, float]:
         """Held-out ``eval_accuracy`` (chosen scored above rejected) and ``eval_margin``."""
         if not self.held_pairs:
             return {}
-        c = self.scorer.scores([c for c, _ in self.held_pairs])
-        r = self.scorer.scores([r for _, r in self.held_pairs])
+        held, sizes = self.held_pairs[self.dp.rows(len(self.held_pairs))], self.dp.sizes(len(self.held_pairs))
+        c = self.dp.gather(self.scorer.scores([c for c, _ in held]), sizes, "held-out scores")
+        r = self.dp.gather(self.scorer.scores([r for _, r in held]), sizes, "held-out scores")
         _, stats = A.bradley_terry_loss(lf.tensor(c), lf.tensor(r))
         return {
             "eval_accuracy": float(stats["accuracy"].item()),

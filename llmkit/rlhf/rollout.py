@@ -93,10 +93,12 @@ class Rollouts:
             ids = ids[:1] + ids[len(ids) - self.max_prompt_tokens + 1 :]
         return ids
 
-    def generate(self, prompts: Sequence[str], n: int, seed: int, step: int) -> RolloutBatch:
-        """``n`` completions of each prompt, all queued at once (one continuously batched set)."""
+    def generate(self, prompts: Sequence[str], n: int, seed: int, step: int, first: int = 0) -> RolloutBatch:
+        """``n`` completions of each prompt, all queued at once (one continuously batched set);
+        ``first``: the index of the first request in the step's batch (a data-parallel rank's rows
+        sample what they would in one process)."""
         ids = [self.encode(p) for p in prompts for _ in range(n)]
-        params = [self.params.replace(seed=request_seed(seed, step, i)) for i in range(len(ids))]
+        params = [self.params.replace(seed=request_seed(seed, step, first + i)) for i in range(len(ids))]
         t0 = time.perf_counter()
         done = self.engine.generate(ids, params)
         seconds = time.perf_counter() - t0

@@ -15,10 +15,16 @@ a checkpoint needs no data position or RNG state, and a run killed at any moment
 wall-clock ones apart). As in ``llmkit train``: a step is all or nothing (a first signal lets it
 finish, a second one rolls it back), a resumed run takes its settings from the config given now
 (``FIXED_ON_RESUME`` lists what it cannot change) and its state from the checkpoint.
+
+Data parallel (``parallel.dp``, see parallel.py): every rank runs this loop; rank 0 alone draws
+the progress bar, writes ``metrics.jsonl`` and the checkpoints (the state is the same on every
+rank), and the ranks agree on a signal before each step, so they stop after the same one. The
+checkpoint is the one-process run's, so ``--resume`` may change ``parallel.dp``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -37,6 +43,8 @@ from llmkit.train.checkpoint import COMPLETE, OPTIMIZER, TRAINER_STATE, ResumeEr
 from llmkit.train.config import ConfigError, dump_config, resume_changes
 from llmkit.train.metrics import MetricsLog
 from llmkit.train.trainer import SCHEDULES, Interrupted, StopSignals
+
+from .parallel import DataParallel
 
 TIMINGS = ("gen_s", "train_s", "sync_s", "gen_tokens_per_s", "step_s")  # wall-clock metrics
 
@@ -74,6 +82,7 @@ class Run:
 
     def __init__(self, cfg: Any, resume: bool = False, quiet: bool = False) -> None:
         self.cfg, self.quiet = cfg, quiet
+        self.dp = DataParallel.join(cfg.parallel.dp)
         self.out = Path(cfg.out_dir)
         self.step = 0
         self.extra_layers = {}
@@ -97,13 +106,21 @@ class Run:
         if self.resumed_from is not None:
             self.load_checkpoint(self.resumed_from)
             self._saved_step = self.step
-        self.out.mkdir(parents=True, exist_ok=True)
-        dump_config(self.cfg, self.out / "config.yaml")
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate_after=self.step)
+        self.metrics: MetricsLog | None = None
+        if self.dp.is_rank0:  # rank 0 alone writes
+            self.out.mkdir(parents=True, exist_ok=True)
+            dump_config(self.cfg, self.out / "config.yaml")
+            self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate_after=self.step)
 
     def train_step(self) -> dict[str, Any]:
         """Run step ``self.step`` (0-based); return its metrics."""
         raise NotImplementedError
+
+    def dp_stats(self, stats: dict[str, float]) -> dict[str, float]:
+        """A step's statistics, on each rank its rows' share of the whole batch's, summed over the
+        ranks (``grad_norm``, of the summed gradients, is the whole batch's on every rank)."""
+        keys = [k for k in stats if k != "grad_norm"]
+        return {**stats, **dict(zip(keys, self.dp.sum([stats[k] for k in keys], "step stats").tolist()))}
 
     def rolled_back(self) -> None:
         """After an aborted step's state was restored (the engine must forget what it cached)."""
@@ -122,7 +139,7 @@ class Run:
         before = [t.detach() for t in self._state]  # arrays are rebound, never written: a snapshot
         t0 = time.perf_counter()
         try:
-            with stop.abortable():
+            with self._abortable(stop):
                 row = self.train_step()
         except KeyboardInterrupt:
             for t, value in zip(self._state, before, strict=True):
@@ -137,27 +154,40 @@ class Run:
         self.step += 1
         return {"step": self.step, **row, "lr": lr, "step_s": time.perf_counter() - t0}
 
-    def fit(self) -> dict[str, Any]:
+    def _abortable(self, stop: StopSignals) -> contextlib.AbstractContextManager[None]:
+        """A second signal aborts a step or evaluation, except with several ranks: one rank
+        leaving a collective would leave the others waiting, so there every signal waits for the
+        step's end (as ``llmkit train`` over MPI)."""
+        return stop.abortable() if self.dp.size == 1 else contextlib.nullcontext()
+
+    def _stopping(self, stop: StopSignals) -> bool:
+        """Whether to stop before the next step; the ranks agree (a signal may reach one first)."""
+        agreed = int(self.dp.max([stop.signum or 0], "stop signal")[0])
+        stop.signum = stop.signum or agreed or None
+        return agreed != 0
+
+    def fit(self, stop: StopSignals | None = None) -> dict[str, Any]:
         """Run to ``train.steps``. On SIGINT or SIGTERM: finish the step in flight (roll it back on a
-        second signal), save a checkpoint and raise ``Interrupted``."""
+        second signal), save a checkpoint and raise ``Interrupted``. ``stop``: signals already
+        handled by the caller (the main thread's, shared by ranks run on threads)."""
         t = self.cfg.train
         bar = tqdm(
             total=t.steps,
             initial=self.step,
-            desc=self.desc,
+            desc=self.desc + (f" x{self.dp.size}" if self.dp.size > 1 else ""),
             unit="step",
-            disable=self.quiet,
+            disable=self.quiet or not self.dp.is_rank0,
             dynamic_ncols=True,
         )
         last: dict[str, Any] = {}
-        with StopSignals() as stop:
+        with StopSignals() if stop is None else contextlib.nullcontext(stop) as stop:
             try:
-                while self.step < t.steps and stop.signum is None:
+                while self.step < t.steps and not self._stopping(stop):
                     row = self._step(stop)
                     if self.step == t.steps or (t.eval_every and self.step % t.eval_every == 0):
-                        with stop.abortable():
+                        with self._abortable(stop):
                             row.update(self.evaluate())
-                    if self.step % t.log_every == 0 or self.step == t.steps:
+                    if self.metrics is not None and (self.step % t.log_every == 0 or self.step == t.steps):
                         self.metrics.write(row)
                     last.update(row)
                     bar.set_postfix({k: _fmt(last[k]) for k in self.shown if k in last}, refresh=False)
@@ -176,9 +206,10 @@ class Run:
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        """The run's state at ``self.step`` (once per step), atomically; the newest ``keep_last`` kept."""
+        """The run's state at ``self.step`` (once per step, by rank 0), atomically; the newest
+        ``keep_last`` kept."""
         path = checkpoint.checkpoint_dir(self.out, self.step)
-        if self._saved_step == self.step:
+        if self._saved_step == self.step or not self.dp.is_rank0:
             return path
         with atomic_dir(path) as tmp:
             self.model.save_pretrained(tmp / "model")

@@ -11,6 +11,13 @@ One step::
 The rollout's log-probs are the behaviour policy's (``old_logp``): with exact log-probs they are
 the trainer's own bit for bit (``logprob_diff_max`` = 0, the first ratio 1.0), so no separate
 recomputation pass is needed.
+
+Data parallel (parallel.py): rank r takes its share of the step's prompts with all their samples
+(rows ``first .. first + B/dp - 1`` of the step's B), so the advantages of GRPO's and RLOO's groups
+are computed where the group is; PPO whitens with the whole batch's statistics. The minibatches are
+the one-process run's (the same permutation of the B rows): each rank runs its rows of each one
+(a masked-out row when it has none) with the whole minibatch's counts, and the compiled step sums
+the gradients over the ranks. Metrics are the whole batch's.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class StepData:
     ref_logp: np.ndarray  # [B, S]
     values: np.ndarray | None  # [B, S]
     group: int  # samples per prompt
+    total: Callable[[np.ndarray], np.ndarray]  # an array summed over the data-parallel ranks
 
 
 def _per_token(seq: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -71,7 +79,7 @@ def _ppo(d: StepData, r: Any) -> tuple[np.ndarray, np.ndarray]:
     token_rewards[np.arange(len(last)), last] += d.rewards
     adv, returns = A.gae(token_rewards, d.values, mask, r.gamma, r.lam)
     if r.whiten_advantages:
-        adv = A.whiten(adv, mask)
+        adv = A.whiten(adv, mask, total=d.total)
     return adv, returns
 
 
@@ -95,8 +103,19 @@ def make_loss(cfg: RLHFConfig, algo: Algorithm) -> Callable[..., tuple[Any, dict
     r, temperature = cfg.rlhf, cfg.rollout.temperature
 
     def loss_fn(
-        logp, logits, values, mask, old_logp, advantages, ref_logp=None, old_values=None, returns=None
+        logp,
+        logits,
+        values,
+        mask,
+        old_logp,
+        advantages,
+        tokens,
+        sequences,
+        ref_logp=None,
+        old_values=None,
+        returns=None,
     ):
+        counts = {"token": tokens, "sequence": sequences}
         loss, stats = A.clipped_policy_loss(
             logp,
             old_logp,
@@ -108,13 +127,14 @@ def make_loss(cfg: RLHFConfig, algo: Algorithm) -> Callable[..., tuple[Any, dict
             kl_coef=r.kl_coef,
             kl_estimator=r.kl_estimator,
             aggregation=r.loss_aggregation,
+            counts=counts,
         )
         stats.pop("kl", None)  # reported from the rollout (the same for every algorithm)
-        ent = A.masked_mean(O.cast(A.entropy(logits, temperature), "float64"), mask)
+        ent = A.masked_mean(O.cast(A.entropy(logits, temperature), "float64"), mask, counts)
         stats["entropy"] = ent
         if values is not None:
             vloss, vstats = A.clipped_value_loss(
-                O.cast(values, "float64"), old_values, returns, mask, r.value_clip
+                O.cast(values, "float64"), old_values, returns, mask, r.value_clip, counts
             )
             loss = loss + r.vf_coef * vloss
             stats.update(vstats, value_loss=vloss)
@@ -158,7 +178,7 @@ class PolicyTrainer(Run):
         )
         layers = [self.model] + ([self.value_head] if self.value_head is not None else [])
         self.optimizer = build_optimizer(cfg.optim, layers)
-        self.inputs = ("mask", "old_logp", "advantages")
+        self.inputs = ("mask", "old_logp", "advantages")  # per row; then the minibatch's counts
         if self.algo.kl_in_loss and self.reference is not None:
             self.inputs += ("ref_logp",)
         if self.value_head is not None:
@@ -167,11 +187,12 @@ class PolicyTrainer(Run):
             self.model,
             self.optimizer,
             make_loss(cfg, self.algo),
-            self.inputs,
+            (*self.inputs, "tokens", "sequences"),
             self.exact,
             ro.temperature,
             cfg.optim.grad_clip,
             self.value_head,
+            self.dp.group if self.dp.size > 1 else None,
         )
         self.ref_score = (
             policy.scorer(self.reference, self.exact, ro.temperature) if self.reference is not None else None
@@ -185,10 +206,12 @@ class PolicyTrainer(Run):
 
     # ---- one step ----------------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
-        cfg, ro = self.cfg, self.cfg.rollout
+        cfg, ro, dp = self.cfg, self.cfg.rollout, self.dp
         rows = step_rows(self.prompts, ro.prompts_per_step, cfg.train.seed, self.step)
+        rows = rows[dp.rows(len(rows))]  # this rank's prompts, each with its n samples
+        first = dp.rows(ro.prompts_per_step).start * ro.n  # its first row of the step's batch
         prompts = [row["prompt"] for row in rows]
-        batch = self.rollouts.generate(prompts, ro.n, cfg.train.seed, self.step)
+        batch = self.rollouts.generate(prompts, ro.n, cfg.train.seed, self.step, first)
         columns = {k: [row[k] for row in rows for _ in range(ro.n)] for k in rows[0] if k != "prompt"}
         rewards = self.reward(
             [p for p in prompts for _ in range(ro.n)], batch.texts, batch.completion_ids, columns
@@ -204,61 +227,80 @@ class PolicyTrainer(Run):
         if self.pre_score is not None:
             pre = self.pre_score(tokens.ids, tokens.targets, *segments)
             values, diff = pre["values"].astype(np.float64), _diff(pre["logp"], roll, mask)
-        data = StepData(tokens, rewards, roll, ref, values, ro.n)
+        data = StepData(tokens, rewards, roll, ref, values, ro.n, dp.sum)
         advantages, returns = self.algo.advantages(data, cfg.rlhf)
         per_row = {"mask": mask, "old_logp": roll, "advantages": advantages, "ref_logp": ref}
         if values is not None:
             per_row.update(old_values=values, returns=returns)
-        stats, first_diff = self._update(tokens, per_row)
+        # every row's response length (its masked tokens): the minibatches' counts, and a metric
+        lengths = dp.gather(np.array([len(c) for c in batch.completion_ids], np.int64), what="lengths")
+        stats, first_diff = self._update(tokens, per_row, first, lengths)
         train_s = time.perf_counter() - t0
 
         sync_s = self.rollouts.sync()
         kl = A.KL_ESTIMATORS[cfg.rlhf.kl_estimator](lf.tensor(roll), lf.tensor(ref)).numpy()
+        all_rewards = dp.gather(rewards, what="rewards")
+        kl_sum, tokens_sum, gen_tokens = dp.sum([(kl * mask).sum(), mask.sum(), batch.num_tokens], "kl")
+        worst = dp.max([first_diff if diff is None else diff, batch.seconds, train_s, sync_s], "timings")
         return {
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "kl": float((kl * mask).sum() / max(mask.sum(), 1.0)),
+            "reward_mean": float(all_rewards.mean()),
+            "reward_std": float(all_rewards.std()),
+            "kl": float(kl_sum / max(tokens_sum, 1.0)),
             **stats,
-            "logprob_diff_max": first_diff if diff is None else diff,
-            "response_len_mean": float(np.mean([len(c) for c in batch.completion_ids])),
-            "gen_tokens_per_s": batch.num_tokens / batch.seconds,
-            "gen_s": batch.seconds,
-            "train_s": train_s,
-            "sync_s": sync_s,
+            "logprob_diff_max": float(worst[0]),
+            "response_len_mean": float(lengths.mean()),
+            "gen_tokens_per_s": float(gen_tokens / worst[1]),
+            "gen_s": float(worst[1]),
+            "train_s": float(worst[2]),
+            "sync_s": float(worst[3]),
         }
 
-    def _update(self, tokens: TokenBatch, per_row: dict[str, np.ndarray]) -> tuple[dict[str, float], float]:
+    def _update(
+        self, tokens: TokenBatch, per_row: dict[str, np.ndarray], first: int, lengths: np.ndarray
+    ) -> tuple[dict[str, float], float]:
         """``epochs`` passes of ``minibatches`` compiled steps over the step's rows: the means of
-        their metrics, and the log-prob difference of the first (pre-update) minibatch."""
+        their metrics, and the log-prob difference of the first (pre-update) minibatch on this rank.
+
+        The minibatches are cut from the whole batch (``lengths``: every row's masked tokens);
+        this rank runs the rows of each that it holds (rows ``first ..`` of the batch)."""
         r, n = self.cfg.rlhf, len(tokens.ids)
         totals: dict[str, float] = {}
         first_diff, calls = None, 0
         for epoch in range(r.epochs):
-            order = np.random.default_rng([self.cfg.train.seed, self.step, epoch]).permutation(n)
+            order = np.random.default_rng([self.cfg.train.seed, self.step, epoch]).permutation(len(lengths))
             for part in np.array_split(order, r.minibatches):
                 if not len(part):
                     continue
-                rows = np.sort(part)
-                ids, targets = tokens.ids[rows], tokens.targets[rows]
-                width = int(tokens.lengths[rows].max())  # the minibatch's own padding
-                ids, targets = ids[:, :width], targets[:, :width]
-                arrays = [per_row[k][rows][:, :width] for k in self.inputs]
-                out = self.step_fn(ids, targets, *policy.segment_arrays(len(rows), width), *arrays)
-                if first_diff is None:
-                    first_diff = _diff(
-                        out["logp"], per_row["old_logp"][rows][:, :width], per_row["mask"][rows][:, :width]
-                    )
+                counts = [float(max(lengths[part].sum(), 1)), float(len(part))]  # tokens, sequences
+                rows = np.sort(part[(part >= first) & (part < first + n)]) - first
+                out = self.step_fn(*self._minibatch(tokens, per_row, rows), *counts)
+                if first_diff is None:  # before the first update (no rows here: nothing to compare)
+                    width = out["logp"].shape[1]
+                    old, mask = (per_row[k][rows][:, :width] for k in ("old_logp", "mask"))
+                    first_diff = _diff(out["logp"], old, mask) if len(rows) else 0.0
                 for k, v in out.items():
                     if k != "logp":
                         totals[k] = totals.get(k, 0.0) + float(v)
                 calls += 1
-        return {k: v / calls for k, v in totals.items()}, first_diff
+        return {k: v / calls for k, v in self.dp_stats(totals).items()}, first_diff
+
+    def _minibatch(self, tokens: TokenBatch, per_row: dict[str, np.ndarray], rows: np.ndarray) -> list:
+        """The step's inputs for ``rows`` of this rank's batch, at the rows' own padding; no rows
+        (another rank holds the whole minibatch): one masked-out row, which adds exactly zero to the
+        loss, the statistics and the gradients."""
+        if not len(rows):
+            zeros = np.zeros((1, 1), np.int64)
+            return [zeros, zeros, *policy.segment_arrays(1, 1), *(np.zeros((1, 1)) for _ in self.inputs)]
+        width = int(tokens.lengths[rows].max())  # the minibatch's own padding
+        ids, targets = tokens.ids[rows][:, :width], tokens.targets[rows][:, :width]
+        arrays = [per_row[k][rows][:, :width] for k in self.inputs]
+        return [ids, targets, *policy.segment_arrays(len(rows), width), *arrays]
 
     def rolled_back(self) -> None:
         self.rollouts.sync()
 
     def finish(self) -> None:
-        if not self.quiet:
+        if not self.quiet and self.dp.is_rank0:
             prompts = [row["prompt"] for row in self.prompts[:2]]
             batch = self.rollouts.generate(prompts, 1, self.cfg.train.seed, self.cfg.train.steps)
             for p, c in zip(batch.prompt_ids, batch.texts):

@@ -9,7 +9,10 @@
     par.settle()                              # parameters back to their layout (ZeRO 1+: all-gather)
 
 Every move is a ``dist.reshard`` to a placement the plan names, so the same code is an eager step
-on ``sim`` or ``mpi`` and traces into a static program. ZeRO 3 keeps each parameter sharded over dp
+on ``sim`` or ``mpi`` and traces into a static program. A program written per rank (one whose shapes
+change from call to call, which the global view cannot partition: RLHF's steps) reduces its
+gradients with :func:`all_reduce_grads`, the ``dist.all_reduce`` that ``reduce_grads``' P -> R
+becomes in a partitioned program. ZeRO 3 keeps each parameter sharded over dp
 and a layer gathers its own just before its forward (the gathered copy is dropped after it; autograd
 keeps it for the backward unless the layer recomputes).
 """
@@ -21,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ..dispatch import apply
 from ..nn.layer import Layer, replace_payload
 from ..placement import Placement, ProcessMesh, Replicate, Shard
 from ..tensor import Tensor
@@ -174,3 +178,13 @@ class Parallelized:
         mine = {r: np.array([b], np.int64) for r, b in per_rank.items()}
         group = tuple(self.mesh.ranks)
         return int(next(iter(comm.all_reduce(group, mine, "max", "state_bytes").values()))[0])
+
+
+def all_reduce_grads(params: Sequence[Tensor], group: Sequence[int]) -> None:
+    """Data parallel in a per-rank program: each gradient replaced by its sum over the ranks of
+    ``group`` (every rank's loss is its rows' share of the whole batch's, so the sum is the
+    gradient of the whole batch). Eager or traced; every rank of ``group`` must call it."""
+    ranks = tuple(group)
+    for p in params:
+        if p.grad is not None:
+            p.grad = apply("all_reduce", p.grad, group=ranks, reduce="sum")
