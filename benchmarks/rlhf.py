@@ -13,6 +13,12 @@
    exact log-probs and without, alternating over ``--rounds``: the share of the step in generation,
    training and sync, and the cost of running the trainer's forward on the engine's kernels (the
    paired ratio of step and training times).
+4. Data parallel: ``--steps`` steps of ``llmkit rlhf configs/rlhf-tiny.yaml`` run as users run them
+   (the CLI, in a subprocess), on one process and with ``parallel.dp=--dp --nproc --dp`` (mpiexec),
+   alternating over ``--rounds``: step, generation and training times after the first step (which
+   compiles), and the paired one-process / data-parallel step-time ratio. The ranks share the
+   machine's cores (each gets cores / dp BLAS threads), so on a small machine this measures the
+   overhead more than the scaling.
 
 The policy is ``--model`` (a checkpoint or run directory; default ``runs/tiny`` when it exists) or a
 random tiny Llama.
@@ -23,7 +29,10 @@ Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/rlhf.py
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -142,6 +151,27 @@ def steps(args, model_path: str) -> None:
         emit_paired_ratio("rlhf", f"{name}_time_exact_over_not_exact", ours, theirs)
 
 
+def data_parallel(args, model_path: str) -> None:
+    config = ROOT / "configs" / "rlhf-tiny.yaml"
+    per: dict[int, list[dict]] = {1: [], args.dp: []}
+    for _ in range(args.rounds):
+        for dp in per:
+            with tempfile.TemporaryDirectory() as out:
+                cmd = [sys.executable, "-m", "llmkit", "rlhf", str(config), f"model.init_from={model_path}"]
+                cmd += [f"train.steps={args.steps}", "train.save_every=0", "schedule.warmup_steps=0"]
+                cmd += [f"out_dir={out}", "--quiet"]
+                if dp > 1:
+                    cmd += [f"parallel.dp={dp}", "--nproc", str(dp)]
+                subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+                rows = [r for r in _rows(Path(out)) if "gen_s" in r][1:]  # the first step compiles
+                per[dp].append({k: statistics.mean(r[k] for r in rows) for k in TIMINGS})
+    for dp, runs in per.items():
+        for key in ("step_s", "gen_s", "train_s"):
+            emit("rlhf", f"{key}_dp{dp}", statistics.median(r[key] for r in runs), "s", steps=args.steps - 1)
+    one, many = [r["step_s"] for r in per[1]], [r["step_s"] for r in per[args.dp]]
+    emit_paired_ratio("rlhf", f"step_time_dp1_over_dp{args.dp}", one, many, nproc=args.dp)
+
+
 def _rows(out: Path) -> list[dict]:
     from llmkit.train.metrics import read_metrics
 
@@ -157,7 +187,8 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=6, help="llmkit rlhf steps per setting (0: skip part 3)")
+    p.add_argument("--steps", type=int, default=6, help="llmkit rlhf steps per setting (0: skip parts 3, 4)")
+    p.add_argument("--dp", type=int, default=2, help="data-parallel ranks of part 4 (0: skip it)")
     args = p.parse_args()
     emit("rlhf", "machine", 0, "", **machine())
     model, tok, source = policy(args.model)
@@ -165,6 +196,8 @@ def main() -> None:
     rollouts(args, model, tok)
     if args.steps and source != "random":
         steps(args, source)
+        if args.dp > 1 and shutil.which("mpiexec") is not None:
+            data_parallel(args, source)
 
 
 if __name__ == "__main__":

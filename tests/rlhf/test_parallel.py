@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +151,32 @@ def test_a_rank_outside_a_launched_run_is_refused(tmp_path, policy_dir):
     cfg = load_rlhf_config(policy_config(tmp_path, policy_dir, "run", "grpo"), ["parallel.dp=2"])
     with pytest.raises(RuntimeError, match="runs each rank on a thread"):
         PolicyTrainer(cfg, quiet=True)
+
+
+def test_nproc_runs_llmkit_rlhf_under_mpiexec(tmp_path, policy_dir, capsys, monkeypatch):
+    """``--nproc`` is llmkit train's (its mpiexec command line, checks and errors), for each job."""
+    from llmkit.train.cli import mpiexec_command
+
+    cfg = policy_config(tmp_path, policy_dir, "run", "grpo")
+    assert cli_main(["rlhf", str(cfg), "parallel.dp=2", "--nproc", "3"]) == 2
+    assert "parallel.dp (2) x parallel.tp (1) = 2 ranks, but --nproc is 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        cli_main(["rlhf", str(cfg), "--hostfile", "hosts"])
+    assert "--hostfile goes with --nproc" in capsys.readouterr().err
+    monkeypatch.setattr("shutil.which", lambda name: f"/bin/{name}")
+    rlhf = load_rlhf_config(cfg, ["parallel.dp=2"])
+    for command in (("rlhf",), ("rlhf", "reward")):
+        cmd, _ = mpiexec_command(rlhf, 2, None, ["c.yaml", "--quiet"], command)
+        assert cmd[cmd.index("-n") :] == [
+            "-n",
+            "2",
+            sys.executable,
+            "-m",
+            "llmkit",
+            *command,
+            "c.yaml",
+            "--quiet",
+        ]
 
 
 # ---- whole runs --------------------------------------------------------------------------------------
