@@ -189,14 +189,20 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="llmkit rlhf steps per setting (0: skip parts 3, 4)")
     p.add_argument("--dp", type=int, default=2, help="data-parallel ranks of part 4 (0: skip it)")
+    p.add_argument(
+        "--parts", default="rollouts,steps,dp", help="which parts to run: rollouts (1, 2), steps (3), dp (4)"
+    )
     args = p.parse_args()
     emit("rlhf", "machine", 0, "", **machine())
     model, tok, source = policy(args.model)
     emit("rlhf", "policy", 0, "", source=source, parameters=sum(x.size for x in model.parameters()))
-    rollouts(args, model, tok)
-    if args.steps and source != "random":
-        steps(args, source)
-        if args.dp > 1 and shutil.which("mpiexec") is not None:
+    parts = set(args.parts.split(","))
+    if "rollouts" in parts:
+        rollouts(args, model, tok)
+    if args.steps and source != "random":  # llmkit rlhf runs start from a checkpoint
+        if "steps" in parts:
+            steps(args, source)
+        if "dp" in parts and args.dp > 1 and shutil.which("mpiexec") is not None:
             data_parallel(args, source)
 
 
