@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
     from llmkit.framework.distributed import CollectiveError
     from llmkit.framework.distributed.comm import launched_by_mpi
 
-    from .parallel import run_ranks
+    from .parallel import run_on_ranks
 
     def rank(stop: Any) -> int:
         trainer = build(cfg, a.resume, a.quiet)
@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
         return 0
 
     try:
-        return run_ranks(rank, cfg.parallel.dp)
+        return run_on_ranks(rank, cfg.parallel.dp)
     except CollectiveError as e:  # under mpiexec: a rank died or hangs; name it, do not wait for it
         if not launched_by_mpi():
             raise

@@ -46,7 +46,7 @@ class DataParallel:
             if rank is None or rank >= dp:
                 raise RuntimeError(
                     f"parallel.dp={dp} in one process runs each rank on a thread: build the job inside "
-                    "llmkit.rlhf.parallel.run_ranks (as llmkit rlhf does), or launch with --nproc"
+                    "llmkit.rlhf.parallel.run_on_ranks (as llmkit rlhf does), or launch with --nproc"
                 )
             return cls(rank, dp)
         if b.world_size != dp:
@@ -99,7 +99,7 @@ class DataParallel:
         return comm.all_gather(self.group, {self.rank: a}, 0, sizes, where)[self.rank]
 
 
-def run_ranks(job: Callable[[StopSignals | None], T], dp: int) -> T:
+def run_on_ranks(job: Callable[[StopSignals | None], T], dp: int) -> T:
     """``job(stop)`` on this process's data-parallel ranks; returns rank 0's result (under mpiexec:
     this process's). One rank, or one process per rank (mpiexec): ``job(None)`` here, its run
     handles signals itself. Several ranks in one process: one thread per rank on the ``sim``
