@@ -154,29 +154,20 @@ def test_a_rank_outside_a_launched_run_is_refused(tmp_path, policy_dir):
 
 
 def test_nproc_runs_llmkit_rlhf_under_mpiexec(tmp_path, policy_dir, capsys, monkeypatch):
-    """``--nproc`` is llmkit train's (its mpiexec command line, checks and errors), for each job."""
-    from llmkit.train.cli import mpiexec_command
-
+    """``--nproc`` takes llmkit train's launcher (its mpiexec command line and checks), for each job."""
     cfg = policy_config(tmp_path, policy_dir, "run", "grpo")
     assert cli_main(["rlhf", str(cfg), "parallel.dp=2", "--nproc", "3"]) == 2
-    assert "parallel.dp (2) x parallel.tp (1) = 2 ranks, but --nproc is 3" in capsys.readouterr().err
+    assert "parallel.dp (2) ranks, but --nproc is 3" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="2"):
         cli_main(["rlhf", str(cfg), "--hostfile", "hosts"])
-    assert "--hostfile goes with --nproc" in capsys.readouterr().err
     monkeypatch.setattr("shutil.which", lambda name: f"/bin/{name}")
-    rlhf = load_rlhf_config(cfg, ["parallel.dp=2"])
-    for command in (("rlhf",), ("rlhf", "reward")):
-        cmd, _ = mpiexec_command(rlhf, 2, None, ["c.yaml", "--quiet"], command)
-        assert cmd[cmd.index("-n") :] == [
-            "-n",
-            "2",
-            sys.executable,
-            "-m",
-            "llmkit",
-            *command,
-            "c.yaml",
-            "--quiet",
-        ]
+    ran = []
+    monkeypatch.setattr("llmkit.rlhf.cli.relaunch", lambda cmd, env: ran.append(cmd) or 0)
+    pairs = pair_config(tmp_path, policy_dir, "pairs", reward_model=True)
+    for command, config in ((["rlhf"], cfg), (["rlhf", "reward"], pairs)):
+        assert cli_main([*command, str(config), "parallel.dp=2", "--nproc", "2", "--quiet"]) == 0
+        tail = ["-n", "2", sys.executable, "-m", "llmkit", *command, str(config), "parallel.dp=2", "--quiet"]
+        assert ran[-1][ran[-1].index("-n") :] == tail
 
 
 # ---- whole runs --------------------------------------------------------------------------------------
