@@ -18,7 +18,9 @@ from llmkit.infer import Engine, EngineConfig, SamplingParams
 from llmkit.models.llama import LlamaForCausalLM
 from llmkit.quant.cli import default_out, resolve_model_dir
 
-pytestmark = pytest.mark.slow
+# slow: the session fixture trains the tiny model first (~1.5 min on 2 free cores, far longer on a
+# shared machine), which counts against the first test's timeout
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 RUNS = {  # name -> llmkit quantize arguments
     "int8": ["--bits", "8", "--method", "rtn"],
