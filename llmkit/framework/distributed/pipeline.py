@@ -32,16 +32,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..autograd import accumulate_deferred, run_backward
 from ..nn import Layer, LayerDict
 from ..opspec import Meta
 from ..optim import clip_grad_norm_
 from ..placement import Placement, ProcessMesh, local_shape
-from ..tape import enable_grad, no_grad
+from ..tape import no_grad
 from ..tensor import Tensor
 from .api import from_local, reshard
 from .comm import get_backend
 from .dist_array import DistArray
+from .pipeline_jobs import RUNNERS
 from .schedule import Job, Schedule, make_schedule
 
 ACTIVATION, GRADIENT = 0, 1  # message kinds (part of each message's tag)
@@ -56,8 +56,10 @@ class PipelineError(ValueError):
 
 @dataclass(frozen=True)
 class Piece:
-    """Part of a model a stage holds whole: the sublayers it runs (dotted names in the model) and
-    ``run(layers, *inputs)``, where ``layers`` maps those names to the stage's copies."""
+    """Part of a model a stage holds whole: the members it uses (dotted names in the model of
+    sublayers, or of tensors it reads, such as buffers) and ``run(layers, *inputs)``, where
+    ``layers`` maps those names to the rank's own (under ``sim``: copied, as tracing a stage on one
+    thread must never touch another's tensors)."""
 
     layers: tuple[str, ...]
     run: Callable[..., Tensor]
@@ -135,8 +137,9 @@ def balance(costs: Sequence[float], n_stages: int, head: float = 0.0, tail: floa
 
 
 def stage_layers(model: Layer, names: Sequence[str]) -> Layer:
-    """A Layer holding the sublayers ``names`` of ``model`` under the same dotted names (so a
-    plan's globs and a checkpoint's names apply to a stage as to the whole model)."""
+    """A Layer holding the members ``names`` of ``model`` (sublayers, or tensors such as buffers a
+    piece reads) under the same dotted names, so a plan's globs and a checkpoint's names apply to a
+    stage as to the whole model."""
     root = LayerDict()
     for name in names:
         *path, leaf = name.split(".")
@@ -145,15 +148,20 @@ def stage_layers(model: Layer, names: Sequence[str]) -> Layer:
             if part not in node:
                 node[part] = LayerDict()
             node = node[part]
-        node[leaf] = _sublayer(model, name)
+        m = member(model, name)
+        if isinstance(m, Layer):
+            node[leaf] = m
+        else:
+            node.register_buffer(leaf, m, persistent=False)
     return root
 
 
-def _sublayer(model: Layer, name: str) -> Layer:
-    layer = model
+def member(model: Layer, name: str) -> Any:
+    """The sublayer, parameter or buffer at dotted ``name``."""
+    m: Any = model
     for part in name.split("."):
-        layer = layer._sublayers[part] if part in layer._sublayers else getattr(layer, part)
-    return layer
+        m = m._sublayers[part] if part in m._sublayers else getattr(m, part)
+    return m
 
 
 # ---- how a stage's ranks lay it out ----------------------------------------------------------------------
@@ -281,18 +289,35 @@ class Pipeline:
             lines.append(f"stage {s} (pp {s % self.schedule.pp}): layers {r.start}-{r.stop - 1}{extra}")
         return "\n".join(lines)
 
-    def for_rank(self, rank: int, layout: Callable[[Layer, ProcessMesh], Any] | None = None) -> RankPipeline:
+    def for_rank(
+        self,
+        rank: int,
+        layout: Callable[[Layer, ProcessMesh], Any] | None = None,
+        mode: str = "eager",
+        compiler: str | None = None,
+    ) -> RankPipeline:
         """What rank ``rank`` runs. Under ``sim`` (ranks on threads of one process) its stages'
         layers are copies, so every rank owns its parameters, as every process does under MPI.
-        ``layout(stage_layers, stage_mesh)`` places them (None: :class:`Replicas`, data parallel)."""
-        return RankPipeline(self, rank, layout)
+        ``layout(stage_layers, stage_mesh)`` places them (None: :class:`Replicas`, data parallel).
+        ``mode``: "eager" (autograd) or "static" (each stage's jobs as compiled programs, with
+        ``compiler`` as ``to_static`` takes it)."""
+        if mode not in RUNNERS:
+            raise PipelineError(f"mode {mode!r}: use one of {', '.join(RUNNERS)}")
+        return RankPipeline(self, rank, layout, mode, compiler)
 
 
 class RankPipeline:
     """One rank's stages, its job list, and the messages to and from its neighbours."""
 
-    def __init__(self, pipe: Pipeline, rank: int, layout: Callable[[Layer, ProcessMesh], Any] | None) -> None:
-        self.pipe, self.rank = pipe, rank
+    def __init__(
+        self,
+        pipe: Pipeline,
+        rank: int,
+        layout: Callable[[Layer, ProcessMesh], Any] | None,
+        mode: str = "eager",
+        compiler: str | None = None,
+    ) -> None:
+        self.pipe, self.rank, self.compiler = pipe, rank, compiler
         mesh, sched = pipe.mesh, pipe.schedule
         coord = mesh.coord(rank)
         self.pp_dim = mesh.dim("pp")
@@ -303,17 +328,22 @@ class RankPipeline:
         names = list(dict.fromkeys(names))  # a tied weight's layer may serve two pieces
         held = stage_layers(pipe.parts.model, names)
         self.layers = copy.deepcopy(held) if get_backend().name == "sim" else held
-        self.named = {n: _sublayer(self.layers, n) for n in names}
+        self.named = {n: member(self.layers, n) for n in names}
         # layers held by several pipeline ranks (a tied embedding, on the first and last stage):
         # their gradients are summed over the holders, and counted once in the gradient norm
         holders: dict[str, set[int]] = {}
         for s in range(sched.stages):
             for n in (n for p in pipe.pieces(s) for n in p.layers):
                 holders.setdefault(n, set()).add(sched.rank_of(s))
-        self.shared = {n: tuple(sorted(holders[n])) for n in names if len(holders[n]) > 1}
+        self.shared = {
+            n: tuple(sorted(holders[n]))
+            for n in names
+            if len(holders[n]) > 1 and isinstance(self.named[n], Layer) and self.named[n].parameters()
+        }
         self.layout = (layout or Replicas)(self.layers, self.stage_mesh)
         self.params = {id(p) for p in self.layers.parameters()}
         self.jobs = sched.jobs[self.pp_rank]
+        self.runners = {s: RUNNERS[mode](self, s) for s in self.my_stages}
         self.losses: list[Tensor] = []
         self.peak_held = 0  # the most micro-batches' activations held at once (the schedule's memory)
 
@@ -338,11 +368,14 @@ class RankPipeline:
         local = x.shards[self.rank] if isinstance(x, DistArray) else x
         get_backend().send(self.rank, to, local, f"pipeline send to rank {to}", self._tag(kind, stage, micro))
 
+    def local_boundary_shape(self) -> tuple[int, ...]:
+        """This rank's shape of an activation crossing between stages."""
+        meta, ps, sm = self.boundary, self.layout.batch_placements, self.stage_mesh
+        return meta.shape if ps is None else local_shape(meta.shape, sm.shape, ps, sm.coord(self.rank))
+
     def _recv(self, kind: int, stage: int, micro: int, frm: int) -> Tensor:
-        meta = self.boundary
-        ps = self.layout.batch_placements
-        sm = self.stage_mesh
-        shape = meta.shape if ps is None else local_shape(meta.shape, sm.shape, ps, sm.coord(self.rank))
+        meta, ps, sm = self.boundary, self.layout.batch_placements, self.stage_mesh
+        shape = self.local_boundary_shape()
         what = f"pipeline recv from rank {frm} (stage {stage}, micro-batch {micro})"
         a = get_backend().recv(frm, self.rank, shape, meta.dtype, what, self._tag(kind, stage, micro))
         t = Tensor(a) if ps is None else from_local({self.rank: a}, sm, ps, meta.shape)
@@ -377,43 +410,35 @@ class RankPipeline:
     def forward(self, job: Job) -> None:
         s, i = job.stage, job.micro
         last = s == self.pipe.schedule.stages - 1
-        pieces = self.pipe.pieces(s)
         if s == 0:
-            x = None
-            h, target = self._batch(i)
+            x, target = self._batch(i)
         else:
-            x = h = self._recv(ACTIVATION, s - 1, i, self.rank_of_stage(s - 1))
+            x = self._recv(ACTIVATION, s - 1, i, self.rank_of_stage(s - 1))
             x.requires_grad = True
             target = self._batch(i)[1] if last else None
-        with enable_grad():
-            for p in pieces:
-                h = p.run(self.named, h, target) if p is self.pipe.parts.last else p.run(self.named, h)
-            if last:
-                h = h / float(self.pipe.schedule.micro_batches)
-                self.losses.append(h.detach())
-        if not last:
-            self._send(ACTIVATION, s, i, self.rank_of_stage(s + 1), h)
-        self.held[(s, i)] = (x, h)
+        y, self.held[(s, i)] = self.runners[s].forward(x, target)
         self.peak_held = max(self.peak_held, len(self.held))
+        if last:
+            self.losses.append(y.detach())
+        else:
+            self._send(ACTIVATION, s, i, self.rank_of_stage(s + 1), y)
 
     def backward(self, job: Job) -> None:
         s, i = job.stage, job.micro
         split = self.pipe.schedule.split_backward
-        x, y = self.held[(s, i)] if split else self.held.pop((s, i))
-        if s == self.pipe.schedule.stages - 1:
-            g = _ones_like(y)
-        else:
-            g = self._recv(GRADIENT, s + 1, i, self.rank_of_stage(s + 1))
-        defer = (lambda t: id(t) in self.params) if split else None
-        got = run_backward([y], [g], defer=defer)
+        state = self.held[(s, i)] if split else self.held.pop((s, i))
+        last = s == self.pipe.schedule.stages - 1
+        g = None if last else self._recv(GRADIENT, s + 1, i, self.rank_of_stage(s + 1))
+        dx, pending = self.runners[s].backward(state, g, split)
         if split:
-            self.deferred[(s, i)] = got
-        if x is not None:
-            self._send(GRADIENT, s, i, self.rank_of_stage(s - 1), x.grad)
+            self.deferred[(s, i)] = pending
+        if s > 0:
+            self._send(GRADIENT, s, i, self.rank_of_stage(s - 1), dx)
 
     def weight(self, job: Job) -> None:
-        accumulate_deferred(self.deferred.pop((job.stage, job.micro)))
-        self.held.pop((job.stage, job.micro))
+        key = (job.stage, job.micro)
+        self.runners[job.stage].weight(self.deferred.pop(key))
+        self.held.pop(key)
 
     # ---- after the jobs -------------------------------------------------------------------------------
     def pp_group(self) -> tuple[int, ...]:
@@ -478,13 +503,6 @@ class RankPipeline:
         total = self._pp_sum(np.asarray(local), "pipeline gradient norm")
         self._squares = Tensor(x.with_shards({self.rank: total}) if isinstance(x, DistArray) else total)
         return self._squares
-
-
-def _ones_like(y: Tensor) -> Tensor:
-    from ..dispatch import O
-
-    with no_grad():
-        return O.ones_like(y)
 
 
 RUN: Mapping[str, Callable[[RankPipeline, Job], None]] = {

@@ -2,8 +2,8 @@
 
 Each piece names the sublayers it runs (Hugging Face names, so a parallel plan's globs and a
 checkpoint's tensors apply to a stage as to the whole model) and costs its forward FLOPs per token
-(``LlamaConfig.flops_per_token``'s count, split by piece), which balances the stages. The RoPE
-tables are read from the model by every stage (they are not trained).
+(``LlamaConfig.flops_per_token``'s count, split by piece), which balances the stages. Decoder
+layers also read the RoPE tables (buffers of ``model.model``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from llmkit.framework.distributed.pipeline import Piece, PipelineParts
 from llmkit.framework.opspec import Meta
 
 from .model import LlamaForCausalLM, causal_positions, lm_loss
+
+ROPE = ("model.rope_cos", "model.rope_sin")
 
 
 def piece_flops(config, seq_len: int) -> tuple[float, float, float]:
@@ -27,7 +29,6 @@ def piece_flops(config, seq_len: int) -> tuple[float, float, float]:
 def pipeline_parts(model: LlamaForCausalLM, seq_len: int | None = None) -> PipelineParts:
     """``model`` as :class:`PipelineParts`; costs at ``seq_len`` (default: the longest context)."""
     c = model.config
-    rope = model.model  # owner of the RoPE tables
     embed_flops, layer_flops, head_flops = piece_flops(c, seq_len or c.max_position_embeddings)
     head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
 
@@ -37,10 +38,10 @@ def pipeline_parts(model: LlamaForCausalLM, seq_len: int | None = None) -> Pipel
     def block(name: str):
         def run(layers, x):
             b, s = x.shape[0], x.shape[1]
-            cos, sin = rope.rope(x.dtype)
+            cos, sin = (layers[t].astype(x.dtype) for t in ROPE)
             return layers[name](x, cos, sin, causal_positions(b, s))
 
-        return Piece((name,), run, layer_flops)
+        return Piece((name, *ROPE), run, layer_flops)
 
     def last(layers, x, labels):
         w = layers[head].weight

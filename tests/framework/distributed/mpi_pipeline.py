@@ -1,7 +1,8 @@
 """Run under ``mpiexec -n 2|4``: pipeline training over MPI in one launch. With 2 processes, pp=2
-with each schedule and a tied-embedding model; with 4, pp=2 x dp=2 with each schedule. Every
-rank's 20-step losses must equal the single-process run (computed here by each process) within
-1e-5 relative. Prints ``ok <checks>`` on rank 0; a failure raises and ends the job with status 1."""
+with each schedule (eager, and static for 1f1b and zero_bubble) and a tied-embedding model; with
+4, pp=2 x dp=2 with each schedule (and static 1f1b). Every rank's 20-step losses must equal the
+single-process run (computed here by each process) within 1e-5 relative. Prints ``ok <checks>``
+on rank 0; a failure raises and ends the job with status 1."""
 
 from __future__ import annotations
 
@@ -15,17 +16,17 @@ if __name__ == "__main__":
     assert comm.name == "mpi"
     n, rank = comm.world_size, comm.rank
     data = batches()
-    runs = [({}, name) for name in SCHEDULES]
+    runs = [({}, name, "eager") for name in SCHEDULES] + [({}, "1f1b", "static")]
     if n == 2:
-        runs.append(({"tie_word_embeddings": True}, "1f1b"))
+        runs += [({}, "zero_bubble", "static"), ({"tie_word_embeddings": True}, "1f1b", "eager")]
     checks = 0
     reference = {}
-    for overrides, name in runs:
+    for overrides, name, mode in runs:
         key = tuple(overrides.items())
         want = reference[key] = reference.get(key) or single(data, **overrides)
-        got = pipelined(name, 2, n // 2, data=data, rank=rank, **overrides)[rank]
+        got = pipelined(name, 2, n // 2, data=data, rank=rank, mode=mode, **overrides)[rank]
         err = worst(got, want)
-        assert err <= 1e-5, f"rank {rank} {name} {overrides}: relative difference {err:.2e}"
+        assert err <= 1e-5, f"rank {rank} {name} {mode} {overrides}: relative difference {err:.2e}"
         checks += 1
     comm.barrier()
     if rank == 0:

@@ -112,17 +112,25 @@ class GlobalView:
 
 
 def pipelined(
-    name: str, pp: int, dp: int = 1, data=None, rank: int | None = None, layout=None, **overrides
+    name: str,
+    pp: int,
+    dp: int = 1,
+    data=None,
+    rank: int | None = None,
+    layout=None,
+    mode: str = "eager",
+    **overrides,
 ) -> dict:
     """The pipeline run's losses ``{rank: [...]}``: every rank under sim (threads), or ``rank``'s
-    under MPI."""
+    under MPI. ``mode="static"`` runs each stage's jobs as programs (uncompiled: the compiled ones
+    are tested once, on their own)."""
     data = data or batches()
     m, v = SCHEDULES[name]
     mesh = dist.ProcessMesh((pp, dp), ["pp", "dp"])
     pipe = Pipeline.build(pipeline_parts(model(**overrides), S), mesh, name, m, v)
 
     def body(r: int) -> list[float]:
-        rp = pipe.for_rank(r, layout)
+        rp = pipe.for_rank(r, layout, mode, compiler="none")
         return train(rp.parameters(), rp.step, lambda: (rp.reduce_grads(), rp.clip_grad_norm(1.0)), data)
 
     if rank is not None:
