@@ -189,7 +189,7 @@ def save(trainer: Trainer) -> Path:
     """Write the trainer's state at ``trainer.step`` (every rank calls this); keep the newest
     ``keep_last``."""
     path = checkpoint_dir(trainer.out, trainer.step)
-    if trainer.par is None:
+    if trainer.backend is None:
         with atomic_dir(path) as tmp:
             trainer.model.save_pretrained(tmp / "model")
             tensors, meta = _optimizer_tensors(trainer)
@@ -210,9 +210,13 @@ def _save_sharded(trainer: Trainer, path: Path) -> None:
         shutil.rmtree(stage)  # left by a run that crashed while writing
     comm.barrier()
     model = trainer.model
-    save_shards(dict(model.named_parameters()), stage / "model")
-    tensors, meta = _optimizer_tensors(trainer)
-    save_shards(tensors, stage / OPTIMIZER_DIR)
+    if trainer.pipe is not None:  # each pipeline rank its stages' pieces, under the whole model's names
+        trainer.pipe.save(stage / "model", stage / OPTIMIZER_DIR)
+        meta = trainer.pipe.optimizer_meta()
+    else:
+        save_shards(dict(model.named_parameters()), stage / "model")
+        tensors, meta = _optimizer_tensors(trainer)
+        save_shards(tensors, stage / OPTIMIZER_DIR)
     comm.barrier()  # every rank's pieces are on disk
     if trainer.is_rank0:
         write_config(model.config, model.model.norm.weight.dtype, stage / "model")
@@ -243,22 +247,27 @@ def load(trainer: Trainer, path: Path, state: TrainerState) -> None:
     opt = trainer.optimizer
     try:
         moments = _optimizer_reader(path)
-        tensors = {k: _read(trainer, moments, k) for k in moments.names()}
-        opt_state = optim.unflatten_state_dict(tensors, state.optimizer.model_dump())
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        opt.load_state_dict(opt_state)  # checks everything before it changes anything
-    except (OSError, ValueError) as e:
+        if trainer.pipe is not None:  # every pipeline rank its stages' weights and moments, by name
+            read = trainer.pipe.load(weights, moments, state.optimizer.step)
+        else:
+            tensors = {k: _read(trainer, moments, k) for k in moments.names()}
+            opt_state = optim.unflatten_state_dict(tensors, state.optimizer.model_dump())
+            hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            opt.load_state_dict(opt_state)  # checks everything before it changes anything
+    except (OSError, ValueError, KeyError) as e:
         where = path / (OPTIMIZER if (path / OPTIMIZER).exists() else OPTIMIZER_DIR)
         raise ResumeError(f"{where}: {e}") from None
-    for group, h in zip(opt.param_groups, hyper, strict=True):
-        group.update(h)  # this run's lr, betas, weight decay... (a resumed run may change them)
+    if trainer.pipe is None:
+        for group, h in zip(opt.param_groups, hyper, strict=True):
+            group.update(h)  # this run's lr, betas, weight decay... (a resumed run may change them)
     try:
         lf.backend.set_rng_state(state.rng)
     except (KeyError, TypeError, ValueError) as e:
         raise ResumeError(f"{path / TRAINER_STATE}: rng: {e!r}") from None
-    _set_weights(trainer, weights, names)
-    per_rank = [weights.rank_bytes.get(r, 0) + moments.rank_bytes.get(r, 0) for r in weights.rank_bytes]
-    read = max(per_rank) if per_rank else weights.bytes_read + moments.bytes_read
+    if trainer.pipe is None:
+        _set_weights(trainer, weights, names)
+        per_rank = [weights.rank_bytes.get(r, 0) + moments.rank_bytes.get(r, 0) for r in weights.rank_bytes]
+        read = max(per_rank) if per_rank else weights.bytes_read + moments.bytes_read
     trainer.load_report = (read, weights.total_bytes + moments.total_bytes, peak_rss_bytes())
     # The schedule is a closed form of the step: this run's settings, the checkpoint's step.
     trainer.schedule.load_state_dict({**trainer.schedule.state_dict(), "last_step": state.step})

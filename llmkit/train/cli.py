@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
         "--nproc",
         type=int,
         metavar="N",
-        help="run N processes with mpiexec (parallel.dp x parallel.tp must be N)",
+        help="run N processes with mpiexec (parallel.pp x parallel.dp x parallel.tp must be N)",
     )
     p.add_argument("--hostfile", help="with --nproc: mpiexec's hostfile, to run on several machines")
     a = p.parse_intermixed_args(argv)
@@ -114,14 +114,9 @@ def mpiexec_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The mpiexec command line and environment of ``llmkit train --nproc``; ConfigError when the
     config's mesh has another number of ranks."""
-    from .config import ConfigError
+    from .config import check_world
 
-    par = cfg.parallel
-    if par.dp * par.tp != nproc:
-        raise ConfigError(
-            f"parallel.dp ({par.dp}) x parallel.tp ({par.tp}) = {par.dp * par.tp} ranks, but --nproc is "
-            f"{nproc}; make them equal"
-        )
+    check_world(cfg.parallel, nproc, "--nproc is {n}")
     return nproc_command(nproc, hostfile, ["train", *argv])
 
 

@@ -36,7 +36,9 @@ from pydantic import (
     model_validator,
 )
 
-from llmkit.framework.distributed.plan import ParallelPlan, PlanError
+from llmkit.framework.distributed.pipeline import PipelineError, parse_stages
+from llmkit.framework.distributed.plan import ParallelPlan, PipelinePlan, PlanError
+from llmkit.framework.distributed.schedule import SCHEDULES, ScheduleError, make_schedule
 from llmkit.framework.files import atomic_write
 from llmkit.models.llama.config import PRESETS, LlamaConfig
 
@@ -172,7 +174,7 @@ class TrainSection(_Section):
 
 
 class ParallelSection(_Section):
-    """How the run spreads over ranks: dp x tp processes (``llmkit train --nproc N`` or
+    """How the run spreads over ranks: pp x dp x tp processes (``llmkit train --nproc N`` or
     ``mpiexec -n N``; in one process the whole mesh is simulated), laid out by a ParallelPlan."""
 
     dp: int = Field(1, gt=0)  # data parallel: each rank takes batch_size / dp rows of every batch
@@ -180,16 +182,63 @@ class ParallelSection(_Section):
     sp: bool = False  # sequence parallel: the residual stream between tp regions sharded on the sequence
     zero: int = Field(0, ge=0, le=3)  # ZeRO over dp: 1 optimizer state, 2 + gradients, 3 + parameters
     plan: str | dict[str, Any] = "llama"  # built-in plan, a YAML file, or {params: {...}, outputs: {...}}
+    pp: int = Field(1, gt=0)  # pipeline parallel: consecutive layers cut into pp stages, one per pp rank
+    micro_batches: int = Field(1, gt=0)  # pipeline: each batch cut into this many, run by the schedule
+    schedule: Literal[tuple(SCHEDULES)] = "1f1b"  # type: ignore[valid-type]  # the pipeline's job order
+    virtual_stages: int = Field(1, gt=0)  # interleaved: stages per pp rank (pp x virtual_stages in all)
+    pp_stages: list[str | int] | None = None  # layer ranges, one per stage ("0-11"); null: balanced by cost
 
     @model_validator(mode="after")
     def _plan_applies(self) -> ParallelSection:
+        self._check_pipeline()
         self.build()
         return self
+
+    def _check_pipeline(self) -> None:
+        """One error per bad pipeline setting, naming its key."""
+        keys = ("micro_batches", "schedule", "virtual_stages", "pp_stages")
+        if self.pp == 1:
+            defaults = type(self).model_fields
+            for key in keys:
+                if key in self.model_fields_set and getattr(self, key) != defaults[key].default:
+                    raise ValueError(f"parallel.{key} applies to pipelines: set parallel.pp > 1 too")
+            return
+        v, m, pp = self.virtual_stages, self.micro_batches, self.pp
+        if v > 1 and self.schedule != "interleaved":
+            raise ValueError(
+                f"parallel.virtual_stages ({v}) needs parallel.schedule=interleaved, not {self.schedule!r}"
+            )
+        if self.schedule == "interleaved" and v == 1:
+            raise ValueError(
+                "parallel.virtual_stages: the interleaved schedule needs 2 or more stages per rank"
+            )
+        if self.schedule == "interleaved" and m % pp:
+            raise ValueError(
+                f"parallel.micro_batches ({m}) must be a multiple of parallel.pp ({pp}) under the "
+                "interleaved schedule"
+            )
+        if self.pp_stages is not None and len(self.pp_stages) != pp * v:
+            raise ValueError(
+                f"parallel.pp_stages: {len(self.pp_stages)} layer ranges for {pp * v} stages "
+                f"(parallel.pp x parallel.virtual_stages)"
+            )
+        try:
+            make_schedule(self.schedule, pp, m, v)
+        except ScheduleError as e:
+            raise ValueError(f"parallel.schedule: {e}") from None
+
+    def pipeline(self) -> PipelinePlan | None:
+        if self.pp == 1:
+            return None
+        stages = None if self.pp_stages is None else tuple(map(str, self.pp_stages))
+        return PipelinePlan(self.pp, self.schedule, self.micro_batches, self.virtual_stages, stages)
 
     def build(self) -> ParallelPlan:
         """The ParallelPlan of these settings; ValueError names the key at fault."""
         try:
-            return ParallelPlan.make(self.plan, dp=self.dp, tp=self.tp, sp=self.sp, zero=self.zero)
+            return ParallelPlan.make(
+                self.plan, dp=self.dp, tp=self.tp, sp=self.sp, zero=self.zero, pipeline=self.pipeline()
+            )
         except PlanError as e:
             key = {"zero": "zero", "sp": "sp", "mesh": "dp"}.get(e.key, "plan")
             raise ValueError(
@@ -216,13 +265,39 @@ class TrainConfig(_Section):
                 f"schedule.warmup_steps ({self.schedule.warmup_steps}) exceeds "
                 f"train.steps ({self.train.steps})"
             )
-        dp = self.parallel.dp
-        if self.train.batch_size % dp:
+        dp, m, b = self.parallel.dp, self.parallel.micro_batches, self.train.batch_size
+        if b % m:
             raise ValueError(
-                f"train.batch_size ({self.train.batch_size}) must be a multiple of parallel.dp ({dp}): "
+                f"train.batch_size ({b}) must be a multiple of parallel.micro_batches ({m}): "
+                "the pipeline cuts every batch into equal micro-batches"
+            )
+        if (b // m) % dp:
+            per = f"a micro-batch's {b // m} rows" if m > 1 else f"train.batch_size ({b})"
+            raise ValueError(
+                f"{per} must be a multiple of parallel.dp ({dp}): "
                 "each data-parallel rank takes the same number of rows of every batch"
             )
+        if self.parallel.pp > 1 and self.train.grad_accum > 1:
+            raise ValueError(
+                "train.grad_accum > 1 with a pipeline: set parallel.micro_batches instead (the pipeline "
+                "accumulates the micro-batches' gradients)"
+            )
         return self
+
+
+def check_world(par: ParallelSection, n: int, said: str) -> None:
+    """ConfigError unless ``n`` ranks make the mesh; ``said`` tells where ``n`` came from
+    (``"--nproc is {n}"``)."""
+    dims = [d for d in ("pp", "dp", "tp") if d != "pp" or par.pp > 1]
+    world = par.pp * par.dp * par.tp
+    if n % par.pp:
+        raise ConfigError(
+            f"parallel.pp ({par.pp}) does not divide the ranks ({said.format(n=n)}): every pipeline "
+            "stage runs on as many ranks"
+        )
+    if n != world:
+        text = " x ".join(f"parallel.{d} ({getattr(par, d)})" for d in dims)
+        raise ConfigError(f"{text} = {world} ranks, but {said.format(n=n)}; make them equal")
 
 
 # ---- reading and writing ------------------------------------------------------------------------
@@ -319,11 +394,25 @@ def resolve_model_config(cfg: TrainConfig, tokenizer_vocab_size: int) -> LlamaCo
 
 
 def validate_against_model(cfg: TrainConfig, llama: LlamaConfig) -> None:
-    """Checks that need the resolved model: the sequence length fits its position range."""
+    """Checks that need the resolved model: the sequence length fits its position range, the
+    pipeline's stages cover its layers."""
     if cfg.train.seq_len > llama.max_position_embeddings:
         raise ConfigError(
             f"train.seq_len ({cfg.train.seq_len}) exceeds model.max_position_embeddings "
             f"({llama.max_position_embeddings})"
+        )
+    pipe, layers = cfg.parallel.pipeline(), llama.num_hidden_layers
+    if pipe is None:
+        return
+    if pipe.stages is not None:
+        try:
+            parse_stages(pipe.stages, layers, pipe.n_stages)
+        except PipelineError as e:
+            raise ConfigError(f"parallel.{e}") from None
+    elif layers < pipe.n_stages:
+        raise ConfigError(
+            f"parallel.pp: {pipe.n_stages} pipeline stages need at least as many layers; "
+            f"the model has {layers} (model.num_hidden_layers)"
         )
 
 

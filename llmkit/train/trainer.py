@@ -41,6 +41,7 @@ from . import checkpoint
 from .config import (
     ConfigError,
     TrainConfig,
+    check_world,
     dump_config,
     resolve_model_config,
     resume_changes,
@@ -49,6 +50,7 @@ from .config import (
 from .corpus import builtin_tokenizer
 from .data import BatchSampler, eval_batches, load_token_data
 from .metrics import MetricsLog, matmul_peak_flops, peak_rss_bytes
+from .pipelined import PipelineRun
 
 
 class Interrupted(KeyboardInterrupt):
@@ -115,14 +117,21 @@ def check_out_dir(out: Path) -> None:
         raise ConfigError(f"out_dir {str(out)!r}: {str(existing)!r} is a file, not a directory")
 
 
-def build_optimizer(cfg: TrainConfig, model: LlamaForCausalLM) -> optim.Optimizer:
+def decay_groups(model: nn.Layer) -> list[tuple[list[str], bool]]:
+    """The optimizer's groups in its order, as (parameter names, decayed): weight matrices (decayed),
+    then norms, biases and gains; empty groups left out."""
+    named = list(model.named_parameters())
+    groups = [([n for n, p in named if p.ndim >= 2], True), ([n for n, p in named if p.ndim < 2], False)]
+    return [g for g in groups if g[0]]
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Layer) -> optim.Optimizer:
     """AdamW/SGD with weight decay on weight matrices only (not norms, biases or gains)."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    o = cfg.optim
-    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
+    o, params = cfg.optim, dict(model.named_parameters())
+    groups = [
+        {"params": [params[n] for n in names], "weight_decay": o.weight_decay if decayed else 0.0}
+        for names, decayed in decay_groups(model)
+    ]
     if o.name == "adamw":
         return optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     return optim.SGD(groups, lr=o.lr, momentum=o.momentum)
@@ -184,7 +193,7 @@ class Trainer:
         self.sampler = BatchSampler(self.data.train, t.batch_size, t.seq_len, t.seed, self.data.train_mask)
         # Weights about to be loaded (a checkpoint; a pretrained model over several ranks, each
         # reading its slices) are not initialized first: building the model keeps its memory untouched.
-        load_init = cfg.model.init_from is not None and self.backend is not None
+        load_init = cfg.model.init_from is not None and self.backend is not None and self.plan.pp == 1
         if cfg.model.init_from is not None and not load_init:
             self.model = LlamaForCausalLM.from_pretrained(cfg.model.init_from)
         else:
@@ -196,15 +205,34 @@ class Trainer:
             raise ConfigError(f"parallel.plan: {e}") from None
         if t.dtype != "float32":
             self.model.to(t.dtype)
+        if t.recompute:
+            for layer in self.model.model.layers:
+                layer.recompute()
         # The plan's layout: parameters placed (each from the full initial value every process made
         # alike, so every mesh starts from the single-process weights), then the optimizer's state.
-        self.par = None if self.backend is None else Parallelized(self.model, self.plan)
-        self.optimizer = build_optimizer(cfg, self.model)
-        if self.par is not None:
-            self.par.shard_optimizer(self.optimizer)
+        # A pipeline: each hosted pipeline rank's stages, with their own optimizer and schedule.
+        self.par: Parallelized | None = None
+        self.pipe: PipelineRun | None = None
+        if self.plan.pp > 1:
+            self.pipe = PipelineRun(
+                self.model,
+                self.plan,
+                t.seq_len,
+                lambda layer: build_optimizer(cfg, layer),
+                lambda opt: SCHEDULES[cfg.schedule.name](opt, cfg.schedule, t.steps),
+                [names for names, _ in decay_groups(self.model)],
+                t.mode,
+                t.compiler,
+            )
+            self.optimizer, self.schedule = self.pipe.first.optimizer, self.pipe.schedules
+        else:
+            self.par = None if self.backend is None else Parallelized(self.model, self.plan)
+            self.optimizer = build_optimizer(cfg, self.model)
+            if self.par is not None:
+                self.par.shard_optimizer(self.optimizer)
+            self.schedule = SCHEDULES[cfg.schedule.name](self.optimizer, cfg.schedule, t.steps)
         if load_init and saved is None:
             checkpoint.load_weights(self, Path(cfg.model.init_from))
-        self.schedule = SCHEDULES[cfg.schedule.name](self.optimizer, cfg.schedule, t.steps)
         self.step = 0
         self.tokens_seen = 0
         self.flops_per_token = self.model_config.flops_per_token(t.seq_len)
@@ -212,17 +240,22 @@ class Trainer:
         self.state_bytes = 0  # parameter + gradient + optimizer bytes of the fullest rank, last step
         # on resume: (bytes the fullest rank read, bytes of the whole checkpoint, peak host memory)
         self.load_report: tuple[int, int, int] | None = None
-        if t.recompute:
-            for layer in self.model.model.layers:
-                layer.recompute()
-        self.step_fn = self._static_step() if t.mode == "static" else self._eager_step
-        # What a step rebinds: held before each step so that an aborted one can be rolled back.
-        self._state = [
-            *self.model.parameters(),
-            *self._optimizer_state(),
-            *self.optimizer.lr_tensors,
-            self.optimizer.step_count,
-        ]
+        if self.pipe is not None:
+            self.step_fn = self._pipeline_step
+        else:
+            self.step_fn = self._static_step() if t.mode == "static" else self._eager_step
+        # What a step rebinds: held before each step so that an aborted one can be rolled back (a
+        # pipeline's step is never aborted: its ranks run on threads or processes, as over MPI).
+        self._state = (
+            []
+            if self.pipe is not None
+            else [
+                *self.model.parameters(),
+                *self._optimizer_state(),
+                *self.optimizer.lr_tensors,
+                self.optimizer.step_count,
+            ]
+        )
         self._saved_step: int | None = None
         if saved is not None:
             checkpoint.load(self, self.resumed_from, saved)
@@ -246,11 +279,8 @@ class Trainer:
         b = dist.init()
         if b.name == "sim" and b.world_size < p.world_size:  # one process simulates the whole mesh
             b = dist.init("sim", world_size=p.world_size)
-        if b.name != "sim" and b.world_size != p.world_size:
-            raise ConfigError(
-                f"parallel.dp ({p.size('dp')}) x parallel.tp ({p.size('tp')}) = {p.world_size} ranks, but "
-                f"this run has {b.world_size} processes (mpiexec -n / --nproc); make them equal"
-            )
+        if b.name != "sim":
+            check_world(self.cfg.parallel, b.world_size, "this run has {n} processes (mpiexec -n / --nproc)")
         return b.rank, b.name
 
     def _check_resume(self, path: Path) -> checkpoint.TrainerState:
@@ -273,7 +303,7 @@ class Trainer:
 
     def draw(self, step: int) -> tuple[Any, Any]:
         """Training batch ``step``: arrays for a static step in one process, else placed tensors."""
-        if self.par is None and self.cfg.train.mode == "static":
+        if self.pipe is not None or (self.par is None and self.cfg.train.mode == "static"):
             return self.sampler.batch(step)
         return self.place(lambda rows: self.sampler.batch(step, rows))
 
@@ -301,6 +331,13 @@ class Trainer:
             self.par.settle()  # updated shards gathered back where the plan keeps them
         self.optimizer.zero_grad()
         return total, self.value(norm)
+
+    def _pipeline_step(self, batches: list[tuple[Any, Any]]) -> tuple[float, float]:
+        """The pipeline's step: every hosted rank's job list, gradient reduction, clipping, update."""
+        assert self.pipe is not None and len(batches) == 1  # the pipeline's micro-batches accumulate
+        clip = self.cfg.optim.grad_clip
+        loss, norm, self.state_bytes = self.pipe.step(*batches[0], clip if clip is not None else math.inf)
+        return loss, norm
 
     def _optimizer_state(self) -> list[lf.Tensor]:
         return [v for state in self.optimizer.states for v in state.values()]
@@ -358,9 +395,12 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss of the validation batches (every rank takes part; rank 0 reports it)."""
         t = self.cfg.train
+        batches = eval_batches(self.data.val, t.eval_steps, t.batch_size, t.seq_len, self.data.val_mask)
+        if self.pipe is not None:
+            return float(np.mean([self.pipe.evaluate(x, y) for x, y in batches]))
         losses = [
             self.value(self.model.loss(*self.place(lambda rows, x=x, y=y: (x[rows], y[rows]))))
-            for x, y in eval_batches(self.data.val, t.eval_steps, t.batch_size, t.seq_len, self.data.val_mask)
+            for x, y in batches
         ]
         return float(np.mean(losses))
 
@@ -397,7 +437,7 @@ class Trainer:
     def _abortable(self, stop: StopSignals | None) -> contextlib.AbstractContextManager[None]:
         """A second signal aborts a step or evaluation, except over MPI: one rank leaving a
         collective would leave the others waiting, so there every signal waits for the step's end."""
-        if stop is None or self.backend == "mpi":
+        if stop is None or self.backend == "mpi" or self.pipe is not None:
             return contextlib.nullcontext()
         return stop.abortable()
 
@@ -424,7 +464,7 @@ class Trainer:
         bar = tqdm(
             total=t.steps,
             initial=self.step,
-            desc="train" if self.par is None else f"train x{self.plan.world_size}",
+            desc="train" if self.backend is None else f"train x{self.plan.world_size}",
             unit="step",
             disable=self.quiet or not self.is_rank0,
             dynamic_ncols=True,
@@ -487,7 +527,7 @@ class Trainer:
             raise Interrupted(stop.signum, self.step, path)
         if self.is_rank0:
             # Several ranks: rank 0 samples from the final checkpoint's model, joined from its pieces.
-            model = self.model if self.par is None else LlamaForCausalLM.from_pretrained(path / "model")
+            model = self.model if self.backend is None else LlamaForCausalLM.from_pretrained(path / "model")
             sample = self.sample_text(model)
             (self.out / "sample.txt").write_text(sample + "\n")
             if not self.quiet:

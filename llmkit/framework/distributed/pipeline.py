@@ -387,6 +387,24 @@ class RankPipeline:
         alike on every rank): parameter gradients accumulate in ``.grad`` (the micro-batches'
         losses are scaled by ``1/m``, so they sum to the batch mean's gradient). Returns the batch
         loss on every rank (a collective over the pipeline)."""
+        self._begin(inputs, targets, training=True)
+        for job in self.jobs:
+            RUN[job.kind](self, job)
+        get_backend().flush()
+        return self._loss()
+
+    def evaluate(self, inputs: np.ndarray, targets: np.ndarray) -> float:
+        """The batch loss without gradients: this rank's forward jobs alone, in its schedule's order
+        (a subsequence of a deadlock-free order is one), every stage run eagerly."""
+        self._begin(inputs, targets, training=False)
+        with no_grad():
+            for job in self.jobs:
+                if job.kind == "F":
+                    self.forward(job)
+        get_backend().flush()
+        return self._loss()
+
+    def _begin(self, inputs: np.ndarray, targets: np.ndarray, training: bool) -> None:
         m = self.pipe.schedule.micro_batches
         if len(inputs) % m:
             raise PipelineError(f"a batch of {len(inputs)} rows cannot be cut into {m} equal micro-batches")
@@ -394,14 +412,11 @@ class RankPipeline:
         self.micro = [
             (inputs[i * rows : (i + 1) * rows], targets[i * rows : (i + 1) * rows]) for i in range(m)
         ]
+        self.training = training
         self.boundary = self.pipe.parts.boundary(tuple(self._batch(0)[0].shape))  # global or own rows
         self.held: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         self.deferred: dict[tuple[int, int], list] = {}
         self.losses = []
-        for job in self.jobs:
-            RUN[job.kind](self, job)
-        get_backend().flush()
-        return self._loss()
 
     def _batch(self, micro: int) -> tuple[Tensor, Tensor]:
         x, y = self.micro[micro]
@@ -414,10 +429,13 @@ class RankPipeline:
             x, target = self._batch(i)
         else:
             x = self._recv(ACTIVATION, s - 1, i, self.rank_of_stage(s - 1))
-            x.requires_grad = True
+            x.requires_grad = self.training
             target = self._batch(i)[1] if last else None
-        y, self.held[(s, i)] = self.runners[s].forward(x, target)
-        self.peak_held = max(self.peak_held, len(self.held))
+        if self.training:
+            y, self.held[(s, i)] = self.runners[s].forward(x, target)
+            self.peak_held = max(self.peak_held, len(self.held))
+        else:
+            y = self.runners[s].run(x, target)
         if last:
             self.losses.append(y.detach())
         else:

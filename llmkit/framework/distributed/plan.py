@@ -11,7 +11,10 @@ A plan is
   reduce-scattered over the sequence with sequence parallelism);
 - ``zero``: the ZeRO stage, as placement policies on ``dp``: 1 shards the optimizer state, 2 also the
   gradients (reduce-scatter instead of all-reduce), 3 also the parameters (gathered when used);
-- ``sp``: the sequence-parallel switch (recorded; the built-in plans resolve it into ``outputs``).
+- ``sp``: the sequence-parallel switch (recorded; the built-in plans resolve it into ``outputs``);
+- ``pipeline``: pipeline parallelism (:class:`PipelinePlan`): ``pp`` stages of consecutive layers,
+  each on its own ``dp x tp`` mesh laid out by the rules above, run by a schedule over micro-batches
+  (``distributed/pipeline.py``). The whole mesh is then ``pp x dp x tp``, pp outermost.
 
 On ``dp`` a parameter is replicated (ZeRO 3: sharded); its gradient is the sum over the dp ranks'
 rows. Training writes the plan as ``parallel_plan.json`` in every checkpoint; quantization and
@@ -51,6 +54,44 @@ class PlanError(ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key}: {message}" if key else message)
         self.key, self.message = key, message
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """How the model is cut into pipeline stages and run (the config's ``parallel.pp*`` keys)."""
+
+    pp: int  # pipeline ranks: the outermost mesh dim
+    schedule: str = "1f1b"  # fthenb | 1f1b | interleaved | zero_bubble (distributed/schedule.py)
+    micro_batches: int = 1  # a step's batch cut into this many
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved)
+    stages: tuple[str, ...] | None = None  # layer ranges, one per stage ("0-11"); None: balanced
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pp": self.pp,
+            "schedule": self.schedule,
+            "micro_batches": self.micro_batches,
+            "virtual_stages": self.virtual_stages,
+            "stages": None if self.stages is None else list(self.stages),
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any) -> PipelinePlan:
+        keys = {"pp", "schedule", "micro_batches", "virtual_stages", "stages"}
+        if not isinstance(raw, Mapping) or set(raw) != keys:
+            raise PlanError("pipeline", f"expected a mapping with keys {sorted(keys)}, got {raw!r}")
+        stages = raw["stages"]
+        return cls(
+            raw["pp"],
+            raw["schedule"],
+            raw["micro_batches"],
+            raw["virtual_stages"],
+            None if stages is None else tuple(map(str, stages)),
+        )
 
 
 # Built-in plans: name -> fn(sp) -> (params rules, outputs rules), registered by model packages.
@@ -118,6 +159,7 @@ class ParallelPlan:
     zero: int = 0  # ZeRO stage over dp
     sp: bool = False  # sequence parallel between the tp regions
     name: str | None = None  # the built-in plan the rules came from; None for a user plan
+    pipeline: PipelinePlan | None = None  # pipeline parallelism (pp > 1), or None
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.mesh]
@@ -147,6 +189,7 @@ class ParallelPlan:
         tp: int = 1,
         sp: bool = False,
         zero: int = 0,
+        pipeline: PipelinePlan | None = None,
     ) -> ParallelPlan:
         """A plan from the config's ``parallel`` keys. ``spec``: a built-in plan's name, a YAML or
         JSON file of rules, or the rules themselves ``{params: {...}, outputs: {...}}``."""
@@ -168,15 +211,19 @@ class ParallelPlan:
             if not raw.get("params"):
                 raise PlanError("params", "a plan needs at least one parameter rule (glob: placement)")
             params, outputs = _rules(raw["params"], "params"), _rules(raw.get("outputs"), "outputs")
-        return cls((("dp", dp), ("tp", tp)), params, outputs, zero, sp, name)
+        return cls((("dp", dp), ("tp", tp)), params, outputs, zero, sp, name, pipeline)
 
     # ---- the mesh --------------------------------------------------------------------------------
     def size(self, dim: str) -> int:
         return dict(self.mesh)[dim]
 
     @property
+    def pp(self) -> int:
+        return 1 if self.pipeline is None else self.pipeline.pp
+
+    @property
     def world_size(self) -> int:
-        return self.size("dp") * self.size("tp")
+        return self.pp * self.size("dp") * self.size("tp")
 
     @property
     def is_trivial(self) -> bool:
@@ -184,7 +231,12 @@ class ParallelPlan:
         return self.world_size == 1
 
     def process_mesh(self) -> ProcessMesh:
+        """The ``dp x tp`` mesh (of one pipeline stage, when there are several)."""
         return ProcessMesh(tuple(s for _, s in self.mesh), [n for n, _ in self.mesh])
+
+    def pipeline_mesh(self) -> ProcessMesh:
+        """The whole ``pp x dp x tp`` mesh; stage ranks ``pipeline_mesh()["pp", k]``."""
+        return ProcessMesh((self.pp, *(s for _, s in self.mesh)), ["pp", *(n for n, _ in self.mesh)])
 
     # ---- placements ------------------------------------------------------------------------------
     def tp_placement(self, name: str) -> Placement:
@@ -265,8 +317,13 @@ class ParallelPlan:
                     )
 
     def describe(self) -> str:
-        """One line: ``dp=2 x tp=2, zero 1, sp, plan llama``."""
-        parts = [" x ".join(f"{n}={s}" for n, s in self.mesh)]
+        """One line: ``pp=2 x dp=2 x tp=2, 1f1b x 4 micro-batches, zero 1, sp, plan llama``."""
+        p = self.pipeline
+        dims = ([("pp", p.pp)] if p is not None else []) + list(self.mesh)
+        parts = [" x ".join(f"{n}={s}" for n, s in dims)]
+        if p is not None:
+            virtual = f", {p.virtual_stages} stages per rank" if p.virtual_stages > 1 else ""
+            parts.append(f"{p.schedule} x {p.micro_batches} micro-batches{virtual}")
         if self.zero:
             parts.append(f"zero {self.zero}")
         if self.sp:
@@ -285,6 +342,7 @@ class ParallelPlan:
             "plan": self.name,
             "params": {g: str(p) for g, p in self.params},
             "outputs": {g: str(p) for g, p in self.outputs},
+            "pipeline": None if self.pipeline is None else self.pipeline.to_json(),
         }
 
     @classmethod
@@ -296,8 +354,8 @@ class ParallelPlan:
                     f"format {raw.get('format')!r} version {raw.get('version')!r}; "
                     f"expected {FORMAT!r} version {VERSION}",
                 )
-            keys = {"format", "version", "mesh", "zero", "sp", "plan", "params", "outputs"}
-            if set(raw) != keys:
+            keys = {"format", "version", "mesh", "zero", "sp", "plan", "params", "outputs", "pipeline"}
+            if set(raw) | {"pipeline"} != keys:  # plans written before pipelines have none
                 odd = sorted(set(raw) ^ keys)
                 raise PlanError("", f"unexpected or missing keys {odd}")
             mesh = raw["mesh"]
@@ -312,6 +370,7 @@ class ParallelPlan:
                 raw["zero"],
                 raw["sp"],
                 raw["plan"],
+                None if raw.get("pipeline") is None else PipelinePlan.from_json(raw["pipeline"]),
             )
         except PlanError as e:
             raise PlanError("", f"{where}: {e}") from None
