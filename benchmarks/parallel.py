@@ -19,13 +19,17 @@ overhead per collective.
 Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/parallel.py [--sizes ...]
 
 ``--training``: parallel training instead. Each strategy of ``llmkit train configs/bench.yaml``
-(dp=2, tp=2, tp=2 with sp, dp=2 x tp=2, ZeRO 1/2/3 on dp=2; eager, and static for two of them)
+(dp=2, tp=2, tp=2 with sp, dp=2 x tp=2, ZeRO 1/2/3 on dp=2; eager, and static for two of them;
+pp=2 with 1f1b and zero_bubble over 4 micro-batches, eager and static)
 runs over MPI as the CLI runs it (one process per rank, the config's ``parallel`` section); every
 collective the ranks run is counted as the bytes a ring sends per rank, and each strategy reports
 its step time (median, beside one process in the same run), communication bytes per step against
-the plan's prediction (``models/llama/parallel.py: predict_traffic``), and the parameter + gradient
-+ optimizer bytes of the fullest rank against the plan's (``ParallelPlan.state_bytes``), with the
-peak host memory per rank. Then the same predictions for Llama-2-7B at dp8, tp8, dp2 x tp4 and
+the plan's prediction (``models/llama/parallel.py: predict_traffic``; a pipeline's: the activation
+crossing the stage boundary, sent point to point), and the parameter + gradient + optimizer bytes
+of the fullest rank against the plan's (``ParallelPlan.state_bytes``), with the peak host memory
+per rank; a pipeline also its measured bubble (the mean fraction of a step a rank waits in its
+receives) beside its schedule's on the clock of ``schedule.simulate`` (a backward costing two
+forwards). Then the same predictions for Llama-2-7B at dp8, tp8, dp2 x tp4 and
 ZeRO 1-3 on 8 ranks, beside the published formulas they should agree with: ZeRO's memory per rank
 (Rajbhandari et al. 2020, section 5: 16 bytes per parameter, mixed-precision Adam, divided as the
 stage says) and traffic (2 Psi per rank for data parallelism and ZeRO 1-2, 3 Psi for ZeRO 3), and
@@ -159,6 +163,9 @@ STRATEGIES = {  # name: (processes, parallel section, extra overrides)
     "dp2_zero3": (2, {"dp": 2, "zero": 3}, []),
     "dp2_static": (2, {"dp": 2}, ["train.mode=static"]),
     "dp2_tp2_static": (4, {"dp": 2, "tp": 2}, ["train.mode=static"]),
+    "pp2_1f1b": (2, {"pp": 2, "micro_batches": 4, "schedule": "1f1b"}, []),
+    "pp2_zero_bubble": (2, {"pp": 2, "micro_batches": 4, "schedule": "zero_bubble"}, []),
+    "pp2_1f1b_static": (2, {"pp": 2, "micro_batches": 4, "schedule": "1f1b"}, ["train.mode=static"]),
 }
 RING = {  # bytes a member sends, from the array it passes (x) and the group size (n)
     "all_reduce": lambda x, n: 2 * (n - 1) / n * x,
@@ -199,32 +206,58 @@ def train_worker(overrides: list[str], warmup: int) -> None:
             return _run(group, xs, *a, **k)
 
         setattr(backend, kind, counted)
-    times = []
+    waited = [0.0]  # seconds in pipeline receives: the rank idles there (the measured bubble)
+    send, recv = backend.send, backend.recv
+
+    def counted_send(src, dst, x, *a, **k):
+        sent[0] += x.nbytes
+        return send(src, dst, x, *a, **k)
+
+    def timed_recv(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return recv(*a, **k)
+        finally:
+            waited[0] += time.perf_counter() - t0
+
+    backend.send, backend.recv = counted_send, timed_recv
+    times, waits = [], []
     for i in range(trainer.cfg.train.steps):
-        before = sent[0]
+        before, idle = sent[0], waited[0]
         t0 = time.perf_counter()
         trainer.train_step()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+            waits.append((waited[0] - idle) / times[-1])
             per_step = sent[0] - before
     me, group = trainer.rank, tuple(range(backend.world_size))
     mine = np.array([np.median(times), per_step, trainer.state_bytes, peak_rss_bytes()], np.float64)
-    worst = backend.all_reduce(group, {me: mine}, "max")[me] if trainer.backend == "mpi" else mine
+    wait = np.array([np.median(waits)], np.float64)
+    if trainer.backend == "mpi":
+        mine = backend.all_reduce(group, {me: mine}, "max")[me]
+        wait = backend.all_reduce(group, {me: wait}, "avg")[me]
     if me == 0:
         keys = ("seconds", "sent_bytes", "state_bytes", "peak_rss_bytes")
-        print(json.dumps(dict(zip(keys, map(float, worst)))), flush=True)
+        print(json.dumps({**dict(zip(keys, map(float, mine))), "wait_fraction": float(wait[0])}), flush=True)
 
 
 def predictions(parallel: dict, batch_size: int, seq_len: int) -> dict:
-    """The plan's traffic per step and state bytes per rank for the bench model."""
+    """The plan's traffic per step and state bytes per rank for the bench model; a pipeline: the
+    activations and their gradients across the stage boundary ([B, S, H] each way per step; the
+    fullest rank sends one of them), and the clock's bubble of its schedule (schedule.simulate)."""
     from llmkit.framework import nn
     from llmkit.framework.distributed.plan import ParallelPlan
+    from llmkit.framework.distributed.schedule import make_schedule, simulate
     from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
     from llmkit.models.llama.parallel import predict_traffic
 
+    config = LlamaConfig.from_preset("bench")
+    if "pp" in parallel:
+        sched = make_schedule(parallel["schedule"], parallel["pp"], parallel["micro_batches"])
+        boundary = batch_size * seq_len * config.hidden_size * 4
+        return {"traffic": {"pp_boundary": boundary}, "state": None, "bubble": simulate(sched).bubble}
     kw = {k: (v == "true" if v in ("true", "false") else v) for k, v in parallel.items()}
     plan = ParallelPlan.make("llama", **kw)
-    config = LlamaConfig.from_preset("bench")
     with nn.init.skip_init():
         shapes = {k: p.shape for k, p in LlamaForCausalLM(config).named_parameters()}
     return {"traffic": predict_traffic(plan, config, batch_size, seq_len), "state": plan.state_bytes(shapes)}
@@ -270,7 +303,9 @@ def training(args) -> None:
             predicted_by_cause_mb={k: round(v / 2**20, 3) for k, v in pred["traffic"].items()},
             traffic_error_pct=round(100 * (got["sent_bytes"] - traffic) / traffic, 1) if traffic else None,
             state_mb_per_rank=round(got["state_bytes"] / 2**20, 3),
-            predicted_state_mb=round(pred["state"] / 2**20, 3),
+            predicted_state_mb=round(pred["state"] / 2**20, 3) if pred["state"] is not None else None,
+            idle_in_recv=round(got["wait_fraction"], 3),
+            clock_bubble=round(pred["bubble"], 3) if "bubble" in pred else None,
             state_vs_single=round(got["state_bytes"] / single["state_bytes"], 3),
             peak_rss_mb=round(got["peak_rss_bytes"] / 2**20),
         )

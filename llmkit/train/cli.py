@@ -62,8 +62,10 @@ def _train(cfg, resume: bool, quiet: bool) -> int:
 
     trainer = Trainer(cfg, resume=resume, quiet=quiet)
     say = print if trainer.is_rank0 else lambda *a, **k: None
-    if trainer.par is not None:
+    if trainer.backend is not None:
         say(f"parallel: {trainer.plan.describe()} on {trainer.backend} ({trainer.plan.world_size} ranks)")
+    if trainer.pipe is not None and not quiet:  # its stages and every rank's job list
+        say(trainer.pipe.describe())
     if trainer.resumed_from is not None:
         report_resume(trainer, say)
         read, total, rss = trainer.load_report

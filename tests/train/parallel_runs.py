@@ -1,5 +1,6 @@
 """The runs the parallel-training tests compare: configs/tiny.yaml shrunk by overrides (a 1-layer,
-width-32 Llama with 2 heads, so tp=2 keeps whole heads; 4 sequences of 16 tokens, 20 steps)."""
+width-32 Llama with 2 heads, so tp=2 keeps whole heads; 4 sequences of 16 tokens, 20 steps); the
+pipeline tests' model has 4 layers."""
 
 from __future__ import annotations
 
@@ -29,6 +30,21 @@ SHRINK = [
     "train.keep_last=5",
     "schedule.warmup_steps=5",
 ]
+
+
+PP_LAYERS = "model.num_hidden_layers=4"  # interleaved pp=2 x 2 virtual stages: one layer each
+PP_SCHEDULES = {  # parallel keys of each schedule; 4 rows per batch, 1 per dp rank and micro-batch
+    "fthenb": {"micro_batches": 2},
+    "1f1b": {"micro_batches": 2},
+    "interleaved": {"micro_batches": 2, "virtual_stages": 2},
+    "zero_bubble": {"micro_batches": 2},
+}
+STATIC = ("train.mode=static", "train.compiler=none")
+
+
+def pp(schedule: str, **more: object) -> dict:
+    """The parallel keys of a pp=2 run with ``schedule`` (and ``more``: dp, tp, zero...)."""
+    return {"pp": 2, "schedule": schedule, **PP_SCHEDULES[schedule], **more}
 
 
 def overrides(out: Path | str, **parallel: object) -> list[str]:

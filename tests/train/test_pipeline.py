@@ -19,24 +19,14 @@ from llmkit.train import checkpoint
 from llmkit.train.config import ConfigError
 from llmkit.train.trainer import Trainer
 
-from .parallel_runs import STEPS, assert_same_losses, config, losses
+from .parallel_runs import PP_LAYERS as LAYERS
+from .parallel_runs import PP_SCHEDULES as SCHEDULES
+from .parallel_runs import STATIC, STEPS, assert_same_losses, config, losses, pp
 from .test_parallel import evals
 
 pytestmark = pytest.mark.slow
 
-LAYERS = "model.num_hidden_layers=4"  # interleaved pp=2 x 2 virtual stages: one layer each
-SCHEDULES = {  # parallel keys of each schedule; 4 rows per batch, 1 per dp rank and micro-batch
-    "fthenb": {"micro_batches": 2},
-    "1f1b": {"micro_batches": 2},
-    "interleaved": {"micro_batches": 2, "virtual_stages": 2},
-    "zero_bubble": {"micro_batches": 2},
-}
-STATIC = ("train.mode=static", "train.compiler=none")
 WARMUP = "train.steps=5"  # the warmup's steps: their learning rates do not depend on the run's length
-
-
-def pp(schedule: str, **more: object) -> dict:
-    return {"pp": 2, "schedule": schedule, **SCHEDULES[schedule], **more}
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """Pipeline parallelism on ``sim`` (one thread per rank): every schedule's 20-step losses equal
 the single-process run (pp=2, and pp=2 x dp=2 on 4 ranks), a tied embedding split over the first
 and last stage, the global-view layout (distributed tensors on each stage's ranks); the memory a
-run holds is the schedule's; stages from layer ranges or balanced by cost. The same runs over MPI
-close the file."""
+run holds is the schedule's; stages from layer ranges or balanced by cost. Static stages and a
+tied embedding over MPI close the file (every schedule over MPI: tests/train/test_pipeline_mpi.py)."""
 
 from __future__ import annotations
 
@@ -186,11 +186,9 @@ def test_a_batch_that_does_not_cut_into_micro_batches():
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (the dist extra's openmpi)")
-@pytest.mark.parametrize("n,checks", [(2, 7), (4, 5)])
-def test_pipeline_losses_over_mpi(n, checks):
-    """mpi_pipeline.py: pp=2 with each schedule, static 1f1b and zero_bubble, a tied embedding (2
-    processes); pp=2 x dp=2 with each schedule and static 1f1b (4 processes); each rank against
-    the single-process run."""
-    proc = run_mpi("mpi_pipeline.py", n, timeout=400)
+def test_pipeline_losses_over_mpi():
+    """mpi_pipeline.py: static 1f1b stages and a tied embedding over 2 processes, each rank against
+    the single-process run (every schedule over MPI: tests/train/test_pipeline_mpi.py)."""
+    proc = run_mpi("mpi_pipeline.py", 2, timeout=400)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert proc.stdout.strip().splitlines()[-1] == f"ok {checks}", proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "ok 2", proc.stdout
