@@ -93,7 +93,7 @@ class PipelineRun:
     ) -> None:
         p = plan.pipeline
         assert p is not None
-        self.plan, self.groups = plan, groups
+        self.groups = groups
         self.order = {n: j for j, n in enumerate(n for g in groups for n in g)}
         self.mesh = plan.pipeline_mesh()
         parts = pipeline_parts(model, seq_len)

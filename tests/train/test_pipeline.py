@@ -1,6 +1,6 @@
 """Pipeline-parallel training through the trainer on ``sim`` (each rank on its own thread): every
 schedule's 20-step losses (and evaluations) equal the single-process run with pp=2 and pp=2 x dp=2;
-with tp, ZeRO 1, static mode and a tied embedding too; the plan records the pipeline; a pp=2
+with tp, ZeRO 1 and 3, static mode and a tied embedding too; the plan records the pipeline; a pp=2
 checkpoint resumes on one process and a one-process checkpoint on pp=2 x dp=2, with the weights
 equal; bad pipeline settings are one clear error each. The same runs over MPI:
 test_pipeline_mpi.py."""
@@ -63,9 +63,10 @@ def test_each_schedule_trains_as_one_process(single, tmp_path, schedule, dp):
         ({"tp": 2, "sp": True}, STATIC),
         ({"dp": 2, "zero": 1}, ()),
         ({"dp": 2, "zero": 1}, STATIC),
+        ({"dp": 2, "zero": 3}, ()),
         ({"dp": 2}, STATIC),
     ],
-    ids=["tp2", "tp2-sp-static", "dp2-zero1", "dp2-zero1-static", "dp2-static"],
+    ids=["tp2", "tp2-sp-static", "dp2-zero1", "dp2-zero1-static", "dp2-zero3", "dp2-static"],
 )
 def test_with_tp_zero_and_static_stages(single, tmp_path, parallel, extra):
     out = tmp_path / "run"
