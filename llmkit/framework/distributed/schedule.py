@@ -251,16 +251,20 @@ def fthenb(pp: int, m: int, v: int) -> list[list[Job]]:
     return [[Job("F", r, i) for i in range(m)] + [Job("B", r, i) for i in range(m)] for r in range(pp)]
 
 
+def alternate(warmup: int, total: int, f: Callable[[int], Job], b: Callable[[int], Job]) -> list[Job]:
+    """``warmup`` forwards, then a forward and a backward in turn, then the backwards left: the
+    shape of every 1F1B rank (``f(k)``, ``b(k)``: a rank's k-th forward and backward)."""
+    jobs = [f(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        jobs += [f(warmup + k), b(k)]
+    return jobs + [b(k) for k in range(total - warmup, total)]
+
+
 def one_f_one_b(pp: int, m: int, v: int) -> list[list[Job]]:
-    out = []
-    for r in range(pp):
-        warmup = min(pp - r - 1, m)
-        jobs = [Job("F", r, i) for i in range(warmup)]
-        for i in range(m - warmup):
-            jobs += [Job("F", r, warmup + i), Job("B", r, i)]
-        jobs += [Job("B", r, i) for i in range(m - warmup, m)]
-        out.append(jobs)
-    return out
+    return [
+        alternate(min(pp - r - 1, m), m, lambda i, r=r: Job("F", r, i), lambda i, r=r: Job("B", r, i))
+        for r in range(pp)
+    ]
 
 
 def interleaved(pp: int, m: int, v: int) -> list[list[Job]]:
@@ -278,15 +282,15 @@ def interleaved(pp: int, m: int, v: int) -> list[list[Job]]:
             chunk = v - 1 - chunk
         return Job(kind, chunk * pp + r, (k // (pp * v)) * pp + k % pp)
 
-    out = []
-    for r in range(pp):
-        warmup = min((pp - r - 1) * 2 + (v - 1) * pp, total)
-        jobs = [job("F", r, k) for k in range(warmup)]
-        for k in range(total - warmup):
-            jobs += [job("F", r, warmup + k), job("B", r, k)]
-        jobs += [job("B", r, k) for k in range(total - warmup, total)]
-        out.append(jobs)
-    return out
+    return [
+        alternate(
+            min((pp - r - 1) * 2 + (v - 1) * pp, total),
+            total,
+            lambda k, r=r: job("F", r, k),
+            lambda k, r=r: job("B", r, k),
+        )
+        for r in range(pp)
+    ]
 
 
 def zero_bubble(pp: int, m: int, v: int, costs: Costs = UNIT_SPLIT) -> list[list[Job]]:
