@@ -32,7 +32,7 @@ import llmkit.framework.distributed as dist
 from llmkit.framework import nn, optim
 from llmkit.framework.distributed.dist_array import DistArray
 from llmkit.framework.distributed.parallelize import Parallelized
-from llmkit.framework.distributed.pipeline import Pipeline, RankPipeline, all_reduce
+from llmkit.framework.distributed.pipeline import Pipeline, RankPipeline, all_reduce, mesh_value
 from llmkit.framework.distributed.plan import ParallelPlan
 from llmkit.framework.distributed.shard_files import ShardReader, save_shards
 from llmkit.framework.placement import Replicate
@@ -43,7 +43,7 @@ class PlanLayout(Parallelized):
     """A stage laid out by the training plan on its ``dp x tp`` ranks (a pipeline ``Layout``)."""
 
     def loss(self, t: lf.Tensor) -> float:
-        return float(dist.unshard(t).item())
+        return float(mesh_value(t))
 
 
 @dataclass
@@ -134,7 +134,7 @@ class PipelineRun:
             s = self.ranks[r]
             loss = s.rp.step(x, y)
             s.rp.reduce_grads()
-            norm = _value(s.rp.clip_grad_norm(clip))
+            norm = float(mesh_value(s.rp.clip_grad_norm(clip)))
             params = s.rp.parameters()
             held = _nbytes(r, [*params, *(p.grad for p in params), *_moments(s.optimizer)])
             fullest = all_reduce(tuple(self.mesh.ranks), r, np.array(held, np.int64), "max", "state bytes")
@@ -210,10 +210,6 @@ class PipelineRun:
 
 def _moments(opt: optim.Optimizer) -> list[lf.Tensor]:
     return [t for state in opt.states for t in state.values()]
-
-
-def _value(t: lf.Tensor) -> float:
-    return float((t if t.is_concrete else dist.unshard(t)).item())
 
 
 def _nbytes(rank: int, tensors: Iterable[lf.Tensor | None]) -> int:

@@ -173,6 +173,19 @@ def all_reduce(group: tuple[int, ...], rank: int, a: Any, op: str, what: str) ->
     return get_backend().all_reduce(group, {rank: a.reshape(-1)}, op, what)[rank].reshape(a.shape)
 
 
+def mesh_value(t: Tensor) -> np.ndarray:
+    """The global value of ``t`` on this rank (a thread's under ``sim``), gathered over its own mesh
+    alone: a stage's ranks use it where ``dist.unshard``, a collective of every process, would wait
+    for (or leave messages to) the other stages' ranks. A plain tensor's own array."""
+    x = t._data
+    if not isinstance(x, DistArray):
+        return np.asarray(x)
+    (rank,) = get_backend().hosted(x.mesh.ranks)
+    with no_grad():
+        whole = reshard(t, x.mesh, ["R"] * x.mesh.ndim)
+    return np.asarray(whole._data.shards[rank])
+
+
 class Layout(Protocol):
     """How the ranks of one stage hold it (built as ``layout(stage_layers, stage_mesh)``)."""
 
