@@ -119,7 +119,7 @@ def test_yaml_file_reads_scientific_notation_as_float(tmp_path: Path) -> None:
         (["data.sources=[1]"], "config error: data.sources[0]: expected a string, got 1"),
         (["data.val_fraction=1.0"], "config error: data.val_fraction: expected a value < 1, got 1.0"),
         (["parallel.zero=4"], "config error: parallel.zero: expected a value <= 3, got 4"),
-        (["parallel.pp=2"], "config error: unknown key parallel.pp"),
+        (["parallel.ppp=2"], "config error: unknown key parallel.ppp (did you mean parallel.pp?)"),
         (["parallel.zero=1"], "config error: parallel.zero: ZeRO stage 1 shards over data-parallel ranks"),
         (["parallel.sp=true"], "config error: parallel.sp: sequence parallelism shards between"),
         (["parallel.plan=megatron"], "config error: parallel.plan: 'megatron' is neither a built-in plan"),
