@@ -9,7 +9,7 @@ differentiable graph when ``create_graph`` is set (higher-order gradients).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .dispatch import O
@@ -59,16 +59,22 @@ def run_backward(
     retain_graph: bool = False,
     create_graph: bool = False,
     capture: Sequence[Tensor] | None = None,
-) -> list[Tensor | None] | None:
+    defer: Callable[[Tensor], bool] | None = None,
+) -> Any:
     """Propagate ``root_grads`` from ``roots`` to every tensor that requires grad.
 
     Without ``capture``, gradients accumulate into the ``.grad`` of leaf tensors. With it, the
     gradients of exactly those tensors (leaves or not) are returned and no ``.grad`` changes.
+    With ``defer``, the gradients of the leaves it accepts (a pipeline's weights) are neither
+    computed nor accumulated: they are returned, as the vjp rules' thunks where the rules give
+    them, for :func:`accumulate_deferred` to finish later (zero-bubble pipelines run the input
+    gradients first and the weight gradients when a rank would otherwise wait).
     """
     # Gradients waiting for a node: node id -> [grad per output].
     pending: dict[int, list[Any]] = {}
     want: dict[int, int] = {}  # capture: id(tensor) or (node id, out index) -> result slot
     got: list[Tensor | None] = [None] * len(capture or ())
+    deferred: list[tuple[Tensor, Any]] = []
     for i, t in enumerate(capture or ()):
         want[id(t) if t._node is None else (id(t._node), t._out_idx)] = i
 
@@ -79,8 +85,7 @@ def run_backward(
                 if slot is not None:
                     got[slot] = g if got[slot] is None else got[slot] + g
             elif t.requires_grad:
-                g = g if create_graph else g.detach()
-                t.grad = g if t.grad is None else (t.grad + g if create_graph else (t.grad + g).detach())
+                _into_grad(t, g, create_graph)
             return
         slots = pending.setdefault(id(t._node), [None] * max(1, len(t._node.outputs)))
         idx = t._out_idx
@@ -122,16 +127,37 @@ def run_backward(
             for i, (x, gx) in enumerate(zip(node.inputs, grads)):
                 if gx is None or i in spec.nondiff or not x.requires_grad:
                     continue
-                if not isinstance(gx, Tensor):
-                    gx = gx()  # a thunk: computed only for inputs that need it
-                if gx.dtype != x.dtype:
-                    raise RuntimeError(
-                        f"vjp rule of {spec.name} gave a {gx.dtype} gradient for a {x.dtype} input {i}"
-                    )
-                accumulate(x, sum_to(gx, x.shape))
+                if defer is not None and x._node is None and defer(x):
+                    deferred.append((x, (spec.name, i, gx)))
+                    continue
+                accumulate(x, _checked(spec.name, i, gx, x))
             if not retain_graph:
                 node.free()
+    if defer is not None:
+        return deferred
     return got if capture is not None else None
+
+
+def _checked(op: str, i: int, gx: Any, x: Tensor) -> Tensor:
+    """A vjp rule's gradient for input ``i`` of ``op``: computed if a thunk, summed to x's shape."""
+    if not isinstance(gx, Tensor):
+        gx = gx()  # a thunk: computed only for inputs that need it
+    if gx.dtype != x.dtype:
+        raise RuntimeError(f"vjp rule of {op} gave a {gx.dtype} gradient for a {x.dtype} input {i}")
+    return sum_to(gx, x.shape)
+
+
+def _into_grad(t: Tensor, g: Tensor, create_graph: bool = False) -> None:
+    g = g if create_graph else g.detach()
+    t.grad = g if t.grad is None else (t.grad + g if create_graph else (t.grad + g).detach())
+
+
+def accumulate_deferred(deferred: Sequence[tuple[Tensor, Any]]) -> None:
+    """Finish what ``run_backward(..., defer=...)`` left: compute each deferred gradient and add it
+    to its leaf's ``.grad``."""
+    with no_grad():
+        for t, (op, i, gx) in deferred:
+            _into_grad(t, _checked(op, i, gx, t))
 
 
 def backward(

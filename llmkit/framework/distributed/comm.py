@@ -165,12 +165,16 @@ class Backend:
         ``src`` is hosted. Returns ``{(src, dst): array}`` for the hosted destinations."""
         raise NotImplementedError
 
-    def send(self, src: int, dst: int, x: Any, what: str = "send") -> None:
+    def send(self, src: int, dst: int, x: Any, what: str = "send", tag: int | None = None) -> None:
         """Start sending ``x`` from ``src`` to ``dst`` without waiting (completed by ``recv`` on the other
-        side; :meth:`flush` waits for this process's sends)."""
+        side; :meth:`flush` waits for this process's sends). Messages between two ranks arrive in
+        the order sent; with a ``tag`` (an int below 20000), in that order among those of the tag,
+        so a receiver may take the messages of several tags in an order of its own."""
         raise NotImplementedError
 
-    def recv(self, src: int, dst: int, shape: tuple, dtype: Any, what: str = "recv") -> Any:
+    def recv(
+        self, src: int, dst: int, shape: tuple, dtype: Any, what: str = "recv", tag: int | None = None
+    ) -> Any:
         raise NotImplementedError
 
     def flush(self) -> None:
@@ -284,16 +288,16 @@ class SimBackend(Backend):
                 f"{what}: under sim a process hosts every rank; run one rank per thread with dist.run_ranks"
             )
 
-    def send(self, src, dst, x, what="send"):
+    def send(self, src, dst, x, what="send", tag=None):
         self._one_rank(what)
-        key = ("p", src, dst, self._seq(("s", src, dst)))
+        key = ("p", src, dst, tag, self._seq(("s", src, dst, tag)))
         with self._cv:
             self._mail[key] = x.copy()
             self._cv.notify_all()
 
-    def recv(self, src, dst, shape, dtype, what="recv"):
+    def recv(self, src, dst, shape, dtype, what="recv", tag=None):
         self._one_rank(what)
-        key = ("p", src, dst, self._seq(("r", src, dst)))
+        key = ("p", src, dst, tag, self._seq(("r", src, dst, tag)))
         deadline = time.monotonic() + self.timeout
         with self._cv:
             while key not in self._mail:
@@ -513,17 +517,25 @@ class MpiBackend(Backend):
         return {r: concat([p.reshape(s) for p, s in zip(parts, shapes)], concat_axis)}
 
     # ---- point to point ----------------------------------------------------------------------
-    def send(self, src, dst, x, what="send"):
-        buf = np.ascontiguousarray(x)
-        tag = self._tag(("p", src, dst))
-        self._pending.append((self.comm.Isend(buf, dest=dst, tag=tag), buf))
+    @staticmethod
+    def _user_tag(tag: int) -> int:
+        if not 0 <= tag < 20000:
+            raise ValueError(f"a message tag must be in [0, 20000), got {tag}")
+        return 10000 + tag  # above the sequence tags (below 10000), below the group tokens (30000+)
 
-    def recv(self, src, dst, shape, dtype, what="recv"):
+    def send(self, src, dst, x, what="send", tag=None):
+        buf = np.ascontiguousarray(x)
+        t = self._tag(("p", src, dst)) if tag is None else self._user_tag(tag)
+        self._pending.append((self.comm.Isend(buf, dest=dst, tag=t), buf))
+
+    def recv(self, src, dst, shape, dtype, what="recv", tag=None):
         buf = np.empty(shape, dtype)
-        tag = self._tag(("p", src, dst))
-        req = self.comm.Irecv(buf, source=src, tag=tag)
-        self.wait([req] + [p for p, _ in self._pending], what, (src, dst))
-        self._pending.clear()
+        t = self._tag(("p", src, dst)) if tag is None else self._user_tag(tag)
+        req = self.comm.Irecv(buf, source=src, tag=t)
+        # only this message is waited for: a send still in flight may wait for a receive that
+        # this rank's schedule posts later (flush() waits for every send)
+        self.wait([req], what, (src, dst))
+        self._pending = [(p, b) for p, b in self._pending if not p.Test()]
         return buf
 
     def send_recv(self, moves, what="send/recv"):
@@ -600,6 +612,18 @@ class NcclBackend(MpiBackend):
             uid = mpi.bcast(uid, root=0)
             c = self._nccl_comms[group] = self.nccl.NcclCommunicator(len(group), uid, mpi.Get_rank())
         return c
+
+    # Point to point goes through host memory over MPI: NCCL's send blocks its stream until the
+    # peer receives, and pipeline neighbours send to each other at once (1F1B's steady state).
+    def send(self, src, dst, x, what="send", tag=None):
+        import cupy
+
+        super().send(src, dst, cupy.asnumpy(x), what, tag)
+
+    def recv(self, src, dst, shape, dtype, what="recv", tag=None):
+        import cupy
+
+        return cupy.asarray(super().recv(src, dst, shape, dtype, what, tag))
 
     def _sync(self, what: str, group: tuple) -> None:
         import cupy

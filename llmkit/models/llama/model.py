@@ -55,6 +55,16 @@ class CausalLMOutput:
     kv_cache: Any = None
 
 
+def causal_positions(b: Any, s: Any, past: Any = 0) -> lf.Tensor:
+    """Position ids [B, S] of S new tokens after ``past`` cached ones: past, past + 1, ..."""
+    return O.expand(O.unsqueeze(O.arange(past, sym.add(past, s)), axis=0), [b, s])
+
+
+def lm_loss(hidden: lf.Tensor, weight: lf.Tensor, labels: lf.Tensor) -> lf.Tensor:
+    """Mean cross entropy of the logits ``hidden @ weight.T`` [B, S, V] against ``labels`` [B, S]."""
+    return O.cross_entropy(O.linear(hidden, weight), labels)
+
+
 class LlamaAttention(nn.Layer):
     """Grouped-query self-attention with rotary position embeddings."""
 
@@ -145,6 +155,10 @@ class LlamaModel(nn.Layer):
         angles = np.concatenate([angles, angles], axis=-1)
         return lf.tensor(np.cos(angles), dtype=dtype), lf.tensor(np.sin(angles), dtype=dtype)
 
+    def rope(self, dtype: Any) -> tuple[lf.Tensor, lf.Tensor]:
+        """The RoPE tables [max_positions, D] in ``dtype`` (no-op casts normally)."""
+        return self.rope_cos.astype(dtype), self.rope_sin.astype(dtype)
+
     def converted(self) -> None:
         """After ``to(dtype)``: recompute the RoPE tables from float64, not from the old dtype."""
         w = self.embed_tokens.weight
@@ -154,14 +168,13 @@ class LlamaModel(nn.Layer):
     def forward(self, input_ids, position_ids=None, attention_mask=None, kv_cache=None):
         b, s = input_ids.shape
         if position_ids is None:
-            past = 0 if kv_cache is None else kv_cache.past_length
-            position_ids = O.expand(O.unsqueeze(O.arange(past, sym.add(past, s)), axis=0), [b, s])  # (B, S)
+            position_ids = causal_positions(b, s, 0 if kv_cache is None else kv_cache.past_length)
         mask = None
         if attention_mask is not None:
             # [B, T] with 1 = attend, 0 = padding -> a bool mask [B, 1, 1, T] (causality is added by sdpa)
             mask = O.unsqueeze(O.not_equal(attention_mask, 0), axis=[1, 2])
         x = self.embed_tokens(input_ids)  # (B, S, H)
-        cos, sin = self.rope_cos.astype(x.dtype), self.rope_sin.astype(x.dtype)  # no-ops normally
+        cos, sin = self.rope(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, position_ids, mask, kv_cache)
         return self.norm(x)
