@@ -160,9 +160,18 @@ class TrainSection(_Section):
     mode: Literal["eager", "static"] = "eager"  # static: the whole step as one compiled program
     # fusion compiler of static programs; null (default): cinn wherever a C compiler exists
     compiler: Literal["cinn", "none"] | None = None
-    recompute: bool = False  # recompute activations in backward (less memory, more compute)
     device: Literal["cpu", "gpu"] = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recompute_moved(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and "recompute" in raw:
+            raise ValueError(
+                "train.recompute moved to parallel.recompute (none | attention | full, with "
+                "parallel.recompute_every: k); train.recompute: true is parallel.recompute: full"
+            )
+        return raw
 
     @model_validator(mode="after")
     def _cinn_needs_static(self) -> TrainSection:
@@ -180,6 +189,8 @@ class ParallelSection(_Section):
     sp: bool = False  # sequence parallel: the residual stream between tp regions sharded on the sequence
     zero: int = Field(0, ge=0, le=3)  # ZeRO over dp: 1 optimizer state, 2 + gradients, 3 + parameters
     plan: str | dict[str, Any] = "llama"  # built-in plan, a YAML file, or {params: {...}, outputs: {...}}
+    recompute: Literal["none", "attention", "full"] = "none"  # what a layer recomputes in the backward
+    recompute_every: int = Field(1, gt=0)  # the policy applies to layers 0, k, 2k, ...
 
     @model_validator(mode="after")
     def _plan_applies(self) -> ParallelSection:
@@ -189,7 +200,15 @@ class ParallelSection(_Section):
     def build(self) -> ParallelPlan:
         """The ParallelPlan of these settings; ValueError names the key at fault."""
         try:
-            return ParallelPlan.make(self.plan, dp=self.dp, tp=self.tp, sp=self.sp, zero=self.zero)
+            return ParallelPlan.make(
+                self.plan,
+                dp=self.dp,
+                tp=self.tp,
+                sp=self.sp,
+                zero=self.zero,
+                recompute=self.recompute,
+                recompute_every=self.recompute_every,
+            )
         except PlanError as e:
             key = {"zero": "zero", "sp": "sp", "mesh": "dp"}.get(e.key, "plan")
             raise ValueError(

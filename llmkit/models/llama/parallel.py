@@ -54,6 +54,23 @@ def llama_plan(sp: bool) -> tuple[dict[str, str], dict[str, str]]:
 register_plan("llama", llama_plan)
 
 
+# What each recompute policy of the plan checkpoints in a decoder layer (``Layer.recompute``: the
+# part keeps its input and recomputes its activations in the backward, eagerly and traced).
+# "attention" is the attention block: q/k/v, RoPE, the attention core and o_proj (the core itself
+# keeps no S x S probabilities: its kernel recomputes them tile by tile in the backward already).
+RECOMPUTED_PART = {"attention": lambda layer: layer.self_attn, "full": lambda layer: layer}
+
+
+def apply_recompute(plan: ParallelPlan, model: Any) -> None:
+    """Mark the decoder layers' parts that ``plan``'s recompute policy recomputes."""
+    for i, layer in enumerate(model.model.layers):
+        for part in RECOMPUTED_PART.values():
+            part(layer).recompute(False)
+        policy = plan.recompute_at(i)
+        if policy != "none":
+            RECOMPUTED_PART[policy](layer).recompute()
+
+
 def check_plan(plan: ParallelPlan, model: Any) -> None:
     """The plan fits this model: every parameter has a rule that fits its shape, and tp keeps
     whole attention heads on each rank where it shards the q/k/v projections."""
