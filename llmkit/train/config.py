@@ -191,6 +191,17 @@ class ParallelSection(_Section):
     plan: str | dict[str, Any] = "llama"  # built-in plan, a YAML file, or {params: {...}, outputs: {...}}
     recompute: Literal["none", "attention", "full"] = "none"  # what a layer recomputes in the backward
     recompute_every: int = Field(1, gt=0)  # the policy applies to layers 0, k, 2k, ...
+    auto: bool = False  # `parallel: auto`: the planner picks the rest (llmkit train resolves it)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_alone(cls, raw: Any) -> Any:
+        if raw == "auto":
+            return {"auto": True}
+        if isinstance(raw, dict) and raw.get("auto") and len(raw) > 1:
+            others = ", ".join(sorted(k for k in raw if k != "auto"))
+            raise ValueError(f"parallel: auto picks every parallel key itself; drop {others}")
+        return raw
 
     @model_validator(mode="after")
     def _plan_applies(self) -> ParallelSection:
