@@ -112,7 +112,8 @@ def run_planner(
     flops = {True: "published peak", False: "measured matmul"}[bool(machine.peak_flops)]
     flops = "measured training step" if machine.whole_step else flops
     lines = [
-        f"plan: {llama.num_parameters() / 1e9:.3g}B parameters, {batch} x {cfg.train.seq_len} tokens per step, "
+        f"plan: {llama.num_parameters() / 1e9:.3g}B parameters, {batch} x {cfg.train.seq_len} tokens per "
+        "step, "
         f"{world} ranks of {mem / GB:.3g} GB on {machine.name} ({machine.flops / 1e9:.4g} GFLOP/s per rank, "
         f"{flops})",
         P.table(choice, cost, machine, batch, top),

@@ -116,6 +116,10 @@ def test_yaml_file_reads_scientific_notation_as_float(tmp_path: Path) -> None:
             "parallel.recompute_every: k); train.recompute: true is parallel.recompute: full",
         ),
         (
+            ["parallel.auto=true", "parallel.dp=2"],
+            "config error: parallel: auto picks every parallel key itself; drop dp",
+        ),
+        (
             ["parallel.recompute_every=0"],
             "config error: parallel.recompute_every: expected a value > 0, got 0",
         ),

@@ -102,15 +102,17 @@ def local_machine(
         cache = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         cache = {}
+    if ranks == 1:  # one rank talks to nobody: no backend to probe
+        key = f"{platform.node()}/{os.cpu_count()}/numpy-{np.__version__}/alone"
     hit = cache.get(key)
     if hit is None:
         flops, bandwidth = compute_speeds()
-        small, big = collective_times(backend)
+        small, big = collective_times(backend) if ranks > 1 else (0.0, 0.0)
         alpha = small / 2  # a 2-rank ring all-reduce: 2 steps
-        beta = max(big - small, 1e-12) / SIZES[1]  # each rank sends 2 (n-1)/n N = N bytes
+        beta = max(big - small, 0.0) / SIZES[1]  # each rank sends 2 (n-1)/n N = N bytes
         hit = cache[key] = {"flops": flops, "bandwidth": bandwidth, "alpha": alpha, "beta": beta}
         atomic_write(path, json.dumps(cache, indent=1) + "\n")
-    flops = hit["flops"]
+    flops, bandwidth = hit["flops"], hit["bandwidth"]
     if step_speed is not None:
         name, probe = step_speed
         speeds = cache.setdefault("step_speed", {})
@@ -126,7 +128,7 @@ def local_machine(
     host = Machine(
         f"this host ({backend})",
         flops,
-        hit["bandwidth"],
+        bandwidth,
         link,
         link,
         node=max(ranks, 1),
