@@ -208,10 +208,13 @@ def train_worker(overrides: list[str], warmup: int) -> None:
             times.append(time.perf_counter() - t0)
             per_step = sent[0] - before
     me, group = trainer.rank, tuple(range(backend.world_size))
-    mine = np.array([np.median(times), per_step, trainer.state_bytes, peak_rss_bytes()], np.float64)
+    mine = np.array(
+        [np.median(times), per_step, trainer.state_bytes, peak_rss_bytes(), trainer.activation_bytes],
+        np.float64,
+    )
     worst = backend.all_reduce(group, {me: mine}, "max")[me] if trainer.backend == "mpi" else mine
     if me == 0:
-        keys = ("seconds", "sent_bytes", "state_bytes", "peak_rss_bytes")
+        keys = ("seconds", "sent_bytes", "state_bytes", "peak_rss_bytes", "activation_bytes")
         print(json.dumps(dict(zip(keys, map(float, worst)))), flush=True)
 
 

@@ -189,6 +189,11 @@ def _schedule(name: str, pp: int, m: int) -> Schedule:
     return Schedule(name, pp, m, 1, tuple(tuple(js) for js in SCHEDULES[name](pp, m, 1)))
 
 
+@lru_cache(maxsize=1024)
+def _in_flight(name: str, pp: int, m: int) -> int:
+    return _schedule(name, pp, m).peak_in_flight()
+
+
 @lru_cache(maxsize=4096)
 def _clock(name: str, pp: int, m: int, b_over_f: float) -> float:
     """Makespan in forward-times of ``name``'s job lists (F = 1, B = ``b_over_f``, no hop latency;
