@@ -3,8 +3,9 @@
 
 1. ``measured``: plans of ``configs/bench.yaml`` (8 x 256 tokens per step) run as ``llmkit train``
    runs them (one process, or one per rank over MPI: ``benchmarks/parallel.py``'s worker), each
-   beside the planner's prediction for that plan (``llmkit.train.planning``: this host's probed
-   speeds, the training step's own kernels' FLOP/s, the backend's alpha-beta): the step time
+   beside the planner's prediction for that plan (``llmkit.train.planning``: this host's speeds,
+   the training step's own kernels' FLOP/s, the backend's alpha-beta, probed afresh right after
+   the run, so under the same load from other work on the machine): the step time
    (median after warm-up, the slowest rank) and the peak memory per rank (parameters + gradients +
    optimizer state, plus the activations the autograd tape holds when the forward ends), with the
    errors in percent. The ranks share this machine's two cores, as the planner assumes.
@@ -32,7 +33,6 @@ Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/planner.py [
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -42,6 +42,7 @@ import tempfile
 import time
 
 from _common import emit, machine
+from parallel import launch_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "configs", "bench.yaml")
@@ -60,19 +61,10 @@ MEASURED = {
 
 def run(n: int, parallel: dict, batch: int, accum: int, steps: int, warmup: int) -> dict:
     """One plan through ``benchmarks/parallel.py``'s train worker (``llmkit train``'s Trainer)."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
     with tempfile.TemporaryDirectory() as out:
         ov = [f"train.steps={steps}", "schedule.warmup_steps=1", "train.log_every=1", f"out_dir={out}"]
         ov += [f"train.batch_size={batch}", f"train.grad_accum={accum}"]
-        ov += [f"parallel.{k}={v}" for k, v in parallel.items()]
-        cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "parallel.py"), "--train-worker"]
-        cmd += ["--warmup", str(warmup), "--", *ov]
-        if n > 1:
-            cmd = ["mpiexec", "--oversubscribe", "--allow-run-as-root", "-n", str(n), *cmd]
-        got = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    if got.returncode != 0:
-        sys.exit(f"{' '.join(cmd[:8])} ... failed:\n{got.stderr[-3000:]}")
-    return json.loads(got.stdout.strip().splitlines()[-1])
+        return launch_training(n, ov + [f"parallel.{k}={v}" for k, v in parallel.items()], warmup)
 
 
 def predict(n: int, parallel: dict, batch: int, accum: int):
@@ -94,6 +86,9 @@ def measured(steps: int, warmup: int) -> None:
     errors_t, errors_m = [], []
     for name, (n, parallel, batch, accum) in MEASURED.items():
         got = run(n, parallel, batch, accum, steps, warmup)
+        # the planner's probes, fresh right after the run: the speeds of the machine as it was then
+        # (the other work on it varies, and the ranks share its cores)
+        os.environ["LLMKIT_CACHE_DIR"] = tempfile.mkdtemp()
         c = predict(n, parallel, batch, accum)
         mem = got["state_bytes"] + got["activation_bytes"]
         et = 100 * (c.step - got["seconds"]) / got["seconds"]
