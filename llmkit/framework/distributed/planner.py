@@ -169,15 +169,6 @@ class Candidate:
         """Among equal times, the plainer plan: fewer ranks split, no ZeRO, recompute or micro-batches."""
         return (self.pp, self.tp, self.zero, list(RECOMPUTE).index(self.recompute), self.micro_batches)
 
-    def overrides(self) -> list[str]:
-        """The config overrides that run this plan (``llmkit train cfg.yaml OVERRIDES``)."""
-        out = [f"parallel.dp={self.dp}", f"parallel.tp={self.tp}", f"parallel.zero={self.zero}"]
-        out.append(f"parallel.recompute={self.recompute}")
-        if self.pp > 1:
-            out += [f"parallel.pp={self.pp}", f"parallel.micro_batches={self.micro_batches}"]
-            out.append(f"parallel.schedule={self.schedule}")
-        return out
-
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -223,7 +214,7 @@ def estimate(
     m = micro_batches
     tokens = batch // (dp * m) * s  # per micro-batch on one rank
     layers = math.ceil(L / pp)  # the fullest stage's layers
-    first_last = 1 if pp == 1 else 0  # one stage holds both edges only without a pipeline
+    edges = 2 if pp == 1 else 1  # the embedding and head on one stage only without a pipeline
     edge_p = max(cost.edge_params) if pp > 1 else sum(cost.edge_params)
     edge_f = max(cost.edge_flops) if pp > 1 else sum(cost.edge_flops)
     cut = lambda a: a[0] + a[1] / tp  # (replicated, sharded) bytes -> one tp rank's
@@ -232,9 +223,7 @@ def estimate(
     # ---- memory: state divided by ZeRO over dp, activations of the in-flight micro-batches
     on_dp = lambda stage: dp if zero >= stage else 1
     state = params * (precision.weight / on_dp(3) + precision.grad / on_dp(2) + precision.state / on_dp(1))
-    in_flight = (
-        1 if pp == 1 else _schedule(schedule, pp, m).peak_in_flight()
-    )  # without a pipeline: one at a time
+    in_flight = 1 if pp == 1 else _in_flight(schedule, pp, m)  # without a pipeline: one at a time
     act = tokens * (layers * cut(cost.layer_act[recompute]) + edge_a)
     memory = state + in_flight * act
     # ---- time per micro-batch on the fullest stage
@@ -242,7 +231,8 @@ def estimate(
     # activations written in the forward, read and written backward (unless the speed includes them)
     elementwise = 0.0 if machine.whole_step else 3 * act / machine.bandwidth
     stream = tokens * h * cost.act_itemsize
-    t_tp = (2 * layers + first_last + 1) * machine.ring("all_reduce", tp, stream)  # forward
+    # forward: Megatron's two all-reduces per layer (attention, MLP), one per edge (embedding, head)
+    t_tp = (2 * layers + edges) * machine.ring("all_reduce", tp, stream)
     t_f = flops / machine.flops + elementwise + t_tp
     rerun = tokens * layers * cost.recompute_flops[recompute] / tp / machine.flops
     t_b = 2 * t_f + rerun
@@ -260,9 +250,10 @@ def estimate(
     weights = params * precision.weight
     stride = tp * pp
     if zero >= 2:
-        t_dp = machine.ring("reduce_scatter", dp, grads, stride) + machine.ring(
-            "all_gather", dp, weights, stride
-        )
+        # ZeRO 3: each layer gathers its own weights in the forward, one ring per layer
+        gathers = layers if zero == 3 else 1
+        t_dp = machine.ring("reduce_scatter", dp, grads, stride)
+        t_dp += gathers * machine.ring("all_gather", dp, weights / gathers, stride)
     else:
         t_dp = machine.ring("all_reduce", dp, grads, stride)
         t_dp += machine.ring("all_gather", dp, weights, stride) if zero == 1 else 0.0
