@@ -44,17 +44,22 @@ PROBE_PARAMS = 50e6  # a layer larger than this is too slow to probe here: the b
 
 
 def step_probe(llama: Any, cfg: TrainConfig) -> tuple[str, Any] | None:
-    """(key, probe) of this model's training speed here: one decoder layer with the embedding and
-    head, forward + backward in eager mode on up to 2048 tokens, best of 3 after a warm-up, as
-    model FLOPs (``ModelCost.train_flops``) per second."""
+    """(key, probe) of this model's training speeds here: one decoder layer with the embedding and
+    head, forward + backward in eager mode on up to 2048 tokens, as model FLOPs
+    (``ModelCost.train_flops``) per second; then the run's optimizer step with clipping, as
+    parameters per second (each the best of 3 after a warm-up)."""
     import dataclasses
+    import math
     import time
 
     import numpy as np
 
     import llmkit.framework as lf
+    from llmkit.framework import optim
     from llmkit.models.llama import LlamaForCausalLM
     from llmkit.models.llama.parallel import llama_cost
+
+    from .trainer import build_optimizer
 
     one = dataclasses.replace(llama, num_hidden_layers=1)
     cost = llama_cost(one, cfg.train.seq_len)
@@ -64,7 +69,8 @@ def step_probe(llama: Any, cfg: TrainConfig) -> tuple[str, Any] | None:
     rows = max(1, min(cfg.train.batch_size, 2048 // seq))
     key = (
         f"llama h{one.hidden_size} i{one.intermediate_size} v{one.vocab_size} "
-        f"heads{one.num_attention_heads}/{one.num_key_value_heads} {rows}x{seq} {cfg.train.dtype}"
+        f"heads{one.num_attention_heads}/{one.num_key_value_heads} {rows}x{seq} {cfg.train.dtype} "
+        f"{cfg.optim.name}"
     )
 
     def probe() -> float:
@@ -72,14 +78,20 @@ def step_probe(llama: Any, cfg: TrainConfig) -> tuple[str, Any] | None:
         if cfg.train.dtype != "float32":
             model.to(cfg.train.dtype)
         ids = lf.tensor(np.random.default_rng(0).integers(0, one.vocab_size, (rows, seq)))
-        times = []
+        params = model.parameters()
+        opt = build_optimizer(cfg, model)
+        times, updates = [], []
         for _ in range(4):
             t0 = time.perf_counter()
             model.loss(ids, ids).backward()
-            times.append(time.perf_counter() - t0)
-            for p in model.parameters():
-                p.grad = None
-        return cost.train_flops(rows * seq) / min(times[1:])
+            t1 = time.perf_counter()
+            optim.clip_grad_norm_(params, cfg.optim.grad_clip or math.inf)
+            opt.step()
+            opt.zero_grad()
+            times.append(t1 - t0)
+            updates.append(time.perf_counter() - t1)
+        n = sum(p.size for p in params)
+        return cost.train_flops(rows * seq) / min(times[1:]), n / min(updates[1:])
 
     return key, probe
 

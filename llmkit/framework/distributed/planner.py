@@ -14,7 +14,8 @@ of ``b`` sequences of ``S`` tokens on one rank holding ``L/pp`` layers cut ``tp`
 
 ``clock`` is :func:`schedule.simulate` on the schedule's job lists (the bubble), ``t_dp`` the data
 parallel gradient reduction and ZeRO's gathers (no overlap with compute: llmkit's runtime has none),
-``t_update`` the optimizer's pass over the rank's state at memory bandwidth. Peak memory per rank is
+``t_update`` the optimizer's pass over the rank's state (at memory bandwidth, or a measured rate).
+Peak memory per rank is
 
     params + grads + optimizer state (each divided over dp by the ZeRO stage, over tp and pp)
     + in-flight micro-batches (the schedule's peak) x activations of one micro-batch
@@ -101,6 +102,8 @@ class Machine:
     peak_flops: float | None = None  # the published peak (MFU's denominator); None: flops
     whole_step: bool = False  # flops was measured on the model's whole forward + backward (its
     # elementwise ops included), not on a bare matmul: no separate elementwise term
+    update_rate: float | None = None  # parameters the optimizer step (with clipping) updates per
+    # second, measured; None: its state read and written once at memory bandwidth
 
     def link(self, ranks: int, stride: int = 1) -> Link:
         """The slowest link of a group of ``ranks`` ranks ``stride`` apart."""
@@ -257,7 +260,10 @@ def estimate(
     else:
         t_dp = machine.ring("all_reduce", dp, grads, stride)
         t_dp += machine.ring("all_gather", dp, weights, stride) if zero == 1 else 0.0
-    t_update = 2 * state / machine.bandwidth  # read and write every state byte once
+    if machine.update_rate:  # each rank updates its ZeRO shard of the parameters
+        t_update = params / on_dp(1) / machine.update_rate
+    else:
+        t_update = 2 * state / machine.bandwidth  # read and write every state byte once
     parts = {"compute": compute, "bubble": bubble, "tp": 3 * m * t_tp, "pp": t_pp, "dp": t_dp}
     parts["update"] = t_update
     step = compute + bubble + t_pp + t_dp + t_update
@@ -401,4 +407,7 @@ def scaled(machine: Machine, ranks_per_host: int, cores: int) -> Machine:
     """This host's machine for ranks sharing its cores: each rank gets its share of FLOP/s and
     memory bandwidth (a probe measures them with every core)."""
     share = max(cores // max(ranks_per_host, 1), 1) / cores if ranks_per_host <= cores else 1 / ranks_per_host
-    return replace(machine, flops=machine.flops * share, bandwidth=machine.bandwidth * share)
+    rate = machine.update_rate * share if machine.update_rate else None
+    return replace(
+        machine, flops=machine.flops * share, bandwidth=machine.bandwidth * share, update_rate=rate
+    )

@@ -90,11 +90,14 @@ def _time_all_reduce(dist) -> list[float]:
 
 
 def local_machine(
-    backend: str = "sim", ranks: int = 1, step_speed: tuple[str, Callable[[], float]] | None = None
+    backend: str = "sim",
+    ranks: int = 1,
+    step_speed: tuple[str, Callable[[], tuple[float, float]]] | None = None,
 ) -> Machine:
     """This host as a Machine for ``ranks`` ranks on ``backend`` (probed once, then cached).
-    ``step_speed``: (a key naming the model's shape, a probe of its training FLOP/s here): the
-    model's own kernels' speed replaces the bare matmul's."""
+    ``step_speed``: (a key naming the model's shape, a probe of its training FLOP/s and its
+    optimizer's parameters per second here): the model's own kernels' speeds replace the bare
+    matmul's and the memory bandwidth's."""
     key = f"{platform.node()}/{os.cpu_count()}/numpy-{np.__version__}/{backend}"
     path = cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,7 +115,7 @@ def local_machine(
         beta = max(big - small, 0.0) / SIZES[1]  # each rank sends 2 (n-1)/n N = N bytes
         hit = cache[key] = {"flops": flops, "bandwidth": bandwidth, "alpha": alpha, "beta": beta}
         atomic_write(path, json.dumps(cache, indent=1) + "\n")
-    flops, bandwidth = hit["flops"], hit["bandwidth"]
+    flops, bandwidth, update = hit["flops"], hit["bandwidth"], None
     if step_speed is not None:
         name, probe = step_speed
         speeds = cache.setdefault("step_speed", {})
@@ -120,7 +123,7 @@ def local_machine(
         if mine not in speeds:
             speeds[mine] = probe()
             atomic_write(path, json.dumps(cache, indent=1) + "\n")
-        flops = speeds[mine]
+        flops, update = speeds[mine]
     link = Link(hit["alpha"], hit["beta"])
     from .planner import scaled
 
@@ -133,6 +136,7 @@ def local_machine(
         link,
         node=max(ranks, 1),
         whole_step=step_speed is not None,
+        update_rate=update,
     )
     return scaled(host, ranks, cores)
 
