@@ -213,7 +213,7 @@ class Trainer:
         # on resume: (bytes the fullest rank read, bytes of the whole checkpoint, peak host memory)
         self.load_report: tuple[int, int, int] | None = None
         apply_recompute(self.plan, self.model)
-        self.activation_bytes = 0  # the fullest rank's activation memory at the last step's peak
+        self.activation_bytes = 0  # activation bytes at the step's peak (this process's fullest rank)
         self.step_fn = self._static_step() if t.mode == "static" else self._eager_step
         # What a step rebinds: held before each step so that an aborted one can be rolled back.
         self._state = [

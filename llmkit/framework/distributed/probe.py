@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..files import atomic_write
+from .plan import PlanError
 from .planner import Link, Machine
 
 SIZES = (8, 4 << 20)
@@ -61,7 +62,9 @@ def collective_times(backend: str) -> list[float]:
     if backend == "mpi":
         mpiexec = shutil.which("mpiexec")
         if mpiexec is None:
-            raise RuntimeError("the mpi probe needs mpiexec on PATH (pip install 'llmkit[dist]')")
+            raise PlanError(
+                "backend", "probing mpi needs mpiexec on PATH (pip install 'llmkit[dist]'), or --backend sim"
+            )
         cmd = [mpiexec, "--oversubscribe", *(["--allow-run-as-root"] if os.geteuid() == 0 else [])]
         cmd += ["-n", "2", sys.executable, "-m", "llmkit.framework.distributed.probe"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
