@@ -121,7 +121,7 @@ def run_planner(
     machine = machine_for(gpu, backend, world, None if gpu else step_probe(llama, cfg))
     batch = cfg.train.batch_size * cfg.train.grad_accum
     choice = P.plan(cost, machine, world, batch, mem, precision=precision_of(cfg), schedules=schedules)
-    flops = {True: "published peak", False: "measured matmul"}[bool(machine.peak_flops)]
+    flops = f"{P.EFFICIENCY:.0%} of the published peak" if gpu else "measured matmul"
     flops = "measured training step" if machine.whole_step else flops
     lines = [
         f"plan: {llama.num_parameters() / 1e9:.3g}B parameters, {batch} x {cfg.train.seq_len} tokens per "

@@ -138,6 +138,7 @@ def local_machine(
         link,
         link,
         node=max(ranks, 1),
+        peak_flops=hit["flops"],  # MFU here: against a bare matmul's speed
         whole_step=step_speed is not None,
         update_rate=update,
     )
