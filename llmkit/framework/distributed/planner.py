@@ -404,10 +404,15 @@ def plan(
 
 
 def scaled(machine: Machine, ranks_per_host: int, cores: int) -> Machine:
-    """This host's machine for ranks sharing its cores: each rank gets its share of FLOP/s and
-    memory bandwidth (a probe measures them with every core)."""
-    share = max(cores // max(ranks_per_host, 1), 1) / cores if ranks_per_host <= cores else 1 / ranks_per_host
-    rate = machine.update_rate * share if machine.update_rate else None
+    """This host's machine for ranks sharing its cores: each rank gets its share of the speeds a
+    probe measured with every core (the FLOP/s, memory bandwidth and optimizer rate)."""
+    ranks = max(ranks_per_host, 1)
+    share = max(cores // ranks, 1) / cores if ranks <= cores else 1 / ranks
+    times = lambda x: x * share if x else x
     return replace(
-        machine, flops=machine.flops * share, bandwidth=machine.bandwidth * share, update_rate=rate
+        machine,
+        flops=times(machine.flops),
+        bandwidth=times(machine.bandwidth),
+        update_rate=times(machine.update_rate),
+        peak_flops=times(machine.peak_flops),
     )
