@@ -10,6 +10,7 @@ published peaks at an MFU-style efficiency).
 from __future__ import annotations
 
 import os
+import shlex
 from typing import Any
 
 from llmkit.framework.distributed import planner as P
@@ -124,8 +125,7 @@ def run_planner(
     flops = f"{P.EFFICIENCY:.0%} of the published peak" if gpu else "measured matmul"
     flops = "measured training step" if machine.whole_step else flops
     lines = [
-        f"plan: {llama.num_parameters() / 1e9:.3g}B parameters, {batch} x {cfg.train.seq_len} tokens per "
-        "step, "
+        f"plan: {llama.num_parameters() / 1e9:.3g}B parameters, {batch} x {cfg.train.seq_len} tokens a step, "
         f"{world} ranks of {mem / GB:.3g} GB on {machine.name} ({machine.flops / 1e9:.4g} GFLOP/s per rank, "
         f"{flops})",
         P.table(choice, cost, machine, batch, top),
@@ -165,7 +165,7 @@ def plan_main(argv: list[str]) -> int:
     cfg = load_config(a.config, a.overrides)
     choice, report = run_planner(cfg, a.world, a.mem_gb * GB, a.gpu, a.backend, top=a.top)
     print(report)
-    print(f"run it: llmkit train {a.config} {' '.join(overrides(choice.best, cfg))}")
+    print(f"run it: llmkit train {' '.join(map(shlex.quote, [a.config, *overrides(choice.best, cfg)]))}")
     return 0
 
 

@@ -229,16 +229,22 @@ def estimate(
     in_flight = 1 if pp == 1 else _in_flight(schedule, pp, m)  # without a pipeline: one at a time
     act = tokens * (layers * cut(cost.layer_act[recompute]) + edge_a)
     memory = state + in_flight * act
-    # ---- time per micro-batch on the fullest stage
-    flops = tokens * (layers * cost.layer_flops + edge_f) / tp
-    # activations written in the forward, read and written backward (unless the speed includes them)
-    elementwise = 0.0 if machine.whole_step else 3 * act / machine.bandwidth
+    # ---- time per micro-batch on the fullest stage: the layers', then the edges'
     stream = tokens * h * cost.act_itemsize
-    # forward: Megatron's two all-reduces per layer (attention, MLP), one per edge (embedding, head)
-    t_tp = (2 * layers + edges) * machine.ring("all_reduce", tp, stream)
-    t_f = flops / machine.flops + elementwise + t_tp
-    rerun = tokens * layers * cost.recompute_flops[recompute] / tp / machine.flops
-    t_b = 2 * t_f + rerun
+    ring = machine.ring("all_reduce", tp, stream)
+
+    def forward(flops: float, act_none: float, all_reduces: int) -> float:
+        # every activation is written in the forward (whatever recompute keeps), unless the
+        # measured speed already includes the elementwise ops
+        memory_time = 0.0 if machine.whole_step else tokens * act_none / machine.bandwidth
+        return tokens * flops / tp / machine.flops + memory_time + all_reduces * ring
+
+    # Megatron's two all-reduces per layer (attention, MLP), one per edge (embedding, head)
+    t_layers = forward(layers * cost.layer_flops, layers * cut(cost.layer_act["none"]), 2 * layers)
+    t_f = t_layers + forward(edge_f, edge_a, edges)
+    t_tp = (2 * layers + edges) * ring
+    # a backward is two forwards, plus the forward of what the policy recomputes
+    t_b = 2 * t_f + t_layers * cost.recompute_flops[recompute] / cost.layer_flops
     if pp == 1:
         compute, bubble = m * (t_f + t_b), 0.0
     else:

@@ -153,6 +153,6 @@ def test_llmkit_plan_prints_the_table_and_the_choice(tmp_path, capsys):
     assert main(["plan", str(cfg), "--world", "8", "--mem-gb", "80", "--gpu", "H100", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "8 ranks of 80 GB on H100" in out and "plans fit" in out and "\nchose dp" in out
-    assert "run it: llmkit train" in out and "parallel={dp:" in out
+    assert "run it: llmkit train" in out and "'parallel={dp:" in out
     assert main(["plan", str(cfg), "--world", "8", "--mem-gb", "1", "--gpu", "H100"]) == 2
     assert "no plan fits in 1 GB per rank: the smallest" in capsys.readouterr().err
