@@ -48,7 +48,8 @@ def step_probe(llama: Any, cfg: TrainConfig) -> tuple[str, Any] | None:
     """(key, probe) of this model's training speeds here: one decoder layer with the embedding and
     head, forward + backward in eager mode on up to 2048 tokens, as model FLOPs
     (``ModelCost.train_flops``) per second; then the run's optimizer step with clipping, as
-    parameters per second (each the best of 3 after a warm-up)."""
+    parameters per second (each the median of 3 after a warm-up: the typical speed on a shared
+    machine, as the trainer's own step times are)."""
     import dataclasses
     import math
     import time
@@ -92,7 +93,7 @@ def step_probe(llama: Any, cfg: TrainConfig) -> tuple[str, Any] | None:
             times.append(t1 - t0)
             updates.append(time.perf_counter() - t1)
         n = sum(p.size for p in params)
-        return cost.train_flops(rows * seq) / min(times[1:]), n / min(updates[1:])
+        return cost.train_flops(rows * seq) / float(np.median(times[1:])), n / float(np.median(updates[1:]))
 
     return key, probe
 
