@@ -339,7 +339,7 @@ class Choice:
                 worse = max(b.parts, key=lambda k: r.parts.get(k, 0) - b.parts.get(k, 0))
                 lines.append(
                     f"beats the runner-up {r.label} by {100 * (r.step / b.step - 1):.2g}% "
-                    f"({worse}: {r.parts[worse]:.3g} s against {b.parts[worse]:.3g} s)"
+                    f"(its {worse} takes {r.parts[worse]:.3g} s, this one's {b.parts[worse]:.3g} s)"
                 )
         faster = [c for c in self.unfit if c.step < b.step]
         if faster:
