@@ -231,14 +231,39 @@ def train_worker(overrides: list[str], warmup: int) -> None:
             waits.append((waited[0] - idle) / times[-1])
             per_step = sent[0] - before
     me, group = trainer.rank, tuple(range(backend.world_size))
-    mine = np.array([np.median(times), per_step, trainer.state_bytes, peak_rss_bytes()], np.float64)
+    mine = np.array(
+        [np.median(times), per_step, trainer.state_bytes, peak_rss_bytes(), trainer.activation_bytes],
+        np.float64,
+    )
     wait = np.array([np.median(waits)], np.float64)
     if trainer.backend == "mpi":
         mine = backend.all_reduce(group, {me: mine}, "max")[me]
         wait = backend.all_reduce(group, {me: wait}, "avg")[me]
     if me == 0:
-        keys = ("seconds", "sent_bytes", "state_bytes", "peak_rss_bytes")
+        keys = ("seconds", "sent_bytes", "state_bytes", "peak_rss_bytes", "activation_bytes")
         print(json.dumps({**dict(zip(keys, map(float, mine))), "wait_fraction": float(wait[0])}), flush=True)
+
+
+def launch_training(n: int, overrides: list[str], warmup: int) -> dict:
+    """``llmkit train configs/bench.yaml OVERRIDES`` on ``n`` processes (mpiexec when more than one),
+    each rank through :func:`train_worker`: its JSON line (the slowest rank's figures)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--train-worker",
+        "--warmup",
+        str(warmup),
+        "--",
+        *overrides,
+    ]
+    if n > 1:
+        cmd = ["mpiexec", "--oversubscribe", "--allow-run-as-root", "-n", str(n), *cmd]
+    got = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if got.returncode != 0:
+        sys.exit(f"{' '.join(cmd[:6])} ... failed:\n{got.stderr[-3000:]}")
+    return json.loads(got.stdout.strip().splitlines()[-1])
 
 
 def predictions(parallel: dict, batch_size: int, seq_len: int) -> dict:
@@ -266,21 +291,12 @@ def predictions(parallel: dict, batch_size: int, seq_len: int) -> dict:
 def training(args) -> None:
     import tempfile
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root)
     steps = args.steps
     batch, seq = 8, 256  # configs/bench.yaml
 
     def launch(n: int, parallel: dict, extra: list[str]) -> dict:
         with tempfile.TemporaryDirectory() as out:
-            ov = train_overrides(steps, parallel, extra, out)
-            cmd = [sys.executable, __file__, "--train-worker", "--warmup", str(args.warmup), "--", *ov]
-            if n > 1:
-                cmd = ["mpiexec", "--oversubscribe", "--allow-run-as-root", "-n", str(n), *cmd]
-            got = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-        if got.returncode != 0:
-            sys.exit(f"{' '.join(cmd[:6])} ... failed:\n{got.stderr[-3000:]}")
-        return json.loads(got.stdout.strip().splitlines()[-1])
+            return launch_training(n, train_overrides(steps, parallel, extra, out), args.warmup)
 
     single = launch(1, {}, [])
     emit("parallel", "train_single_step", single["seconds"], "s", state_bytes=single["state_bytes"],

@@ -275,3 +275,29 @@ def checkpoint(fn, *args: Any, params: Sequence[Tensor] = (), **kwargs: Any) -> 
     for i, o in enumerate(outs):
         o.requires_grad, o._node, o._out_idx = True, node, i
     return out
+
+
+def saved_bytes(roots: Sequence[Tensor]) -> int:
+    """Bytes of the distinct buffers the tape keeps for the backward of ``roots`` (every node's
+    inputs and outputs), leaves (parameters, the batch, buffers) excluded: the activation memory
+    when the forward ends, the eager step's peak. A view shares its base's buffer, counted once. For
+    distributed tensors, the fullest rank's bytes."""
+    leaves: set[int] = set()
+    held: dict[Any, dict[int, int]] = {}  # rank -> buffer id -> bytes
+
+    def buffers(t: Tensor):
+        d = t._data
+        for rank, a in getattr(d, "shards", {None: d}).items():
+            while getattr(a, "base", None) is not None:
+                a = a.base
+            if hasattr(a, "nbytes"):
+                yield rank, a
+
+    for node in _topo(roots):
+        for x in node.inputs:
+            if x._node is None:
+                leaves.update(id(a) for _, a in buffers(x))
+        for x in (*node.inputs, *node.outputs):
+            for rank, a in buffers(x):
+                held.setdefault(rank, {})[id(a)] = a.nbytes
+    return max((sum(n for i, n in h.items() if i not in leaves) for h in held.values()), default=0)

@@ -100,6 +100,7 @@ class Executor:
         self.arg_types = [a.type for a in f.args]
         self.arg_names = [a.name for a in f.args]
         self._slot: dict[Value, int] = {}
+        self._types: list[Any] = []  # each slot's value type (its bytes, for peak_bytes)
         self.consts: list[tuple[int, np.ndarray]] = []
         self.steps: list[_Step] = []
         self.input_slots = [self._new(a) for a in f.args]
@@ -118,6 +119,7 @@ class Executor:
     def _new(self, v: Value) -> int:
         i = len(self._slot)
         self._slot[v] = i
+        self._types.append(v.type)
         return i
 
     def _plan_block(self, block) -> list[int]:
@@ -172,6 +174,27 @@ class Executor:
         for i, st in enumerate(self.steps):
             st.free = tuple(frees.get(i, ()))
         self.num_slots = len(self._slot)
+
+    def peak_bytes(self, env: dict[str, int] | None = None) -> int:
+        """The most bytes of intermediates alive at once under this plan's liveness: the program's
+        activation memory. Inputs, constants and outputs are excluded (a train step's outputs are
+        the updated state, counted with it); symbolic dims are bound by ``env`` (as :meth:`bind`
+        returns it). A view counts as a buffer of its own, so this is an upper bound."""
+        env = env or {}
+
+        def size(s: int) -> int:
+            t = self._types[s]
+            if not hasattr(t, "shape"):  # not a tensor (a token, a tuple)
+                return 0
+            return B.dtype(t.dtype).itemsize * int(np.prod([sym.evaluate(d, env) for d in t.shape]))
+
+        made = {s for st in self.steps for s in st.outs} - set(self.output_slots)
+        live = peak = 0
+        for st in self.steps:
+            live += sum(size(s) for s in st.outs if s in made)
+            peak = max(peak, live)
+            live -= sum(size(s) for s in st.free if s in made)
+        return peak
 
     # ---- running -------------------------------------------------------------------------------
     def bind(self, inputs: Sequence[Any]) -> dict[str, int]:

@@ -42,6 +42,11 @@ def main(argv: list[str]) -> int:
     from .config import load_config
 
     cfg = load_config(a.config, a.overrides)
+    if cfg.parallel.auto:  # the planner's choice, as overrides (the processes launched get them too)
+        from .planning import resolve_auto
+
+        a.overrides = [*a.overrides, *resolve_auto(cfg, a.nproc)]
+        cfg = load_config(a.config, a.overrides)
     if a.nproc is not None:
         flags = [f for f, on in (("--resume", a.resume), ("--quiet", a.quiet)) if on]
         return launch(cfg, a.nproc, a.hostfile, [a.config, *a.overrides, *flags])

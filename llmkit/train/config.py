@@ -162,9 +162,18 @@ class TrainSection(_Section):
     mode: Literal["eager", "static"] = "eager"  # static: the whole step as one compiled program
     # fusion compiler of static programs; null (default): cinn wherever a C compiler exists
     compiler: Literal["cinn", "none"] | None = None
-    recompute: bool = False  # recompute activations in backward (less memory, more compute)
     device: Literal["cpu", "gpu"] = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recompute_moved(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and "recompute" in raw:
+            raise ValueError(
+                "train.recompute moved to parallel.recompute (none | attention | full, with "
+                "parallel.recompute_every: k); train.recompute: true is parallel.recompute: full"
+            )
+        return raw
 
     @model_validator(mode="after")
     def _cinn_needs_static(self) -> TrainSection:
@@ -187,6 +196,19 @@ class ParallelSection(_Section):
     schedule: Literal[tuple(SCHEDULES)] = "1f1b"  # type: ignore[valid-type]  # the pipeline's job order
     virtual_stages: int = Field(1, gt=0)  # interleaved: stages per pp rank (pp x virtual_stages in all)
     pp_stages: list[str | int] | None = None  # layer ranges, one per stage ("0-11"); null: balanced by cost
+    recompute: Literal["none", "attention", "full"] = "none"  # what a layer recomputes in the backward
+    recompute_every: int = Field(1, gt=0)  # the policy applies to layers 0, k, 2k, ...
+    auto: bool = False  # `parallel: auto`: the planner picks the rest (llmkit train resolves it)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_alone(cls, raw: Any) -> Any:
+        if raw == "auto":
+            return {"auto": True}
+        if isinstance(raw, dict) and raw.get("auto") and len(raw) > 1:
+            others = ", ".join(sorted(k for k in raw if k != "auto"))
+            raise ValueError(f"parallel: auto picks every parallel key itself; drop {others}")
+        return raw
 
     @model_validator(mode="after")
     def _plan_applies(self) -> ParallelSection:
@@ -237,7 +259,14 @@ class ParallelSection(_Section):
         """The ParallelPlan of these settings; ValueError names the key at fault."""
         try:
             return ParallelPlan.make(
-                self.plan, dp=self.dp, tp=self.tp, sp=self.sp, zero=self.zero, pipeline=self.pipeline()
+                self.plan,
+                dp=self.dp,
+                tp=self.tp,
+                sp=self.sp,
+                zero=self.zero,
+                pipeline=self.pipeline(),
+                recompute=self.recompute,
+                recompute_every=self.recompute_every,
             )
         except PlanError as e:
             key = {"zero": "zero", "sp": "sp", "mesh": "dp"}.get(e.key, "plan")

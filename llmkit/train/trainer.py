@@ -35,7 +35,7 @@ from llmkit.framework.distributed.plan import PlanError
 from llmkit.generate import generate
 from llmkit.infer.sampling import SamplingParams
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
-from llmkit.models.llama.parallel import check_plan
+from llmkit.models.llama.parallel import apply_recompute, check_plan
 
 from . import checkpoint
 from .config import (
@@ -240,6 +240,8 @@ class Trainer:
         self.state_bytes = 0  # parameter + gradient + optimizer bytes of the fullest rank, last step
         # on resume: (bytes the fullest rank read, bytes of the whole checkpoint, peak host memory)
         self.load_report: tuple[int, int, int] | None = None
+        apply_recompute(self.plan, self.model)
+        self.activation_bytes = 0  # the fullest rank's activation memory at the last step's peak
         if self.pipe is not None:
             self.step_fn = self._pipeline_step
         else:
@@ -314,8 +316,10 @@ class Trainer:
     def _eager_step(self, batches: list[tuple[lf.Tensor, lf.Tensor]]) -> tuple[float, float]:
         """Forward/backward over the micro-batches, clip, update: (mean loss, grad norm)."""
         total = 0.0
-        for x, y in batches:
+        for i, (x, y) in enumerate(batches):
             loss = self.model.loss(x, y) / len(batches)
+            if i == 0:  # the tape's peak: the forward done, the backward not begun
+                self.activation_bytes = lf.autograd.saved_bytes([loss])
             loss.backward()
             total += self.value(loss)
         params = self.model.parameters()
@@ -383,7 +387,10 @@ class Trainer:
 
         def run(batches: list[tuple[Any, Any]]) -> tuple[float, float]:
             self.optimizer.sync_lr()
-            loss, norm = compiled(*(a for xy in batches for a in xy))
+            args = [a for xy in batches for a in xy]
+            loss, norm = compiled(*args)
+            if not self.activation_bytes:
+                self.activation_bytes = _program_peak(compiled.get_concrete_program(*args), args)
             count = self.optimizer.step_count
             if not count.is_concrete:  # a partitioned program returns it replicated on the mesh
                 count.set_value(dist.unshard(count))
@@ -490,6 +497,7 @@ class Trainer:
                             "mfu": tps * self.flops_per_token / self.peak_flops,
                             "tokens": self.tokens_seen,
                             "state_bytes_per_rank": self.state_bytes,
+                            "activation_bytes_per_rank": self.activation_bytes,
                             "peak_rss_bytes": self._most(peak_rss_bytes(), "peak memory"),
                         }
                         window_t, window_tokens = time.perf_counter(), 0
@@ -553,6 +561,16 @@ class Trainer:
             checkpoint.save(self)
             self._saved_step = self.step
         return checkpoint.checkpoint_dir(self.out, self.step)
+
+
+def _program_peak(cp: Any, args: list[Any]) -> int:
+    """The intermediates' peak bytes of a traced step under its executor's liveness (the fullest
+    rank this process runs, for a partitioned program)."""
+    ex = cp.executor
+    if hasattr(ex, "peak_bytes"):
+        return ex.peak_bytes(ex.bind([getattr(a, "_data", a) for a in args] + [t._data for t in cp.captures]))
+    hosted = dist.get_backend().hosted(ex.mesh.ranks)
+    return max(ex.executor(r).peak_bytes() for r in hosted)
 
 
 def _nbytes(tensors: list[Any]) -> int:

@@ -140,3 +140,16 @@ def test_chain_through_many_ops_matches_finite_differences():
         m[i] -= eps
         num[i] = (f(t64(p, False)).item() - f(t64(m, False)).item()) / (2 * eps)
     np.testing.assert_allclose(x.grad.numpy(), num, rtol=1e-6, atol=1e-8)
+
+
+def test_saved_bytes_counts_the_tape_activations_once():
+    from llmkit.framework.autograd import saved_bytes
+
+    x = lf.tensor(np.ones((4, 8)))  # a leaf: the batch
+    w = lf.Parameter(np.ones((8, 3)))  # a leaf: a weight
+    h = x @ w  # (4, 3) float64, kept as tanh's input
+    t = h.tanh()  # (4, 3), kept as tanh's output and sum's input
+    loss = t.sum()
+    assert saved_bytes([loss]) == 2 * 4 * 3 * 8 + 8  # h, t, and the loss's own scalar
+    ckpt = lf.autograd.checkpoint(lambda a: (a @ w).tanh(), x, params=[w]).sum()
+    assert saved_bytes([ckpt]) == 4 * 3 * 8 + 8  # the segment keeps its output only

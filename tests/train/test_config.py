@@ -61,7 +61,7 @@ def test_overrides_are_yaml_values(minimal: Path) -> None:
             "train.steps=10",
             "optim.lr=1e-3",  # YAML 1.2 float (PyYAML alone would give the string "1e-3")
             "optim.betas=[0.8, 0.99]",
-            "train.recompute=true",
+            "parallel.recompute=full",
             "--train.seed=3",
             "data.sources=[a.txt, 'b/*.jsonl']",
             "model.hidden_size=192",
@@ -71,7 +71,7 @@ def test_overrides_are_yaml_values(minimal: Path) -> None:
         ],
     )
     assert cfg.train.steps == 10 and cfg.optim.lr == 1e-3 and cfg.optim.betas == (0.8, 0.99)
-    assert cfg.train.recompute is True and cfg.train.seed == 3 and cfg.optim.grad_clip is None
+    assert cfg.parallel.recompute == "full" and cfg.train.seed == 3 and cfg.optim.grad_clip is None
     assert cfg.data.sources == ["a.txt", "b/*.jsonl"] and cfg.out_dir == "elsewhere"
     assert cfg.model.overrides() == {
         "hidden_size": 192,
@@ -106,7 +106,23 @@ def test_yaml_file_reads_scientific_notation_as_float(tmp_path: Path) -> None:
         (["train.bogus=1"], "config error: unknown key train.bogus"),
         (["optim.name=adam"], "config error: optim.name: expected 'adamw' or 'sgd', got 'adam'"),
         (["train.mode=jit"], "config error: train.mode: expected 'eager' or 'static', got 'jit'"),
-        (["train.recompute=maybe"], "config error: train.recompute: expected true or false, got 'maybe'"),
+        (
+            ["parallel.recompute=maybe"],
+            "config error: parallel.recompute: expected 'none', 'attention' or 'full', got 'maybe'",
+        ),
+        (
+            ["train.recompute=true"],
+            "config error: train.recompute moved to parallel.recompute (none | attention | full, with "
+            "parallel.recompute_every: k); train.recompute: true is parallel.recompute: full",
+        ),
+        (
+            ["parallel.auto=true", "parallel.dp=2"],
+            "config error: parallel: auto picks every parallel key itself; drop dp",
+        ),
+        (
+            ["parallel.recompute_every=0"],
+            "config error: parallel.recompute_every: expected a value > 0, got 0",
+        ),
         (["optim.betas=[0.9]"], "config error: optim.betas: too few items, got [0.9]"),
         (
             ["optim.betas=[0.9, 0.9, 0.9]"],

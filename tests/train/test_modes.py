@@ -7,8 +7,10 @@ computes the same thing another way:
 - grad_accum=2 over micro-batches of 2 against grad_accum=1 over the same 4 sequences stacked:
   the same mean loss and gradient, summed in another order (1e-6 relative; 8e-8 measured);
 - bfloat16 against float32: within one bfloat16 ulp of the loss (2^-5 for losses in [4, 8));
-- recompute against no recompute: bit-identical (the backward recomputes the same forward ops),
-  and the layers really run twice.
+- each recompute policy (attention block, full layer, every k-th layer) against none:
+  bit-identical losses (the backward recomputes the same forward ops), the recomputed parts
+  really run twice, and less activation memory: the eager tape's bytes when the forward ends, or
+  the static program's peak of live intermediates under the executor's liveness.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ import numpy as np
 import pytest
 
 import llmkit.framework as lf
+from llmkit.train.config import parse_config
 from llmkit.train.data import BatchSampler
+from llmkit.train.metrics import read_metrics
 from llmkit.train.trainer import Trainer
 
-from .runs import config, losses
+from .runs import config, losses, raw_config
+
+MODES = {"eager": {}, "static": {"mode": "static", "compiler": "none"}}
 
 STEPS = 6
 
@@ -90,23 +96,58 @@ def test_bfloat16_follows_float32(eager, tmp_path, mode):
     np.testing.assert_allclose(as_array(half), as_array(eager), rtol=0, atol=2.0**-5)
 
 
-@pytest.mark.parametrize("mode", ["eager", "static"])
-def test_recompute_equals_storing_activations(eager, tmp_path, mode):
-    static = {"mode": "static", "compiler": "none"} if mode == "static" else {}
-    trainer = Trainer(
-        config(tmp_path / "r", steps=STEPS, save_every=0, eval_every=0, recompute=True, **static), quiet=True
-    )
+RECOMPUTE = [("attention", 1), ("full", 1), ("full", 2)]  # tiny has 2 layers: every 2 = layer 0
+
+
+def recompute_run(out, mode, policy="none", every=1):
+    raw = raw_config(out, steps=STEPS, save_every=0, eval_every=0, **MODES[mode])
+    raw["parallel"] = {"recompute": policy, "recompute_every": every}
+    trainer = Trainer(parse_config(raw), quiet=True)
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """Per mode: the losses and activation bytes of a run that recomputes nothing."""
+    runs = {}
+    for mode in MODES:
+        out = tmp_path_factory.mktemp(f"stored-{mode}")
+        trainer = recompute_run(out, mode)
+        trainer.fit()
+        runs[mode] = losses(out), trainer.activation_bytes
+    return runs
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(("policy", "every"), RECOMPUTE)
+def test_recompute_changes_memory_not_losses(stored, tmp_path, mode, policy, every):
+    trainer = recompute_run(tmp_path, mode, policy, every)
     layer, calls = trainer.model.model.layers[0], []
-    forward = layer.forward
+    part = layer if policy == "full" else layer.self_attn
+    forward = part.forward
 
     def counted(*args, **kwargs):
         calls.append(trainer.step)
         return forward(*args, **kwargs)
 
-    object.__setattr__(layer, "forward", counted)
+    object.__setattr__(part, "forward", counted)
     trainer.fit()
-    assert losses(tmp_path / "r") == eager
+    base_losses, base_bytes = stored[mode]
+    assert losses(tmp_path) == base_losses  # bit-identical
+    assert 0 < trainer.activation_bytes < base_bytes
+    logged = read_metrics(tmp_path / "metrics.jsonl")[0]["activation_bytes_per_rank"]
+    assert logged == trainer.activation_bytes
     if mode == "eager":  # the forward, and again in the backward
         assert [calls.count(s) for s in range(STEPS)] == [2] * STEPS
     else:  # traced once, the backward's recomputed forward included
         assert [s for s in calls if s < STEPS] == [0, 0]  # (later calls: the final text sample)
+
+
+def test_recompute_saves_more_the_more_it_recomputes(stored, tmp_path):
+    """Eager tape bytes: none > attention > full every 2 layers > full."""
+    got = []
+    for i, (policy, every) in enumerate([("attention", 1), ("full", 2), ("full", 1)]):
+        trainer = recompute_run(tmp_path / str(i), "eager", policy, every)
+        trainer.train_step()
+        got.append(trainer.activation_bytes)
+    assert stored["eager"][1] > got[0] > got[2] and stored["eager"][1] > got[1] > got[2], got

@@ -15,6 +15,9 @@ A plan is
 - ``pipeline``: pipeline parallelism (:class:`PipelinePlan`): ``pp`` stages of consecutive layers,
   each on its own ``dp x tp`` mesh laid out by the rules above, run by a schedule over micro-batches
   (``distributed/pipeline.py``). The whole mesh is then ``pp x dp x tp``, pp outermost.
+- ``recompute``, ``recompute_every``: activation recomputation per layer (:data:`RECOMPUTE`): every
+  ``recompute_every``-th layer (layers 0, k, 2k, ...) keeps only what the policy keeps and
+  recomputes the rest in the backward; the model package applies it (its layers know their parts).
 
 On ``dp`` a parameter is replicated (ZeRO 3: sharded); its gradient is the sum over the dp ranks'
 rows. Training writes the plan as ``parallel_plan.json`` in every checkpoint; quantization and
@@ -43,6 +46,11 @@ PLAN_FILE = "parallel_plan.json"
 FORMAT, VERSION = "llmkit.parallel_plan", 1
 MESH_DIMS = ("dp", "tp")  # data parallel (outer), tensor parallel (inner: neighbouring ranks)
 ZERO_STAGES = (0, 1, 2, 3)
+RECOMPUTE = {  # policy -> what a recomputed layer keeps for its backward
+    "none": "every activation",
+    "attention": "its activations outside the attention block (recomputed from the block's input)",
+    "full": "its input only (the whole layer is recomputed)",
+}
 
 Rules = tuple[tuple[str, Placement], ...]
 
@@ -160,6 +168,8 @@ class ParallelPlan:
     sp: bool = False  # sequence parallel between the tp regions
     name: str | None = None  # the built-in plan the rules came from; None for a user plan
     pipeline: PipelinePlan | None = None  # pipeline parallelism (pp > 1), or None
+    recompute: str = "none"  # a key of RECOMPUTE
+    recompute_every: int = 1  # the policy applies to layers 0, k, 2k, ...
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.mesh]
@@ -178,6 +188,11 @@ class ParallelPlan:
             raise PlanError(
                 "sp", "sequence parallelism shards between tensor-parallel regions; it needs tp > 1"
             )
+        if self.recompute not in RECOMPUTE:
+            raise PlanError("recompute", f"must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
+        k = self.recompute_every
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise PlanError("recompute_every", f"must be a positive integer, got {k!r}")
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -190,6 +205,8 @@ class ParallelPlan:
         sp: bool = False,
         zero: int = 0,
         pipeline: PipelinePlan | None = None,
+        recompute: str = "none",
+        recompute_every: int = 1,
     ) -> ParallelPlan:
         """A plan from the config's ``parallel`` keys. ``spec``: a built-in plan's name, a YAML or
         JSON file of rules, or the rules themselves ``{params: {...}, outputs: {...}}``."""
@@ -211,7 +228,9 @@ class ParallelPlan:
             if not raw.get("params"):
                 raise PlanError("params", "a plan needs at least one parameter rule (glob: placement)")
             params, outputs = _rules(raw["params"], "params"), _rules(raw.get("outputs"), "outputs")
-        return cls((("dp", dp), ("tp", tp)), params, outputs, zero, sp, name, pipeline)
+        return cls(
+            (("dp", dp), ("tp", tp)), params, outputs, zero, sp, name, pipeline, recompute, recompute_every
+        )
 
     # ---- the mesh --------------------------------------------------------------------------------
     def size(self, dim: str) -> int:
@@ -296,6 +315,14 @@ class ParallelPlan:
                     per_rank[c] += nbytes * math.prod(local_shape(shape, mesh, placements, c))
         return max(per_rank.values())
 
+    def recompute_at(self, layer: int) -> str:
+        """The recompute policy of decoder layer ``layer`` (a key of RECOMPUTE)."""
+        return self.recompute if layer % self.recompute_every == 0 else "none"
+
+    def recomputed_layers(self, n_layers: int) -> int:
+        """How many of ``n_layers`` layers the policy recomputes."""
+        return 0 if self.recompute == "none" else -(-n_layers // self.recompute_every)
+
     def output_placement(self, layer: str) -> Placement | None:
         """The tp placement a layer's output is resharded to, or None (left as the ops make it)."""
         hit = _match(self.outputs, layer)
@@ -328,6 +355,9 @@ class ParallelPlan:
             parts.append(f"zero {self.zero}")
         if self.sp:
             parts.append("sp")
+        if self.recompute != "none":
+            every = f" every {self.recompute_every} layers" if self.recompute_every > 1 else ""
+            parts.append(f"recompute {self.recompute}{every}")
         parts.append(f"plan {self.name}" if self.name else "user plan")
         return ", ".join(parts)
 
@@ -343,6 +373,8 @@ class ParallelPlan:
             "params": {g: str(p) for g, p in self.params},
             "outputs": {g: str(p) for g, p in self.outputs},
             "pipeline": None if self.pipeline is None else self.pipeline.to_json(),
+            "recompute": self.recompute,
+            "recompute_every": self.recompute_every,
         }
 
     @classmethod
@@ -354,9 +386,10 @@ class ParallelPlan:
                     f"format {raw.get('format')!r} version {raw.get('version')!r}; "
                     f"expected {FORMAT!r} version {VERSION}",
                 )
-            keys = {"format", "version", "mesh", "zero", "sp", "plan", "params", "outputs", "pipeline"}
-            if set(raw) | {"pipeline"} != keys:  # plans written before pipelines have none
-                odd = sorted(set(raw) ^ keys)
+            keys = {"format", "version", "mesh", "zero", "sp", "plan", "params", "outputs"}
+            optional = {"pipeline", "recompute", "recompute_every"}  # absent from plans written before them
+            if not keys <= set(raw) <= keys | optional:
+                odd = sorted((set(raw) - keys - optional) | (keys - set(raw)))
                 raise PlanError("", f"unexpected or missing keys {odd}")
             mesh = raw["mesh"]
             if not isinstance(mesh, Mapping):
@@ -371,6 +404,8 @@ class ParallelPlan:
                 raw["sp"],
                 raw["plan"],
                 None if raw.get("pipeline") is None else PipelinePlan.from_json(raw["pipeline"]),
+                raw.get("recompute", "none"),
+                raw.get("recompute_every", 1),
             )
         except PlanError as e:
             raise PlanError("", f"{where}: {e}") from None

@@ -23,6 +23,7 @@ from typing import Any
 
 from llmkit.framework import nn
 from llmkit.framework.distributed.plan import ParallelPlan, PlanError, register_plan
+from llmkit.framework.distributed.planner import ModelCost
 from llmkit.framework.placement import Shard, local_shape
 
 from .model import LlamaForCausalLM
@@ -52,6 +53,23 @@ def llama_plan(sp: bool) -> tuple[dict[str, str], dict[str, str]]:
 
 
 register_plan("llama", llama_plan)
+
+
+# What each recompute policy of the plan checkpoints in a decoder layer (``Layer.recompute``: the
+# part keeps its input and recomputes its activations in the backward, eagerly and traced).
+# "attention" is the attention block: q/k/v, RoPE, the attention core and o_proj (the core itself
+# keeps no S x S probabilities: its kernel recomputes them tile by tile in the backward already).
+RECOMPUTED_PART = {"attention": lambda layer: layer.self_attn, "full": lambda layer: layer}
+
+
+def apply_recompute(plan: ParallelPlan, model: Any) -> None:
+    """Mark the decoder layers' parts that ``plan``'s recompute policy recomputes."""
+    for i, layer in enumerate(model.model.layers):
+        for part in RECOMPUTED_PART.values():
+            part(layer).recompute(False)
+        policy = plan.recompute_at(i)
+        if policy != "none":
+            RECOMPUTED_PART[policy](layer).recompute()
 
 
 def check_plan(plan: ParallelPlan, model: Any) -> None:
@@ -102,3 +120,44 @@ def predict_traffic(
         "dp_grads": (d if plan.zero >= 2 else 2 * d) * weights,
         "zero_gather": d * weights if plan.zero else 0.0,
     }
+
+
+def llama_cost(config: Any, seq_len: int, act_itemsize: int = 4) -> ModelCost:
+    """The planner's view of Llama at ``seq_len``: parameters, forward FLOPs (``pipeline.piece_flops``)
+    and the activations each piece keeps per token, counted from the forward's saved tensors (per
+    layer: the two norms' inputs and outputs, the attention and MLP outputs and the residual sums
+    are 6 H wide and replicated over tp; q, k, v, RoPE's q and k, the attention output and its
+    [B, S, Hq D] copy are 4 Q + 3 KV; gate, up and SwiGLU 3 I, all cut by tp). Recomputing the
+    attention block drops its 4 Q + 3 KV; recomputing the whole layer keeps its input only. The
+    embedding keeps its H-wide output; the head its norm's output and the V-wide logits (vocab
+    parallel: cut by tp)."""
+    from .pipeline import piece_flops
+
+    c = config
+    h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    embed_f, layer_f, head_f = piece_flops(c, seq_len)
+    attention_f = 2 * (h * q + 2 * h * kv + q * h) + 4 * q * seq_len
+    embed_p = c.vocab_size * h
+    head_p = h + (0 if c.tie_word_embeddings else c.vocab_size * h)
+    layer_p = (c.num_parameters() - embed_p - head_p) // c.num_hidden_layers
+    b = act_itemsize
+    return ModelCost(
+        name=getattr(c, "name_or_path", None) or "llama",
+        layers=c.num_hidden_layers,
+        hidden=h,
+        layer_params=layer_p,
+        edge_params=(embed_p, head_p),
+        layer_flops=layer_f,
+        edge_flops=(embed_f, head_f),
+        layer_act={
+            "none": (6 * h * b, (4 * q + 3 * kv + 3 * i) * b),
+            "attention": (6 * h * b, 3 * i * b),
+            "full": (h * b, 0.0),
+        },
+        edge_act=((h * b, 0.0), (h * b, c.vocab_size * b)),
+        recompute_flops={"none": 0.0, "attention": attention_f, "full": layer_f},
+        seq_len=seq_len,
+        act_itemsize=b,
+        heads=math.gcd(c.num_attention_heads, c.num_key_value_heads),
+    )

@@ -229,3 +229,31 @@ def test_predicted_traffic_follows_zero_and_megatron(model, kw):
     b, t = 8 // dp, (tp - 1) / tp
     want = (4 * c.num_hidden_layers + 2) * 2 * t * b * 16 * c.hidden_size * 4 + 3 * 2 * t * b * 16 * 4
     assert got["tp_stream"] == pytest.approx(want)
+
+
+def test_recompute_policy_per_layer_round_trips(tmp_path):
+    plan = ParallelPlan.make("llama", dp=2, recompute="attention", recompute_every=3)
+    assert [plan.recompute_at(i) for i in range(7)] == ["attention", "none", "none"] * 2 + ["attention"]
+    assert plan.recomputed_layers(7) == 3 and ParallelPlan.make("llama").recomputed_layers(7) == 0
+    assert plan.describe() == "dp=2 x tp=1, recompute attention every 3 layers, plan llama"
+    plan.save(tmp_path / "parallel_plan.json")
+    assert ParallelPlan.load(tmp_path) == plan
+    old = plan.to_json()  # a plan file written before recompute existed reads as recompute none
+    del old["recompute"], old["recompute_every"]
+    assert ParallelPlan.from_json(old).recompute == "none"
+    with pytest.raises(PlanError, match="recompute: must be one of"):
+        ParallelPlan.make("llama", recompute="some")
+    with pytest.raises(PlanError, match="recompute_every: must be a positive integer, got 0"):
+        ParallelPlan.make("llama", recompute="full", recompute_every=0)
+
+
+def test_apply_recompute_marks_the_policy_parts(model):
+    from llmkit.models.llama.parallel import apply_recompute
+
+    apply_recompute(ParallelPlan.make("llama", recompute="attention", recompute_every=2), model)
+    layers = model.model.layers
+    on = lambda layer: bool(layer.__dict__.get("_recompute"))
+    marked = [(on(la), on(la.self_attn)) for la in layers]
+    assert marked == [(False, i % 2 == 0) for i in range(len(layers))]
+    apply_recompute(ParallelPlan.make("llama", recompute="full"), model)
+    assert all(la.__dict__.get("_recompute") and not la.self_attn.__dict__.get("_recompute") for la in layers)
