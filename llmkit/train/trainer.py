@@ -205,9 +205,7 @@ class Trainer:
             raise ConfigError(f"parallel.plan: {e}") from None
         if t.dtype != "float32":
             self.model.to(t.dtype)
-        if t.recompute:
-            for layer in self.model.model.layers:
-                layer.recompute()
+        apply_recompute(self.plan, self.model)  # before a pipeline takes the layers into its stages
         # The plan's layout: parameters placed (each from the full initial value every process made
         # alike, so every mesh starts from the single-process weights), then the optimizer's state.
         # A pipeline: each hosted pipeline rank's stages, with their own optimizer and schedule.
@@ -240,7 +238,6 @@ class Trainer:
         self.state_bytes = 0  # parameter + gradient + optimizer bytes of the fullest rank, last step
         # on resume: (bytes the fullest rank read, bytes of the whole checkpoint, peak host memory)
         self.load_report: tuple[int, int, int] | None = None
-        apply_recompute(self.plan, self.model)
         self.activation_bytes = 0  # the fullest rank's activation memory at the last step's peak
         if self.pipe is not None:
             self.step_fn = self._pipeline_step
