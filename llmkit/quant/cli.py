@@ -27,24 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from llmkit.models.llama.checkpoint import derived_path
+from llmkit.train.checkpoint import model_dir
 
 from .evaluate import SEQ_LEN, eval_tokens, evaluate
 from .format import QuantConfig, QuantError
 from .parallel import Ranks, derive, plan_file
 from .quantize import quantize_model, save_quantized, targets, weight_bytes
-
-
-def resolve_model_dir(path: str | Path) -> Path:
-    """A model directory as given, or a run directory's newest checkpoint model."""
-    p = Path(path)
-    if (p / "config.json").is_file():
-        return p
-    found = sorted((p / "checkpoints").glob("step-*/model")) if (p / "checkpoints").is_dir() else []
-    if not found:
-        raise FileNotFoundError(
-            f"{p}: neither a model directory (config.json) nor a run directory (checkpoints/step-*/model)"
-        )
-    return found[-1]
 
 
 def default_out(model_dir: Path, bits: int) -> Path:
@@ -157,7 +145,7 @@ def quantize_main(argv: list[str]) -> int:
         p.error("--hostfile goes with --nproc")
     group = a.group if a.group is not None else (128 if a.bits == 4 else -1)
     cfg = QuantConfig(a.bits, group, a.sym, a.method)
-    src = resolve_model_dir(a.model)
+    src = model_dir(a.model, "--model")
     out = Path(a.out) if a.out else default_out(src, a.bits)
     if out.resolve() == src.resolve():
         raise QuantError("--out must differ from --model")
@@ -238,7 +226,7 @@ def eval_main(argv: list[str]) -> int:
     p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per window")
     p.add_argument("--max-tokens", type=int, default=0, help="evaluate at most this many tokens (0: all)")
     a = p.parse_args(argv)
-    src = resolve_model_dir(a.model)
+    src = model_dir(a.model, "--model")
     model, tok = _load(src)
     r = evaluate([model], eval_tokens(tok, a.data), a.seq_len, a.max_tokens)
     qc = model.config.extra.get("quantization_config")

@@ -16,7 +16,8 @@ from llmkit.cli import main as cli_main
 from llmkit.framework import nn
 from llmkit.infer import Engine, EngineConfig, SamplingParams
 from llmkit.models.llama import LlamaForCausalLM
-from llmkit.quant.cli import default_out, resolve_model_dir
+from llmkit.quant.cli import default_out
+from llmkit.train.checkpoint import model_dir
 
 # slow: the session fixture trains the tiny model first (~1.5 min on 2 free cores, far longer on a
 # shared machine), which counts against the first test's timeout
@@ -69,9 +70,7 @@ def test_the_directory_holds_the_format(quantized, trained_tiny):
         "sym": True,
         "method": "gptq",
     }
-    assert (d / "tokenizer.model").read_bytes() == (
-        resolve_model_dir(trained_tiny) / "tokenizer.model"
-    ).read_bytes()
+    assert (d / "tokenizer.model").read_bytes() == (model_dir(trained_tiny) / "tokenizer.model").read_bytes()
     tensors = lf.load(d / "model.safetensors")
     lin = "model.layers.0.mlp.down_proj"  # [128, 344]: groups 128, 128, 88
     assert f"{lin}.weight" not in tensors and f"{lin}.zeros" not in tensors
