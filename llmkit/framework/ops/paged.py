@@ -366,7 +366,7 @@ def pack_panels(w: np.ndarray) -> np.ndarray:
     k, n = w.shape
     if n % PANEL:
         raise ValueError(f"pack_panels: out_features {n} is not a multiple of {PANEL}")
-    return np.ascontiguousarray(w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2))
+    return B.xp_of(w).ascontiguousarray(w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2))
 
 
 def _unpanel(weight):
