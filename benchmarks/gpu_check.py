@@ -132,19 +132,18 @@ def probe() -> None:
         emit(B, "nccl", 1, "", version=nccl.get_version())
     except Exception as e:
         emit(B, "nccl", 0, "", missing=_error(e))
+    # in a process of its own: an MPI that hangs at start must not stop the probe
+    code = "from mpi4py import MPI; print(MPI.Get_library_version().strip())"
     try:
-        from mpi4py import MPI
-
-        emit(
-            B,
-            "mpi4py",
-            1,
-            "",
-            library=_first_line(MPI.Get_library_version()),
-            note="the nccl backend bootstraps over MPI (a singleton here)",
-        )
-    except Exception as e:
-        emit(B, "mpi4py", 0, "", missing=_error(e), note="without MPI the nccl backend cannot start")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+        ok = r.returncode == 0
+        text = r.stdout if ok else (r.stderr.strip().splitlines() or ["?"])[-1]
+    except subprocess.TimeoutExpired:
+        ok, text = False, "importing mpi4py.MPI took over 20 s"
+    if ok:
+        emit(B, "mpi4py", 1, "", library=_first_line(text), note="the nccl backend bootstraps over MPI")
+    else:
+        emit(B, "mpi4py", 0, "", missing=text[:300], note="without MPI the nccl backend cannot start")
     missing = missing_requirements()
     emit(
         B,
