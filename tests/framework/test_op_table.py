@@ -6,6 +6,8 @@ the input dims made symbolic), (c) ``decompose`` computes the kernel's values, a
 values equal an independent numpy float64 formula written below (and float32 runs stay close).
 Collectives run on one thread per rank of the ``sim`` backend (``Case.ranks``): a sample holds every
 rank's inputs stacked on a leading axis and its attributes as a function of the rank.
+The forward and gradient checks take the ``device`` fixture: their GPU twins run every kernel
+with cupy (``pytest -m gpu``), each result required to stay on the GPU.
 """
 
 from __future__ import annotations
