@@ -45,6 +45,7 @@ JSONL=$OUT/gpu_check.jsonl
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export LLMKIT_CACHE_DIR=${LLMKIT_CACHE_DIR:-/tmp/llmkit-gpu-check}
+export LLMKIT_KERNEL_CACHE=${LLMKIT_KERNEL_CACHE:-$LLMKIT_CACHE_DIR/kernels}  # the tests' kernels serve the benchmarks
 FAILED=0
 
 say() { echo "gpu_check: $*" | tee -a "$LOG"; }
