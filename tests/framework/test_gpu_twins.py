@@ -1,7 +1,8 @@
 """The GPU paths and their CPU twins: the same test on numpy and (marked ``gpu``) on cupy.
 
 Where the GPU code lives and what checks it (the op table's twins are in ``test_op_table.py``,
-the engine's in ``tests/infer/test_engine.py``, compiled training on both devices in
+the engine's in ``tests/infer/test_engine.py``, the trainer's (a run, its checkpoint and resume)
+in ``tests/train/test_trainer.py``, compiled training on both devices in
 ``compiler/test_training.py``, the CUDA source emulated on the host in ``compiler/test_cuda.py``):
 
 - fused groups through ``to_static(f)(x)``: C kernels on the CPU, their CUDA rendering on the GPU,
