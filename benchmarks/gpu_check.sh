@@ -5,7 +5,7 @@
 # (default ./gpu_out):
 #   gpu_check.jsonl   one JSON line per figure (benchmarks/_common.py), each part's exit status too
 #   gpu_check.log     everything every part printed
-#   gpu_tests.xml     the GPU tests' junit report
+#   gpu_tests_ops.xml, gpu_tests.xml   the GPU tests' junit reports (the op table's twins; the rest)
 # Parts: probe (what the machine has: cupy, torch, nvcc, nccl, MPI, llmkit's requirements), the GPU
 # tests (pytest -m gpu: every twin on cupy), the fused kernels against cupy / PyTorch eager /
 # torch.compile, training tokens/s and MFU (configs/bench.yaml, and a ~134M model) against PyTorch,
@@ -13,6 +13,7 @@
 #
 #   bash benchmarks/gpu_check.sh                 the check (exit 0 when every part ran and passed)
 #   bash benchmarks/gpu_check.sh --dry-run       the probe only, and what each part would run (exit 0)
+#   bash benchmarks/gpu_check.sh kernels decode  the probe and only these parts (a rerun after a fix)
 #   bash benchmarks/gpu_check.sh --fetch-wheels  HERE, with PyPI: the Python packages the device
 #                                                image lacks (pydantic...) as wheels into .whl/
 #                                                (git-ignored), to carry along with the run
@@ -34,7 +35,14 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then
 fi
 DRY=0
 SKIP_REASON=""
-[[ "${1:-}" == "--dry-run" ]] && DRY=1 SKIP_REASON="dry run"
+ONLY=" "  # part names given on the command line: run only those (a rerun after a fix)
+for arg in "$@"; do
+  case $arg in
+  --dry-run) DRY=1 SKIP_REASON="dry run" ;;
+  -*) echo "gpu_check.sh: unknown option $arg (--dry-run, --fetch-wheels)" >&2 && exit 2 ;;
+  *) ONLY+="$arg " ;;
+  esac
+done
 
 OUT=${OUT:-$ROOT/gpu_out}
 mkdir -p "$OUT"
@@ -47,6 +55,7 @@ export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export LLMKIT_CACHE_DIR=${LLMKIT_CACHE_DIR:-/tmp/llmkit-gpu-check}
 export LLMKIT_KERNEL_CACHE=${LLMKIT_KERNEL_CACHE:-$LLMKIT_CACHE_DIR/kernels}  # the tests' kernels serve the benchmarks
 FAILED=0
+KNOWN=" "
 
 say() { echo "gpu_check: $*" | tee -a "$LOG"; }
 line() {  # line METRIC VALUE 'extra JSON fields': one figure of the script itself
@@ -55,6 +64,8 @@ line() {  # line METRIC VALUE 'extra JSON fields': one figure of the script itse
 part() {  # part NAME SECONDS CMD...: CMD under a time limit; its JSON lines kept, all output logged
   local name=$1 limit=$2
   shift 2
+  KNOWN+="$name "
+  [[ $ONLY == " " || $ONLY == *" $name "* ]] || return 0
   if ((DRY)); then
     say "skipped ($SKIP_REASON): part $name (limit ${limit}s) would run: $*"
     line part_skipped 1 "\"part\": \"$name\", \"reason\": \"$SKIP_REASON\", \"limit_s\": $limit"
@@ -98,17 +109,25 @@ fi
 
 BENCH134M="model.preset=small model.vocab_size=32000 model.hidden_size=768 model.intermediate_size=2048"
 BENCH134M+=" model.num_hidden_layers=12 model.num_attention_heads=12 model.num_key_value_heads=12"
-part tests 140 "$PY" -m pytest -m gpu tests -q -rfEs -p no:cacheprovider --timeout 120 --continue-on-collection-errors \
-  --junitxml="$OUT/gpu_tests.xml"
-((DRY)) || "$PY" benchmarks/gpu_check.py tests "$OUT/gpu_tests.xml" >>"$JSONL" 2>>"$LOG"
-part kernels 75 "$PY" benchmarks/gpu_check.py kernels
-part train_bench 60 "$PY" benchmarks/train_throughput.py --device gpu --mode static --steps 8 --warmup 2 \
+PYTEST=("$PY" -m pytest -m gpu -q -rfEs -p no:cacheprovider --timeout 60 --continue-on-collection-errors)
+part tests_ops 75 "${PYTEST[@]}" tests/framework/test_op_table.py --junitxml="$OUT/gpu_tests_ops.xml"
+part tests_paths 95 "${PYTEST[@]}" tests --ignore=tests/framework/test_op_table.py --junitxml="$OUT/gpu_tests.xml"
+if ((!DRY)) && [[ $ONLY == " " || $ONLY == *" tests_"* ]]; then
+  for xml in "$OUT/gpu_tests_ops.xml" "$OUT/gpu_tests.xml"; do
+    "$PY" benchmarks/gpu_check.py tests "$xml" >>"$JSONL" 2>>"$LOG"
+  done
+fi
+part kernels 65 "$PY" benchmarks/gpu_check.py kernels
+part train_bench 50 "$PY" benchmarks/train_throughput.py --device gpu --mode static --steps 8 --warmup 2 \
   --torch-model small --torch-compile
 # shellcheck disable=SC2086
-part train_134m 120 "$PY" benchmarks/train_throughput.py --device gpu --mode static --steps 4 --warmup 1 \
+part train_134m 105 "$PY" benchmarks/train_throughput.py --device gpu --mode static --steps 4 --warmup 1 \
   --torch-model small --torch-compile --set $BENCH134M
-part decode 45 "$PY" benchmarks/decode.py --device gpu --batches 1,8,32 --rounds 2 --new-tokens 32
+part decode 40 "$PY" benchmarks/decode.py --device gpu --batches 1,8,32 --rounds 2 --new-tokens 32
 
+for name in $ONLY; do
+  [[ $KNOWN == *" $name "* ]] || { say "unknown part $name; the parts are:$KNOWN" && FAILED=$((FAILED + 1)); }
+done
 line parts_failed "$FAILED"
 say "done: $FAILED part(s) failed; figures in $JSONL, log in $LOG"
 exit $((FAILED > 0))

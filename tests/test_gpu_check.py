@@ -17,7 +17,7 @@ import llmkit.framework as lf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
-PARTS = ["tests", "kernels", "train_bench", "train_134m", "decode"]
+PARTS = ["tests_ops", "tests_paths", "kernels", "train_bench", "train_134m", "decode"]
 
 
 def _run(tmp_path, *args):
@@ -60,6 +60,17 @@ def test_dry_run_without_a_gpu_says_so_and_exits_0(tmp_path):
 def test_plain_run_without_a_gpu_skips_the_gpu_parts(tmp_path):
     r, rows, log = _run(tmp_path)
     _check_no_gpu_report(r, rows, log, "no CUDA device found")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(lf.backend.gpu_available(), reason="a GPU is present: the script would run the GPU parts")
+def test_named_parts_only_and_an_unknown_part_fails(tmp_path):
+    r, rows, _ = _run(tmp_path, "--dry-run", "kernels", "decode")
+    assert r.returncode == 0
+    assert [row["part"] for row in rows if row["metric"] == "part_skipped"] == ["kernels", "decode"]
+    r, rows, log = _run(tmp_path, "--dry-run", "kernel")
+    assert r.returncode == 1 and "unknown part kernel; the parts are: tests_ops tests_paths kernels" in log
+    assert rows[-1] == {"benchmark": "gpu_check", "metric": "parts_failed", "value": 1, "unit": ""}
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
