@@ -103,17 +103,26 @@ class LoopSection(Section):
     max_length: int = Field(128, gt=0)  # DPO / reward model: prompt + response tokens, longer cut
 
 
-def check_data_parallel(par: ParallelSection, rows: int, key: str) -> None:
-    """RLHF jobs run data parallel only; each of the ``dp`` ranks takes as many of a step's ``rows``
-    (config key ``key``) as the others. ValueError names the key at fault."""
-    for name, unset in (("tp", par.tp == 1), ("sp", not par.sp), ("zero", par.zero == 0)):
-        if not unset:
+def refuse_model_parallel(raw: Any) -> Any:
+    """RLHF jobs run data parallel only: a ``parallel`` key other than ``dp`` given a value other than
+    its default (``parallel: auto`` included) is refused by name, before it could be ignored."""
+    par = raw.get("parallel") if isinstance(raw, dict) else None
+    if par == "auto":
+        par = {"auto": True}
+    if not isinstance(par, dict):
+        return raw  # the schema reports the wrong type
+    for key, field in ParallelSection.model_fields.items():
+        if key != "dp" and key in par and (key == "plan" or par[key] != field.default):
             raise ValueError(
-                f"parallel.{name}: llmkit rlhf runs data parallel only (parallel.dp); "
-                "tensor parallel and ZeRO are llmkit train's"
+                f"parallel.{key}: llmkit rlhf runs data parallel only (parallel.dp); "
+                f"parallel.{key} is llmkit train's"
             )
-    if "plan" in par.model_fields_set:
-        raise ValueError("parallel.plan: llmkit rlhf runs data parallel only (parallel.dp); it takes no plan")
+    return raw
+
+
+def check_data_parallel(par: ParallelSection, rows: int, key: str) -> None:
+    """Each of the ``dp`` ranks takes as many of a step's ``rows`` (config key ``key``) as the
+    others. ValueError names the key at fault."""
     if rows % par.dp:
         raise ValueError(
             f"{key} ({rows}) must be a multiple of parallel.dp ({par.dp}): each data-parallel rank "
@@ -135,6 +144,8 @@ class RLHFConfig(Section):
     train: LoopSection = LoopSection()
     parallel: ParallelSection = ParallelSection()  # dp: data-parallel ranks (--nproc N: processes)
     out_dir: str = "runs/rlhf"
+
+    _data_parallel_only = model_validator(mode="before")(refuse_model_parallel)
 
     @model_validator(mode="after")
     def _consistent(self) -> RLHFConfig:
@@ -167,6 +178,8 @@ class RewardModelConfig(Section):
     train: LoopSection = LoopSection(steps=200)
     parallel: ParallelSection = ParallelSection()
     out_dir: str = "runs/reward"
+
+    _data_parallel_only = model_validator(mode="before")(refuse_model_parallel)
 
     @model_validator(mode="after")
     def _has_pairs(self) -> RewardModelConfig:

@@ -212,6 +212,11 @@ class ParallelSection(_Section):
 
     @model_validator(mode="after")
     def _plan_applies(self) -> ParallelSection:
+        if self.recompute == "none" and self.recompute_every != 1:
+            raise ValueError(
+                f"parallel.recompute_every ({self.recompute_every}) applies to a recompute policy: "
+                "set parallel.recompute (attention or full) too"
+            )
         self._check_pipeline()
         self.build()
         return self

@@ -118,6 +118,8 @@ def run_planner(
     """The choice for ``cfg`` on ``world`` ranks of ``mem`` bytes, and its report (table + reasons)."""
     if world < 1:
         raise ConfigError(f"--world must be at least 1, got {world}")
+    if not mem > 0:
+        raise ConfigError(f"--mem-gb must be above 0, got {mem / GB:g}")
     backend = backend or ("sim" if world == 1 else "mpi")
     llama, cost = model_cost(cfg)
     machine = machine_for(gpu, backend, world, None if gpu else step_probe(llama, cfg))

@@ -156,3 +156,7 @@ def test_llmkit_plan_prints_the_table_and_the_choice(tmp_path, capsys):
     assert "run it: llmkit train" in out and "'parallel={dp:" in out
     assert main(["plan", str(cfg), "--world", "8", "--mem-gb", "1", "--gpu", "H100"]) == 2
     assert "no plan fits in 1 GB per rank: the smallest" in capsys.readouterr().err
+    for mem in ("-5", "0"):
+        assert main(["plan", str(cfg), "--world", "8", "--mem-gb", mem, "--gpu", "H100"]) == 2
+        err = capsys.readouterr().err
+        assert f"--mem-gb must be above 0, got {float(mem):g}" in err and "Traceback" not in err
