@@ -17,7 +17,14 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from llmkit.train.config import OptimSection, ParallelSection, ScheduleSection, Section, load_config
+from llmkit.train.config import (
+    OptimSection,
+    ParallelSection,
+    ScheduleSection,
+    Section,
+    check_warmup,
+    load_config,
+)
 
 ALGORITHMS = ("grpo", "ppo", "rloo", "dpo")
 
@@ -160,11 +167,7 @@ class RLHFConfig(Section):
             check_data_parallel(self.parallel, self.train.batch_size, "train.batch_size")
         else:  # whole prompts per rank: a prompt's n samples (its group) stay together
             check_data_parallel(self.parallel, self.rollout.prompts_per_step, "rollout.prompts_per_step")
-        if self.schedule.warmup_steps > self.train.steps:
-            steps = self.train.steps
-            raise ValueError(
-                f"schedule.warmup_steps ({self.schedule.warmup_steps}) exceeds train.steps ({steps})"
-            )
+        check_warmup(self.schedule, self.train.steps)
         return self
 
 
