@@ -69,6 +69,8 @@ def test_the_cost_model_against_measured_step_times(tmp_path, monkeypatch):
         ).step  # fmt: skip
         error = (predicted - measured) / measured
         errors.append(abs(error))
-        print(f"planner vs measured, {name}: {predicted * 1e3:.2f} ms vs {measured * 1e3:.2f} ms ({error:+.0%})")
+        ms = f"{predicted * 1e3:.2f} ms vs {measured * 1e3:.2f} ms"
+        print(f"planner vs measured, {name}: {ms} ({error:+.0%})")
         assert 0.2 < predicted / measured < 5.0, (name, predicted, measured)
-    print(f"planner vs measured: mean absolute error {sum(errors) / len(errors):.0%} over {len(errors)} plans")
+    mean = sum(errors) / len(errors)
+    print(f"planner vs measured: mean absolute error {mean:.0%} over {len(errors)} plans")
