@@ -71,6 +71,8 @@ def test_reward_model_config(tmp_path):
     assert cfg.data.pairs == "builtin:avoid_letter" and cfg.train.steps == 200
     with pytest.raises(ConfigError, match="unknown key rollout"):
         load_reward_config(write(tmp_path, {"rollout": {"n": 2}}))
+    with pytest.raises(ConfigError, match="parallel.recompute: llmkit rlhf runs data parallel only"):
+        load_reward_config(write(tmp_path, {"parallel": {"dp": 1, "recompute": "full"}}))
 
 
 def test_model_dir_finds_a_runs_newest_checkpoint(tmp_path):
