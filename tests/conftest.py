@@ -1,8 +1,9 @@
 """Shared test setup: every run writes its caches (tokenizers, packed tokens, compiled kernels)
 under a temporary directory removed at exit, never into the user's ~/.cache; the built-in
 tokenizer is trained once per session. In CI (``CI`` set), a test skipped because torch or
-transformers is missing fails instead: CI installs the ``parity`` extra, so the independent
-references (Hugging Face logits, torch's optimizers) run on every submission.
+transformers is missing, or because ``mpiexec`` is, fails instead: CI installs the ``parity`` and
+``dist`` extras, so the independent references (Hugging Face logits, torch's optimizers) and the
+multi-process runs run on every submission.
 
 GPU twins: a test taking the ``device`` fixture runs once on "cpu" (numpy) and once on "gpu"
 (cupy, marked ``gpu``: skipped where cupy finds no CUDA device; ``pytest -m gpu`` on a GPU machine,
@@ -31,25 +32,26 @@ os.environ.setdefault("LLMKIT_KERNEL_CACHE", os.path.join(_root, "kernels"))
 
 
 PARITY = ("torch", "transformers")
+MPIEXEC = "needs mpiexec"  # how every MPI test's skip reason starts (skipif no mpiexec on PATH)
 
 
 def _missing_reference(report: pytest.CollectReport | pytest.TestReport) -> bool:
     text = str(report.longrepr) if report.skipped else ""
-    return any(f"could not import '{m}'" in text for m in PARITY)
+    return MPIEXEC in text or any(f"could not import '{m}'" in text for m in PARITY)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
     report = (yield).get_result()
     if os.environ.get("CI") and _missing_reference(report):
-        report.outcome, report.longrepr = "failed", f"CI runs the parity tests: {report.longrepr}"
+        report.outcome, report.longrepr = "failed", f"CI runs the parity and MPI tests: {report.longrepr}"
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
     if os.environ.get("CI") and _missing_reference(report):
-        report.outcome, report.longrepr = "failed", f"CI runs the parity tests: {report.longrepr}"
+        report.outcome, report.longrepr = "failed", f"CI runs the parity and MPI tests: {report.longrepr}"
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
