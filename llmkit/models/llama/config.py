@@ -269,8 +269,8 @@ def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | 
         return None
     if rope_type not in ROPE_SCALING_FIELDS:
         raise LlamaConfigError(
-            f"LlamaConfig: rope_scaling type {rope_type!r} is not supported "
-            f"(supported: {', '.join(ROPE_SCALING_FIELDS)})"
+            f"LlamaConfig: rope_scaling.rope_type {rope_type!r} is not supported "
+            f"(supported: default, {', '.join(ROPE_SCALING_FIELDS)})"
         )
     for key in ROPE_SCALING_FIELDS[rope_type]:
         value = scaling.get(key)
