@@ -1,0 +1,334 @@
+"""``llmkit export --format gguf``: a model directory as one GGUF file, for llama.cpp and Ollama.
+
+Written with the ``gguf`` package (llama.cpp's own writer; ``pip install llmkit[gguf]``), in
+llama.cpp's ``llama`` architecture:
+
+- tensors under llama.cpp's names (``token_embd``, ``blk.N.attn_q`` ... ``output``; the gguf
+  package's own name map), shapes as llama.cpp reads them (the writer stores numpy's row-major
+  ``[out, in]`` as ``ne = [in, out]``), 1-D tensors (norms) always float32;
+- q/k projections (weights and biases) with rows permuted from Hugging Face's rotate-half RoPE
+  layout to llama.cpp's adjacent pairs (``rotary_permute``, the rule of llama.cpp's
+  ``convert_hf_to_gguf.py``);
+- ``llama.*`` hyperparameters, RoPE scaling (``rope.scaling.*`` for linear; for llama3 a
+  ``rope_freqs`` tensor of per-frequency divisors, as llama.cpp's converter writes it);
+- the tokenizer: a sentencepiece ``tokenizer.model`` as ``tokenizer.ggml.model = "llama"`` (pieces,
+  scores, types), or a byte-level BPE ``tokenizer.json`` as ``"gpt2"`` (tokens, merges, types and
+  the pre-tokenizer's llama.cpp name); special ids, ``add_bos_token``, and the chat template.
+
+Weights: float32 or float16 (``--dtype``); a model written by ``llmkit quantize`` keeps its codes
+where its layout is exactly a GGUF block type: int8 or symmetric int4 in groups of 32 whose scales
+are float16 numbers are Q8_0 or Q4_0 blocks (``llmkit quantize --group 32 --scale-dtype float16``
+makes such models). Any other layout is refused in one line naming the nearest exact options.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmkit.framework import nn
+from llmkit.framework.files import atomic_path
+from llmkit.framework.ops.quant import codes
+
+INSTALL_HINT = "pip install llmkit[gguf]"
+BLOCK = 32  # weights per Q8_0 / Q4_0 block
+DTYPES = ("float32", "float16")  # --dtype of float tensors (quantized layers keep their blocks)
+
+# Meta's Llama 2 chat format, in Jinja: written when the model directory brings no template of its
+# own (a model llmkit trained chats in this format, llmkit.infer.chat.ChatTemplate's default).
+LLAMA2_CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+    "{% set messages = messages[1:] %}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}"
+    "{% if loop.first and system is defined %}"
+    "{% set content = '<<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{{ bos_token + '[INST] ' + content + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + ' ' + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+
+# tokenizer.json pre-tokenizer split pattern -> llama.cpp's `tokenizer.ggml.pre` name
+PRE_TOKENIZERS = {
+    (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+        r"\s*[\r\n]+|\s+(?!\S)|\s+"
+    ): "llama-bpe",  # Llama 3.x
+    "byte-level": "gpt-2",  # ByteLevel(use_regex=True) alone: GPT-2's own split
+}
+
+
+class GGUFExportError(ValueError):
+    """A model that cannot be written as GGUF (printed as one line by the CLI)."""
+
+
+def _gguf() -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise GGUFExportError(
+            f"--format gguf needs the gguf package (llama.cpp's GGUF writer): {INSTALL_HINT}"
+        ) from None
+    return gguf
+
+
+def rotary_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Rows of a q or k projection [n_heads * D, ...] from Hugging Face's rotate-half RoPE layout to
+    llama.cpp's: within each head, rows i and D/2 + i (one rotated pair) become rows 2i and 2i + 1."""
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _no_block_type(name: str, layer: nn.QuantizedLinear, why: str) -> GGUFExportError:
+    kind = f"int{layer.bits}" + ("" if layer.sym else " asymmetric")
+    groups = "per output channel" if layer.group_size == -1 else f"in groups of {layer.group_size}"
+    return GGUFExportError(
+        f"{name}: {kind} {groups} does not map exactly to a GGUF block type ({why}; Q8_0 is int8 and "
+        f"Q4_0 symmetric int4, both in groups of 32 with float16 scales): re-quantize the float model "
+        f"with `llmkit quantize --bits {layer.bits} --group 32 --scale-dtype float16`, or export the "
+        f"dequantized weights with --dtype float32 (exact) or --dtype float16"
+    )
+
+
+def quantized_blocks(name: str, layer: nn.QuantizedLinear) -> tuple[np.ndarray, str]:
+    """The layer's codes and scales as Q8_0 or Q4_0 blocks: uint8 [out, in / 32 * block bytes].
+
+    A block is its float16 scale d, then 32 int8 codes (Q8_0: w = d * q) or 16 bytes of 4-bit codes,
+    weight j in the low nibble of byte j and weight 16 + j in its high one (Q4_0: w = d * (q - 8)),
+    which are llmkit's int8 and symmetric int4 (zero point 8) codes as they are.
+    """
+    if not layer.sym:
+        raise _no_block_type(name, layer, "a zero point per group")
+    if layer.group_size != BLOCK or layer.in_features % BLOCK:
+        raise _no_block_type(name, layer, f"{layer.in_features} input columns")
+    scales = layer.scales.numpy()  # (out, in / 32)
+    d = scales.astype(np.float16)
+    if not np.array_equal(d.astype(scales.dtype), scales):
+        raise _no_block_type(name, layer, "its scales are not float16 numbers")
+    q = codes(np, layer.qweight.numpy(), layer.bits).astype(np.int64)
+    q = q.reshape(q.shape[0], -1, BLOCK)  # (out, blocks, 32)
+    if layer.bits == 8:
+        qs, qtype = q.astype(np.int8).view(np.uint8), "Q8_0"
+    else:
+        qs, qtype = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8), "Q4_0"
+    blocks = np.concatenate([d[..., None].view(np.uint8), qs], axis=-1)  # (out, blocks, 2 + ...)
+    return blocks.reshape(len(blocks), -1), qtype
+
+
+def _tensors(model: Any, dtype: str, quantized: bool) -> list[tuple[str, np.ndarray, str | None]]:
+    """(HF name, array, GGUF block type or None) of every tensor, q/k rows in llama.cpp's order."""
+    cfg = model.config
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    out = []
+    for path, layer in model.named_sublayers():
+        if isinstance(layer, nn.QuantizedLinear) and quantized:
+            arrays = [("weight", *quantized_blocks(path, layer))]
+        elif isinstance(layer, (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.RMSNorm)):
+            arrays = [("weight", layer.weight.numpy().astype(np.float32), None)]
+        else:
+            continue
+        if getattr(layer, "bias", None) is not None:
+            arrays.append(("bias", layer.bias.numpy().astype(np.float32), None))
+        for suffix, a, qtype in arrays:
+            n = heads.get(path.rpartition(".")[2])
+            if n is not None:
+                a = rotary_permute(a, n)
+            if qtype is None and a.ndim == 2:
+                a = a.astype(dtype)
+            out.append((f"{path}.{suffix}", np.ascontiguousarray(a), qtype))
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GGUFExportError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise GGUFExportError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
+def _token_text(v: Any) -> str | None:
+    """A tokenizer_config.json special token: a string or an AddedToken dict ({"content": ...})."""
+    return v.get("content") if isinstance(v, dict) else v
+
+
+def _sentencepiece(w: Any, gguf: Any, file: Path, vocab_size: int) -> dict[str, int | None]:
+    import sentencepiece as spm
+
+    T = gguf.TokenType
+    sp = spm.SentencePieceProcessor(model_proto=file.read_bytes())
+    n = sp.get_piece_size()
+    if n != vocab_size:
+        raise GGUFExportError(f"{file}: {n} pieces, but the model's vocab_size is {vocab_size}")
+    kinds = ((sp.is_unknown, T.UNKNOWN), (sp.is_control, T.CONTROL), (sp.is_unused, T.UNUSED))
+    kinds += ((sp.is_byte, T.BYTE),)
+    types = [next((t for test, t in kinds if test(i)), T.NORMAL) for i in range(n)]
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    w.add_token_scores([sp.get_score(i) for i in range(n)])
+    w.add_token_types(types)
+    # sentencepiece's add_dummy_prefix (llmkit's tokenizers are trained without it): the model says
+    # it by how it encodes a lone letter
+    w.add_add_space_prefix(sp.encode("a", out_type=str)[0].startswith("\u2581"))
+    pad = sp.pad_id()
+    return {"bos": sp.bos_id(), "eos": sp.eos_id(), "unk": sp.unk_id(), "pad": pad if pad >= 0 else None}
+
+
+def _pre_tokenizer(f: Path, pre: Any) -> str:
+    steps = pre.get("pretokenizers", [pre]) if isinstance(pre, dict) else []
+    splits = [s["pattern"].get("Regex") for s in steps if s.get("type") == "Split" and "pattern" in s]
+    key = splits[0] if len(splits) == 1 else None
+    if not splits and any(s.get("type") == "ByteLevel" and s.get("use_regex", True) for s in steps):
+        key = "byte-level"
+    if key not in PRE_TOKENIZERS:
+        raise GGUFExportError(
+            f"{f}: pre_tokenizer {json.dumps(pre)[:200]} is not one llama.cpp knows by name here "
+            f"(known: Llama 3's split, GPT-2's byte-level)"
+        )
+    return PRE_TOKENIZERS[key]
+
+
+def _bpe(w: Any, gguf: Any, f: Path, vocab_size: int) -> dict[str, int | None]:
+    T = gguf.TokenType
+    tj = _read_json(f)
+    model = tj.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        kind = model.get("type") if isinstance(model, dict) else model
+        raise GGUFExportError(f"{f}: model.type is {kind!r}; GGUF export reads byte-level BPE tokenizer.json")
+    added = tj.get("added_tokens") or []
+    ids = {tok: i for tok, i in model["vocab"].items()} | {a["content"]: a["id"] for a in added}
+    n = max(ids.values()) + 1
+    if n > vocab_size:
+        raise GGUFExportError(f"{f}: token ids up to {n - 1}, beyond the model's vocab_size {vocab_size}")
+    tokens, types = [f"[PAD{i}]" for i in range(vocab_size)], [T.UNUSED] * vocab_size
+    for tok, i in model["vocab"].items():
+        tokens[i], types[i] = tok, T.NORMAL
+    for a in added:
+        tokens[a["id"]], types[a["id"]] = a["content"], T.CONTROL if a.get("special") else T.USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(_pre_tokenizer(f, tj.get("pre_tokenizer")))
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    tc_file = f.parent / "tokenizer_config.json"
+    tc = _read_json(tc_file) if tc_file.is_file() else {}
+    special = {k: ids.get(_token_text(tc.get(f"{k}_token"))) for k in ("bos", "eos", "unk", "pad")}
+    if "add_bos_token" not in tc:  # Llama 3: the post-processor puts bos first
+        single = (tj.get("post_processor") or {}).get("single") or []
+        first = single[0].get("SpecialToken", {}).get("id") if single else None
+        tc["add_bos_token"] = first is not None and ids.get(first) == special["bos"]
+    w.add_add_bos_token(bool(tc["add_bos_token"]))
+    w.add_add_eos_token(bool(tc.get("add_eos_token", False)))
+    return special
+
+
+def chat_template(model_dir: Path) -> str:
+    """The model's Jinja chat template: ``chat_template.jinja`` (transformers 5), or
+    tokenizer_config.json's ``chat_template``, or Llama 2's format."""
+    if (model_dir / "chat_template.jinja").is_file():
+        return (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    tc = model_dir / "tokenizer_config.json"
+    template = _read_json(tc).get("chat_template") if tc.is_file() else None
+    if isinstance(template, str):
+        return template
+    return LLAMA2_CHAT_TEMPLATE
+
+
+def _add_tokenizer(w: Any, gguf: Any, model_dir: Path, cfg: Any) -> None:
+    if (model_dir / "tokenizer.model").is_file():
+        ids = _sentencepiece(w, gguf, model_dir / "tokenizer.model", cfg.vocab_size)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(False)
+    elif (model_dir / "tokenizer.json").is_file():
+        ids = _bpe(w, gguf, model_dir / "tokenizer.json", cfg.vocab_size)
+    else:
+        raise GGUFExportError(f"{model_dir}: no tokenizer.model or tokenizer.json to write")
+    eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
+    ids["bos"] = cfg.bos_token_id if ids["bos"] is None else ids["bos"]
+    ids["eos"] = eos if ids["eos"] is None else ids["eos"]
+    for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id)):
+        if ids[key] is not None:
+            add(ids[key])
+    for key, add in (("unk", w.add_unk_token_id), ("pad", w.add_pad_token_id)):
+        if ids[key] is not None:
+            add(ids[key])
+    w.add_chat_template(chat_template(model_dir))
+
+
+def _add_hyperparameters(w: Any, gguf: Any, cfg: Any) -> None:
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(scaling["factor"]))
+
+
+def rope_freq_factors(cfg: Any) -> np.ndarray | None:
+    """llama3 RoPE scaling as llama.cpp reads it: the divisor of each base frequency (float32
+    [head_dim / 2]), from the config's own scaled frequencies; None for other scalings."""
+    if (cfg.rope_scaling or {}).get("rope_type") != "llama3":
+        return None
+    return (cfg.rope_inv_freq(scaled=False) / cfg.rope_inv_freq()).astype(np.float32)
+
+
+def write_gguf(
+    model: Any,
+    model_dir: str | Path,
+    out: str | Path,
+    *,
+    name: str,
+    dtype: str = "float32",
+    dequantize: bool = False,
+) -> Path:
+    """Write ``model`` (a LlamaForCausalLM loaded from ``model_dir``, whose tokenizer files are read)
+    as the GGUF file ``out``, atomically: float tensors in ``dtype``, quantized layers as Q8_0/Q4_0
+    blocks (or, with ``dequantize``, their dequantized weights in ``dtype``)."""
+    gguf = _gguf()
+    if dtype not in DTYPES:
+        raise GGUFExportError(f"--dtype {dtype!r}: GGUF weights are one of {', '.join(DTYPES)}")
+    cfg, model_dir = model.config, Path(model_dir)
+    tensors = _tensors(model, dtype, quantized=not dequantize)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    qtypes = {q for _, _, q in tensors if q is not None}
+    file_type = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0"}.get(min(qtypes, default=""))
+    file_type = file_type or ("MOSTLY_F16" if dtype == "float16" else "ALL_F32")
+    with atomic_path(out) as tmp:
+        w = gguf.GGUFWriter(tmp, "llama")
+        w.add_name(name)
+        w.add_file_type(int(gguf.LlamaFileType[file_type]))
+        if qtypes:
+            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        _add_hyperparameters(w, gguf, cfg)
+        _add_tokenizer(w, gguf, model_dir, cfg)
+        factors = rope_freq_factors(cfg)
+        if factors is not None:
+            w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors)
+        for hf_name, a, qtype in tensors:
+            gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if gguf_name is None:
+                raise GGUFExportError(f"{hf_name}: no llama.cpp tensor of that name")
+            w.add_tensor(gguf_name, a, raw_dtype=None if qtype is None else gguf.GGMLQuantizationType[qtype])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return Path(out)
