@@ -193,8 +193,14 @@ def _export_gguf(src: Path, out: Path, name: str, dtype: str | None) -> int:
         raise ExportError("--dtype bfloat16 is for the llmkit format; GGUF weights are float32 or float16")
     model = LlamaForCausalLM.from_pretrained(str(src))
     try:
-        path = write_gguf(model, src, out, name=name, dtype=dtype or "float32", dequantize=dtype is not None)
+        f = write_gguf(model, src, out, name=name, dtype=dtype or "float32", dequantize=dtype is not None)
     except GGUFExportError as e:
         raise ExportError(str(e)) from None
-    print(f"llmkit export: wrote {path} ({path.stat().st_size / 1e6:.1f} MB; GGUF, model {name!r})")
+    size = f.path.stat().st_size / 1e6
+    print(f"llmkit export: wrote {f.path} ({size:.1f} MB; GGUF {f.file_type}, model {name!r})")
+    if f.float_layers:
+        print(
+            f"llmkit export: {len(f.float_layers)} quantized linears as float32, exactly their dequantized "
+            f"weights (input columns not whole blocks of 32): {', '.join(f.float_layers)}"
+        )
     return 0

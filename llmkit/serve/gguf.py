@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -104,7 +104,7 @@ def quantized_blocks(name: str, layer: nn.QuantizedLinear) -> tuple[np.ndarray, 
     if not layer.sym:
         raise _no_block_type(name, layer, "a zero point per group")
     if layer.group_size != BLOCK or layer.in_features % BLOCK:
-        raise _no_block_type(name, layer, f"{layer.in_features} input columns")
+        raise _no_block_type(name, layer, "not whole blocks of 32 input columns")
     scales = layer.scales.numpy()  # (out, in / 32)
     d = scales.astype(np.float16)
     if not np.array_equal(d.astype(scales.dtype), scales):
@@ -119,13 +119,25 @@ def quantized_blocks(name: str, layer: nn.QuantizedLinear) -> tuple[np.ndarray, 
     return blocks.reshape(len(blocks), -1), qtype
 
 
-def _tensors(model: Any, dtype: str, quantized: bool) -> list[tuple[str, np.ndarray, str | None]]:
-    """(HF name, array, GGUF block type or None) of every tensor, q/k rows in llama.cpp's order."""
+def _whole_rows_only(layer: nn.QuantizedLinear) -> bool:
+    """A layer that would be Q8_0/Q4_0 but for rows that are not whole blocks (tiny's 344-wide MLP):
+    written as its dequantized float32 weights, exact, as llama.cpp's own converter falls back."""
+    return layer.sym and layer.group_size == BLOCK and layer.in_features % BLOCK != 0
+
+
+def _tensors(
+    model: Any, dtype: str, quantized: bool
+) -> tuple[list[tuple[str, np.ndarray, str | None]], list[str]]:
+    """(HF name, array, GGUF block type or None) of every tensor, q/k rows in llama.cpp's order, and
+    the quantized layers written as float32 (``_whole_rows_only``)."""
     cfg = model.config
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
-    out = []
+    out, as_float = [], []
     for path, layer in model.named_sublayers():
-        if isinstance(layer, nn.QuantizedLinear) and quantized:
+        if isinstance(layer, nn.QuantizedLinear) and quantized and _whole_rows_only(layer):
+            as_float.append(path)
+            arrays = [("weight", layer.weight.numpy().astype(np.float32), None)]
+        elif isinstance(layer, nn.QuantizedLinear) and quantized:
             arrays = [("weight", *quantized_blocks(path, layer))]
         elif isinstance(layer, (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.RMSNorm)):
             arrays = [("weight", layer.weight.numpy().astype(np.float32), None)]
@@ -137,10 +149,18 @@ def _tensors(model: Any, dtype: str, quantized: bool) -> list[tuple[str, np.ndar
             n = heads.get(path.rpartition(".")[2])
             if n is not None:
                 a = rotary_permute(a, n)
-            if qtype is None and a.ndim == 2:
+            if qtype is None and a.ndim == 2 and path not in as_float:
                 a = a.astype(dtype)
             out.append((f"{path}.{suffix}", np.ascontiguousarray(a), qtype))
-    return out
+    return out, as_float
+
+
+class GGUFFile(NamedTuple):
+    """What ``write_gguf`` wrote."""
+
+    path: Path
+    file_type: str  # llama.cpp's LlamaFileType name: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0, MOSTLY_Q4_0
+    float_layers: list[str]  # quantized layers written as float32 (rows not whole blocks of 32)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -298,7 +318,7 @@ def write_gguf(
     name: str,
     dtype: str = "float32",
     dequantize: bool = False,
-) -> Path:
+) -> GGUFFile:
     """Write ``model`` (a LlamaForCausalLM loaded from ``model_dir``, whose tokenizer files are read)
     as the GGUF file ``out``, atomically: float tensors in ``dtype``, quantized layers as Q8_0/Q4_0
     blocks (or, with ``dequantize``, their dequantized weights in ``dtype``)."""
@@ -306,7 +326,7 @@ def write_gguf(
     if dtype not in DTYPES:
         raise GGUFExportError(f"--dtype {dtype!r}: GGUF weights are one of {', '.join(DTYPES)}")
     cfg, model_dir = model.config, Path(model_dir)
-    tensors = _tensors(model, dtype, quantized=not dequantize)
+    tensors, as_float = _tensors(model, dtype, quantized=not dequantize)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     qtypes = {q for _, _, q in tensors if q is not None}
     file_type = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0"}.get(min(qtypes, default=""))
@@ -331,4 +351,4 @@ def write_gguf(
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-    return Path(out)
+    return GGUFFile(Path(out), file_type, as_float)

@@ -144,13 +144,15 @@ def test_float16_weights_keep_norms_float32(trained, tmp_path):
             np.testing.assert_array_equal(got[t.name], w.astype(np.float16).astype(np.float32))
 
 
-def _quantized_dir(trained, tmp_path, cfg: QuantConfig):
+def _quantized_dir(trained, tmp_path, cfg: QuantConfig, intermediate_size: int = 384):
     """A model quantized by llmkit (RTN) and saved as `llmkit quantize` saves it; its MLP is 384
-    wide so that every linear has whole groups of 32."""
+    wide (by default) so that every linear has whole groups of 32."""
     _, src = trained
     lf.seed(1)
     model = LlamaForCausalLM(
-        LlamaConfig.from_preset("tiny", vocab_size=4096, num_hidden_layers=2, intermediate_size=384)
+        LlamaConfig.from_preset(
+            "tiny", vocab_size=4096, num_hidden_layers=2, intermediate_size=intermediate_size
+        )
     )
     quantize_model(model, cfg, progress=False)
     out = tmp_path / "quant"
@@ -184,6 +186,22 @@ def test_quantized_blocks_hold_llmkits_codes_exactly(trained, tmp_path, bits, qt
         codes = np.stack([q & 15, q >> 4], axis=1).reshape(-1)[32:64]  # column 2j low nibble, 2j + 1 high
         np.testing.assert_array_equal(row[2:] & 15, codes[:16])
         np.testing.assert_array_equal(row[2:] >> 4, codes[16:])
+
+
+def test_rows_that_are_not_whole_blocks_fall_back_to_exact_float32(trained, tmp_path, capsys):
+    """tiny's MLP is 344 wide: down_proj's rows are 10 groups of 32 and one of 24, which no Q4_0
+    row holds; like llama.cpp's converter, that tensor is written unquantized (float32, exact)."""
+    model, d = _quantized_dir(trained, tmp_path, QuantConfig(4, 32, True, "rtn", "float16"), 344)
+    out = tmp_path / "q.gguf"
+    assert cli_main(["export", "--model", str(d), "--format", "gguf", "--out", str(out)]) == 0
+    assert "2 quantized linears as float32" in capsys.readouterr().out
+    r = gguf.GGUFReader(out)
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert types["blk.0.ffn_down.weight"] == types["blk.1.ffn_down.weight"] == "F32"
+    assert types["blk.0.ffn_up.weight"] == types["blk.1.attn_q.weight"] == "Q4_0"
+    got = read_back(r, model.config)
+    for name, w in expected_tensors(model).items():
+        np.testing.assert_array_equal(got[name], w, err_msg=name)
 
 
 @pytest.mark.parametrize(
