@@ -250,10 +250,18 @@ def test_llama3_rope_freqs_tied_embeddings_and_explicit_head_dim(tok, tmp_path):
     scaling["original_max_position_embeddings"] = 64
     cfg = LlamaConfig.from_preset(
         "tiny", vocab_size=4096, num_hidden_layers=1, head_dim=16, rope_theta=500000.0,
-        rope_scaling=scaling, tie_word_embeddings=True,
+        rope_scaling=scaling, tie_word_embeddings=True, attention_bias=True,
     )  # fmt: skip
     lf.seed(2)
     model = LlamaForCausalLM(cfg)
+    rng = np.random.default_rng(2)  # biases start at zero: random ones, so that their row order shows
+    state = {n: t.numpy() for n, t in model.state_dict().items()}
+    model.load_state_dict(
+        {
+            n: rng.standard_normal(a.shape).astype(a.dtype) if n.endswith(".bias") else a
+            for n, a in state.items()
+        }
+    )
     d = tmp_path / "llama3"
     model.save_pretrained(str(d))
     tok.save_pretrained(d)
@@ -267,6 +275,11 @@ def test_llama3_rope_freqs_tied_embeddings_and_explicit_head_dim(tok, tmp_path):
     )
     for name, w in expected_tensors(model).items():
         np.testing.assert_array_equal(got[name], w, err_msg=name)
+    attn = model.model.layers[0].self_attn  # biases: q/k in llama.cpp's row order too
+    for proj in ("q", "k", "v"):
+        np.testing.assert_array_equal(
+            got[f"blk.0.attn_{proj}.bias"], getattr(attn, f"{proj}_proj").bias.numpy()
+        )
 
 
 def test_byte_level_bpe_tokenizer_json(tmp_path):
@@ -347,7 +360,8 @@ def test_llama_cpp_logits_equal_llmkits(trained, tmp_path):
     """llama.cpp itself on the exported float32 file (only where llama-cpp-python is installed)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     model, d = trained
-    path = export(d, tmp_path / "m.gguf") and tmp_path / "m.gguf"
+    path = tmp_path / "m.gguf"
+    export(d, path)
     llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
     ids = np.random.default_rng(0).integers(3, 4096, 20).tolist()
     llm.eval(ids)
