@@ -9,8 +9,9 @@ It reads a Hugging Face layout model directory (as the trainer writes it: ``conf
 engine's ``prefill`` and ``decode`` programs from it, and writes them with ``jit.save``'s format:
 one PIR file per program, ``weights.safetensors``, ``tokenizer.model``, and a manifest with the
 sha256 of every part. The manifest's metadata holds what the server needs besides the programs:
-``engine`` (cache geometry, context length, dtype), ``chat_template``, ``generation`` defaults,
-``eos_token_ids``, and the model's ``config``.
+``engine`` (cache geometry, context length, dtype), ``chat_template`` (the Jinja source: the
+tokenizer's, else the Llama 2 default), ``generation`` defaults, ``eos_token_ids``, and the model's
+``config``.
 
 Weights that the programs use only as ``tiled_linear`` weights are stored in the layout the programs
 read (``transpose-weights``): 16-column panels (``<parameter>.P16``) where the exporting machine
@@ -29,7 +30,7 @@ import llmkit
 from llmkit.framework import jit
 from llmkit.framework.jit.model_file import MANIFEST, save_programs
 from llmkit.framework.tensor import Tensor
-from llmkit.infer.chat import ChatTemplate
+from llmkit.infer.chat import ChatTemplate, ChatTemplateError
 from llmkit.infer.programs import BLOCK_SIZE, relayout, trace_programs
 from llmkit.infer.sampling import SamplingParams
 
@@ -75,6 +76,7 @@ def export_model(
     chat_template: ChatTemplate | None = None,
 ) -> Path:
     """Write ``model`` (a LlamaForCausalLM) and ``tokenizer`` as a static inference model file."""
+    template = (chat_template or ChatTemplate.of(tokenizer)).check()
     programs, spec = trace_programs(model, block_size)
     names = {id(t): n for n, t in model.named_parameters()}
     names.update({id(t): n for n, t in model.named_buffers()})
@@ -103,7 +105,7 @@ def export_model(
         "llmkit_version": llmkit.__version__,
         "engine": spec.to_dict(),
         "config": model.config.to_dict(),
-        "chat_template": (chat_template or ChatTemplate()).to_dict(),
+        "chat_template": template.to_metadata(),
         "generation": dict(generation or {}),
         "bos_token_id": tokenizer.bos_id,
         "eos_token_ids": eos_ids,
@@ -157,9 +159,12 @@ def main(argv: list[str]) -> int:
             f"tokenizer vocab ({tok.vocab_size}) does not match the model's ({model.config.vocab_size})"
         )
     name = a.name or (src.name if src.name != "model" else src.parent.name if src.parent.name else "model")
-    path = export_model(
-        model, tok, out, model_name=name, block_size=a.block_size, generation=_generation_defaults(src)
-    )
+    try:
+        path = export_model(
+            model, tok, out, model_name=name, block_size=a.block_size, generation=_generation_defaults(src)
+        )
+    except ChatTemplateError as e:
+        raise ExportError(f"{src}: the tokenizer's {e}") from None
     size = sum(f.stat().st_size for f in path.iterdir()) / 1e6
     print(f"llmkit export: wrote {path} ({size:.1f} MB; programs prefill, decode; model {name!r})")
     return 0

@@ -81,8 +81,11 @@ def meta(key: str, value: Any):
             meta("engine.vocab_size", 4000),
             r"metadata.engine.vocab_size: 4000, but the prefill program's logits",
         ),
-        (meta("chat_template.user", "[INST] {x} [/INST]"), "metadata.chat_template.user: not a template"),
-        (meta("chat_template.bos_each_turn", "yes"), "chat_template.bos_each_turn: expected true or false"),
+        (meta("chat_template", 7), "metadata.chat_template: expected a Jinja template string, got int"),
+        (
+            meta("chat_template", {"name": "llama-2", "user": "[INST] {x} [/INST]"}),
+            r"metadata.chat_template.user: '\[INST\] \{x\} \[/INST\]' is not the Llama 2 format",
+        ),
         (meta("generation", {"temperature": -1}), "metadata.generation: temperature must be >= 0"),
         (meta("generation", {"top_k": "5"}), r"metadata.generation.top_k: expected a number"),
         (meta("eos_token_ids", [2, 99999]), "metadata.eos_token_ids: 99999 is not a token id"),
@@ -103,7 +106,7 @@ def test_random_mutations_of_an_exported_manifest_raise_only_format_errors(copie
     for i in range(60):
         m = copy.deepcopy(original)
         meta = m["metadata"]  # the engine's fields get most of the mutations
-        target = [m, meta, meta, meta["engine"], meta["chat_template"]][i % 5]
+        target = [m, meta, meta, meta["engine"], meta["generation"]][i % 5]
         for _ in range(rng.randint(1, 2)):
             mutate_json(target, rng)
         (copied / "manifest.json").write_text(json.dumps(m))
