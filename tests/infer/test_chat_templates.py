@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from llmkit.infer.chat import LLAMA2_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
+from llmkit.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -95,17 +96,11 @@ def bpe_tokenizer(special: list[str], bos: str | None, eos: str, template: str):
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizers(tok) -> dict[str, object]:
-    """The HF tokenizers, one per template, built once for the module."""
-    llama2 = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizers.Tokenizer(
-            tokenizers.models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>")
-        ),
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        chat_template=LLAMA2_CHAT_TEMPLATE,
-    )
+def tokenizers_(tok, tmp_path_factory) -> dict[str, tuple[object, Tokenizer]]:
+    """For each template, (transformers' tokenizer, llmkit's Tokenizer) of one HF directory,
+    built once for the module: Llama 2 is llmkit's sentencepiece tokenizer as it saves itself (no
+    template: the Llama 2 default applies), Llama 3 and ChatML are byte-level BPE tokenizers saved
+    by transformers with their template in tokenizer_config.json."""
     llama3 = bpe_tokenizer(
         ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
         "<|begin_of_text|>",
@@ -113,7 +108,20 @@ def hf_tokenizers(tok) -> dict[str, object]:
         LLAMA3,
     )
     chatml = bpe_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", CHATML)
-    return {"llama2": llama2, "llama3": llama3, "chatml": chatml}
+    out = {}
+    for name, saver in (("llama2", tok), ("llama3", llama3), ("chatml", chatml)):
+        d = tmp_path_factory.mktemp(name)
+        saver.save_pretrained(d)
+        # the class AutoTokenizer picks for these directories (tokenizer_config.json's tokenizer_class),
+        # named here so that the test does not import torch through transformers' auto classes
+        hf = transformers.PreTrainedTokenizerFast.from_pretrained(d)
+        out[name] = (hf, Tokenizer.from_pretrained(d))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizers(tokenizers_) -> dict[str, object]:
+    return {name: hf for name, (hf, _) in tokenizers_.items()}
 
 
 TEMPLATES = {"llama2": LLAMA2_CHAT_TEMPLATE, "llama3": LLAMA3, "chatml": CHATML}
@@ -125,11 +133,87 @@ TEMPLATES = {"llama2": LLAMA2_CHAT_TEMPLATE, "llama3": LLAMA3, "chatml": CHATML}
 def test_rendered_text_equals_apply_chat_template(hf_tokenizers, name, conversation, generation_prompt):
     hf = hf_tokenizers[name]
     msgs = {**CONVERSATIONS, **SFT}[conversation]
-    want = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+    want = hf.apply_chat_template(
+        msgs, chat_template=TEMPLATES[name], tokenize=False, add_generation_prompt=generation_prompt
+    )
     got = ChatTemplate(TEMPLATES[name]).render_text(
         msgs, add_generation_prompt=generation_prompt, special_tokens=hf.special_tokens_map
     )
     assert got == want
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+@pytest.mark.parametrize("conversation", [*CONVERSATIONS, *SFT])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_prompt_ids_equal_apply_chat_template(tokenizers_, name, conversation, generation_prompt):
+    hf, ours = tokenizers_[name]
+    msgs = {**CONVERSATIONS, **SFT}[conversation]
+    want = hf.apply_chat_template(
+        msgs, chat_template=TEMPLATES[name], tokenize=True, add_generation_prompt=generation_prompt
+    )
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    template = ChatTemplate.of(ours)  # the tokenizer's own template; Llama 2's: the default
+    assert template.source == TEMPLATES[name]
+    assert template.render(msgs, ours, add_generation_prompt=generation_prompt) == want
+
+
+# what each template writes for an assistant reply (the SFT targets), in the text
+REPLY_TEXT = {
+    "llama2": lambda r: " " + r.strip() + " </s>",
+    "llama3": lambda r: r.strip() + "<|eot_id|>",
+    "chatml": lambda r: r + "<|im_end|>\n",
+}
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+@pytest.mark.parametrize("conversation", SFT)
+def test_sft_mask_marks_exactly_the_assistant_replies(tokenizers_, name, conversation):
+    """Against the text: the replies found in transformers' rendering, transformers' own token
+    offsets; a token is a target when it lies in a reply's text."""
+    hf, ours = tokenizers_[name]
+    msgs = SFT[conversation]
+    ids, mask = ChatTemplate.of(ours).render_conversation(msgs, ours)
+    text = hf.apply_chat_template(msgs, chat_template=TEMPLATES[name], tokenize=False)
+    want_ids = hf.apply_chat_template(msgs, chat_template=TEMPLATES[name], tokenize=True)
+    assert ids == list(want_ids["input_ids"] if hasattr(want_ids, "keys") else want_ids)
+    spans, pos = [], 0
+    for m in msgs:
+        if m["role"] == "assistant":
+            piece = REPLY_TEXT[name](m["content"])
+            pos = text.index(piece, pos)
+            spans.append((pos, pos + len(piece)))
+            pos += len(piece)
+    offsets = hf(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    assert len(offsets) == len(ids)
+    want = [any(s <= a and b <= e for s, e in spans) for a, b in offsets]
+    assert mask == want
+    assert sum(mask) > 0 and not all(mask)
+
+
+def test_sft_mask_from_generation_blocks_equals_transformers(tokenizers_):
+    hf, ours = tokenizers_["chatml"]
+    for msgs in SFT.values():
+        out = hf.apply_chat_template(
+            msgs,
+            chat_template=CHATML_GENERATION,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
+        template = ChatTemplate(CHATML_GENERATION)
+        assert template.has_generation_blocks
+        ids, mask = template.render_conversation(msgs, ours)
+        assert ids == list(out["input_ids"]) and [int(m) for m in mask] == list(out["assistant_masks"])
+        assert sum(mask) > 0
+
+
+def test_sft_needs_a_template_that_renders_prefixes_or_marks_generation(tokenizers_):
+    _, ours = tokenizers_["chatml"]
+    ends = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}{% if loop.last %} END{% endif %}\n{% endfor %}"
+    )
+    with pytest.raises(ChatTemplateError, match=r"messages\[2\]: .* \{% generation %\}"):
+        ChatTemplate(ends).render_conversation(SFT["system, two replies"], ours)
 
 
 def test_the_default_is_llama2_and_templates_come_from_the_tokenizer():
