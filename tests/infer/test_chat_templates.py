@@ -149,9 +149,12 @@ def test_prompt_ids_equal_apply_chat_template(tokenizers_, name, conversation, g
     hf, ours = tokenizers_[name]
     msgs = {**CONVERSATIONS, **SFT}[conversation]
     want = hf.apply_chat_template(
-        msgs, chat_template=TEMPLATES[name], tokenize=True, add_generation_prompt=generation_prompt
-    )
-    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        msgs,
+        chat_template=TEMPLATES[name],
+        tokenize=True,
+        return_dict=True,
+        add_generation_prompt=generation_prompt,
+    )["input_ids"]
     template = ChatTemplate.of(ours)  # the tokenizer's own template; Llama 2's: the default
     assert template.source == TEMPLATES[name]
     assert template.render(msgs, ours, add_generation_prompt=generation_prompt) == want
@@ -174,8 +177,8 @@ def test_sft_mask_marks_exactly_the_assistant_replies(tokenizers_, name, convers
     msgs = SFT[conversation]
     ids, mask = ChatTemplate.of(ours).render_conversation(msgs, ours)
     text = hf.apply_chat_template(msgs, chat_template=TEMPLATES[name], tokenize=False)
-    want_ids = hf.apply_chat_template(msgs, chat_template=TEMPLATES[name], tokenize=True)
-    assert ids == list(want_ids["input_ids"] if hasattr(want_ids, "keys") else want_ids)
+    want_ids = hf.apply_chat_template(msgs, chat_template=TEMPLATES[name], tokenize=True, return_dict=True)
+    assert ids == want_ids["input_ids"]
     spans, pos = [], 0
     for m in msgs:
         if m["role"] == "assistant":
@@ -188,6 +191,23 @@ def test_sft_mask_marks_exactly_the_assistant_replies(tokenizers_, name, convers
     want = [any(s <= a and b <= e for s, e in spans) for a, b in offsets]
     assert mask == want
     assert sum(mask) > 0 and not all(mask)
+
+
+def test_chat_sft_data_is_rendered_by_the_tokenizers_template(tokenizers_, tmp_path):
+    import json
+
+    from llmkit.train.data import load_token_data
+
+    _, ours = tokenizers_["llama3"]
+    f = tmp_path / "chat.jsonl"
+    f.write_text("".join(json.dumps({"messages": m}) + "\n" for m in SFT.values()))
+    data = load_token_data([str(f)], ours, 0.0, tmp_path / "cache")
+    stream, targets = list(data.tokens), list(data.mask.astype(bool))
+    for msgs in SFT.values():
+        ids, mask = ChatTemplate(LLAMA3).render_conversation(msgs, ours)
+        at = next(i for i in range(len(stream)) if stream[i : i + len(ids)] == ids)
+        assert targets[at : at + len(ids)] == mask
+    assert len(stream) == sum(len(ChatTemplate(LLAMA3).render_conversation(m, ours)[0]) for m in SFT.values())
 
 
 def test_sft_mask_from_generation_blocks_equals_transformers(tokenizers_):
