@@ -47,7 +47,13 @@ TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"  # transformers 5: <name>.jinja per named template
 # What from_pretrained reads from a directory (besides TEMPLATE_DIR/*.jinja).
 FILES = (MODEL_FILE, JSON_FILE, CONFIG_FILE, SPECIAL_MAP_FILE, GENERATION_FILE, TEMPLATE_FILE)
-SPECIAL_NAMES = ("bos", "eos", "unk", "pad")  # <name>_token in tokenizer_config.json
+SPECIAL_NAMES = ("bos", "eos", "unk", "pad")
+MODEL_TYPES = (
+    "BPE",
+    "Unigram",
+    "WordPiece",
+    "WordLevel",
+)  # the tokenizers library's models  # <name>_token in tokenizer_config.json
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SPACE = "\u2581"
 
@@ -190,12 +196,17 @@ class _Tokenizers:
             raise TokenizerError(
                 f'cannot load tokenizer: {where}: no "model" with a "vocab" (not a tokenizer.json)'
             )
+        kind = model.get("type", "BPE")
+        if kind not in MODEL_TYPES:
+            raise TokenizerError(
+                f"cannot load tokenizer: {where}: model.type {kind!r} is not one of {', '.join(MODEL_TYPES)}"
+            )
         try:
             self.tk = HFTokenizer.from_str(data.decode("utf-8"))
         except Exception as e:  # tokenizers raises a plain Exception naming the bad field
-            raise TokenizerError(f"cannot load tokenizer: {where}: {e}") from None
+            raise TokenizerError(f"cannot load tokenizer: {where}: {e} (tokenizers)") from None
         self.spec = spec
-        self.model_type = str(model.get("type") or "BPE")
+        self.model_type = kind
         vocab = self.tk.get_vocab(with_added_tokens=True)
         self.n = max(vocab.values(), default=-1) + 1
         self.pieces: list[str | None] = [None] * self.n
@@ -635,8 +646,8 @@ class Tokenizer:
         if isinstance(b, _Tokenizers):
             return b.tk.decode(ids, skip_special_tokens=skip_special)
         parts, run = [], []
-        for i in ids:  # sentencepiece decodes its control pieces to "", added tokens are ours
-            if i < b.n and not (skip_special is False and b.sp.is_control(i)):
+        for i in ids:  # special tokens (control and unknown pieces) and added ones are ours
+            if i < b.n and i not in self._special:
                 run.append(i)
             elif not (skip_special and i in self._special):
                 parts += [b.decode(run), self._piece(i) or ""]
