@@ -519,13 +519,16 @@ class Tokenizer:
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``files()`` into ``directory``, each file atomically (``generation_config.json``
-        merged into one already there); return the tokenizer's main file (tokenizer.model for a
+        merged into one already there; special_tokens_map.json last, so its presence says the set
+        is whole); return the tokenizer's main file (tokenizer.model for a
         sentencepiece model, else tokenizer.json). A ``chat_template.jinja`` or, for a BPE
         tokenizer, a ``tokenizer.model`` left there by another tokenizer is removed: transformers
         would read it instead."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        for name, data in self.files().items():
+        files = self.files()
+        for name in sorted(files, key=lambda n: n == SPECIAL_MAP_FILE):
+            data = files[name]
             if name == GENERATION_FILE:
                 write_generation_config(directory, None, self._generation_eos, None)
             else:

@@ -15,16 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmkit.models.llama.tokenizer import LLAMA3_SPLIT, train_tokenizer
 from llmkit.tokenizer import BYTE_ENCODER, Tokenizer, TokenizerError
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-# Llama 3's pre-tokenizer regex (its tokenizer.json: Split, then ByteLevel without its own regex).
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
 CHAT = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -317,3 +313,15 @@ def test_malformed_files_are_named(kind, name, data, message, bpe_dir, spm_dir, 
     with pytest.raises(TokenizerError, match=message) as e:
         Tokenizer.from_pretrained(_broken(d, name, data, tmp_path))
     assert str(tmp_path / "broken" / name) in str(e.value)
+
+
+def test_a_trained_bpe_tokenizer_is_read_by_transformers(tmp_path: Path) -> None:
+    """llmkit tokenizer train --kind bpe: Llama 3's byte-level BPE, the same files each time."""
+    tok = train_tokenizer(CORPUS * 10, 400, tmp_path / "a", kind="bpe")
+    assert train_tokenizer(CORPUS * 10, 400, tmp_path / "b", kind="bpe").files() == tok.files()
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "a")
+    assert (tok.kind, tok.vocab_size, tok.bos_id, tok.eos_id, tok.add_bos_token) == ("bpe", 400, 0, 1, True)
+    assert [hf(t).input_ids for t in TEXTS] == tok.encode_batch(TEXTS)
+    plain = [t for t in TEXTS if "<|" not in t]
+    assert [tok.decode(tok.encode(t)) for t in plain] == plain  # byte-level: every text comes back
+    assert [b"".join(map(tok.token_bytes, tok.encode(t))) for t in plain] == [t.encode() for t in plain]
