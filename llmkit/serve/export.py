@@ -6,12 +6,15 @@ server runs, or (``--format gguf``, ``llmkit.serve.gguf``) one GGUF file for lla
 -> ``runs/tiny.llmkit``), so ``llmkit serve runs/tiny-int4.llmkit`` follows without editing a path.
 
 It reads a Hugging Face layout model directory (as the trainer writes it: ``config.json``,
-``model.safetensors``, ``tokenizer.model``, optionally ``generation_config.json``), traces the
+``model.safetensors``, the tokenizer's files, optionally ``generation_config.json``), traces the
 engine's ``prefill`` and ``decode`` programs from it, and writes them with ``jit.save``'s format:
-one PIR file per program, ``weights.safetensors``, ``tokenizer.model``, and a manifest with the
+one PIR file per program, ``weights.safetensors``, the tokenizer's files (``Tokenizer.files()``:
+``tokenizer.json``, ``tokenizer.model`` for sentencepiece, ``tokenizer_config.json``, ...), and a
+manifest with the
 sha256 of every part. The manifest's metadata holds what the server needs besides the programs:
-``engine`` (cache geometry, context length, dtype), ``chat_template``, ``generation`` defaults,
-``eos_token_ids``, and the model's ``config``.
+``engine`` (cache geometry, context length, dtype), ``chat_template`` (the Jinja source: the
+tokenizer's, else the Llama 2 default), ``generation`` defaults, ``eos_token_ids``, and the model's
+``config``.
 
 Weights that the programs use only as ``tiled_linear`` weights are stored in the layout the programs
 read (``transpose-weights``): 16-column panels (``<parameter>.P16``) where the exporting machine
@@ -30,9 +33,10 @@ import llmkit
 from llmkit.framework import jit
 from llmkit.framework.jit.model_file import MANIFEST, save_programs
 from llmkit.framework.tensor import Tensor
-from llmkit.infer.chat import ChatTemplate
+from llmkit.infer.chat import ChatTemplate, ChatTemplateError
 from llmkit.infer.programs import BLOCK_SIZE, relayout, trace_programs
 from llmkit.infer.sampling import SamplingParams
+from llmkit.tokenizer import Tokenizer
 
 SUFFIX = ".llmkit"  # the default --out: the model's directory (or run) with this appended
 SUFFIXES = {"llmkit": SUFFIX, "gguf": ".gguf"}  # per --format
@@ -77,6 +81,7 @@ def export_model(
     chat_template: ChatTemplate | None = None,
 ) -> Path:
     """Write ``model`` (a LlamaForCausalLM) and ``tokenizer`` as a static inference model file."""
+    template = (chat_template or ChatTemplate.of(tokenizer)).check()
     programs, spec = trace_programs(model, block_size)
     names = {id(t): n for n, t in model.named_parameters()}
     names.update({id(t): n for n, t in model.named_buffers()})
@@ -98,19 +103,19 @@ def export_model(
             cp.program, cp.n_args, caps, [], cp.out_tree, cp.n_outputs, cp.compiler
         )
     eos = model.config.eos_token_id
-    eos_ids = sorted({tokenizer.eos_id, *(eos if isinstance(eos, list) else [] if eos is None else [eos])})
+    eos_ids = sorted({*tokenizer.eos_ids, *(eos if isinstance(eos, list) else [] if eos is None else [eos])})
     metadata = {
         "model_name": model_name,
         "architecture": "llama",
         "llmkit_version": llmkit.__version__,
         "engine": spec.to_dict(),
         "config": model.config.to_dict(),
-        "chat_template": (chat_template or ChatTemplate()).to_dict(),
+        "chat_template": template.to_metadata(),
         "generation": dict(generation or {}),
         "bos_token_id": tokenizer.bos_id,
         "eos_token_ids": eos_ids,
     }
-    return save_programs(out, concrete, names, metadata, {"tokenizer.model": tokenizer.model_proto})
+    return save_programs(out, concrete, names, metadata, Tokenizer.of(tokenizer).files())
 
 
 def main(argv: list[str]) -> int:
@@ -173,13 +178,16 @@ def main(argv: list[str]) -> int:
     model = LlamaForCausalLM.from_pretrained(str(src), dtype=a.dtype or "float32")
     model.eval()
     tok = LlamaTokenizer.from_pretrained(src)
-    if tok.vocab_size != model.config.vocab_size:
+    if tok.vocab_size > model.config.vocab_size:  # a larger embedding (padded vocabulary) is fine
         raise ExportError(
-            f"tokenizer vocab ({tok.vocab_size}) does not match the model's ({model.config.vocab_size})"
+            f"tokenizer vocab ({tok.vocab_size}) is larger than the model's ({model.config.vocab_size})"
         )
-    path = export_model(
-        model, tok, out, model_name=name, block_size=a.block_size, generation=_generation_defaults(src)
-    )
+    try:
+        path = export_model(
+            model, tok, out, model_name=name, block_size=a.block_size, generation=_generation_defaults(src)
+        )
+    except ChatTemplateError as e:
+        raise ExportError(f"{src}: the tokenizer's {e}") from None
     size = sum(f.stat().st_size for f in path.iterdir()) / 1e6
     print(f"llmkit export: wrote {path} ({size:.1f} MB; programs prefill, decode; model {name!r})")
     return 0
