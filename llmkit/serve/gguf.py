@@ -11,9 +11,11 @@ llama.cpp's ``llama`` architecture:
   ``convert_hf_to_gguf.py``);
 - ``llama.*`` hyperparameters, RoPE scaling (``rope.scaling.*`` for linear; for llama3 a
   ``rope_freqs`` tensor of per-frequency divisors, as llama.cpp's converter writes it);
-- the tokenizer: a sentencepiece ``tokenizer.model`` as ``tokenizer.ggml.model = "llama"`` (pieces,
-  scores, types), or a byte-level BPE ``tokenizer.json`` as ``"gpt2"`` (tokens, merges, types and
-  the pre-tokenizer's llama.cpp name); special ids, ``add_bos_token``, and the chat template.
+- the tokenizer, as ``llmkit.tokenizer.Tokenizer`` reads the directory: a sentencepiece model as
+  ``tokenizer.ggml.model = "llama"`` (pieces, scores, types), or a byte-level BPE
+  ``tokenizer.json`` as ``"gpt2"`` (tokens, merges, types and the pre-tokenizer's llama.cpp name);
+  its special ids, ``add_bos_token``/``add_eos_token`` and chat template (Llama 2's when it has
+  none, ``llmkit.infer.chat``'s default).
 
 Weights: float32 or float16 (``--dtype``); a model written by ``llmkit quantize`` keeps its codes
 where its layout is exactly a GGUF block type: int8 or symmetric int4 in groups of 32 whose scales
@@ -32,25 +34,12 @@ import numpy as np
 from llmkit.framework import nn
 from llmkit.framework.files import atomic_path
 from llmkit.framework.ops.quant import codes
+from llmkit.infer.chat import LLAMA2_CHAT_TEMPLATE
+from llmkit.tokenizer import JSON_FILE, Tokenizer, TokenizerError
 
 INSTALL_HINT = "pip install llmkit[gguf]"
 BLOCK = 32  # weights per Q8_0 / Q4_0 block
 DTYPES = ("float32", "float16")  # --dtype of float tensors (quantized layers keep their blocks)
-
-# Meta's Llama 2 chat format, in Jinja: written when the model directory brings no template of its
-# own (a model llmkit trained chats in this format, llmkit.infer.chat.ChatTemplate's default).
-LLAMA2_CHAT_TEMPLATE = (
-    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
-    "{% set messages = messages[1:] %}{% endif %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'user' %}"
-    "{% if loop.first and system is defined %}"
-    "{% set content = '<<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n' + message['content'] %}"
-    "{% else %}{% set content = message['content'] %}{% endif %}"
-    "{{ bos_token + '[INST] ' + content + ' [/INST]' }}"
-    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + ' ' + eos_token }}"
-    "{% endif %}{% endfor %}"
-)
 
 # tokenizer.json pre-tokenizer split pattern -> llama.cpp's `tokenizer.ggml.pre` name
 PRE_TOKENIZERS = {
@@ -163,45 +152,30 @@ class GGUFFile(NamedTuple):
     float_layers: list[str]  # quantized layers written as float32 (rows not whole blocks of 32)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        d = json.loads(path.read_bytes().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GGUFExportError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise GGUFExportError(f"{path}: expected a JSON object, got {type(d).__name__}")
-    return d
-
-
-def _token_text(v: Any) -> str | None:
-    """A tokenizer_config.json special token: a string or an AddedToken dict ({"content": ...})."""
-    return v.get("content") if isinstance(v, dict) else v
-
-
-def _sentencepiece(w: Any, gguf: Any, file: Path, vocab_size: int) -> dict[str, int | None]:
+def _sentencepiece(w: Any, gguf: Any, tok: Tokenizer) -> tuple[list[str], list[int], list[float] | None]:
+    """Pieces, piece types and scores of a sentencepiece model (``tokenizer.ggml.model`` "llama")."""
     import sentencepiece as spm
 
     T = gguf.TokenType
-    sp = spm.SentencePieceProcessor(model_proto=file.read_bytes())
+    sp = spm.SentencePieceProcessor(model_proto=tok.model_proto)
     n = sp.get_piece_size()
-    if n != vocab_size:
-        raise GGUFExportError(f"{file}: {n} pieces, but the model's vocab_size is {vocab_size}")
     kinds = ((sp.is_unknown, T.UNKNOWN), (sp.is_control, T.CONTROL), (sp.is_unused, T.UNUSED))
     kinds += ((sp.is_byte, T.BYTE),)
     types = [next((t for test, t in kinds if test(i)), T.NORMAL) for i in range(n)]
+    pieces, scores = [sp.id_to_piece(i) for i in range(n)], [sp.get_score(i) for i in range(n)]
+    for i in range(n, tok.vocab_size):  # added tokens past the pieces (tokenizer_config.json's)
+        pieces.append(tok.id_to_piece(i))
+        scores.append(0.0)
+        types.append(T.CONTROL if tok.is_control(i) else T.USER_DEFINED)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
-    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
-    w.add_token_scores([sp.get_score(i) for i in range(n)])
-    w.add_token_types(types)
     # sentencepiece's add_dummy_prefix (llmkit's tokenizers are trained without it): the model says
     # it by how it encodes a lone letter
     w.add_add_space_prefix(sp.encode("a", out_type=str)[0].startswith("\u2581"))
-    pad = sp.pad_id()
-    return {"bos": sp.bos_id(), "eos": sp.eos_id(), "unk": sp.unk_id(), "pad": pad if pad >= 0 else None}
+    return pieces, types, scores
 
 
-def _pre_tokenizer(f: Path, pre: Any) -> str:
+def _pre_tokenizer(pre: Any) -> str:
     steps = pre.get("pretokenizers", [pre]) if isinstance(pre, dict) else []
     splits = [s["pattern"].get("Regex") for s in steps if s.get("type") == "Split" and "pattern" in s]
     key = splits[0] if len(splits) == 1 else None
@@ -209,78 +183,68 @@ def _pre_tokenizer(f: Path, pre: Any) -> str:
         key = "byte-level"
     if key not in PRE_TOKENIZERS:
         raise GGUFExportError(
-            f"{f}: pre_tokenizer {json.dumps(pre)[:200]} is not one llama.cpp knows by name here "
+            f"{JSON_FILE}: pre_tokenizer {json.dumps(pre)[:200]} is not one llama.cpp knows by name here "
             f"(known: Llama 3's split, GPT-2's byte-level)"
         )
     return PRE_TOKENIZERS[key]
 
 
-def _bpe(w: Any, gguf: Any, f: Path, vocab_size: int) -> dict[str, int | None]:
+def _bpe(w: Any, gguf: Any, tok: Tokenizer) -> tuple[list[str], list[int], list[float] | None]:
+    """Tokens, merges and token types of a byte-level BPE ``tokenizer.json`` ("gpt2")."""
     T = gguf.TokenType
-    tj = _read_json(f)
-    model = tj.get("model")
-    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
-        kind = model.get("type") if isinstance(model, dict) else model
-        raise GGUFExportError(f"{f}: model.type is {kind!r}; GGUF export reads byte-level BPE tokenizer.json")
-    added = tj.get("added_tokens") or []
-    ids = {tok: i for tok, i in model["vocab"].items()} | {a["content"]: a["id"] for a in added}
-    n = max(ids.values()) + 1
-    if n > vocab_size:
-        raise GGUFExportError(f"{f}: token ids up to {n - 1}, beyond the model's vocab_size {vocab_size}")
-    tokens, types = [f"[PAD{i}]" for i in range(vocab_size)], [T.UNUSED] * vocab_size
-    for tok, i in model["vocab"].items():
-        tokens[i], types[i] = tok, T.NORMAL
-    for a in added:
-        tokens[a["id"]], types[a["id"]] = a["content"], T.CONTROL if a.get("special") else T.USER_DEFINED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    tj = json.loads(tok.files()[JSON_FILE])
+    model = tj["model"]
+    if model.get("type") != "BPE" or not _byte_level(tj.get("pre_tokenizer")):
+        raise GGUFExportError(
+            f"{JSON_FILE}: a {model.get('type')} model without a byte-level pre-tokenizer; GGUF export "
+            f"writes byte-level BPE (and sentencepiece tokenizer.model) vocabularies"
+        )
+    pre = _pre_tokenizer(tj.get("pre_tokenizer"))
+    tokens = [tok.id_to_piece(i) for i in range(tok.vocab_size)]
+    types = [T.CONTROL if tok.is_control(i) else T.NORMAL for i in range(tok.vocab_size)]
+    for a in tj.get("added_tokens") or []:
+        if not a.get("special"):
+            types[a["id"]] = T.USER_DEFINED
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(_pre_tokenizer(f, tj.get("pre_tokenizer")))
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    tc_file = f.parent / "tokenizer_config.json"
-    tc = _read_json(tc_file) if tc_file.is_file() else {}
-    special = {k: ids.get(_token_text(tc.get(f"{k}_token"))) for k in ("bos", "eos", "unk", "pad")}
-    if "add_bos_token" not in tc:  # Llama 3: the post-processor puts bos first
-        single = (tj.get("post_processor") or {}).get("single") or []
-        first = single[0].get("SpecialToken", {}).get("id") if single else None
-        tc["add_bos_token"] = first is not None and ids.get(first) == special["bos"]
-    w.add_add_bos_token(bool(tc["add_bos_token"]))
-    w.add_add_eos_token(bool(tc.get("add_eos_token", False)))
-    return special
+    w.add_tokenizer_pre(pre)
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])])
+    return tokens, types, None
 
 
-def chat_template(model_dir: Path) -> str:
-    """The model's Jinja chat template: ``chat_template.jinja`` (transformers 5), or
-    tokenizer_config.json's ``chat_template``, or Llama 2's format."""
-    if (model_dir / "chat_template.jinja").is_file():
-        return (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
-    tc = model_dir / "tokenizer_config.json"
-    template = _read_json(tc).get("chat_template") if tc.is_file() else None
-    if isinstance(template, str):
-        return template
-    return LLAMA2_CHAT_TEMPLATE
+def _byte_level(pre: Any) -> bool:
+    steps = pre.get("pretokenizers", [pre]) if isinstance(pre, dict) else []
+    return any(isinstance(s, dict) and s.get("type") == "ByteLevel" for s in steps)
 
 
 def _add_tokenizer(w: Any, gguf: Any, model_dir: Path, cfg: Any) -> None:
-    if (model_dir / "tokenizer.model").is_file():
-        ids = _sentencepiece(w, gguf, model_dir / "tokenizer.model", cfg.vocab_size)
-        w.add_add_bos_token(True)
-        w.add_add_eos_token(False)
-    elif (model_dir / "tokenizer.json").is_file():
-        ids = _bpe(w, gguf, model_dir / "tokenizer.json", cfg.vocab_size)
-    else:
-        raise GGUFExportError(f"{model_dir}: no tokenizer.model or tokenizer.json to write")
-    eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
-    ids["bos"] = cfg.bos_token_id if ids["bos"] is None else ids["bos"]
-    ids["eos"] = eos if ids["eos"] is None else ids["eos"]
-    for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id)):
-        if ids[key] is not None:
-            add(ids[key])
-    for key, add in (("unk", w.add_unk_token_id), ("pad", w.add_pad_token_id)):
-        if ids[key] is not None:
-            add(ids[key])
-    w.add_chat_template(chat_template(model_dir))
+    """The vocabulary, special ids, bos/eos flags and chat template, as llmkit's Tokenizer reads the
+    model directory's files (tokenizer.model / tokenizer.json, tokenizer_config.json, ...)."""
+    try:
+        tok = Tokenizer.from_pretrained(model_dir)
+    except (FileNotFoundError, TokenizerError) as e:
+        raise GGUFExportError(str(e)) from None
+    if tok.vocab_size > cfg.vocab_size:
+        raise GGUFExportError(
+            f"{model_dir}: the tokenizer has {tok.vocab_size} tokens, more than the model's vocab_size "
+            f"{cfg.vocab_size}"
+        )
+    tokens, types, scores = (_sentencepiece if tok.kind == "sentencepiece" else _bpe)(w, gguf, tok)
+    # embedding rows the tokenizer never emits, named as llama.cpp's converter names them
+    tokens += [f"[PAD{i}]" for i in range(tok.vocab_size, cfg.vocab_size)]
+    types += [gguf.TokenType.UNUSED] * (cfg.vocab_size - tok.vocab_size)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if scores is not None:
+        w.add_token_scores(scores + [0.0] * (cfg.vocab_size - tok.vocab_size))
+    ids = {"bos": tok.bos_id, "eos": tok.eos_id, "unk": tok.unk_id, "pad": tok.pad_id}
+    adders = {"bos": w.add_bos_token_id, "eos": w.add_eos_token_id}
+    adders |= {"unk": w.add_unk_token_id, "pad": w.add_pad_token_id}
+    for key, i in ids.items():
+        if i is not None:
+            adders[key](i)
+    w.add_add_bos_token(tok.add_bos_token)
+    w.add_add_eos_token(tok.add_eos_token)
+    w.add_chat_template(tok.chat_template or LLAMA2_CHAT_TEMPLATE)
 
 
 def _add_hyperparameters(w: Any, gguf: Any, cfg: Any) -> None:

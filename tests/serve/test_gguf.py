@@ -341,17 +341,18 @@ def test_unknown_pre_tokenizer_and_missing_package_are_one_line_errors(
     assert cli_main(["export", "--model", str(d), "--format", "gguf", "--out", str(tmp_path / "x.gguf")]) == 2
     assert "pip install llmkit[gguf]" in capsys.readouterr().err
     monkeypatch.undo()
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    t = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "c": 2, "ab": 3}, merges=[("a", "b")]))
+    t.pre_tokenizer = pre_tokenizers.Sequence(  # a split llama.cpp has no name for
+        [pre_tokenizers.Split(Regex(r"\d+"), "isolated"), pre_tokenizers.ByteLevel(use_regex=False)]
+    )
     bpe = tmp_path / "odd"
     model = LlamaForCausalLM(LlamaConfig.from_preset("tiny", vocab_size=300, num_hidden_layers=1))
     model.save_pretrained(str(bpe))
-    tj = {
-        "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []},
-        "pre_tokenizer": {"type": "Whitespace"},
-    }
-    (bpe / "tokenizer.json").write_text(json.dumps(tj))
-    assert (
-        cli_main(["export", "--model", str(bpe), "--format", "gguf", "--out", str(tmp_path / "y.gguf")]) == 2
-    )
+    t.save(str(bpe / "tokenizer.json"))
+    out = tmp_path / "y.gguf"
+    assert cli_main(["export", "--model", str(bpe), "--format", "gguf", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "tokenizer.json: pre_tokenizer" in err and len(err.strip().splitlines()) == 1
 
