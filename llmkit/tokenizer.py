@@ -349,7 +349,10 @@ class Tokenizer:
         self.eos_ids: list[int] = list(
             dict.fromkeys([*([self.eos_id] if self.eos_id is not None else []), *gen_eos])
         )
-        self._generation_eos = gen_eos
+        # generation_config.json's ids, kept (in files()) only where they add stop ids to the eos
+        self._generation_eos = (
+            gen_eos if self.eos_ids != ([self.eos_id] if self.eos_id is not None else []) else []
+        )
 
         def flag(key: str, default: bool) -> bool:
             v = config.get(key, default)

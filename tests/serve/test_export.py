@@ -24,7 +24,8 @@ def test_manifest_programs_weights_and_metadata(model_file, trained):
     model, _ = trained
     m = json.loads((model_file / "manifest.json").read_text())
     assert set(m["programs"]) == {"prefill", "decode"}
-    assert set(m["files"]) == {"prefill.pir", "decode.pir", "weights.safetensors", "tokenizer.model"}
+    tokenizer = {"tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+    assert set(m["files"]) == {"prefill.pir", "decode.pir", "weights.safetensors", *tokenizer}
     assert all(len(v) == 64 for v in m["files"].values())  # sha256 of every part
     meta = m["metadata"]
     assert meta["model_name"] == "tiny" and meta["engine"]["block_size"] == 16
