@@ -20,7 +20,9 @@ llama.cpp's ``llama`` architecture:
 Weights: float32 or float16 (``--dtype``); a model written by ``llmkit quantize`` keeps its codes
 where its layout is exactly a GGUF block type: int8 or symmetric int4 in groups of 32 whose scales
 are float16 numbers are Q8_0 or Q4_0 blocks (``llmkit quantize --group 32 --scale-dtype float16``
-makes such models). Any other layout is refused in one line naming the nearest exact options.
+makes such models); such a layer whose rows are not whole blocks of 32 is written as its exact
+float32 weights, as llama.cpp's converter falls back. Any other layout is refused in one line naming
+the nearest exact options.
 """
 
 from __future__ import annotations
