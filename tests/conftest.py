@@ -31,7 +31,9 @@ os.environ.setdefault("LLMKIT_CACHE_DIR", os.path.join(_root, "cache"))
 os.environ.setdefault("LLMKIT_KERNEL_CACHE", os.path.join(_root, "kernels"))
 
 
-PARITY = ("torch", "transformers")
+# references CI must have (a test skipped for want of one fails there): the parity extra, and the
+# gguf package whose reader checks `llmkit export --format gguf` (the test extra)
+PARITY = ("torch", "transformers", "gguf")
 MPIEXEC = "needs mpiexec"  # how every MPI test's skip reason starts (skipif no mpiexec on PATH)
 
 

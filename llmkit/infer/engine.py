@@ -31,10 +31,11 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from llmkit.tokenizer import Tokenizer
+from llmkit.tokenizer import FILES as TOKENIZER_FILES
+from llmkit.tokenizer import Tokenizer, TokenizerError
 
 from .blocks import BlockManager
-from .chat import ChatTemplate
+from .chat import ChatTemplate, ChatTemplateError
 from .detokenize import Detokenizer
 from .programs import BLOCK_SIZE, DECODE_TILE, PREFILL_TILE, ModelSpec, runs_native, unpack_panel_weights
 from .request import Completion, FinishReason, Request, RequestOutput
@@ -83,9 +84,9 @@ class Engine:
         self.spec = runner.spec
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.chat_template = chat_template or ChatTemplate()
+        self.chat_template = chat_template or ChatTemplate.of(tokenizer)
         self.generation_defaults = dict(generation_defaults or {})
-        eos = set(eos_token_ids) | ({tokenizer.eos_id} if tokenizer is not None else set())
+        eos = set(eos_token_ids) | (set(tokenizer.eos_ids) if tokenizer is not None else set())
         self.eos_token_ids = frozenset(eos)
         limit = self.spec.max_model_len
         self.max_model_len = min(config.max_model_len or limit, limit)
@@ -154,7 +155,9 @@ class Engine:
             tokenizer,
             config,
             model_name=meta.get("model_name", "model"),
-            chat_template=ChatTemplate.from_dict(meta.get("chat_template")),
+            chat_template=ChatTemplate.from_metadata(meta["chat_template"])
+            if "chat_template" in meta
+            else None,
             generation_defaults=meta.get("generation"),
             eos_token_ids=meta.get("eos_token_ids", ()),
         )
@@ -391,7 +394,7 @@ class StaticMetadata(_EngineFields, total=False):
     """The metadata ``llmkit export`` writes into a static model file's manifest for the engine."""
 
     model_name: str
-    chat_template: ChatTemplate
+    chat_template: Any  # the Jinja source string (an older llmkit wrote a dict): ChatTemplate.from_metadata
     generation: dict[str, float]  # sampling defaults: temperature, top_p, top_k
     eos_token_ids: list[int]
 
@@ -414,14 +417,11 @@ def _check_static(sm: Any) -> tuple[ModelSpec, Tokenizer]:
     for k, v in spec.to_dict().items():
         if isinstance(v, int) and v < 1 and not (k.endswith("_tile") and v == 0):
             raise FormatError(f"{where}: metadata.engine.{k}: must be positive, got {v}")
-    template = ChatTemplate.from_dict(meta.get("chat_template"))
-    for k in ("user", "assistant", "system"):
+    if "chat_template" in meta:
         try:
-            getattr(template, k).format(content="")
-        except (AttributeError, KeyError, IndexError, ValueError) as e:
-            raise FormatError(
-                f"{where}: metadata.chat_template.{k}: not a template with only {{content}} ({e!r})"
-            ) from None
+            ChatTemplate.from_metadata(meta["chat_template"])
+        except ChatTemplateError as e:
+            raise FormatError(f"{where}: {e}") from None
     gen = meta.get("generation", {})
     try:
         SamplingParams(**{k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen})
@@ -456,13 +456,14 @@ def _check_static(sm: Any) -> tuple[ModelSpec, Tokenizer]:
                 f"{where}: metadata.engine.vocab_size: {spec.vocab_size}, but the {name} program's logits "
                 f"are {logits['shape']}"
             )
-    try:
-        tokenizer = Tokenizer(sm.file("tokenizer.model"))
-    except RuntimeError as e:  # sentencepiece: "could not parse ModelProto"
-        raise FormatError(f"{sm.path}: tokenizer.model is not a sentencepiece model ({e})") from None
-    if tokenizer.vocab_size != spec.vocab_size:
+    names = [n for n in sm.manifest["files"] if n in TOKENIZER_FILES]  # files() of the exporter
+    try:  # an old file holds only tokenizer.model
+        tokenizer = Tokenizer.from_files({n: sm.file(n) for n in names}, origin=str(sm.path))
+    except TokenizerError as e:
+        raise FormatError(str(e)) from None
+    if tokenizer.vocab_size > spec.vocab_size:
         raise FormatError(
-            f"{sm.path}: tokenizer.model has {tokenizer.vocab_size} pieces, the programs "
+            f"{sm.path}: the tokenizer has {tokenizer.vocab_size} tokens, the programs only "
             f"{spec.vocab_size} logits"
         )
     return spec, tokenizer

@@ -366,7 +366,8 @@ class Serving:
     # ---- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, disconnected: Disconnected) -> Any:
         self._check_model(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        # what the template sees: each message's role, text and (when given) name
+        messages = [{"role": m.role, "content": m.text(), "name": m.name} for m in req.messages]
         try:
             ids = await asyncio.to_thread(self.engine.chat_template.render, messages, self.tokenizer)
         except ChatTemplateError as e:

@@ -16,6 +16,7 @@ from llmkit.cli import main as cli_main
 from llmkit.framework import jit
 from llmkit.framework.compiler import available
 from llmkit.infer import Engine, EngineConfig, SamplingParams
+from llmkit.infer.chat import LLAMA2_CHAT_TEMPLATE
 from llmkit.models.llama.checkpoint import derived_path
 
 
@@ -23,12 +24,13 @@ def test_manifest_programs_weights_and_metadata(model_file, trained):
     model, _ = trained
     m = json.loads((model_file / "manifest.json").read_text())
     assert set(m["programs"]) == {"prefill", "decode"}
-    assert set(m["files"]) == {"prefill.pir", "decode.pir", "weights.safetensors", "tokenizer.model"}
+    tokenizer = {"tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+    assert set(m["files"]) == {"prefill.pir", "decode.pir", "weights.safetensors", *tokenizer}
     assert all(len(v) == 64 for v in m["files"].values())  # sha256 of every part
     meta = m["metadata"]
     assert meta["model_name"] == "tiny" and meta["engine"]["block_size"] == 16
     assert meta["engine"]["max_model_len"] == 512 and meta["eos_token_ids"] == [2]
-    assert meta["chat_template"]["name"] == "llama-2" and meta["config"]["hidden_size"] == 128
+    assert meta["chat_template"] == LLAMA2_CHAT_TEMPLATE and meta["config"]["hidden_size"] == 128
     dec = m["programs"]["decode"]
     assert [i["name"] for i in dec["inputs"]][-1] == "pool"
     # linear weights in the layout the programs read: 16-column panels [out/16, in, 16] where the
