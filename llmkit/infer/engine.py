@@ -471,7 +471,8 @@ def _check_static(sm: Any) -> tuple[ModelSpec, Tokenizer]:
             f"{where}: metadata.eos_token_ids: {bad[0]} is not a token id (vocabulary of {spec.vocab_size})"
         )
     pool = list(spec.pool_shape(0))
-    for name in ("prefill", "decode"):
+    # score is optional: files exported before it existed serve everything but echo
+    for name in ("prefill", "decode", *(["score"] if "score" in sm.programs else [])):
         fn = sm.programs.get(name)
         if fn is None or not fn.input_specs or not fn.output_specs:
             raise FormatError(

@@ -6,7 +6,7 @@
 
 It reads a Hugging Face layout model directory (as the trainer writes it: ``config.json``,
 ``model.safetensors``, ``tokenizer.model``, optionally ``generation_config.json``), traces the
-engine's ``prefill`` and ``decode`` programs from it, and writes them with ``jit.save``'s format:
+engine's ``prefill``, ``decode`` and ``score`` programs from it, and writes them with ``jit.save``'s format:
 one PIR file per program, ``weights.safetensors``, ``tokenizer.model``, and a manifest with the
 sha256 of every part. The manifest's metadata holds what the server needs besides the programs:
 ``engine`` (cache geometry, context length, dtype), ``chat_template``, ``generation`` defaults,
@@ -30,7 +30,7 @@ from llmkit.framework import jit
 from llmkit.framework.jit.model_file import MANIFEST, save_programs
 from llmkit.framework.tensor import Tensor
 from llmkit.infer.chat import ChatTemplate
-from llmkit.infer.programs import BLOCK_SIZE, relayout, trace_programs
+from llmkit.infer.programs import BLOCK_SIZE, PROGRAMS, relayout, trace_programs
 from llmkit.infer.sampling import SamplingParams
 
 SUFFIX = ".llmkit"  # the default --out: the model's directory (or run) with this appended
@@ -161,5 +161,6 @@ def main(argv: list[str]) -> int:
         model, tok, out, model_name=name, block_size=a.block_size, generation=_generation_defaults(src)
     )
     size = sum(f.stat().st_size for f in path.iterdir()) / 1e6
-    print(f"llmkit export: wrote {path} ({size:.1f} MB; programs prefill, decode; model {name!r})")
+    programs = ", ".join(PROGRAMS)
+    print(f"llmkit export: wrote {path} ({size:.1f} MB; programs {programs}; model {name!r})")
     return 0
