@@ -23,7 +23,7 @@ os.environ.setdefault("LLMKIT_CACHE_DIR", os.path.join(_root, "cache"))
 os.environ.setdefault("LLMKIT_KERNEL_CACHE", os.path.join(_root, "kernels"))
 
 
-PARITY = ("torch", "transformers")
+PARITY = ("torch", "transformers", "lm_eval", "accelerate")
 
 
 def _missing_reference(report: pytest.CollectReport | pytest.TestReport) -> bool:
