@@ -1,8 +1,9 @@
 """Shared test setup: every run writes its caches (tokenizers, packed tokens, compiled kernels)
 under a temporary directory removed at exit, never into the user's ~/.cache; the built-in
-tokenizer is trained once per session. In CI (``CI`` set), a test skipped because torch or
-transformers is missing fails instead: CI installs the ``parity`` extra, so the independent
-references (Hugging Face logits, torch's optimizers) run on every submission."""
+tokenizer is trained once per session. In CI (``CI`` set), a test skipped because torch,
+transformers, lm-eval or accelerate is missing fails instead: CI installs the ``test`` and
+``parity`` extras, so the independent references (Hugging Face logits, torch's optimizers,
+lm-evaluation-harness) run on every submission."""
 
 from __future__ import annotations
 
