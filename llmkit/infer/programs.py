@@ -15,9 +15,10 @@ the pool::
 ``prefill`` runs N tokens of any number of sequences flattened into one row, in G segments (a
 segment: a run of tokens of one sequence, see ``paged_attention``), and returns logits only at
 ``logit_rows``; ``decode`` runs one token per sequence. ``score`` is ``prefill`` that also scores every
-row: from ``log_softmax`` (float64) of the row's logits, the log-prob of ``targets[row]`` (the
-sequence's next token) and the K most likely tokens (K = ``ModelSpec.score_top_k``), all read from the
-same log-softmax row (a target that is the most likely token has exactly the top-1 value). Its
+row: with ``lse = logsumexp(z)`` of the row's logits ``z`` in float64, the log-prob ``z[t] - lse`` of
+``targets[row]`` (the sequence's next token) and of the K most likely tokens (K =
+``ModelSpec.score_top_k``), all by that one formula (a target that is the most likely token has
+exactly the top-1 value). The log-softmax row itself is never formed. Its
 ``logits`` at ``logit_rows`` are prefill's, by the same ops (so a scored prompt samples the same
 first token). ``pool`` is ``[layers, 2, NB, BS, Hkv, D]``
 with NB symbolic: the server sizes its pool at startup.
@@ -389,9 +390,12 @@ def trace_programs(
         hidden = model.model(input_ids, positions, None, cache)  # (1, N, H)
         flat = O.reshape(hidden, [-1, hidden.shape[-1]])  # (N, H)
         logits = O.linear(O.index_select(flat, logit_rows), lm_weight())  # (R, V): prefill's
-        lp = O.log_softmax(O.cast(O.linear(flat, lm_weight()), np.float64), axis=-1)  # (N, V)
-        target_lp = O.reshape(O.gather(lp, O.reshape(targets, [-1, 1]), axis=-1), [-1])  # (N,)
-        top_lp, top_ids = O.topk(lp, k=spec.score_top_k)  # (N, K) each
+        every = O.linear(flat, lm_weight())  # (N, V)
+        z = O.cast(every, np.float64)
+        lse = O.logsumexp(z, axis=-1, keepdim=True)  # (N, 1)
+        _, top_ids = O.topk(every, k=spec.score_top_k)  # (N, K): the order of z, on the narrower type
+        target_lp = O.reshape(O.gather(z, O.reshape(targets, [-1, 1]), axis=-1) - lse, [-1])  # (N,)
+        top_lp = O.gather(z, top_ids, axis=-1) - lse  # (N, K), by the same formula as target_lp
         return logits, target_lp, top_lp, top_ids, cache.pool
 
     def decode(input_ids, positions, slots, block_tables, kv_len, pool):
