@@ -69,6 +69,33 @@ def test_round_trip_logits_equal_the_training_models(model_file, trained):
             )
 
 
+def test_the_served_score_program_scores_as_the_live_model_and_an_older_file_refuses_echo(
+    model_file, trained, tmp_path
+):
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 4096, n).tolist() for n in (9, 30)]
+    score = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=2)
+    served = Engine.from_static(model_file, EngineConfig(max_batch=4)).generate(prompts, score)
+    live = Engine.from_model(trained[0], config=EngineConfig(max_batch=4)).generate(prompts, score)
+    assert [len(c.prompt_logprobs) for c in served] == [9, 30]
+    for a, b in zip(served, live):  # the same program on the same weights: bit for bit
+        assert [(c.token_id, c.logprob, c.top) for c in a.prompt_logprobs[1:]] == [
+            (c.token_id, c.logprob, c.top) for c in b.prompt_logprobs[1:]
+        ]
+    # a file written before the score program existed: everything but scoring still runs
+    old = tmp_path / "old.llmkit"
+    shutil.copytree(model_file, old)
+    m = json.loads((old / "manifest.json").read_text())
+    del m["programs"]["score"], m["files"]["score.pir"]
+    (old / "manifest.json").write_text(json.dumps(m))
+    (old / "score.pir").unlink()
+    eng = Engine.from_static(old, EngineConfig(max_batch=4))
+    assert not eng.runner.can_score
+    assert eng.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))[0].token_ids
+    with pytest.raises(ValueError, match="^prompt_logprobs: this model file has no score program"):
+        eng.add_request(prompts[0], score)
+
+
 def test_a_file_with_packed_weights_runs_the_reference_kernels_on_unpacked_ones(model_file, trained):
     """Served without the C kernel (compiler="none"), panel-packed weights are unpacked once at load:
     the programs then equal the live model's reference-kernel programs bit for bit."""
