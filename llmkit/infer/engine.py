@@ -31,7 +31,8 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from llmkit.tokenizer import Tokenizer
+from llmkit.tokenizer import FILES as TOKENIZER_FILES
+from llmkit.tokenizer import Tokenizer, TokenizerError
 
 from .blocks import BlockManager
 from .chat import ChatTemplate
@@ -85,7 +86,7 @@ class Engine:
         self.model_name = model_name
         self.chat_template = chat_template or ChatTemplate()
         self.generation_defaults = dict(generation_defaults or {})
-        eos = set(eos_token_ids) | ({tokenizer.eos_id} if tokenizer is not None else set())
+        eos = set(eos_token_ids) | (set(tokenizer.eos_ids) if tokenizer is not None else set())
         self.eos_token_ids = frozenset(eos)
         limit = self.spec.max_model_len
         self.max_model_len = min(config.max_model_len or limit, limit)
@@ -495,13 +496,14 @@ def _check_static(sm: Any) -> tuple[ModelSpec, Tokenizer]:
                 f"{where}: metadata.engine.vocab_size: {spec.vocab_size}, but the {name} program's logits "
                 f"are {logits['shape']}"
             )
-    try:
-        tokenizer = Tokenizer(sm.file("tokenizer.model"))
-    except RuntimeError as e:  # sentencepiece: "could not parse ModelProto"
-        raise FormatError(f"{sm.path}: tokenizer.model is not a sentencepiece model ({e})") from None
-    if tokenizer.vocab_size != spec.vocab_size:
+    names = [n for n in sm.manifest["files"] if n in TOKENIZER_FILES]  # files() of the exporter
+    try:  # an old file holds only tokenizer.model
+        tokenizer = Tokenizer.from_files({n: sm.file(n) for n in names}, origin=str(sm.path))
+    except TokenizerError as e:
+        raise FormatError(str(e)) from None
+    if tokenizer.vocab_size > spec.vocab_size:
         raise FormatError(
-            f"{sm.path}: tokenizer.model has {tokenizer.vocab_size} pieces, the programs "
+            f"{sm.path}: the tokenizer has {tokenizer.vocab_size} tokens, the programs only "
             f"{spec.vocab_size} logits"
         )
     return spec, tokenizer

@@ -5,9 +5,11 @@
 -> ``runs/tiny.llmkit``), so ``llmkit serve runs/tiny-int4.llmkit`` follows without editing a path.
 
 It reads a Hugging Face layout model directory (as the trainer writes it: ``config.json``,
-``model.safetensors``, ``tokenizer.model``, optionally ``generation_config.json``), traces the
-engine's ``prefill``, ``decode`` and ``score`` programs from it, and writes them with ``jit.save``'s format:
-one PIR file per program, ``weights.safetensors``, ``tokenizer.model``, and a manifest with the
+``model.safetensors``, the tokenizer's files, optionally ``generation_config.json``), traces the
+engine's ``prefill``, ``decode`` and ``score`` programs from it, and writes them with ``jit.save``'s
+format: one PIR file per program, ``weights.safetensors``, the tokenizer's files
+(``Tokenizer.files()``: ``tokenizer.json``, ``tokenizer.model`` for sentencepiece,
+``tokenizer_config.json``, ...), and a manifest with the
 sha256 of every part. The manifest's metadata holds what the server needs besides the programs:
 ``engine`` (cache geometry, context length, dtype), ``chat_template``, ``generation`` defaults,
 ``eos_token_ids``, and the model's ``config``.
@@ -32,6 +34,7 @@ from llmkit.framework.tensor import Tensor
 from llmkit.infer.chat import ChatTemplate
 from llmkit.infer.programs import BLOCK_SIZE, PROGRAMS, relayout, trace_programs
 from llmkit.infer.sampling import SamplingParams
+from llmkit.tokenizer import Tokenizer
 
 SUFFIX = ".llmkit"  # the default --out: the model's directory (or run) with this appended
 
@@ -96,7 +99,7 @@ def export_model(
             cp.program, cp.n_args, caps, [], cp.out_tree, cp.n_outputs, cp.compiler
         )
     eos = model.config.eos_token_id
-    eos_ids = sorted({tokenizer.eos_id, *(eos if isinstance(eos, list) else [] if eos is None else [eos])})
+    eos_ids = sorted({*tokenizer.eos_ids, *(eos if isinstance(eos, list) else [] if eos is None else [eos])})
     metadata = {
         "model_name": model_name,
         "architecture": "llama",
@@ -108,7 +111,7 @@ def export_model(
         "bos_token_id": tokenizer.bos_id,
         "eos_token_ids": eos_ids,
     }
-    return save_programs(out, concrete, names, metadata, {"tokenizer.model": tokenizer.model_proto})
+    return save_programs(out, concrete, names, metadata, Tokenizer.of(tokenizer).files())
 
 
 def main(argv: list[str]) -> int:
@@ -152,9 +155,9 @@ def main(argv: list[str]) -> int:
     model = LlamaForCausalLM.from_pretrained(str(src), dtype=a.dtype)
     model.eval()
     tok = LlamaTokenizer.from_pretrained(src)
-    if tok.vocab_size != model.config.vocab_size:
+    if tok.vocab_size > model.config.vocab_size:  # a larger embedding (padded vocabulary) is fine
         raise ExportError(
-            f"tokenizer vocab ({tok.vocab_size}) does not match the model's ({model.config.vocab_size})"
+            f"tokenizer vocab ({tok.vocab_size}) is larger than the model's ({model.config.vocab_size})"
         )
     name = a.name or (src.name if src.name != "model" else src.parent.name if src.parent.name else "model")
     path = export_model(

@@ -100,11 +100,17 @@ def read_documents(sources: Sequence[str]) -> list[str | Conversation]:
     return [doc for doc in docs if doc]
 
 
-def tokenizer_train(input: list[str], vocab_size: int, out: str) -> None:
-    """`llmkit tokenizer train`: train a BPE tokenizer on data sources, write `out/tokenizer.model`."""
+def tokenizer_train(
+    input: list[str], vocab_size: int, out: str, kind: str = "sentencepiece"
+) -> LlamaTokenizer:
+    """`llmkit tokenizer train`: train a tokenizer of `kind` ("sentencepiece" or "bpe") on data
+    sources, write its Hugging Face files into `out`."""
     docs = read_documents(input)
-    train_tokenizer(
-        [d if isinstance(d, str) else "\n".join(m["content"] for m in d) for d in docs], vocab_size, out
+    return train_tokenizer(
+        [d if isinstance(d, str) else "\n".join(m["content"] for m in d) for d in docs],
+        vocab_size,
+        out,
+        kind=kind,
     )
 
 

@@ -6,7 +6,6 @@ driven over HTTP with the official ``openai`` client; one server is shared by a 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -114,9 +113,10 @@ def server(model_file: Path, tmp_path_factory: pytest.TempPathFactory):
 
 def write_hf_model(d: Path, tok: LlamaTokenizer, seed: int = 0) -> Any:
     """A tiny random ``transformers.LlamaForCausalLM`` saved as a Hugging Face directory that both
-    transformers and llmkit read: ``config.json``, ``model.safetensors``, the built-in tokenizer's
-    ``tokenizer.model``, and a ``tokenizer_config.json`` naming transformers' sentencepiece backend
-    (its default converter needs protobuf). Returns the transformers model (eval mode)."""
+    transformers and llmkit read: ``config.json``, ``model.safetensors`` (transformers' own), and
+    the built-in tokenizer's files as llmkit writes them (``tokenizer.model``, ``tokenizer.json``,
+    ``tokenizer_config.json``, ...: ``AutoTokenizer`` reads them). Returns the transformers model
+    (eval mode)."""
     import torch
     import transformers
 
@@ -136,9 +136,6 @@ def write_hf_model(d: Path, tok: LlamaTokenizer, seed: int = 0) -> Any:
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(d)
     tok.save_pretrained(d)
-    config = {"tokenizer_class": "SentencePieceBackend", "add_bos_token": True, "add_eos_token": False}
-    config |= {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 256}
-    (d / "tokenizer_config.json").write_text(json.dumps(config))
     return model
 
 

@@ -23,8 +23,9 @@ def test_manifest_programs_weights_and_metadata(model_file, trained):
     model, _ = trained
     m = json.loads((model_file / "manifest.json").read_text())
     assert set(m["programs"]) == {"prefill", "decode", "score"}
+    tokenizer = {"tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
     pirs = {"prefill.pir", "decode.pir", "score.pir"}
-    assert set(m["files"]) == {*pirs, "weights.safetensors", "tokenizer.model"}
+    assert set(m["files"]) == {*pirs, "weights.safetensors", *tokenizer}
     assert all(len(v) == 64 for v in m["files"].values())  # sha256 of every part
     meta = m["metadata"]
     assert meta["model_name"] == "tiny" and meta["engine"]["block_size"] == 16

@@ -92,6 +92,7 @@ def test_local_completions_through_llmkit_serve_equal_the_hf_model(
                 "batch_size": 8,  # 8 prompts (token-id lists) per request
                 "num_concurrent": 4,  # 4 requests at once: the engine batches across them
                 "max_length": MAX_LENGTH,
+                "add_bos_token": False,  # as the hf model below: the same tokens go to both
             },
             tmp_path,
         )
@@ -99,7 +100,15 @@ def test_local_completions_through_llmkit_serve_equal_the_hf_model(
         assert server.stop() == 0, server.log.read_text()
     reference = evaluate(
         "hf",
-        {"pretrained": str(model_dir), "dtype": "float32", "device": "cpu", "max_length": MAX_LENGTH},
+        {
+            "pretrained": str(model_dir),
+            "dtype": "float32",
+            "device": "cpu",
+            "max_length": MAX_LENGTH,
+            # lm-eval's hf model otherwise takes the tokenizer's own default (BOS on), its
+            # local-completions model never: both without, so they score the same token ids
+            "add_bos_token": False,
+        },
         tmp_path,
     )
     mc, mc_ref = served["llmkit_mc"], reference["llmkit_mc"]

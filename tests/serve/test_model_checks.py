@@ -42,15 +42,36 @@ def test_a_corrupted_weights_file_is_refused(copied):
         Engine.from_static(copied, CONFIG)
 
 
+def sha256(f):
+    return hashlib.sha256(f.read_bytes()).hexdigest()
+
+
 def test_a_tokenizer_that_does_not_fit_is_refused(copied):
     (copied / "tokenizer.model").write_bytes(b"not a sentencepiece model")
     digest = hashlib.sha256(b"not a sentencepiece model").hexdigest()
     rewrite(copied, lambda m: m["files"].update({"tokenizer.model": digest}))
     with pytest.raises(jit.FormatError, match="tokenizer.model is not a sentencepiece model"):
         Engine.from_static(copied, CONFIG)
-    rewrite(copied, lambda m: m["files"].pop("tokenizer.model"))
-    with pytest.raises(jit.FormatError, match="no file 'tokenizer.model' in the manifest"):
+    rewrite(copied, lambda m: [m["files"].pop(n) for n in ("tokenizer.model", "tokenizer.json")])
+    with pytest.raises(jit.FormatError, match="no tokenizer.json or tokenizer.model in"):
         Engine.from_static(copied, CONFIG)
+    (copied / "tokenizer.json").write_bytes(b'{"model": {"vocab": ')
+    rewrite(copied, lambda m: m["files"].update({"tokenizer.json": sha256(copied / "tokenizer.json")}))
+    with pytest.raises(jit.FormatError, match=r"tokenizer.json: not valid JSON text"):
+        Engine.from_static(copied, CONFIG)
+
+
+def test_an_old_file_with_only_tokenizer_model_loads(copied):
+    """Files written before tokenizer.json was stored hold tokenizer.model alone."""
+    want = Engine.from_static(copied, CONFIG).tokenizer
+    rewrite(
+        copied,
+        lambda m: [m["files"].pop(n) for n in list(m["files"]) if n.startswith(("tokenizer_", "special_"))],
+    )
+    rewrite(copied, lambda m: m["files"].pop("tokenizer.json"))
+    got = Engine.from_static(copied, CONFIG).tokenizer
+    assert got.kind == "sentencepiece" and got.model_proto == want.model_proto
+    assert got.encode("hello world") == want.encode("hello world")
 
 
 def meta(key: str, value: Any):
