@@ -65,6 +65,13 @@ def test_echo_string_prompt_scores_every_token_like_transformers(client, hf_mode
     check_echo(c.logprobs, ids, hf_logprobs(hf, ids), tok.token_text)
     assert all(len(t) <= 3 for t in c.logprobs.top_logprobs[1:])  # top-2 (+ the scored token)
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
+    # a list of strings: one choice each, in order
+    texts = ["The river runs", prompt, "A"]
+    r = client.completions.create(model=MODEL, prompt=texts, max_tokens=0, echo=True, logprobs=1)
+    assert [c.text for c in r.choices] == texts
+    for text, c in zip(texts, r.choices):
+        ids = tok.encode(text, add_bos=True)
+        check_echo(c.logprobs, ids, hf_logprobs(hf, ids), tok.token_text)
 
 
 def test_batched_id_prompts_with_one_generated_token_as_lm_eval_sends(client, hf_model, tok):
