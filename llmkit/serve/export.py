@@ -7,10 +7,10 @@ server runs, or (``--format gguf``, ``llmkit.serve.gguf``) one GGUF file for lla
 
 It reads a Hugging Face layout model directory (as the trainer writes it: ``config.json``,
 ``model.safetensors``, the tokenizer's files, optionally ``generation_config.json``), traces the
-engine's ``prefill`` and ``decode`` programs from it, and writes them with ``jit.save``'s format:
-one PIR file per program, ``weights.safetensors``, the tokenizer's files (``Tokenizer.files()``:
-``tokenizer.json``, ``tokenizer.model`` for sentencepiece, ``tokenizer_config.json``, ...), and a
-manifest with the
+engine's ``prefill``, ``decode`` and ``score`` programs from it, and writes them with ``jit.save``'s
+format: one PIR file per program, ``weights.safetensors``, the tokenizer's files
+(``Tokenizer.files()``: ``tokenizer.json``, ``tokenizer.model`` for sentencepiece,
+``tokenizer_config.json``, ...), and a manifest with the
 sha256 of every part. The manifest's metadata holds what the server needs besides the programs:
 ``engine`` (cache geometry, context length, dtype), ``chat_template`` (the Jinja source: the
 tokenizer's, else the Llama 2 default), ``generation`` defaults, ``eos_token_ids``, and the model's
@@ -34,7 +34,7 @@ from llmkit.framework import jit
 from llmkit.framework.jit.model_file import MANIFEST, save_programs
 from llmkit.framework.tensor import Tensor
 from llmkit.infer.chat import ChatTemplate, ChatTemplateError
-from llmkit.infer.programs import BLOCK_SIZE, relayout, trace_programs
+from llmkit.infer.programs import BLOCK_SIZE, PROGRAMS, relayout, trace_programs
 from llmkit.infer.sampling import SamplingParams
 from llmkit.tokenizer import Tokenizer
 
@@ -189,7 +189,8 @@ def main(argv: list[str]) -> int:
     except ChatTemplateError as e:
         raise ExportError(f"{src}: the tokenizer's {e}") from None
     size = sum(f.stat().st_size for f in path.iterdir()) / 1e6
-    print(f"llmkit export: wrote {path} ({size:.1f} MB; programs prefill, decode; model {name!r})")
+    programs = ", ".join(PROGRAMS)
+    print(f"llmkit export: wrote {path} ({size:.1f} MB; programs {programs}; model {name!r})")
     return 0
 
 
