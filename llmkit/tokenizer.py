@@ -685,6 +685,15 @@ class Tokenizer:
         """One token's text (a partial UTF-8 byte shows as U+FFFD, as OpenAI does)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
+    def check_fits(self, model_vocab_size: int, where: str) -> None:
+        """TokenizerError unless every token id indexes the model's embedding (``model_vocab_size``
+        rows; a larger, padded embedding is fine); ``where`` names the model."""
+        if self.vocab_size > model_vocab_size:
+            raise TokenizerError(
+                f"{where}: tokenizer vocab ({self.vocab_size}) is larger than the model's "
+                f"({model_vocab_size})"
+            )
+
     def _check_ids(self, ids: Sequence[int]) -> None:
         n = self.vocab_size
         bad = [i for i in ids if not 0 <= i < n]

@@ -155,10 +155,7 @@ def main(argv: list[str]) -> int:
     model = LlamaForCausalLM.from_pretrained(str(src), dtype=a.dtype)
     model.eval()
     tok = LlamaTokenizer.from_pretrained(src)
-    if tok.vocab_size > model.config.vocab_size:  # a larger embedding (padded vocabulary) is fine
-        raise ExportError(
-            f"tokenizer vocab ({tok.vocab_size}) is larger than the model's ({model.config.vocab_size})"
-        )
+    tok.check_fits(model.config.vocab_size, str(src))
     name = a.name or (src.name if src.name != "model" else src.parent.name if src.parent.name else "model")
     path = export_model(
         model, tok, out, model_name=name, block_size=a.block_size, generation=_generation_defaults(src)
