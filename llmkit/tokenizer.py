@@ -645,9 +645,11 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         """The text of ``ids``. Special tokens (bos, eos) are dropped, or with skip_special=False
-        written as their text ("<s>", "</s>")."""
+        written as their text ("<s>", "</s>"). Ids past the vocabulary (the rows of a padded
+        embedding) have no text, as in the tokenizers library; a negative id is a ValueError."""
         ids = [int(i) for i in ids]
-        self._check_ids(ids)
+        self._check_ids([i for i in ids if i < 0])
+        ids = [i for i in ids if i < self.vocab_size]
         b = self._backend
         if isinstance(b, _Tokenizers):
             return b.tk.decode(ids, skip_special_tokens=skip_special)
@@ -669,7 +671,12 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes of one token as it appears in text: a byte-level BPE token's bytes
-        (GPT-2's byte map), a byte-fallback piece's byte, nothing for a special token."""
+        (GPT-2's byte map), a byte-fallback piece's byte, nothing for a special token or an id
+        past the vocabulary."""
+        token_id = int(token_id)
+        if token_id >= self.vocab_size:
+            return b""
+        self._check_ids([token_id])
         b = self._bytes[token_id]
         if b is None:
             if token_id in self._special:
@@ -684,6 +691,15 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """One token's text (a partial UTF-8 byte shows as U+FFFD, as OpenAI does)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def check_fits(self, model_vocab_size: int, where: str) -> None:
+        """TokenizerError unless every token id indexes the model's embedding (``model_vocab_size``
+        rows; a larger, padded embedding is fine); ``where`` names the model."""
+        if self.vocab_size > model_vocab_size:
+            raise TokenizerError(
+                f"{where}: tokenizer vocab ({self.vocab_size}) is larger than the model's "
+                f"({model_vocab_size})"
+            )
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         n = self.vocab_size

@@ -158,6 +158,37 @@ def test_sentencepiece_equals_its_tokenizer_json(builtin_tok, converted, text: s
     assert converted.encode(text, add_special_tokens=False).ids == builtin_tok.encode(text, add_bos=False)
 
 
+SPM_VARIANTS = {  # sentencepiece settings beside llmkit's, each converted to tokenizer.json
+    "llama2": {"add_dummy_prefix": True},  # Meta's Llama 1/2 tokenizers
+    "sentencepiece_defaults": {  # nmt_nfkc (a precompiled charsmap), extra whitespace removed
+        "normalization_rule_name": None,
+        "remove_extra_whitespaces": None,
+        "add_dummy_prefix": None,
+    },
+    "unigram": {"model_type": "unigram"},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(SPM_VARIANTS))
+def test_other_sentencepiece_models_convert_exactly(variant: str) -> None:
+    import io
+
+    import sentencepiece as spm
+
+    from llmkit.models.llama.tokenizer import TRAINER_SETTINGS
+
+    settings = {k: v for k, v in {**TRAINER_SETTINGS, **SPM_VARIANTS[variant]}.items() if v is not None}
+    model = io.BytesIO()
+    lines = [line for text in CORPUS * 30 for line in text.split("\n") if line.strip()]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=360, **settings
+    )
+    tok = Tokenizer(model.getvalue())
+    converted = tokenizers.Tokenizer.from_str(tok.files()["tokenizer.json"].decode())
+    got = [e.ids for e in converted.encode_batch(TEXTS, add_special_tokens=False)]
+    assert got == tok.encode_batch(TEXTS, add_bos=False)  # sentencepiece itself, segment by segment
+
+
 @pytest.mark.parametrize("kind", ["bpe", "spm"])
 def test_decode_and_token_bytes_round_trip(kind: str, bpe_dir: Path, spm_dir: Path) -> None:
     tok = Tokenizer.from_pretrained(bpe_dir if kind == "bpe" else spm_dir)

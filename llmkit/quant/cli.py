@@ -42,16 +42,11 @@ def default_out(model_dir: Path, bits: int) -> Path:
 
 def _load(model_dir: Path) -> tuple[Any, Any]:
     from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
-    from llmkit.models.llama.checkpoint import CheckpointError
 
     model = LlamaForCausalLM.from_pretrained(str(model_dir))
     model.eval()
     tok = LlamaTokenizer.from_pretrained(model_dir)
-    if tok.vocab_size != model.config.vocab_size:
-        raise CheckpointError(
-            f"{model_dir}: tokenizer vocab ({tok.vocab_size}) does not match the model's "
-            f"({model.config.vocab_size})"
-        )
+    tok.check_fits(model.config.vocab_size, str(model_dir))
     return model, tok
 
 

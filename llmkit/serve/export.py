@@ -178,10 +178,7 @@ def main(argv: list[str]) -> int:
     model = LlamaForCausalLM.from_pretrained(str(src), dtype=a.dtype or "float32")
     model.eval()
     tok = LlamaTokenizer.from_pretrained(src)
-    if tok.vocab_size > model.config.vocab_size:  # a larger embedding (padded vocabulary) is fine
-        raise ExportError(
-            f"tokenizer vocab ({tok.vocab_size}) is larger than the model's ({model.config.vocab_size})"
-        )
+    tok.check_fits(model.config.vocab_size, str(src))
     try:
         path = export_model(
             model, tok, out, model_name=name, block_size=a.block_size, generation=_generation_defaults(src)

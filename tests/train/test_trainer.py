@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -10,14 +11,14 @@ import pytest
 
 from llmkit.cli import main as cli_main
 from llmkit.framework.distributed.plan import ParallelPlan
-from llmkit.models.llama import LlamaTokenizer
+from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
 from llmkit.train.checkpoint import ResumeError
-from llmkit.train.config import ConfigError
+from llmkit.train.config import ConfigError, parse_config
 from llmkit.train.data import DataError
 from llmkit.train.metrics import read_metrics
 from llmkit.train.trainer import Trainer
 
-from .runs import MICRO, config, losses
+from .runs import MICRO, config, losses, raw_config
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,19 @@ def test_a_checkpoint_is_a_complete_hf_directory(finished_run):
     assert [hf(t).input_ids for t in texts] == ours.encode_batch(texts)
     gen = transformers.GenerationConfig.from_pretrained(model_dir)
     assert (gen.bos_token_id, gen.eos_token_id) == (ours.bos_id, ours.eos_id)
+
+
+def test_a_run_with_a_byte_level_bpe_tokenizer(tmp_path):
+    """tokenizer.kind: bpe trains Llama 3's kind of tokenizer on the built-in corpus; the
+    checkpoint holds its tokenizer.json and no tokenizer.model."""
+    raw = raw_config(tmp_path, steps=3, save_every=3, eval_every=3)
+    raw["tokenizer"] = {"path": "builtin", "vocab_size": 512, "kind": "bpe"}
+    Trainer(parse_config(raw), quiet=True).fit()
+    model_dir = tmp_path / "checkpoints" / "step-00000003" / "model"
+    assert "tokenizer.json" in os.listdir(model_dir) and "tokenizer.model" not in os.listdir(model_dir)
+    tok = LlamaTokenizer.from_pretrained(model_dir)
+    assert (tok.kind, tok.vocab_size, tok.bos_token) == ("bpe", 512, "<|begin_of_text|>")
+    assert LlamaForCausalLM.from_pretrained(model_dir).config.vocab_size == 512
 
 
 def test_loss_falls(finished_run):
@@ -233,10 +247,10 @@ def test_generate_rejects_a_tokenizer_that_does_not_match_the_model(tmp_path, ca
     from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
     from llmkit.train.corpus import builtin_tokenizer
 
-    LlamaForCausalLM(LlamaConfig.from_preset("tiny", vocab_size=600, **MICRO)).save_pretrained(tmp_path / "m")
+    LlamaForCausalLM(LlamaConfig.from_preset("tiny", vocab_size=400, **MICRO)).save_pretrained(tmp_path / "m")
     builtin_tokenizer(512).save_pretrained(tmp_path / "m")
     assert cli_main(["generate", "--model", str(tmp_path / "m"), "--prompt", "x"]) == 2
-    assert "tokenizer vocab (512) does not match the model's (600)" in capsys.readouterr().err
+    assert "tokenizer vocab (512) is larger than the model's (400)" in capsys.readouterr().err
 
 
 def test_gpu_device_without_cupy_is_a_config_error(tmp_path, capsys):
