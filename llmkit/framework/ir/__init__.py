@@ -26,6 +26,7 @@ simplify-shapes, fuse-patterns), ``interpreter``.
 
 from __future__ import annotations
 
+from ..opspec import Trait
 from . import (
     drr,
     passes,
@@ -55,7 +56,7 @@ from .dialects.cinn import FusionOp
 from .dialects.llm import LlmOp, op_class
 from .errors import IRError, ParseError, VerifyError
 from .interpreter import InterpretError, interpret
-from .opdef import Dialect, Interface, OpDef, OpView, Trait, dialects, lookup
+from .opdef import Dialect, Interface, OpDef, OpView, dialects, lookup
 from .parser import parse
 from .pass_manager import Pass, PassManager, make_pass, register_pass, registered_passes
 from .program import Program

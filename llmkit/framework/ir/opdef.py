@@ -1,7 +1,7 @@
-"""Op definitions, traits, interfaces, typed views and the dialect registry.
+"""Op definitions, interfaces, typed views and the dialect registry.
 
 An :class:`OpDef` describes one kind of operation: operand and result counts, declared attributes,
-regions, traits (algebraic and structural facts passes rely on), interfaces (``InferMeta``,
+regions, traits (names from ``opspec.Trait``, the op table's vocabulary), interfaces (``InferMeta``,
 ``VJP``...) and an optional extra verifier. A :class:`Dialect` maps op names to OpDefs; the ``llm``
 dialect makes its OpDefs from the op table on demand, so no op is ever listed twice.
 """
@@ -15,28 +15,6 @@ from typing import Any, ClassVar
 from .attributes import Attribute
 from .core import Operation, Value
 from .types import Type
-
-
-class Trait:
-    """Trait names (strings, so op-table traits map onto them directly: ``opspec.TRAITS``)."""
-
-    PURE = "Pure"  # no side effects: removable when unused, mergeable when equal (DCE, CSE)
-    RECURSIVELY_PURE = "RecursivelyPure"  # pure exactly when every op in its regions is
-    COMMUTATIVE = "Commutative"  # f(a, b) == f(b, a)
-    ASSOCIATIVE = "Associative"  # f(f(a, b), c) == f(a, f(b, c))
-    IDEMPOTENT = "Idempotent"  # f(a, a) == a
-    INVOLUTION = "Involution"  # f(f(x)) == x
-    SAME_TYPE_NOOP = "SameTypeNoop"  # a result with its operand's type is that operand
-    SHAPE_ATTR = "ShapeAttr"  # the `shape` attribute is the result's shape (-1: a dim inferred)
-    SHAPE_ONLY = "ShapeOnly"  # the result depends on the operands' shapes, not their values
-    ELEMENTWISE = "Elementwise"  # out[i] = f(in[i], ...) with broadcasting
-    SAME_SHAPE = "SameShape"  # the result has the shape of the (single) operand
-    TERMINATOR = "Terminator"  # ends a block; nothing may follow it
-    CONSTANT_LIKE = "ConstantLike"  # materializes a compile-time value
-    ISOLATED = "IsolatedFromAbove"  # its regions use no value defined outside them
-    SYMBOL = "Symbol"  # has a unique name in the enclosing module (functions)
-    SYMBOL_TABLE = "SymbolTable"  # holds named symbols (the module)
-    NO_TERMINATOR = "NoTerminator"  # its single-block regions need no terminator
 
 
 class Interface:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from ..opspec import OpError
+from ..opspec import OpError, Trait
 from .attributes import Attribute, StrAttr, from_optable
 from .core import Block, Operation, Region, Value, paused_gc
 from .errors import IRError, ParseError, VerifyError
 from .lexer import EOF_KIND
-from .opdef import OpDef, Trait, known_names, lookup
+from .opdef import OpDef, known_names, lookup
 from .program import Program
 from .text_parser import TextParser
 from .types import Type

@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..opspec import Trait
 from .core import Block, Operation, OpResult, Value
 from .errors import VerifyError
-from .opdef import Trait, lookup
+from .opdef import lookup
 from .types import Type
 
 

@@ -15,11 +15,11 @@ from functools import cache
 from typing import Any
 
 from ... import ops as _ops  # noqa: F401  (registers every op)
-from ...opspec import Kind, OpError, OpSpec, table
+from ...opspec import Kind, OpError, OpSpec, Trait, table
 from ...placement import check
 from ..attributes import Attribute, from_optable
 from ..core import Operation, Value
-from ..opdef import Dialect, Interface, OpDef, OpView, Trait, any_attr, lookup
+from ..opdef import Dialect, Interface, OpDef, OpView, any_attr, lookup
 from ..types import TensorType, Type
 
 PREFIX = "llm."
@@ -37,13 +37,8 @@ def metas_to_types(spec: OpSpec, out: Any) -> list[Type]:
     return [TensorType(out.shape, out.dtype)]
 
 
-def trait_name(t: str) -> str:
-    """Op-table trait ``"commutative"`` -> PIR trait ``"Commutative"``."""
-    return "".join(w.capitalize() for w in t.split("_"))
-
-
 def _traits(spec: OpSpec) -> frozenset[str]:
-    out = {trait_name(t) for t in spec.traits}
+    out = set(spec.traits)
     if spec.kind != Kind.COLLECTIVE:
         out.add(Trait.PURE)
     if spec.kind == Kind.ELEMENTWISE:
