@@ -27,7 +27,7 @@ simplify-shapes, fuse-patterns), ``interpreter``.
 from __future__ import annotations
 
 from ..opspec import Trait
-from . import (
+from . import (  # passes register themselves with pass_manager (dialects with opdef, below)
     drr,
     passes,
 )

@@ -18,16 +18,15 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .attributes import Attribute, to_attr
 from .errors import IRError
+from .opdef import OpDef, lookup
+from .printer import format_op
 from .types import Type
-
-if TYPE_CHECKING:
-    from .opdef import OpDef
 
 Use = tuple  # (operation, operand index)
 
@@ -176,8 +175,6 @@ class Operation:
         result_names: Sequence[str | None] | None = None,
     ) -> None:
         if opdef is None:
-            from .opdef import lookup
-
             opdef = lookup(name)
             if opdef is None:
                 raise IRError(f"unknown op {name!r}: no dialect defines it")
@@ -347,8 +344,6 @@ class Operation:
         return new
 
     def __repr__(self) -> str:
-        from .printer import format_op
-
         try:
             return f"<Operation {format_op(self)}>"
         except Exception:  # never let repr fail while debugging a broken op

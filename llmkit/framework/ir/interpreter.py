@@ -17,6 +17,7 @@ from .. import backend as B
 from .. import symbolic as sym
 from .core import Block, Operation, Value
 from .errors import IRError
+from .printer import format_op
 from .program import Program
 from .types import TensorType, Type
 
@@ -142,8 +143,6 @@ class _Run:
 
 
 def _where(op: Operation, msg: str) -> str:
-    from .printer import format_op
-
     return f"{op.name}: {msg}\n    {format_op(op)}"
 
 

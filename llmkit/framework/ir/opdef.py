@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .attributes import Attribute
-from .core import Operation, Value
 from .types import Type
+
+if TYPE_CHECKING:
+    from .core import Operation, Value
 
 
 class Interface:
@@ -133,7 +135,6 @@ def register_dialect(d: Dialect) -> Dialect:
 
 
 def dialects() -> Mapping[str, Dialect]:
-    _ensure_loaded()
     return dict(_DIALECTS)
 
 
@@ -142,7 +143,6 @@ def lookup(name: str) -> OpDef | None:
     d = _CACHE.get(name)
     if d is not None:
         return d
-    _ensure_loaded()
     dialect, _, short = name.partition(".")
     dia = _DIALECTS.get(dialect)
     if dia is None or not short:
@@ -155,13 +155,7 @@ def lookup(name: str) -> OpDef | None:
 
 def known_names() -> list[str]:
     """Every op name the dialects know now (for "did you mean" hints)."""
-    _ensure_loaded()
     out: list[str] = []
     for d in _DIALECTS.values():
         out.extend(d.names())
     return out
-
-
-def _ensure_loaded() -> None:
-    if "builtin" not in _DIALECTS:
-        from . import dialects  # noqa: F401  (registers builtin, llm, cinn, dist)

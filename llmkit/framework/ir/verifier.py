@@ -22,6 +22,7 @@ from ..opspec import Trait
 from .core import Block, Operation, OpResult, Value
 from .errors import VerifyError
 from .opdef import lookup
+from .printer import _enclosing_func, format_op
 from .types import Type
 
 
@@ -35,8 +36,6 @@ class _Verifier:
         self.locations = locations
 
     def fail(self, op: Operation, msg: str) -> VerifyError:
-        from .printer import _enclosing_func, format_op
-
         func = _enclosing_func(op)
         where = ""
         if func is not None and func is not op:
