@@ -24,6 +24,7 @@ from . import backend as B
 from . import symbolic as sym
 from .placement import Placement, ProcessMesh
 from .symbolic import Dim
+from .types import TensorType
 
 # --------------------------------------------------------------------------------- fusion kinds
 
@@ -56,27 +57,8 @@ class OpError(ValueError):
 # ------------------------------------------------------------------------------------ metadata
 
 
-class Meta:
-    """Shape and dtype of a value, without data. Dims are ints or symbols (see ``symbolic``)."""
-
-    __slots__ = ("dtype", "shape")
-
-    def __init__(self, shape: Sequence[Dim], dtype: Any) -> None:
-        self.shape = tuple(shape)
-        self.dtype = dtype if isinstance(dtype, np.dtype) else B.dtype(dtype)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Meta) and self.shape == other.shape and self.dtype == other.dtype
-
-    def __hash__(self) -> int:
-        return hash((self.shape, self.dtype))
-
-    def __repr__(self) -> str:
-        return f"Meta({list(self.shape)}, {B.dtype_name(self.dtype)})"
+# The op table's name for a value's shape and dtype: the one type, PIR's too (``types.py``).
+Meta = TensorType
 
 
 def describe(x: Any) -> str:

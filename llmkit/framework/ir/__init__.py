@@ -27,6 +27,7 @@ simplify-shapes, fuse-patterns), ``interpreter``.
 from __future__ import annotations
 
 from ..opspec import Trait
+from ..types import ScalarType, TensorType, Type
 from . import (  # passes register themselves with pass_manager (dialects with opdef, below)
     drr,
     passes,
@@ -61,7 +62,6 @@ from .parser import parse
 from .pass_manager import Pass, PassManager, make_pass, register_pass, registered_passes
 from .program import Program
 from .rewriter import PatternRewriter, RewritePattern, apply_patterns, pattern
-from .types import ScalarType, TensorType, Type
 from .verifier import verify
 
 __all__ = [

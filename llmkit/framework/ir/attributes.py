@@ -38,7 +38,7 @@ import numpy as np
 from .. import backend as B
 from .. import symbolic as sym
 from ..placement import Partial, Placement, ProcessMesh, Replicate, Shard
-from .types import check_dim, dtype_short
+from ..types import check_dim, dtype_short
 
 
 class Attribute:

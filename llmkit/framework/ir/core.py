@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from ..types import Type
 from .attributes import Attribute, to_attr
 from .errors import IRError
 from .opdef import OpDef, lookup
 from .printer import format_op
-from .types import Type
 
 Use = tuple  # (operation, operand index)
 
@@ -53,7 +53,7 @@ class Value:
     """An SSA value: defined once (by an op result or a block argument), used by operands.
 
     ``shape``, ``dtype`` and ``ndim`` come from the type, so a Value can stand where the op table
-    expects a Meta (``spec.infer_meta(value, ...)``) and serve as a tracer's tensor payload.
+    expects a TensorType (``spec.infer_meta(value, ...)``) and serve as a tracer's tensor payload.
     """
 
     __slots__ = ("__weakref__", "_uses", "name", "type")

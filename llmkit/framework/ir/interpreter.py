@@ -17,11 +17,11 @@ import numpy as np
 
 from .. import backend as B
 from .. import symbolic as sym
+from ..types import TensorType, Type
 from .core import Block, Operation, Value
 from .errors import IRError
 from .printer import format_op
 from .program import Program
-from .types import TensorType, Type
 
 
 class InterpretError(IRError):

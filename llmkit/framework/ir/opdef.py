@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..types import Type
 from .attributes import Attribute
-from .types import Type
 
 if TYPE_CHECKING:
     from .core import Operation, Value

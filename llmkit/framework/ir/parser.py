@@ -11,6 +11,7 @@ import difflib
 from typing import Any
 
 from ..opspec import OpError, Trait
+from ..types import Type
 from .attributes import Attribute, StrAttr, from_optable
 from .core import Block, Operation, Region, Value, paused_gc
 from .errors import IRError, ParseError, VerifyError
@@ -18,7 +19,6 @@ from .lexer import EOF_KIND
 from .opdef import OpDef, known_names, lookup
 from .program import Program
 from .text_parser import TextParser
-from .types import Type
 from .verifier import verify as run_verifier
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..types import Type
 from .attributes import StrAttr
 from .core import Block, Operation, Region, paused_gc
 from .dialects.builtin import FUNC, MODULE, FuncOp
 from .errors import IRError
 from .printer import print_program
-from .types import Type
 from .verifier import verify
 
 

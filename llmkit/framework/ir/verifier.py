@@ -19,11 +19,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..opspec import Trait
+from ..types import Type
 from .core import Block, Operation, OpResult, Value
 from .errors import VerifyError
 from .opdef import lookup
 from .printer import _enclosing_func, format_op
-from .types import Type
 
 
 def verify(op: Operation, locations: Mapping[Operation, tuple[int, int]] | None = None) -> None:

@@ -17,10 +17,10 @@ from typing import Any
 from ... import ops as _ops  # noqa: F401  (registers every op)
 from ...opspec import Kind, OpError, OpSpec, Trait, table
 from ...placement import check
+from ...types import TensorType, Type
 from ..attributes import Attribute, from_optable
 from ..core import Operation, Value
 from ..opdef import Dialect, Interface, OpDef, OpView, any_attr, lookup
-from ..types import TensorType, Type
 
 PREFIX = "llm."
 
@@ -31,7 +31,8 @@ def full_name(spec: OpSpec) -> str:
 
 
 def metas_to_types(spec: OpSpec, out: Any) -> list[Type]:
-    """infer_meta's result (a Meta, or a tuple of them for multi-output ops) as PIR types."""
+    """infer_meta's result (a TensorType, or a tuple for multi-output ops; a rule may also hand back
+    an input, which is a Value under tracing) as PIR types."""
     if spec.multi_output:
         return [TensorType(m.shape, m.dtype) for m in out]
     return [TensorType(out.shape, out.dtype)]
