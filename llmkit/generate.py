@@ -87,12 +87,7 @@ def main(argv: list[str]) -> int:
 
     model = LlamaForCausalLM.from_pretrained(a.model)
     tok = LlamaTokenizer.from_pretrained(a.model)
-    if tok.vocab_size != model.config.vocab_size:
-        from llmkit.models.llama.checkpoint import CheckpointError
-
-        raise CheckpointError(
-            f"tokenizer vocab ({tok.vocab_size}) does not match the model's ({model.config.vocab_size})"
-        )
+    tok.check_fits(model.config.vocab_size, a.model)
     ids = tok.encode(a.prompt, add_bos=True)
     room = model.config.max_position_embeddings - len(ids)
     if a.max_new_tokens > room:
