@@ -3,19 +3,13 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
 import sys
 from typing import Any
 
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line on stderr (exit 2), like every other bad input."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+from .args import ArgumentParser
 
 
 def main(argv: list[str]) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 from llmkit.framework.distributed import planner as P
 from llmkit.framework.distributed.plan import PlanError
 
-from .cli import ArgumentParser
+from .args import ArgumentParser
 from .config import ConfigError, TrainConfig, load_config, resolve_model_config
 
 GB = P.GB
