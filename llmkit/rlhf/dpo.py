@@ -21,13 +21,14 @@ import numpy as np
 import llmkit.framework as lf
 from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
 from llmkit.train.checkpoint import model_dir
+from llmkit.train.loop import build_optimizer
 
 from . import algorithms as A
 from . import policy
 from .config import RLHFConfig
 from .data import TokenBatch, encode_pair, load_pairs, split_heldout, step_rows
 from .reward_model import pair_selectors
-from .run import Run, build_optimizer
+from .run import Run
 
 O = lf.ops
 INPUTS = ("mask", "ref_seq_logp", "chosen", "rejected")
@@ -54,7 +55,7 @@ class DPOTrainer(Run):
         self.held_pairs = self._with_reference(
             [encode_pair(self.tokenizer, r, t.max_length) for r in held], reference
         )
-        self.optimizer = build_optimizer(cfg.optim, [self.model])
+        self.optimizer = build_optimizer(cfg.optim, self.model)
         self.step_fn = policy.train_step(
             self.model,
             self.optimizer,

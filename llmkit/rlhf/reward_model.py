@@ -22,13 +22,14 @@ from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 from llmkit.models.llama.checkpoint import load_pretrained, save_pretrained
 from llmkit.models.llama.model import LlamaModel
 from llmkit.train.checkpoint import model_dir
+from llmkit.train.loop import build_optimizer
 from llmkit.train.trainer import state_names
 
 from . import algorithms as A
 from .config import RewardModelConfig
 from .data import encode_pair, load_pairs, split_heldout, step_rows
 from .policy import compile_function
-from .run import Run, build_optimizer
+from .run import Run
 
 O = lf.ops
 ARCHITECTURE = "LlamaForSequenceClassification"
@@ -149,7 +150,7 @@ class RewardModelTrainer(Run):
         train, held = split_heldout(rows, cfg.data.val_fraction, t.seed)
         self.train_pairs = [self._encode(r) for r in train]
         self.held_pairs = [self._encode(r) for r in held]
-        self.optimizer = build_optimizer(cfg.optim, [self.model])
+        self.optimizer = build_optimizer(cfg.optim, self.model)
         self.scorer = RewardModelScorer(self.model, self.tokenizer)
         self.step_fn = self._compile_step()
         self.setup()
