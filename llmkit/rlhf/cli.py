@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from llmkit.train.cli import job_main, run_job
+from llmkit.train.cli import job_main, relaunch, run_job
 
 
 def _policy_job(cfg: Any, resume: bool, quiet: bool) -> Any:
@@ -78,4 +78,5 @@ def main(argv: list[str]) -> int:
         nproc_help="run N processes with mpiexec (parallel.dp must be N)",
         epilog=None if job == "reward" else "llmkit rlhf reward CONFIG ...: train a reward model instead.",
         hard_exit=launched_by_mpi,
+        launch=lambda cmd, env: relaunch(cmd, env),  # this module's name, looked up when it runs
     )

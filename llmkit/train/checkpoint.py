@@ -154,6 +154,15 @@ def checkpoints(out_dir: Path) -> list[Path]:
     return [p for p in found if (p / COMPLETE).is_file()]
 
 
+def remove_staging(out_dir: Path) -> None:
+    """Remove what writes cut short by a crash left: staging directories (``.step-*.<hex>.tmp`` of
+    one writer, ``.step-*.partial`` of several). Only for the run's own writer, while it writes
+    nothing (a resumed run, before its first step)."""
+    for p in (out_dir / CHECKPOINTS).glob(".step-*"):
+        if p.name.endswith((".tmp", ".partial")):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def latest(out_dir: Path) -> Path:
     found = checkpoints(out_dir)
     if not found:

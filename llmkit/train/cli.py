@@ -31,12 +31,14 @@ def job_main(
     nproc_help: str = "run N processes with mpiexec",
     epilog: str | None = None,
     hard_exit: Callable[[], bool] = lambda: True,
+    launch: Callable[[list[str], dict[str, str]], int] | None = None,
 ) -> int:
     """The command line of a YAML job (``llmkit train``, ``llmkit rlhf``, ``llmkit rlhf reward``):
     ``CONFIG [section.key=value ...] [--resume] [--quiet] [--nproc N [--hostfile F]]``, overrides
     and flags in any order. ``load(config, overrides, nproc)``: the config and the overrides the
     launched processes get; ``--nproc``: ``check_nproc(cfg, N)``, then this process is replaced by
-    ``mpiexec -n N python -m llmkit COMMAND ...``; else ``run(cfg, resume, quiet)``. A rank that died
+    ``mpiexec -n N python -m llmkit COMMAND ...`` (``launch``: default :func:`relaunch`); else
+    ``run(cfg, resume, quiet)``. A rank that died
     or hangs (CollectiveError) is named in one line, and where ``hard_exit()`` (under mpiexec) this
     process exits without waiting for it."""
     p = ArgumentParser(prog=prog, description=description, epilog=epilog)
@@ -55,7 +57,8 @@ def job_main(
     if a.nproc is not None:
         check_nproc(cfg, a.nproc)
         flags = [f for f, on in (("--resume", a.resume), ("--quiet", a.quiet)) if on]
-        return relaunch(*nproc_command(a.nproc, a.hostfile, [*command, a.config, *overrides, *flags]))
+        cmd, env = nproc_command(a.nproc, a.hostfile, [*command, a.config, *overrides, *flags])
+        return (launch or relaunch)(cmd, env)
     if a.hostfile is not None:
         p.error("--hostfile goes with --nproc")
     from llmkit.framework.distributed import CollectiveError

@@ -244,6 +244,8 @@ class Loop:
         self._saved_step: int | None = None
         if saved is not None:
             assert self.resumed_from is not None
+            if self.is_rank0:  # what a run killed while it saved left behind
+                checkpoint.remove_staging(self.out)
             self.load_checkpoint(self.resumed_from, saved)
             self._saved_step = self.step
         self.metrics: MetricsLog | None = None
