@@ -1,5 +1,6 @@
 """``llmkit train CONFIG [section.key=value ...] [--resume] [--quiet] [--nproc N [--hostfile F]]``
-(overrides and flags in any order), ``llmkit checkpoint merge``, ``llmkit tokenizer``, ``llmkit plot``."""
+(overrides and flags in any order; :func:`job_main`, ``llmkit rlhf``'s command line too),
+``llmkit checkpoint merge``, ``llmkit tokenizer``, ``llmkit plot``."""
 
 from __future__ import annotations
 
@@ -38,9 +39,8 @@ def job_main(
     and flags in any order. ``load(config, overrides, nproc)``: the config and the overrides the
     launched processes get; ``--nproc``: ``check_nproc(cfg, N)``, then this process is replaced by
     ``mpiexec -n N python -m llmkit COMMAND ...`` (``launch``: default :func:`relaunch`); else
-    ``run(cfg, resume, quiet)``. A rank that died
-    or hangs (CollectiveError) is named in one line, and where ``hard_exit()`` (under mpiexec) this
-    process exits without waiting for it."""
+    ``run(cfg, resume, quiet)``. A rank that died or hangs (CollectiveError) is named in one line,
+    and where ``hard_exit()`` (under mpiexec) this process exits without waiting for it."""
     p = ArgumentParser(prog=prog, description=description, epilog=epilog)
     p.add_argument("config", help=config_help)
     p.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")

@@ -46,7 +46,7 @@ from .metrics import matmul_peak_flops, peak_rss_bytes
 from .pipelined import PipelineRun
 from .ranks import DataParallel
 
-__all__ = ["Interrupted", "StopSignals", "Trainer", "build_optimizer", "state_names"]
+__all__ = ["Interrupted", "StopSignals", "Trainer", "state_names"]  # Interrupted: the loop's, re-exported
 
 
 def build_tokenizer(cfg: TrainConfig) -> LlamaTokenizer:

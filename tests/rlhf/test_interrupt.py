@@ -20,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from llmkit.rlhf.config import RLHFConfig
+from llmkit.rlhf import tasks
+from llmkit.rlhf.config import RewardModelConfig, RLHFConfig
+from llmkit.rlhf.dpo import DPOTrainer
+from llmkit.rlhf.reward_model import RewardModelTrainer
 from llmkit.rlhf.run import TIMINGS
 from llmkit.rlhf.trainer import PolicyTrainer
 from llmkit.train.checkpoint import ResumeError, checkpoints
@@ -150,6 +153,39 @@ def test_sigterm_stops_like_sigint(reference, tmp_path, policy_dir):
     assert (stopped.value.signum, stopped.value.step) == (signal.SIGTERM, AT)
     PolicyTrainer(config(out, policy_dir), resume=True, quiet=True).fit()
     assert metrics(out) == reference("grpo")
+
+
+@pytest.mark.parametrize("job", ["dpo", "reward"])
+def test_offline_jobs_resume_exactly_after_an_aborted_step(job, tmp_path, policy_dir):
+    """DPO and the reward model (its own model class and checkpoint) through the same loop and
+    reader: two signals after step AT's update roll it back; the resumed run is the whole one."""
+    pairs = tmp_path / "pairs.jsonl"
+    rows = tasks.preference_pairs(tasks.make_task("avoid_letter"), 24, seed=0)
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def build(name: str, resume: bool = False):
+        raw = {
+            "model": {"init_from": str(policy_dir)},
+            "data": {"pairs": str(pairs), "val_fraction": 0.25},
+            "optim": {"lr": 1e-3},
+            "train": {"steps": STEPS, "batch_size": 4, "eval_every": 2},
+            "out_dir": str(tmp_path / name),
+        }
+        if job == "dpo":
+            return DPOTrainer(RLHFConfig.model_validate({**raw, "algorithm": "dpo"}), resume, quiet=True)
+        return RewardModelTrainer(RewardModelConfig.model_validate(raw), resume, quiet=True)
+
+    build("whole").fit()
+    trainer = build("run")
+    arm(trainer, "after_update", lambda: interrupt("abort"))
+    with pytest.raises(Interrupted) as stopped:
+        trainer.fit()
+    assert stopped.value.step == AT - 1
+    resumed = build("run", resume=True)
+    assert resumed.step == AT - 1
+    resumed.fit()
+    assert metrics(tmp_path / "run") == metrics(tmp_path / "whole")
+    assert any("eval_accuracy" in r for r in metrics(tmp_path / "run"))
 
 
 # A run whose process is killed (SIGKILL, nothing runs after it) while it writes its step-AT
