@@ -1,25 +1,18 @@
 """What every RLHF job shares with ``llmkit train``: the step loop (``llmkit.train.loop``: the
-resolved config in ``out_dir``, ``metrics.jsonl``, a progress bar, stopping on SIGINT / SIGTERM)
-and the checkpoints that ``--resume`` continues exactly (``llmkit.train.checkpoint``)::
-
-    out_dir/checkpoints/step-00000100/
-        model/                    the policy (or reward model): Hugging Face layout + tokenizer.model
-        <extra>.safetensors       other trained layers (PPO's value head)
-        optimizer.safetensors     the optimizer's moments
-        trainer_state.json        step, optimizer groups, schedule, and the config
-        COMPLETE                  written last: a checkpoint without it does not count
+resolved config in ``out_dir``, ``metrics.jsonl``, a progress bar, stopping on SIGINT / SIGTERM,
+all-or-nothing steps) and the checkpoints that ``--resume`` continues exactly (the one writer of
+``llmkit.train.checkpoint``; PPO's value head beside the model as ``value_head.safetensors``).
 
 A job's step is a function of its step number (its prompts or pairs and its sampling seeds are), so
-a checkpoint needs no data position or RNG state, and a run killed at any moment (even with
-``kill -9``) resumes from its newest checkpoint with the same metrics as an uninterrupted run (the
-wall-clock ones apart). As in ``llmkit train``: a step is all or nothing (a first signal lets it
-finish, a second one rolls it back), a resumed run takes its settings from the config given now
-(``FIXED_ON_RESUME`` lists what it cannot change) and its state from the checkpoint.
+a checkpoint needs no data position, and a run killed at any moment (even with ``kill -9``) resumes
+from its newest checkpoint with the same metrics as an uninterrupted run (the wall-clock ones
+apart). A resumed run takes its settings from the config given now (``FIXED_ON_RESUME`` lists what
+it cannot change) and its state from the checkpoint.
 
-Data parallel (``parallel.dp``, see parallel.py): every rank runs this loop; rank 0 alone draws
-the progress bar, writes ``metrics.jsonl`` and the checkpoints (the state is the same on every
-rank), and the ranks agree on a signal before each step, so they stop after the same one. The
-checkpoint is the one-process run's, so ``--resume`` may change ``parallel.dp``.
+Data parallel (``parallel.dp``, see parallel.py): every rank runs the loop; rank 0 alone draws the
+progress bar, writes ``metrics.jsonl`` and the checkpoints (the state is the same on every rank),
+and the ranks agree on a signal before each step, so they stop after the same one. The checkpoint
+is the one-process run's, so ``--resume`` may change ``parallel.dp``.
 """
 
 from __future__ import annotations
