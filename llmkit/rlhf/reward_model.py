@@ -9,7 +9,6 @@ from a causal LM checkpoint (``llmkit train``'s): the backbone's weights, and a 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from llmkit.train.trainer import state_names
 
 from . import algorithms as A
 from .config import RewardModelConfig
-from .data import encode_pair, load_pairs, split_heldout, step_rows
+from .data import encode_pair, load_pairs, split_heldout
 from .policy import compile_function
 from .run import Run
 
@@ -193,15 +192,9 @@ class RewardModelTrainer(Run):
         return call
 
     def train_step(self) -> dict[str, Any]:
-        t = self.cfg.train
-        pairs = step_rows(self.train_pairs, t.batch_size, t.seed, self.step)
-        pairs = pairs[self.dp.rows(len(pairs))]
+        pairs = self.step_pairs()
         ids, lengths = _pad([c for c, _ in pairs] + [r for _, r in pairs])
-        t0 = time.perf_counter()
-        out = self.step_fn(ids, _rows(lengths, ids.shape[1]), *pair_selectors(len(pairs)))
-        row = self.dp_stats({k: float(v) for k, v in out.items()})
-        row["train_s"] = float(self.dp.max([time.perf_counter() - t0], "train_s")[0])
-        return row
+        return self.update(ids, _rows(lengths, ids.shape[1]), *pair_selectors(len(pairs)))
 
     def evaluate(self) -> dict[str, float]:
         """Held-out ``eval_accuracy`` (chosen scored above rejected) and ``eval_margin``."""

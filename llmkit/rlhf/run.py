@@ -17,12 +17,15 @@ is the one-process run's, so ``--resume`` may change ``parallel.dp``.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 from llmkit.train import checkpoint
 from llmkit.train.loop import Loop, build_schedule
 from llmkit.train.ranks import DataParallel
+
+from .data import step_rows
 
 TIMINGS = ("gen_s", "train_s", "sync_s", "gen_tokens_per_s", "step_s")  # wall-clock metrics
 
@@ -70,3 +73,18 @@ class Run(Loop):
         ranks (``grad_norm``, of the summed gradients, is the whole batch's on every rank)."""
         keys = [k for k in stats if k != "grad_norm"]
         return {**stats, **dict(zip(keys, self.dp.sum([stats[k] for k in keys], "step stats").tolist()))}
+
+    def step_pairs(self) -> list:
+        """This rank's share of the step's preference pairs (the offline jobs' ``train_pairs``)."""
+        t = self.cfg.train
+        pairs = step_rows(self.train_pairs, t.batch_size, t.seed, self.step)
+        return pairs[self.dp.rows(len(pairs))]
+
+    def update(self, *arrays: Any) -> dict[str, float]:
+        """The compiled update ``step_fn`` on this rank's arrays: its statistics (the whole batch's,
+        ``dp_stats``) and ``train_s``, the slowest rank's time."""
+        t0 = time.perf_counter()
+        out = self.step_fn(*arrays)
+        row = self.dp_stats({k: float(v) for k, v in out.items() if k != "logp"})
+        row["train_s"] = float(self.dp.max([time.perf_counter() - t0], "train_s")[0])
+        return row
