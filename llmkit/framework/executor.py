@@ -39,6 +39,33 @@ class ExecutionError(RuntimeError):
     """A program that cannot run on the given inputs; the message names the op or the input."""
 
 
+class FallbackWarning(RuntimeWarning):
+    """Compiled work runs the reference kernels instead (no C compiler, a kernel that failed to
+    compile or to load, a group the compiler could not lower), or its kernels run on one thread
+    (the thread pool failed to build), or a step of a GPU program computed on the host (its kernel
+    returned a numpy array): still correct, much slower. The test suite turns it into an error
+    (pyproject.toml), so a compiled or GPU path cannot pass on fallbacks."""
+
+
+_host_steps: set[str] = set()  # steps of GPU programs already reported as computed on the host
+
+
+def _device_array(xp: Any, out: Any, step: str) -> Any:
+    """A step's output as an array of the program's module; on the GPU a host array means the
+    kernel ran on the host (said once per step name) and is moved to the device."""
+    if xp is not np and type(out) is np.ndarray and step not in _host_steps:
+        import warnings
+
+        _host_steps.add(step)
+        warnings.warn(
+            f"{step}: its kernel returned a host (numpy) array in a GPU program; the step ran on the "
+            "host and its result is copied to the device",
+            FallbackWarning,
+            stacklevel=3,
+        )
+    return xp.asarray(out)
+
+
 # Op name -> function(op) returning a callable(xp, *arrays) -> array | tuple. The compiler
 # registers "cinn.fusion" here; unknown non-llm ops are an error at compile time.
 LOWERINGS: dict[str, Callable[[Operation], Callable[..., Any] | None]] = {}
@@ -242,6 +269,7 @@ class Executor:
         for s, c in self._consts(xp):
             slots[s] = c
         profile = _profile if _PROFILE else None
+        host = xp is np
         for st in self.steps:
             attrs = st.attrs
             if st.sym_attrs:
@@ -260,9 +288,11 @@ class Executor:
                 rec[1] += 1
             if st.multi:
                 for s, o in zip(st.outs, out):
-                    slots[s] = o if type(o) is np.ndarray else xp.asarray(o)
+                    slots[s] = o if host and type(o) is np.ndarray else _device_array(xp, o, st.name)
             else:
-                slots[st.outs[0]] = out if type(out) is np.ndarray else xp.asarray(out)
+                slots[st.outs[0]] = (
+                    out if host and type(out) is np.ndarray else _device_array(xp, out, st.name)
+                )
             for s in st.free:
                 slots[s] = None
         return [slots[s] for s in self.output_slots]

@@ -180,7 +180,7 @@ class TransposeWeights(Pass):
 def relayout(a: np.ndarray, layout: str) -> np.ndarray:
     """An ``[out, in]`` weight as a program wants it (see :class:`TransposeWeights`)."""
     if layout == "T":
-        return np.ascontiguousarray(a.T)
+        return B.xp_of(a).ascontiguousarray(a.T)
     if layout == "P16":
         return pack_panels(a.T)
     raise ValueError(f"unknown weight layout {layout!r}")

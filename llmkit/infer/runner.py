@@ -1,9 +1,11 @@
-"""ModelRunner: runs the prefill and decode programs on host arrays and owns the KV pool.
+"""ModelRunner: runs the prefill and decode programs and owns the KV pool.
 
 The same runner serves a live model (programs traced in-process, weights read at every call) and
 a static model file (programs parsed from PIR, weights from safetensors): each program is just a
 function from input arrays to ``(logits, pool)``. The pool is donated to every call (the programs
-write it in place) and the returned array is kept as the new pool.
+write it in place) and the returned array is kept as the new pool. With a model on the GPU the
+pool moves there at the first call (the executor moves host inputs to the program's device) and
+stays; the batch's token arrays go up and the logits come back to the host for the sampler.
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ class ModelRunner:
             self.pool,
         ]
         logits, self.pool = self._prefill(arrays)
-        return logits
+        return B.to_numpy(logits)
 
     def decode(self, batch: DecodeBatch) -> np.ndarray:
         """Logits [B, V]."""
@@ -170,4 +172,4 @@ class ModelRunner:
             self.pool,
         ]
         logits, self.pool = self._decode(arrays)
-        return logits
+        return B.to_numpy(logits)

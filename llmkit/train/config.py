@@ -212,6 +212,11 @@ class ParallelSection(_Section):
 
     @model_validator(mode="after")
     def _plan_applies(self) -> ParallelSection:
+        if self.recompute == "none" and self.recompute_every != 1:
+            raise ValueError(
+                f"parallel.recompute_every ({self.recompute_every}) applies to a recompute policy: "
+                "set parallel.recompute (attention or full) too"
+            )
         self._check_pipeline()
         self.build()
         return self
@@ -275,6 +280,15 @@ class ParallelSection(_Section):
             ) from None
 
 
+def check_warmup(schedule: ScheduleSection, steps: int) -> None:
+    """The warm-up fits in the run (``train.steps``); the error says which key to set."""
+    if schedule.warmup_steps > steps:
+        raise ValueError(
+            f"schedule.warmup_steps ({schedule.warmup_steps}) exceeds train.steps ({steps}): "
+            f"set schedule.warmup_steps={steps} or fewer for a run of {steps} steps"
+        )
+
+
 class TrainConfig(_Section):
     """A whole training run."""
 
@@ -289,11 +303,7 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _warmup_within_run(self) -> TrainConfig:
-        if self.schedule.warmup_steps > self.train.steps:
-            raise ValueError(
-                f"schedule.warmup_steps ({self.schedule.warmup_steps}) exceeds "
-                f"train.steps ({self.train.steps})"
-            )
+        check_warmup(self.schedule, self.train.steps)
         dp, m, b = self.parallel.dp, self.parallel.micro_batches, self.train.batch_size
         if b % m:
             raise ValueError(

@@ -118,6 +118,8 @@ def run_planner(
     """The choice for ``cfg`` on ``world`` ranks of ``mem`` bytes, and its report (table + reasons)."""
     if world < 1:
         raise ConfigError(f"--world must be at least 1, got {world}")
+    if not mem > 0:
+        raise ConfigError(f"--mem-gb must be above 0, got {mem / GB:g}")
     backend = backend or ("sim" if world == 1 else "mpi")
     llama, cost = model_cost(cfg)
     machine = machine_for(gpu, backend, world, None if gpu else step_probe(llama, cfg))
@@ -130,9 +132,20 @@ def run_planner(
         f"{world} ranks of {mem / GB:.3g} GB on {machine.name} ({machine.flops / 1e9:.4g} GFLOP/s per rank, "
         f"{flops})",
         P.table(choice, cost, machine, batch, top),
+        mfu_note(gpu is not None),
         *choice.reasons(),
     ]
     return choice, "\n".join(lines)
+
+
+def mfu_note(gpu: bool) -> str:
+    """What the MFU column is: a prediction whose ceiling is the model's own efficiency."""
+    if gpu:
+        return (
+            f"MFU is predicted, not measured: the model runs matmuls at {P.EFFICIENCY:.0%} of the "
+            f"published peak, so no plan can show more than {P.EFFICIENCY:.0%} (published runs: 40-58%)"
+        )
+    return "MFU is predicted: model FLOPs over this host's measured bare-matmul speed, not a published peak"
 
 
 def overrides(c: P.Candidate, cfg: TrainConfig) -> list[str]:

@@ -123,6 +123,11 @@ def test_yaml_file_reads_scientific_notation_as_float(tmp_path: Path) -> None:
             ["parallel.recompute_every=0"],
             "config error: parallel.recompute_every: expected a value > 0, got 0",
         ),
+        (
+            ["parallel.recompute_every=3"],
+            "config error: parallel.recompute_every (3) applies to a recompute policy: set "
+            "parallel.recompute (attention or full) too",
+        ),
         (["optim.betas=[0.9]"], "config error: optim.betas: too few items, got [0.9]"),
         (
             ["optim.betas=[0.9, 0.9, 0.9]"],

@@ -220,3 +220,23 @@ def test_gpu_device_without_cupy_is_a_config_error(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"train.device: device 'gpu' needs cupy"):
         Trainer(config(tmp_path / "r", device="gpu"), quiet=True)
     assert not (tmp_path / "r").exists()  # nothing written
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_a_run_and_its_resume_on_each_device(device, mode, tmp_path, assert_on_device):
+    """The trainer's GPU twin: a short run in each mode on the device (weights, optimizer state
+    and the loss all there), its checkpoint written from the device and read back onto it to
+    resume; the losses finite and falling."""
+    out = tmp_path / "r"
+    run = dict(device=device, mode=mode, eval_every=4, save_every=4, keep_last=2)
+    trainer = Trainer(config(out, steps=4, **run), quiet=True)
+    trainer.fit()
+    assert_on_device(*trainer.model.parameters())
+    resumed = Trainer(config(out, steps=8, **run), resume=True, quiet=True)
+    assert resumed.step == 4
+    resumed.fit()
+    assert_on_device(*resumed.model.parameters())
+    ls = losses(out)
+    assert sorted(ls) == list(range(1, 9)) and np.isfinite(list(ls.values())).all()
+    assert np.mean([ls[s] for s in range(6, 9)]) < np.mean([ls[s] for s in range(1, 4)])

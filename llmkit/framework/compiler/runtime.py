@@ -164,6 +164,9 @@ class FusedKernel:
         fn = cuda.kernel_for(self)
         if fn is not None:
             return fn(xp, arrays)
+        B.warn_once(
+            f"no-cuda:{self.label}", f"cinn: group {self.label} runs the reference kernels on {xp.__name__}"
+        )
         return reference(self.fusion, xp, arrays)
 
 
