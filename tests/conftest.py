@@ -1,9 +1,10 @@
 """Shared test setup: every run writes its caches (tokenizers, packed tokens, compiled kernels)
 under a temporary directory removed at exit, never into the user's ~/.cache; the built-in
-tokenizer is trained once per session. In CI (``CI`` set), a test skipped because torch or
-transformers is missing, or because ``mpiexec`` is, fails instead: CI installs the ``parity`` and
-``dist`` extras, so the independent references (Hugging Face logits, torch's optimizers) and the
-multi-process runs run on every submission.
+tokenizer is trained once per session. In CI (``CI`` set), a test skipped because torch,
+transformers, gguf, lm-eval, accelerate or ``mpiexec`` is missing fails instead: CI installs the
+``test``, ``parity`` and ``dist`` extras, so the independent references (Hugging Face logits,
+torch's optimizers, the gguf reader, lm-evaluation-harness) and the multi-process runs run on every
+submission.
 
 GPU twins: a test taking the ``device`` fixture runs once on "cpu" (numpy) and once on "gpu"
 (cupy, marked ``gpu``: skipped where cupy finds no CUDA device; ``pytest -m gpu`` on a GPU machine,
@@ -31,7 +32,9 @@ os.environ.setdefault("LLMKIT_CACHE_DIR", os.path.join(_root, "cache"))
 os.environ.setdefault("LLMKIT_KERNEL_CACHE", os.path.join(_root, "kernels"))
 
 
-PARITY = ("torch", "transformers")
+# references CI must have (a test skipped for want of one fails there): the parity extra, the gguf
+# package whose reader checks `llmkit export --format gguf`, lm-evaluation-harness (the test extra)
+PARITY = ("torch", "transformers", "gguf", "lm_eval", "accelerate")
 MPIEXEC = "needs mpiexec"  # how every MPI test's skip reason starts (skipif no mpiexec on PATH)
 
 

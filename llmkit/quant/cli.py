@@ -118,6 +118,13 @@ def quantize_main(argv: list[str]) -> int:
     )
     sym.add_argument("--asym", dest="sym", action="store_false", help="4 bits: a uint8 zero point per group")
     p.add_argument(
+        "--scale-dtype",
+        choices=["float32", "float16"],
+        default="float32",
+        help="float16: scales rounded to float16 numbers, so that int8 / int4 sym in groups of 32 "
+        "export exactly as GGUF Q8_0 / Q4_0 blocks",
+    )
+    p.add_argument(
         "--calib", default="builtin", help="GPTQ calibration text: 'builtin' or a text/.jsonl FILE"
     )
     p.add_argument("--calib-samples", type=int, default=128, help="calibration sequences")
@@ -144,7 +151,7 @@ def quantize_main(argv: list[str]) -> int:
     if a.hostfile is not None:
         p.error("--hostfile goes with --nproc")
     group = a.group if a.group is not None else (128 if a.bits == 4 else -1)
-    cfg = QuantConfig(a.bits, group, a.sym, a.method)
+    cfg = QuantConfig(a.bits, group, a.sym, a.method, a.scale_dtype)
     src = model_dir(a.model, "--model")
     out = Path(a.out) if a.out else default_out(src, a.bits)
     if out.resolve() == src.resolve():

@@ -29,6 +29,7 @@ import llmkit.framework as lf
 from llmkit.framework import nn
 from llmkit.framework.distributed.plan import PLAN_FILE, ParallelPlan
 from llmkit.framework.files import atomic_dir
+from llmkit.tokenizer import GENERATION_FILE, Tokenizer
 from llmkit.train.metrics import QUANT_REPORT
 
 from .format import QuantConfig, QuantError, QuantizedWeight, check_shape, join, quantize_rtn
@@ -36,7 +37,6 @@ from .gptq import Hessian, gptq
 from .parallel import Ranks
 
 REPORT = QUANT_REPORT  # what llmkit plot reads
-COMPANIONS = ("tokenizer.model", "generation_config.json")  # files a quantized directory keeps
 CALIB_BATCH = 16  # calibration sequences per forward
 
 
@@ -199,11 +199,11 @@ def save_quantized(
     (``parallel.derive``'s), if any."""
     src, out = Path(src), Path(out)
     with atomic_dir(out) as tmp:
+        if (src / GENERATION_FILE).is_file():  # its sampling settings; the model's ids merge in
+            shutil.copyfile(src / GENERATION_FILE, tmp / GENERATION_FILE)
         model.save_pretrained(str(tmp))
+        Tokenizer.from_pretrained(src).save_pretrained(tmp)
         if plan is not None:
             plan.save(tmp / PLAN_FILE)
-        for name in COMPANIONS:
-            if (src / name).is_file():
-                shutil.copyfile(src / name, tmp / name)
         (tmp / REPORT).write_text(json.dumps(report, indent=1) + "\n")
     return out

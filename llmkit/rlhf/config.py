@@ -72,7 +72,7 @@ class RolloutSection(Section):
 
 
 class DataSection(Section):
-    prompts: str | None = None  # JSONL {"prompt": ...}; null: the reward task's built-in prompts
+    prompts: str | None = None  # JSONL {"prompt": text or [messages]}; null: the task's built-in ones
     pairs: str | None = None  # DPO: JSONL {"prompt", "chosen", "rejected"}, or "builtin:<task>"
     val_fraction: float = Field(0.1, ge=0, lt=1)  # DPO: held-out pairs for eval accuracy
 

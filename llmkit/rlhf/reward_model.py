@@ -26,7 +26,7 @@ from llmkit.train.trainer import state_names
 
 from . import algorithms as A
 from .config import RewardModelConfig
-from .data import encode_pair, load_pairs, split_heldout
+from .data import Prompt, encode_pair, encode_prompt, load_pairs, split_heldout
 from .policy import compile_function
 from .run import Run
 
@@ -115,10 +115,10 @@ class RewardModelScorer:
             out.append(np.asarray(self.program(ids, _rows(lengths, ids.shape[1])), dtype=np.float64))
         return np.concatenate(out) if out else np.zeros(0)
 
-    def __call__(self, prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    def __call__(self, prompts: list[Prompt], completions: list[str], **kwargs: Any) -> list[float]:
         limit = self.model.config.max_position_embeddings
         seqs = [
-            (self.tokenizer.encode(p, add_bos=True) + self.tokenizer.encode(c, add_bos=False))[:limit]
+            (encode_prompt(self.tokenizer, p) + self.tokenizer.encode(c, add_bos=False))[:limit]
             for p, c in zip(prompts, completions)
         ]
         return self.scores(seqs).tolist()

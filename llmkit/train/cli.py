@@ -181,18 +181,28 @@ def nproc_command(nproc: int, hostfile: str | None, argv: list[str]) -> tuple[li
 
 
 def tokenizer_main(argv: list[str]) -> int:
-    """``llmkit tokenizer train --input FILES --vocab-size N --out DIR``."""
+    """``llmkit tokenizer train --input FILES --vocab-size N --out DIR [--kind sentencepiece|bpe]``."""
+    from llmkit.models.llama.tokenizer import KINDS
+
     p = ArgumentParser(prog="llmkit tokenizer", description="Tokenizer tools.")
     sub = p.add_subparsers(dest="action", required=True)
-    t = sub.add_parser("train", help="train a BPE sentencepiece model with Llama's settings (byte fallback)")
+    t = sub.add_parser(
+        "train", help="train a tokenizer: Llama 2's sentencepiece BPE or Llama 3's byte-level BPE"
+    )
     t.add_argument("--input", nargs="+", required=True, help="text files, globs, .jsonl files or 'builtin'")
     t.add_argument("--vocab-size", type=int, required=True)
-    t.add_argument("--out", required=True, help="directory to write tokenizer.model into")
+    t.add_argument("--out", required=True, help="directory to write the tokenizer's Hugging Face files into")
+    t.add_argument(
+        "--kind",
+        choices=list(KINDS),
+        default="sentencepiece",
+        help="sentencepiece: tokenizer.model (byte fallback); bpe: a byte-level BPE tokenizer.json",
+    )
     a = p.parse_args(argv)
     from .data import tokenizer_train
 
-    tokenizer_train(a.input, a.vocab_size, a.out)
-    print(f"wrote {a.out}/tokenizer.model")
+    tok = tokenizer_train(a.input, a.vocab_size, a.out, a.kind)
+    print(f"wrote {a.out}: a {tok.vocab_size}-token {a.kind} tokenizer ({', '.join(sorted(tok.files()))})")
     return 0
 
 

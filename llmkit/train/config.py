@@ -41,6 +41,7 @@ from llmkit.framework.distributed.plan import ParallelPlan, PipelinePlan, PlanEr
 from llmkit.framework.distributed.schedule import SCHEDULES, ScheduleError, make_schedule
 from llmkit.framework.files import atomic_write
 from llmkit.models.llama.config import PRESETS, LlamaConfig
+from llmkit.models.llama.tokenizer import KINDS as TOKENIZER_KINDS
 
 
 class ConfigError(ValueError):
@@ -104,13 +105,15 @@ ModelSection = create_model(
 
 
 class TokenizerSection(_Section):
-    path: str = "builtin"  # "builtin" (trained on the built-in corpus) or a dir with tokenizer.model
+    path: str = "builtin"  # "builtin" (trained on the built-in corpus) or an HF tokenizer directory
     vocab_size: int = Field(4096, gt=259)  # builtin only: 3 specials + 256 bytes + merges
+    kind: Literal[tuple(TOKENIZER_KINDS)] = "sentencepiece"  # builtin only: models/llama/tokenizer.py
 
     @model_validator(mode="after")
     def _vocab_only_for_builtin(self) -> TokenizerSection:
-        if self.path != "builtin" and "vocab_size" in self.model_fields_set:
-            raise ValueError(f"tokenizer.vocab_size only applies to path: builtin, not {self.path!r}")
+        for key in ("vocab_size", "kind"):
+            if self.path != "builtin" and key in self.model_fields_set:
+                raise ValueError(f"tokenizer.{key} only applies to path: builtin, not {self.path!r}")
         return self
 
 

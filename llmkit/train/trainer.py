@@ -52,7 +52,9 @@ __all__ = ["Interrupted", "StopSignals", "Trainer", "state_names"]  # Interrupte
 def build_tokenizer(cfg: TrainConfig) -> LlamaTokenizer:
     if cfg.tokenizer.path == "builtin":
         try:
-            return builtin_tokenizer(cfg.tokenizer.vocab_size, cache_dir=cfg.data.cache_dir)
+            return builtin_tokenizer(
+                cfg.tokenizer.vocab_size, cache_dir=cfg.data.cache_dir, kind=cfg.tokenizer.kind
+            )
         except ValueError as e:  # sentencepiece cannot make that many pieces from the corpus
             raise ConfigError(f"tokenizer.vocab_size: {e}") from None
     return LlamaTokenizer.from_pretrained(cfg.tokenizer.path)

@@ -69,6 +69,7 @@ def test_the_directory_holds_the_format(quantized, trained_tiny):
         "group_size": 128,
         "sym": True,
         "method": "gptq",
+        "scale_dtype": "float32",
     }
     assert (d / "tokenizer.model").read_bytes() == (model_dir(trained_tiny) / "tokenizer.model").read_bytes()
     tensors = lf.load(d / "model.safetensors")

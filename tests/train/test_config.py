@@ -167,6 +167,8 @@ def test_yaml_file_reads_scientific_notation_as_float(tmp_path: Path) -> None:
             ["tokenizer.path=tok", "tokenizer.vocab_size=1000"],
             "config error: tokenizer.vocab_size only applies",
         ),
+        (["tokenizer.path=tok", "tokenizer.kind=bpe"], "config error: tokenizer.kind only applies"),
+        (["tokenizer.kind=wordpiece"], "config error: tokenizer.kind"),
         (
             ["schedule.warmup_steps=2000"],
             "config error: schedule.warmup_steps (2000) exceeds train.steps (1000)",

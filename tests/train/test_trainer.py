@@ -10,6 +10,7 @@ import pytest
 
 from llmkit.cli import main as cli_main
 from llmkit.framework.distributed.plan import ParallelPlan
+from llmkit.models.llama import LlamaTokenizer
 from llmkit.train.checkpoint import ResumeError
 from llmkit.train.config import ConfigError
 from llmkit.train.data import DataError
@@ -39,9 +40,31 @@ def test_run_writes_metrics_checkpoints_config_and_sample(finished_run):
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert ckpts == [f"step-{s:08d}" for s in (5, 10, 15, 20, 25, 30)]
     model_dir = out / "checkpoints" / "step-00000030" / "model"
-    assert {p.name for p in model_dir.iterdir()} == {"config.json", "model.safetensors", "tokenizer.model"}
+    assert {p.name for p in model_dir.iterdir()} == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+    }
     plan = ParallelPlan.load(model_dir.parent)  # every checkpoint records its plan (here one rank)
     assert plan == ParallelPlan.make("llama") and plan.is_trivial
+
+
+def test_a_checkpoint_is_a_complete_hf_directory(finished_run):
+    """transformers reads the checkpoint's model directory (tokenizer without protobuf's help: the
+    directory has a tokenizer.json) and encodes as the trainer did."""
+    transformers = pytest.importorskip("transformers")
+    out, _ = finished_run
+    model_dir = out / "checkpoints" / "step-00000030" / "model"
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ours = LlamaTokenizer.from_pretrained(model_dir)
+    texts = ["The quick brown fox.", "def f(x):\n    return x  # 2024", "héllo 🦙 </s> <s>", "  two  spaces"]
+    assert [hf(t).input_ids for t in texts] == ours.encode_batch(texts)
+    gen = transformers.GenerationConfig.from_pretrained(model_dir)
+    assert (gen.bos_token_id, gen.eos_token_id) == (ours.bos_id, ours.eos_id)
 
 
 def test_loss_falls(finished_run):
@@ -196,10 +219,14 @@ def test_cli_tokenizer_train(tmp_path, capsys):
         )
         == 0
     )
-    from llmkit.models.llama import LlamaTokenizer
-
     tok = LlamaTokenizer.from_pretrained(tmp_path / "tok")
     assert tok.vocab_size == 300 and tok.decode(tok.encode("the quick fox")) == "the quick fox"
+    assert tok.kind == "sentencepiece" and "300-token sentencepiece tokenizer" in capsys.readouterr().out
+    args = ["tokenizer", "train", "--input", str(text), "--vocab-size", "280", "--out", str(tmp_path / "bpe")]
+    assert cli_main([*args, "--kind", "bpe"]) == 0
+    tok = LlamaTokenizer.from_pretrained(tmp_path / "bpe")
+    assert (tok.kind, tok.vocab_size, tok.bos_token) == ("bpe", 280, "<|begin_of_text|>")
+    assert tok.decode(tok.encode("the quick fox 日本")) == "the quick fox 日本"  # bytes: nothing is unknown
 
 
 def test_generate_rejects_a_tokenizer_that_does_not_match_the_model(tmp_path, capsys):

@@ -24,6 +24,7 @@ from llmkit.framework import backend as B
 from llmkit.framework.distributed.shard_files import RANK_FILES, ShardError, ShardReader
 from llmkit.framework.files import atomic_dir, recover
 from llmkit.framework.ops.quant import BITS as QUANT_BITS
+from llmkit.tokenizer import write_generation_config
 
 from .config import LlamaConfig
 
@@ -189,9 +190,10 @@ def write_config(
 def save_pretrained(
     model: Any, path: str | os.PathLike[str], dtype: Any = None, max_shard_size: int | None = None
 ) -> None:
-    """Write config.json and safetensors weights (sharded above ``max_shard_size`` bytes), atomically.
+    """Write config.json, generation_config.json (the config's bos/eos/pad ids, merged into one
+    already there) and safetensors weights (sharded above ``max_shard_size`` bytes), atomically.
 
-    Files other llmkit writers put in ``path`` earlier (a tokenizer.model) are kept.
+    Files other llmkit writers put in ``path`` earlier (the tokenizer's) are kept.
     """
     path = Path(path)
     target = B.dtype(dtype) if dtype is not None else None
@@ -210,6 +212,15 @@ def save_pretrained(
                     (tmp / f.name).write_bytes(f.read_bytes())
         arch = getattr(model, "architecture", "LlamaForCausalLM")
         write_config(model.config, next(iter(state.values())).dtype, tmp, arch)
+        c = model.config
+        eos = (
+            c.eos_token_id
+            if isinstance(c.eos_token_id, list)
+            else []
+            if c.eos_token_id is None
+            else [c.eos_token_id]
+        )
+        write_generation_config(tmp, c.bos_token_id, eos, c.pad_token_id)
         total = sum(a.nbytes for a in state.values())
         if max_shard_size is None or total <= max_shard_size:
             lf.save(state, tmp / WEIGHTS, metadata={"format": "pt"})

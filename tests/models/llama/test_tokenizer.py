@@ -102,7 +102,7 @@ def test_save_and_load(tok: LlamaTokenizer, tmp_path: Path) -> None:
 
 
 def test_missing_model_file_is_named(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=f"no tokenizer.model in {tmp_path}"):
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer.model or tokenizer.json in {tmp_path}"):
         LlamaTokenizer.from_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="nowhere does not exist"):
         LlamaTokenizer.from_pretrained(tmp_path / "nowhere")
