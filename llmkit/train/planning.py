@@ -61,7 +61,7 @@ def step_probe(llama: Any, cfg: TrainConfig) -> tuple[str, Any] | None:
     from llmkit.models.llama import LlamaForCausalLM
     from llmkit.models.llama.parallel import llama_cost
 
-    from .trainer import build_optimizer
+    from .loop import build_optimizer
 
     one = dataclasses.replace(llama, num_hidden_layers=1)
     cost = llama_cost(one, cfg.train.seq_len)
@@ -81,7 +81,7 @@ def step_probe(llama: Any, cfg: TrainConfig) -> tuple[str, Any] | None:
             model.to(cfg.train.dtype)
         ids = lf.tensor(np.random.default_rng(0).integers(0, one.vocab_size, (rows, seq)))
         params = model.parameters()
-        opt = build_optimizer(cfg, model)
+        opt = build_optimizer(cfg.optim, model)
         times, updates = [], []
         for _ in range(4):
             t0 = time.perf_counter()
