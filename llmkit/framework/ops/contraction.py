@@ -7,6 +7,8 @@ gradient is one GEMM over the flattened batch, which the generic einsum transpos
 
 from __future__ import annotations
 
+import math
+
 from .. import backend as B
 from ..dispatch import O
 from ..opspec import A, Kind, OpError, attr, defop
@@ -45,7 +47,8 @@ def _matmul_kernel(xp, x, y, transpose_x=False, transpose_y=False):
         y = xp.swapaxes(y, -1, -2)
     if y.ndim == 2 and x.ndim > 2 and not transpose_x:
         # [..., K] @ [K, N] as one GEMM: numpy would otherwise loop over the batch in small GEMMs.
-        out = mm(xp, x.reshape(-1, x.shape[-1]), y)
+        # (rows spelled out: reshape(-1, 0) is ambiguous for an empty K, as a shard can be)
+        out = mm(xp, x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), y)
         return out.reshape(x.shape[:-1] + (y.shape[-1],))
     if transpose_x:
         x = xp.swapaxes(x, -1, -2)

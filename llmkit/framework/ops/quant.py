@@ -17,7 +17,10 @@ consecutive input columns (column c is in group ``c // group_size``, the last gr
 ``tiled_linear``'s contract: products of exactly ``rows`` rows, so a row's result does not depend
 on the other rows (the engine's batch invariance).
 
-Both have no gradient rule (codes are integers, and nothing trains scales) and are ``internal``
+Neither differentiates the codes or scales (codes are integers, and nothing trains scales);
+``quant_linear`` differentiates ``x``: dx = g @ dequantize(qweight, scales, zeros), the transposed
+product through the same dequantized weight, so a frozen quantized base passes gradients on to the
+adapters and layers below it (QLoRA). Both are ``internal``
 (no Tensor methods); ``quant_linear`` is an engine op (``engine_op``) whose compiled programs run
 its hand-written kernel (``compiler/native/quant.py``). SPMD: rows of x and output features (a
 weight's rows, with their scales and zeros) shard; the inner dim stays whole, since a group must
@@ -30,6 +33,7 @@ import numpy as np
 
 from .. import backend as B
 from .. import symbolic as sym
+from ..dispatch import O
 from ..opspec import A, Kind, Meta, OpError, attr, defop, describe
 from . import spmd as P
 from .contraction import _linear_kernel, _linear_meta
@@ -142,6 +146,12 @@ def _ql_meta(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
     return _linear_meta(x, w)
 
 
+def _ql_vjp(g, out, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
+    # dx [..., in] = g [..., out] @ W [out, in]; W dequantized on the fly, never kept (QLoRA)
+    dx = lambda: O.matmul(g, O.dequantize(qweight, scales, zeros, bits=bits, group_size=group_size))
+    return (dx, None, None) + (() if zeros is None else (None,))
+
+
 def _ql_kernel(xp, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
     w = _dequantize_kernel(xp, qweight, scales, zeros, bits, group_size)
     if rows:
@@ -156,7 +166,10 @@ engine_op(
     _ql_meta,
     _ql_kernel,
     spmd=_weight_spmd(1),
+    vjp=_ql_vjp,
+    nondiff={1, 2, 3},
     doc="linear(x, dequantize(qweight, scales, zeros)) with the weight never stored in float: "
     "x [..., in] -> [..., out]. rows >= 1 computes in products of exactly `rows` rows, as "
-    "tiled_linear (each row's result independent of the others); 0: one product. No gradient.",
+    "tiled_linear (each row's result independent of the others); 0: one product. Gradient: x only "
+    "(g @ dequantize(...)).",
 )
