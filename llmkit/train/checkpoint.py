@@ -453,10 +453,10 @@ def merge(path: Path, out: Path) -> Path:
 
 def merge_lora(path: Path, out: Path, base: Path | None = None) -> Path:
     """Write base + adapters as one complete model directory (``lora.merge_lora``: W + (B @ A) *
-    alpha / r; a quantized layer with an adapter becomes a float one, the others stay quantized). ``path``: a LoRA
-    checkpoint (adapter/ and base_model.json) or a PEFT adapter directory; ``base``: the base model
-    directory (default: the checkpoint's pointer, whose hashes must still hold, or the adapter's
-    ``base_model_name_or_path``)."""
+    alpha / r; a quantized layer with an adapter becomes a float one, the others stay quantized).
+    ``path``: a LoRA checkpoint (adapter/ and base_model.json) or a PEFT adapter directory;
+    ``base``: the base model directory (default: the checkpoint's pointer, whose hashes must still
+    hold, or the adapter's ``base_model_name_or_path``)."""
     adapter = path / ADAPTER if (path / ADAPTER).is_dir() else path
     if not (adapter / lora.CONFIG_FILE).is_file():
         raise ResumeError(
