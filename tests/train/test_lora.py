@@ -45,6 +45,7 @@ def base_hash(model) -> str:
     return h.hexdigest()
 
 
+@pytest.mark.slow
 def test_step0_is_the_base_and_only_adapters_train(tmp_path):
     full = Trainer(lora_run(tmp_path / "full", lora=None, steps=3), quiet=True)
     full.fit()
@@ -132,7 +133,7 @@ def int4_base(tmp_path):
     return tmp_path / "int4"
 
 
-@pytest.mark.parametrize("mode", ["eager", "static"])
+@pytest.mark.parametrize("mode", ["eager", pytest.param("static", marks=pytest.mark.slow)])
 def test_qlora_trains_over_an_int4_base(tmp_path, int4_base, mode):
     cfg = lora_run(tmp_path / "run", model={"init_from": str(int4_base), "preset": None}, steps=6, mode=mode)
     tr = Trainer(cfg, quiet=True)
@@ -167,6 +168,7 @@ def test_chat_sft_with_adapters(tmp_path, pretrained):
     assert got[60] < 0.9 * got[10]  # the two replies, on the assistant's tokens only
 
 
+@pytest.mark.slow
 def test_merge_lora_writes_a_model_that_quantize_takes(tmp_path):
     tr = Trainer(lora_run(tmp_path / "run", steps=3), quiet=True)
     tr.fit()
