@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 from _common import emit, emit_paired_ratio, machine
+from quant import MODELS as QUANT_MODELS
 
 import llmkit.framework as lf
 from llmkit.framework import optim
@@ -46,16 +47,8 @@ from llmkit.train.loop import build_optimizer
 from llmkit.train.metrics import peak_rss_bytes
 
 MODELS = {
-    "134M": dict(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        max_position_embeddings=1024,
-    ),
-    "1B": dict(  # Llama 3.2 1B's shape with the Llama 2 vocabulary: 1.1B parameters
+    "134M": QUANT_MODELS["134M"],  # benchmarks/quant.py's
+    "1B": lambda: LlamaConfig(  # Llama 3.2 1B's shape with the Llama 2 vocabulary: 1.1B parameters
         vocab_size=32000,
         hidden_size=2048,
         intermediate_size=8192,
@@ -75,7 +68,7 @@ def prepare_int4(model: str, out: Path) -> None:
     from llmkit.quant import QuantConfig, quantize_model
 
     lf.seed(0)
-    m = LlamaForCausalLM(LlamaConfig(**MODELS[model]))
+    m = LlamaForCausalLM(MODELS[model]())
     quantize_model(m, QuantConfig(bits=4, group_size=128, method="rtn"), progress=False)
     m.save_pretrained(out)
 
@@ -86,7 +79,7 @@ def child(model: str, variant: str, int4_dir: str, steps: int, batch: int, seq: 
     if variant == "qlora":
         m = LlamaForCausalLM.from_pretrained(int4_dir)
     else:
-        m = LlamaForCausalLM(LlamaConfig(**MODELS[model]))
+        m = LlamaForCausalLM(MODELS[model]())
     if variant != "full":
         L.apply_lora(m, LORA, seed=0)
     total = m.num_parameters()
