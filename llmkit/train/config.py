@@ -614,7 +614,7 @@ def _dotted(loc: tuple[str | int, ...], root: type[BaseModel]) -> tuple[str, typ
 
     Parts that are not field names (pydantic's union-member tags) are skipped.
     """
-    path, owner, cls = "", None, root
+    path, owner, cls, section = "", None, root, False
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
@@ -622,8 +622,10 @@ def _dotted(loc: tuple[str | int, ...], root: type[BaseModel]) -> tuple[str, typ
             path += f".{part}" if path else part
             owner = cls
             annotation = cls.model_fields[part].annotation if part in cls.model_fields else None
-            cls = _section_class(annotation)
-    return path, owner, cls is not None and bool(loc)
+            cls = _section_class(annotation)  # an optional section's keys are dotted too (lora.r)
+            # (a whole optional section's own errors keep the "section: " prefix: not required)
+            section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+    return path, owner, section and bool(loc)
 
 
 def _section_class(annotation: Any) -> type[BaseModel] | None:
