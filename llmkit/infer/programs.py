@@ -117,16 +117,31 @@ class _TileLinear(RewritePattern):
         rewriter.replace_op(op, rewriter.create("llm.tiled_linear", list(op.operands), {"rows": self.rows}))
 
 
+class _TileQuantLinear(RewritePattern):
+    """A ``quant_linear`` traced as it is (int8 activations, ``act_bits=8``) takes the tiles too."""
+
+    roots = ("llm.quant_linear",)
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
+        if op.plain_attrs["rows"] == 0:
+            attrs = {**op.plain_attrs, "rows": self.rows}
+            rewriter.replace_op(op, rewriter.create("llm.quant_linear", list(op.operands), attrs))
+
+
 @register_pass
 @dataclass
 class TileLinear(Pass):
-    """``linear`` -> ``tiled_linear{rows}``: each row's result independent of the batch size."""
+    """``linear`` -> ``tiled_linear{rows}`` (and ``quant_linear`` traced untiled -> ``{rows}``): each
+    row's result independent of the batch size."""
 
     name = "tile-linear"
     rows: int = PREFILL_TILE
 
     def apply(self, program: Program) -> None:
-        apply_patterns(program, [_TileLinear(self.rows)], erase_dead=False)
+        apply_patterns(program, [_TileLinear(self.rows), _TileQuantLinear(self.rows)], erase_dead=False)
 
 
 class _Relayout(RewritePattern):

@@ -53,7 +53,8 @@ def targets(model: Any, lm_head: bool = False) -> list[str]:
 def install(model: Any, weights: dict[str, QuantizedWeight], cfg: QuantConfig) -> None:
     """Replace the linears at ``weights``' paths by ``QuantizedLinear`` layers holding them, and mark
     the model's config quantized (its ``quantization_config``)."""
-    for path, layer in nn.quantize_linears(model, list(weights), cfg.bits, cfg.group_size, cfg.sym).items():
+    made = nn.quantize_linears(model, list(weights), cfg.bits, cfg.group_size, cfg.sym, cfg.act_bits)
+    for path, layer in made.items():
         qw = weights[path]
         layer.qweight.set_value(qw.qweight)
         layer.scales.set_value(qw.scales.astype(layer.scales.dtype))

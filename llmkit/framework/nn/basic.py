@@ -60,6 +60,10 @@ class QuantizedLinear(Layer):
     of ``group_size`` input columns (-1: one per output channel). ``weight`` is the dequantized
     matrix, computed by the ``dequantize`` op where it is read; traced programs hold
     ``linear(x, dequantize(...))``, which the ``quantize-linear`` pass turns into ``quant_linear``.
+
+    ``act_bits=8`` quantizes the input too, to int8 per row and weight group, on the fly, and
+    multiplies integers: the forward is ``quant_linear(x, ..., act_bits=8)`` (``ops/quant.py`` has
+    the arithmetic), in eager mode and in traced programs alike. 0 (the default): x stays float.
     """
 
     def __init__(
@@ -71,12 +75,15 @@ class QuantizedLinear(Layer):
         sym: bool = True,
         bias: bool = False,
         dtype: Any = None,
+        act_bits: int = 0,
     ) -> None:
         super().__init__()
+        if act_bits not in ops.quant.ACT_BITS:
+            raise ValueError(f"QuantizedLinear: act_bits must be 0 (float) or 8, got {act_bits!r}")
         if bits == 4 and in_features % 2:
             raise ValueError(f"QuantizedLinear: 4-bit weights need an even in_features, got {in_features}")
         self.in_features, self.out_features = in_features, out_features
-        self.bits, self.group_size, self.sym = bits, group_size, sym
+        self.bits, self.group_size, self.sym, self.act_bits = bits, group_size, sym, act_bits
         groups = 1 if group_size == -1 else -(-in_features // group_size)
         codes = (out_features, in_features) if bits == 8 else (out_features, in_features // 2)
         self.register_buffer("qweight", zeros(*codes, dtype="int8" if bits == 8 else "uint8"))
@@ -94,21 +101,27 @@ class QuantizedLinear(Layer):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        if not self.act_bits:
+            return ops.linear(x, self.weight, self.bias)
+        q = (self.qweight, self.scales, self.zeros)
+        y = ops.quant_linear(x, *q, bits=self.bits, group_size=self.group_size, act_bits=self.act_bits)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
             f"group_size={self.group_size}, sym={self.sym}, bias={self.bias is not None}"
+            + (f", act_bits={self.act_bits}" if self.act_bits else "")
         )
 
 
 def quantize_linears(
-    root: Layer, paths: list[str], bits: int, group_size: int, sym: bool
+    root: Layer, paths: list[str], bits: int, group_size: int, sym: bool, act_bits: int = 0
 ) -> dict[str, QuantizedLinear]:
     """Replace the ``Linear`` sublayers at ``paths`` (dotted, as ``named_sublayers`` gives them) by
-    ``QuantizedLinear`` layers of the same shape, in place; their codes start at zero (fill them
-    with ``load_state_dict``); a bias stays the same Parameter. Returns the new layers by path."""
+    ``QuantizedLinear`` layers of the same shape (and ``act_bits``), in place; their codes start at
+    zero (fill them with ``load_state_dict``); a bias stays the same Parameter. Returns the new
+    layers by path."""
     layers = dict(root.named_sublayers())
     out = {}
     for path in paths:
@@ -117,7 +130,7 @@ def quantize_linears(
             what = type(old).__name__ if old is not None else "no sublayer"
             raise ValueError(f"quantize_linears: {path!r} is {what}, not a Linear")
         new = QuantizedLinear(
-            old.in_features, old.out_features, bits, group_size, sym, False, old.weight.dtype
+            old.in_features, old.out_features, bits, group_size, sym, False, old.weight.dtype, act_bits
         )
         new.bias = old.bias
         parent, _, name = path.rpartition(".")

@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from . import native_kernel
+from .quant_int import QUANT_INT, int_isa_code
 from .simd import VEC
 
 _F32 = np.dtype(np.float32)
@@ -211,7 +212,7 @@ static void KERNEL_FN_outputs(void *arg, int64_t c, int64_t worker) {
   }
 }
 
-void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+static void KERNEL_FN_float(void **bufs, const int64_t *sizes, int64_t nthreads) {
   const int64_t M = sizes[0], K = sizes[1], N = sizes[2], bits = sizes[3], g = sizes[4], has_z = sizes[5];
   int64_t *status = (int64_t *)bufs[4 + has_z];
   KERNEL_FN_job j = {(const float *)bufs[0], NULL, (const float *)bufs[2], (const uint8_t *)bufs[1],
@@ -238,10 +239,20 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   free(xd);
 }
 """
+    + QUANT_INT
+    + r"""
+/* sizes: M, K, N, bits, group, has_zeros, act_bits (0: float x, 8: int8 blocks), isa (-1: auto) */
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  if (sizes[6] == 8)
+    KERNEL_FN_int8(bufs, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[7], nthreads);
+  else
+    KERNEL_FN_float(bufs, sizes, nthreads);
+}
+"""
 )
 
 
-def _sizes(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
+def _sizes(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0):
     k = x.shape[-1]
     return [
         math.prod(x.shape[:-1]),
@@ -250,10 +261,12 @@ def _sizes(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
         bits,
         k if group_size == -1 else group_size,
         zeros is not None,
+        act_bits,
+        int_isa_code(),
     ]
 
 
-def _applies(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
+def _applies(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0):
     # any rows (the kernel computes every row alone); 4-bit groups of an even width (no byte
     # straddles two groups); the width known when the program is planned
     even = bits == 8 or group_size == -1 or group_size % 2 == 0
