@@ -379,17 +379,21 @@ def trace_programs(
     tiles = {"prefill": prefill_tile, "decode": decode_tile}
     native = runs_native(compiler)  # panel-packed weights where the executor runs the C kernel
     lm_weight = model.lm_weight
+    head = None if model.config.tie_word_embeddings else getattr(model, "lm_head", None)
+
+    def logits(rows):  # (R, H) -> (R, V); a quantized lm_head as its layer runs (int8 activations)
+        return head(rows) if isinstance(head, lf.nn.QuantizedLinear) else O.linear(rows, lm_weight())
 
     def prefill(input_ids, positions, slots, block_tables, kv_len, q_start, q_len, logit_rows, pool):
         cache = PagedKVCache(pool, slots, block_tables, kv_len, q_start, q_len)
         hidden = model.model(input_ids, positions, None, cache)  # (1, N, H)
         rows = O.index_select(O.reshape(hidden, [-1, hidden.shape[-1]]), logit_rows)  # (R, H)
-        return O.linear(rows, lm_weight()), cache.pool  # (R, V)
+        return logits(rows), cache.pool  # (R, V)
 
     def decode(input_ids, positions, slots, block_tables, kv_len, pool):
         cache = PagedKVCache(pool, slots, block_tables, kv_len)
         hidden = model.model(input_ids, positions, None, cache)  # (B, 1, H)
-        return O.linear(O.reshape(hidden, [-1, hidden.shape[-1]]), lm_weight()), cache.pool  # (B, V)
+        return logits(O.reshape(hidden, [-1, hidden.shape[-1]])), cache.pool  # (B, V)
 
     names = {id(t): n for n, t in model.named_parameters()}
     names.update({id(t): n for n, t in model.named_buffers()})

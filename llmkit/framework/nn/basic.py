@@ -115,24 +115,74 @@ class QuantizedLinear(Layer):
         )
 
 
+class QuantizedEmbedding(Layer):
+    """An Embedding whose table is stored quantized as a QuantizedLinear's weight (row ``i`` of the
+    table is output feature ``i``): out[..., :] = dequantize(qweight[ids], scales[ids], zeros[ids]).
+
+    Only the looked-up rows are read and dequantized (``index_select`` of the codes, then
+    ``dequantize``), so a token costs its row's bytes. No gradient (the codes are integers).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bits: int = 4,
+        group_size: int = 128,
+        sym: bool = True,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__()
+        # the same buffers as a [num_embeddings -> embedding_dim] quantized weight
+        table = QuantizedLinear(embedding_dim, num_embeddings, bits, group_size, sym, False, dtype)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.bits, self.group_size, self.sym = bits, group_size, sym
+        for name in ("qweight", "scales", "zeros"):
+            self.register_buffer(name, getattr(table, name))
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized table [num_embeddings, embedding_dim]."""
+        q = (self.qweight, self.scales, self.zeros)
+        return ops.dequantize(*q, bits=self.bits, group_size=self.group_size)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ops.reshape(ids, [-1])  # (T,)
+        q = (self.qweight, self.scales, self.zeros)
+        rows = [None if t is None else ops.index_select(t, flat) for t in q]
+        out = ops.dequantize(*rows, bits=self.bits, group_size=self.group_size)  # (T, dim)
+        return ops.reshape(out, [*ids.shape, self.embedding_dim])
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group_size={self.group_size}, "
+            f"sym={self.sym}"
+        )
+
+
 def quantize_linears(
     root: Layer, paths: list[str], bits: int, group_size: int, sym: bool, act_bits: int = 0
-) -> dict[str, QuantizedLinear]:
+) -> dict[str, QuantizedLinear | QuantizedEmbedding]:
     """Replace the ``Linear`` sublayers at ``paths`` (dotted, as ``named_sublayers`` gives them) by
-    ``QuantizedLinear`` layers of the same shape (and ``act_bits``), in place; their codes start at
-    zero (fill them with ``load_state_dict``); a bias stays the same Parameter. Returns the new
-    layers by path."""
+    ``QuantizedLinear`` layers of the same shape (and ``act_bits``), and ``Embedding`` ones by
+    ``QuantizedEmbedding``, in place; their codes start at zero (fill them with
+    ``load_state_dict``); a bias stays the same Parameter. Returns the new layers by path."""
     layers = dict(root.named_sublayers())
-    out = {}
+    out: dict[str, QuantizedLinear | QuantizedEmbedding] = {}
     for path in paths:
         old = layers.get(path)
-        if not isinstance(old, Linear):
+        if isinstance(old, Embedding) and old.padding_idx is None:
+            new = QuantizedEmbedding(
+                old.num_embeddings, old.embedding_dim, bits, group_size, sym, old.weight.dtype
+            )
+        elif isinstance(old, Linear):
+            new = QuantizedLinear(
+                old.in_features, old.out_features, bits, group_size, sym, False, old.weight.dtype, act_bits
+            )
+            new.bias = old.bias
+        else:
             what = type(old).__name__ if old is not None else "no sublayer"
-            raise ValueError(f"quantize_linears: {path!r} is {what}, not a Linear")
-        new = QuantizedLinear(
-            old.in_features, old.out_features, bits, group_size, sym, False, old.weight.dtype, act_bits
-        )
-        new.bias = old.bias
+            raise ValueError(f"quantize_linears: {path!r} is {what}, not a Linear or an Embedding")
         parent, _, name = path.rpartition(".")
         (layers[parent] if parent else root)._sublayers[name] = new  # in its place: containers keep order
         out[path] = new

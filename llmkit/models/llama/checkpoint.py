@@ -178,6 +178,8 @@ def _quantized_layers(path: Path, model: Any, names: set[str]) -> None:
     if not isinstance(sym, bool) or (bits == 8 and not sym):
         raise CheckpointError(f"{where}: sym must be true or false (true for 8 bits), got {sym!r}")
     paths = sorted(n.removesuffix(".qweight") for n in names if n.endswith(".qweight"))
+    if model.config.tie_word_embeddings and "model.embed_tokens" in paths:
+        raise CheckpointError(f"{path}: model.embed_tokens.qweight in a model whose embeddings are tied")
     if model.config.tie_word_embeddings and "lm_head" in paths:
         raise CheckpointError(f"{path}: lm_head.qweight in a model whose lm_head is tied to the embeddings")
     try:
@@ -220,7 +222,8 @@ def save_pretrained(
                 ):
                     (tmp / f.name).write_bytes(f.read_bytes())
         arch = getattr(model, "architecture", "LlamaForCausalLM")
-        write_config(model.config, next(iter(state.values())).dtype, tmp, arch)
+        floats = [a.dtype for a in state.values() if B.is_floating(a.dtype)]  # codes come first if quantized
+        write_config(model.config, floats[0] if floats else next(iter(state.values())).dtype, tmp, arch)
         total = sum(a.nbytes for a in state.values())
         if max_shard_size is None or total <= max_shard_size:
             lf.save(state, tmp / WEIGHTS, metadata={"format": "pt"})
