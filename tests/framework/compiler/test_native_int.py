@@ -92,7 +92,7 @@ def reference(x, qz, scales, col):
 @pytest.mark.parametrize("bits,out,n_in,group,asym", CASES)
 def test_every_path_matches_float64_and_rows_are_independent_bitwise(
     op, isa, m, bits, out, n_in, group, asym
-):  # noqa: E501
+):
     rng = np.random.default_rng(out * 7 + n_in + m)
     qz, w, col = weights(rng, bits, out, n_in, group, asym)
     x = rng.standard_normal((m, n_in)).astype(np.float32)
