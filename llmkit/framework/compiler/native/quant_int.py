@@ -216,7 +216,9 @@ KERNEL_FN_T2 static inline __m256i KERNEL_FN_seed(const KERNEL_FN_ijob *j, int64
     for (int64_t gi = 0; gi < j->G; gi++) {                                                        \
       const int64_t k0 = gi * j->g, w = KERNEL_FN_width(j, gi), full = w / 32 * 32;                \
       __m256i ia[KERNEL_FN_IMB];                                                                   \
-      for (int64_t r = 0; r < mb; r++) ia[r] = KERNEL_FN_seed(j, m0 + r, n, gi, full, w);          \
+      for (int64_t r = 0; r < mb; r++)                                                             \
+        ia[r] = j->z || full < w ? KERNEL_FN_seed(j, m0 + r, n, gi, full, w)                       \
+                                 : _mm256_loadu_si256((const __m256i *)(j->xl + ((m0 + r) * j->G + gi) * 8));\
       for (int64_t c = 0; c < full; c += 32) {                                                     \
         const __m256i wv = KERNEL_FN_w32(j, n, k0 + c, FLIP);                                      \
         for (int64_t r = 0; r < mb; r++)                                                           \
@@ -254,6 +256,19 @@ KERNEL_FN_ROWS256(KERNEL_FN_rows_avx2, KERNEL_FN_T2, KERNEL_FN_DOT_AVX2, 0)
 #define KERNEL_FN_DOT_VNNI(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
 KERNEL_FN_ROWS256(KERNEL_FN_rows_avxvnni, KERNEL_FN_TV, KERNEL_FN_DOT_VNNI, 1)
 
+/* 64 codes at column k of output n, as two KERNEL_FN_w32 (8 bits: q + 128) side by side */
+KERNEL_FN_T5 static inline __m512i KERNEL_FN_w64(const KERNEL_FN_ijob *j, int64_t n, int64_t k) {
+  if (j->bits == 8)
+    return _mm512_xor_si512(_mm512_loadu_si512((const void *)(j->q + n * j->K + k)),
+                            _mm512_set1_epi8((char)0x80));
+  const __m256i v = _mm256_loadu_si256((const __m256i *)(j->q + n * (j->K / 2) + k / 2));
+  const __m256i f = _mm256_set1_epi8(15);
+  const __m256i lo = _mm256_and_si256(v, f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), f);
+  /* [lo 0-31 | lo 32-63 | hi 0-31 | hi 32-63] in 128-bit lanes -> [lo, hi of 0-31 | lo, hi of 32-63] */
+  const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  return _mm512_shuffle_i64x2(t, t, 0xD8);
+}
+
 /* AVX-512 VNNI: groups of 32 columns two at a time (lanes 0-7 the first, 8-15 the second); wider
    groups 64 columns per vpdpbusd, a last 32 on 256 bits (AVX-512 VL), the rest in C */
 KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_avx512_mb(const KERNEL_FN_ijob *j,
@@ -264,8 +279,7 @@ KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_avx512_
   for (int64_t gi = 0; gi < j->G;) {
     const int64_t k0 = gi * j->g, w = KERNEL_FN_width(j, gi);
     if (j->g == 32 && w == 32 && gi + 1 < j->G && KERNEL_FN_width(j, gi + 1) == 32) {
-      const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(KERNEL_FN_w32(j, n, k0, 1)),
-                                            KERNEL_FN_w32(j, n, k0 + 32, 1), 1);
+      const __m512i wv = KERNEL_FN_w64(j, n, k0);
       const __m512 ws = _mm512_insertf32x8(_mm512_set1_ps(j->s[n * j->G + gi]),
                                            _mm256_set1_ps(j->s[n * j->G + gi + 1]), 1);
       __m512i zv = _mm512_set1_epi32(1);
@@ -284,31 +298,31 @@ KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_avx512_
       gi += 2;
       continue;
     }
-    const int64_t full = w / 32 * 32, wide = w / 64 * 64;
-    __m512i ia[KERNEL_FN_IMB5];
-    __m256i ib[KERNEL_FN_IMB5];
-    for (int64_t r = 0; r < mb; r++) {
-      ia[r] = _mm512_setzero_si512();
-      ib[r] = KERNEL_FN_seed(j, m0 + r, n, gi, full, w);
-    }
+    const int64_t full = w / 32 * 32, wide = w / 64 * 64, slow = j->z || full < w;
     const int8_t *xg = j->xq + m0 * j->KP + gi * j->GP;
+    __m512i ia[KERNEL_FN_IMB5]; /* the group's integer product, lanes summed at the end */
+    for (int64_t r = 0; r < mb; r++) {
+      const __m256i seed = slow ? KERNEL_FN_seed(j, m0 + r, n, gi, full, w)
+                                : _mm256_loadu_si256((const __m256i *)(j->xl + ((m0 + r) * j->G + gi) * 8));
+      ia[r] = _mm512_zextsi256_si512(seed);
+    }
     for (int64_t c = 0; c < wide; c += 64) {
-      const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(KERNEL_FN_w32(j, n, k0 + c, 1)),
-                                            KERNEL_FN_w32(j, n, k0 + c + 32, 1), 1);
+      const __m512i wv = KERNEL_FN_w64(j, n, k0 + c);
       for (int64_t r = 0; r < mb; r++)
         ia[r] = _mm512_dpbusd_epi32(ia[r], wv, _mm512_loadu_si512((const void *)(xg + r * j->KP + c)));
     }
-    if (wide < full) {
+    if (wide < full) { /* a last 32 columns: on 256 bits, into the low half */
       const __m256i wv = KERNEL_FN_w32(j, n, k0 + wide, 1);
-      for (int64_t r = 0; r < mb; r++)
-        ib[r] = _mm256_dpbusd_epi32(ib[r], wv, _mm256_loadu_si256((const __m256i *)(xg + r * j->KP + wide)));
+      for (int64_t r = 0; r < mb; r++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xg + r * j->KP + wide));
+        const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, x);
+        ia[r] = _mm512_add_epi32(ia[r], _mm512_zextsi256_si512(d));
+      }
     }
     const float ws = j->s[n * j->G + gi];
     for (int64_t r = 0; r < mb; r++) {
-      const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(ia[r]), _mm512_extracti64x4_epi64(ia[r], 1));
-      const __m256i t = _mm256_add_epi32(h, ib[r]);
-      const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(j->xd[(m0 + r) * j->G + gi] * ws));
-      acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(f));
+      const __m512 sc = _mm512_set1_ps(j->xd[(m0 + r) * j->G + gi] * ws);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), sc, acc[r]);
     }
     gi += 1;
   }
