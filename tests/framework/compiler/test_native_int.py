@@ -182,3 +182,16 @@ def test_the_environment_variable_forces_the_portable_path(op, monkeypatch):
     assert np.array_equal(c_env, c_fn)
     if len(cpu_int_isas()) > 1:
         assert not np.array_equal(c_env, widest)
+
+
+@pytest.mark.parametrize("bits,out,n_in,group,asym", CASES)
+def test_the_dequantize_kernel_is_the_format_exactly(bits, out, n_in, group, asym):
+    """``dequantize``'s C kernel (a quantized embedding's rows in replayed programs): (q - zero) *
+    scale, one float32 rounding of an exact float64 product, so equal to it rounded."""
+    spec = table()["dequantize"]
+    dq = NativeOp(spec, build_c(spec.native.source))
+    rng = np.random.default_rng(n_in + 1)
+    qz, w, col = weights(rng, bits, out, n_in, group, asym)
+    got = dq(np, *w, bits=bits, group_size=group)
+    want = (qz * w[1].astype(np.float64)[:, col]).astype(np.float32)
+    assert got.dtype == np.float32 and np.array_equal(got, want)

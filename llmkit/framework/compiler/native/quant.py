@@ -274,3 +274,39 @@ def _applies(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act
 
 
 native_kernel("quant_linear", QUANT_LINEAR, sizes=_sizes, applies=_applies)
+
+DEQUANTIZE = r"""
+#include <stdint.h>
+/* dequantize: out[n, k] = (float)(q[n, k] - zero[n, k / g]) * scale[n, k / g], the difference exact
+   and one rounding (the reference kernel's arithmetic); a quantized embedding's looked-up rows.
+   bufs: qweight ([N, K] int8 | [N, K / 2] uint8), scales [N, G], zeros [N, G] uint8?, out [N, K],
+   status.  sizes: N, K, bits, group (columns), has_zeros. */
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  (void)nthreads;
+  const int64_t N = sizes[0], K = sizes[1], bits = sizes[2], g = sizes[3], has_z = sizes[4];
+  const int64_t G = K > 0 ? (K + g - 1) / g : 1;
+  const uint8_t *q = (const uint8_t *)bufs[0], *z = has_z ? (const uint8_t *)bufs[2] : 0;
+  const float *s = (const float *)bufs[1];
+  float *out = (float *)bufs[2 + has_z];
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t k = 0; k < K; k++) {
+      const int64_t gi = k / g;
+      int32_t c;
+      if (bits == 8) c = (int8_t)q[n * K + k];
+      else c = (k % 2 ? q[n * (K / 2) + k / 2] >> 4 : q[n * (K / 2) + k / 2] & 15) - (z ? z[n * G + gi] : 8);
+      out[n * K + k] = (float)c * s[n * G + gi];
+    }
+}
+"""
+
+
+def _dq_sizes(qweight, scales, zeros=None, bits=4, group_size=128):
+    k = qweight.shape[1] * (2 if bits == 4 else 1)
+    return [qweight.shape[0], k, bits, k if group_size == -1 else group_size, zeros is not None]
+
+
+def _dq_applies(qweight, scales, zeros=None, bits=4, group_size=128):
+    return scales.dtype == _F32 and all(isinstance(d, int) for d in qweight.shape[1:])
+
+
+native_kernel("dequantize", DEQUANTIZE, sizes=_dq_sizes, applies=_dq_applies)
