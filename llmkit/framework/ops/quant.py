@@ -1,4 +1,4 @@
-"""Weight-only quantized linears: ``dequantize`` and ``quant_linear`` (docs/quantize.md has the format).
+"""Quantized linears: ``dequantize`` and ``quant_linear`` (docs/quantize.md has the format).
 
 A weight ``W [out, in]`` is stored as integer codes and float scales, in groups of ``group_size``
 consecutive input columns (column c is in group ``c // group_size``, the last group may be shorter;
@@ -15,7 +15,9 @@ consecutive input columns (column c is in group ``c // group_size``, the last gr
 ``linear(x, W)`` without storing ``W``: the program form of a linear whose weight is quantized
 (the ``quantize-linear`` pass makes it from ``linear(x, dequantize(...))``). With ``rows`` it keeps
 ``tiled_linear``'s contract: products of exactly ``rows`` rows, so a row's result does not depend
-on the other rows (the engine's batch invariance).
+on the other rows (the engine's batch invariance). With ``act_bits=8`` x is quantized too, to int8
+per row and weight group (:func:`quantize_activations`), and the product is the integer one scaled
+(``compiler/native/quant_int.py`` runs it with integer dot products).
 
 Both have no gradient rule (codes are integers, and nothing trains scales) and are ``internal``
 (no Tensor methods); ``quant_linear`` is an engine op (``engine_op``) whose compiled programs run
