@@ -26,7 +26,8 @@ from llmkit.framework.opspec import table
 pytestmark = pytest.mark.skipif(not available(), reason="no working C compiler")
 
 # (bits, out, in, group, asym): inputs not a multiple of 32, groups of 6 / 48 (not a multiple of 32),
-# 32 (two at a time on AVX-512), 64 / 128 (wide), -1 (one group, per output channel)
+# 32 (two at a time on AVX-512), 64 / 128 / 160 (wide; 4 bits: units of 128 columns), -1 (one group,
+# per output channel)
 CASES = [
     (8, 33, 100, -1, False),
     (8, 17, 256, 64, False),
@@ -37,6 +38,8 @@ CASES = [
     (4, 5, 144, 48, True),
     (4, 3, 98, -1, True),
     (4, 16, 64, 32, False),
+    (4, 7, 200, -1, True),  # a 128-column unit, then 64, then 8 columns in C
+    (4, 5, 320, 160, False),  # per group: a unit of 128, then 32
 ]
 
 

@@ -85,8 +85,8 @@ QUANT_INT = r"""
 #endif
 
 /* One call's int8 activations. Row m, group gi (i = m * G + gi): codes at xq + m * KP + gi * GP (GP:
-   the group's width rounded up to 32, zero-padded; 8-bit weights: the columns in order; 4-bit: per
-   32 columns, the 16 even ones then the 16 odd ones, matching the low and high nibbles), the scale
+   the group's width rounded up to 32, zero-padded; column t at KERNEL_FN_at, in the order of the
+   codes' bytes: 4 bits, even columns against low nibbles, odd ones against high ones), the scale
    d at xd[i] and 8 copies at xe[i * 8], and at xl[i * 8] lane 0 the correction seed of the vector
    paths: -off * (sum of the codes of the group's whole 32s) (asym 4 bits: -(that sum), times the
    group's zero later), the 7 lanes after it 0. */
@@ -99,6 +99,23 @@ typedef struct {
   int32_t *xl;
   int64_t M, K, N, G, g, GP, KP, bits, rows, isa;
 } KERNEL_FN_ijob;
+
+/* where column t (of a group of w columns) sits among its group's codes: 8 bits, in order; 4 bits,
+   in the group's whole 128s (units matching 64 bytes of codes) the unit's 64 even columns then its
+   64 odd ones, after them per 32 the 16 even then the 16 odd (matching KERNEL_FN_w32) */
+static inline int64_t KERNEL_FN_at(int64_t bits, int64_t t, int64_t w) {
+  if (bits == 8) return t;
+  if (t < w / 128 * 128) return (t / 128) * 128 + (t % 2) * 64 + (t % 128) / 2;
+  return (t / 32) * 32 + (t % 2) * 16 + (t % 32) / 2;
+}
+
+/* the 32 activation codes of the 32 columns at c (a multiple of 32) of group xg (w columns), in
+   KERNEL_FN_w32's order */
+#define KERNEL_FN_X32(bits, xg, c, w)                                                                  \
+  ((bits) == 4 && (c) < (w) / 128 * 128                                                              \
+       ? _mm256_set_m128i(_mm_loadu_si128((const __m128i *)((xg) + ((c) / 128) * 128 + 64 + (c) % 128 / 2)), \
+                          _mm_loadu_si128((const __m128i *)((xg) + ((c) / 128) * 128 + (c) % 128 / 2)))  \
+       : _mm256_loadu_si256((const __m256i *)((xg) + (c))))
 
 /* the zero the codes' unsigned form is offset by: 8-bit codes q + 128 for vpdpbusd, else 0;
    4-bit: the zero point (8, or the zeros tensor: 1 here, the zero applied later) */
@@ -125,7 +142,7 @@ static void KERNEL_FN_quantize_rows(KERNEL_FN_ijob *j) {
         v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
         const int8_t c = (int8_t)v;
         if (t < w / 32 * 32) sum += c;
-        const int64_t at = j->bits == 4 ? (t / 32) * 32 + (t % 2) * 16 + (t % 32) / 2 : t;
+        const int64_t at = KERNEL_FN_at(j->bits, t, w);
         o[at] = c;
       }
       j->xd[i] = d;
@@ -152,7 +169,7 @@ static inline int32_t KERNEL_FN_idot_c(const KERNEL_FN_ijob *j, int64_t m, int64
     const int32_t zero = j->z ? j->z[n * j->G + gi] : 8;
     for (int64_t t = c0; t < w; t++) {
       const int32_t q = (t % 2 ? qn[t / 2] >> 4 : qn[t / 2] & 15) - zero;
-      acc += (int32_t)xg[(t / 32) * 32 + (t % 2) * 16 + (t % 32) / 2] * q;
+      acc += (int32_t)xg[KERNEL_FN_at(4, t, w)] * q;
     }
   }
   return acc;
@@ -222,8 +239,7 @@ KERNEL_FN_T2 static inline __m256i KERNEL_FN_seed(const KERNEL_FN_ijob *j, int64
       for (int64_t c = 0; c < full; c += 32) {                                                     \
         const __m256i wv = KERNEL_FN_w32(j, n, k0 + c, FLIP);                                      \
         for (int64_t r = 0; r < mb; r++)                                                           \
-          ia[r] = DOT(ia[r], wv,                                                                   \
-                      _mm256_loadu_si256((const __m256i *)(j->xq + (m0 + r) * j->KP + gi * j->GP + c))); \
+          ia[r] = DOT(ia[r], wv, KERNEL_FN_X32(j->bits, j->xq + (m0 + r) * j->KP + gi * j->GP, c, w)); \
       }                                                                                            \
       const float ws = j->s[n * j->G + gi];                                                        \
       for (int64_t r = 0; r < mb; r++)                                                             \
@@ -306,7 +322,24 @@ KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_avx512_
                                 : _mm256_loadu_si256((const __m256i *)(j->xl + ((m0 + r) * j->G + gi) * 8));
       ia[r] = _mm512_zextsi256_si512(seed);
     }
-    for (int64_t c = 0; c < wide; c += 64) {
+    const int64_t units = j->bits == 4 ? w / 128 * 128 : 0;
+    if (units) { /* 128 columns a step: low nibbles (even columns) as they are, high ones as 16 q */
+      __m512i ih[KERNEL_FN_IMB5];
+      for (int64_t r = 0; r < mb; r++) ih[r] = _mm512_setzero_si512();
+      const __m512i f = _mm512_set1_epi8(15), f4 = _mm512_set1_epi8((char)0xF0);
+      for (int64_t c = 0; c < units; c += 128) {
+        const __m512i v = _mm512_loadu_si512((const void *)(j->q + n * (j->K / 2) + (k0 + c) / 2));
+        const __m512i lo = _mm512_and_si512(v, f), hi = _mm512_and_si512(v, f4);
+        for (int64_t r = 0; r < mb; r++) {
+          const int8_t *xu = xg + r * j->KP + c;
+          ia[r] = _mm512_dpbusd_epi32(ia[r], lo, _mm512_loadu_si512((const void *)xu));
+          ih[r] = _mm512_dpbusd_epi32(ih[r], hi, _mm512_loadu_si512((const void *)(xu + 64)));
+        }
+      }
+      for (int64_t r = 0; r < mb; r++) /* each lane a multiple of 16: the shift is exact */
+        ia[r] = _mm512_add_epi32(ia[r], _mm512_srai_epi32(ih[r], 4));
+    }
+    for (int64_t c = units; c < wide; c += 64) {
       const __m512i wv = KERNEL_FN_w64(j, n, k0 + c);
       for (int64_t r = 0; r < mb; r++)
         ia[r] = _mm512_dpbusd_epi32(ia[r], wv, _mm512_loadu_si512((const void *)(xg + r * j->KP + c)));
