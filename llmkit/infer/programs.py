@@ -128,16 +128,31 @@ class _TileLinear(RewritePattern):
         rewriter.replace_op(op, rewriter.create("llm.tiled_linear", list(op.operands), {"rows": self.rows}))
 
 
+class _TileQuantLinear(RewritePattern):
+    """A ``quant_linear`` traced as it is (int8 activations, ``act_bits=8``) takes the tiles too."""
+
+    roots = ("llm.quant_linear",)
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
+        if op.plain_attrs["rows"] == 0:
+            attrs = {**op.plain_attrs, "rows": self.rows}
+            rewriter.replace_op(op, rewriter.create("llm.quant_linear", list(op.operands), attrs))
+
+
 @register_pass
 @dataclass
 class TileLinear(Pass):
-    """``linear`` -> ``tiled_linear{rows}``: each row's result independent of the batch size."""
+    """``linear`` -> ``tiled_linear{rows}`` (and ``quant_linear`` traced untiled -> ``{rows}``): each
+    row's result independent of the batch size."""
 
     name = "tile-linear"
     rows: int = PREFILL_TILE
 
     def apply(self, program: Program) -> None:
-        apply_patterns(program, [_TileLinear(self.rows)], erase_dead=False)
+        apply_patterns(program, [_TileLinear(self.rows), _TileQuantLinear(self.rows)], erase_dead=False)
 
 
 class _Relayout(RewritePattern):
@@ -378,12 +393,16 @@ def trace_programs(
     tiles = {"prefill": prefill_tile, "decode": decode_tile, "score": prefill_tile}
     native = runs_native(compiler)  # panel-packed weights where the executor runs the C kernel
     lm_weight = model.lm_weight
+    head = None if model.config.tie_word_embeddings else getattr(model, "lm_head", None)
+
+    def logits(rows):  # (R, H) -> (R, V); a quantized lm_head as its layer runs (int8 activations)
+        return head(rows) if isinstance(head, lf.nn.QuantizedLinear) else O.linear(rows, lm_weight())
 
     def prefill(input_ids, positions, slots, block_tables, kv_len, q_start, q_len, logit_rows, pool):
         cache = PagedKVCache(pool, slots, block_tables, kv_len, q_start, q_len)
         hidden = model.model(input_ids, positions, None, cache)  # (1, N, H)
         rows = O.index_select(O.reshape(hidden, [-1, hidden.shape[-1]]), logit_rows)  # (R, H)
-        return O.linear(rows, lm_weight()), cache.pool  # (R, V)
+        return logits(rows), cache.pool  # (R, V)
 
     def score(input_ids, positions, slots, block_tables, kv_len, q_start, q_len, logit_rows, targets, pool):
         cache = PagedKVCache(pool, slots, block_tables, kv_len, q_start, q_len)
@@ -401,7 +420,7 @@ def trace_programs(
     def decode(input_ids, positions, slots, block_tables, kv_len, pool):
         cache = PagedKVCache(pool, slots, block_tables, kv_len)
         hidden = model.model(input_ids, positions, None, cache)  # (B, 1, H)
-        return O.linear(O.reshape(hidden, [-1, hidden.shape[-1]]), lm_weight()), cache.pool  # (B, V)
+        return logits(O.reshape(hidden, [-1, hidden.shape[-1]])), cache.pool  # (B, V)
 
     names = {id(t): n for n, t in model.named_parameters()}
     names.update({id(t): n for n, t in model.named_buffers()})
