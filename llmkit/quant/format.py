@@ -92,7 +92,9 @@ class QuantConfig:
                 f"quantization_config: version {version!r} is newer than this llmkit reads "
                 f"(1 .. {FORMAT_VERSION}): upgrade llmkit"
             )
-        return cls(**{k: d[k] for k in ("bits", "group_size", "sym", "method", "scale_dtype", "act_bits") if k in d})
+        return cls(
+            **{k: d[k] for k in ("bits", "group_size", "sym", "method", "scale_dtype", "act_bits") if k in d}
+        )
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else math.ceil(in_features / self.group_size)
