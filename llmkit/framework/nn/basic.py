@@ -141,6 +141,11 @@ class QuantizedEmbedding(Layer):
             self.register_buffer(name, getattr(table, name))
 
     @property
+    def in_features(self) -> int:
+        """The input features of the table as a quantized weight (its groups run along a row)."""
+        return self.embedding_dim
+
+    @property
     def weight(self) -> Tensor:
         """The dequantized table [num_embeddings, embedding_dim]."""
         q = (self.qweight, self.scales, self.zeros)
