@@ -1,0 +1,178 @@
+"""A Llama 3-style Hugging Face directory, made here with transformers (random weights, llama3 RoPE
+scaling, GQA, tied or untied embeddings, a byte-level BPE tokenizer.json with Llama 3's special
+tokens and its real chat template, saved by ``save_pretrained`` as transformers 5 writes it), through
+every job as a user runs them: ``llmkit generate``, ``llmkit train`` (the checkpoint is a complete HF
+directory transformers reads back), ``llmkit rlhf`` (chat-message prompts rendered with the
+template), ``llmkit quantize --bits 8``, ``llmkit export`` and ``llmkit serve`` with the openai
+client. Every number is checked against transformers on the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmkit.models.llama import LlamaForCausalLM
+from llmkit.models.llama.tokenizer import LLAMA3_SPLIT
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+BOS, EOS, EOT = 0, 1, 4  # the specials' ids, in the order above
+# meta-llama/Meta-Llama-3-8B-Instruct's chat_template
+LLAMA3_CHAT = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. It's 2024 and we're testing tokens.\n",
+    "def tokenize(text: str) -> list[int]:\n    return [ord(c) for c in text]\n",
+    "Unicode: héllo wörld, naïve café, 日本語のテキスト, emoji 😀🦙.\n",
+    "Some words without that letter: a cat, a dog, a big old ship, what a world.\n",
+]
+VOCAB = 400
+LLAMA3_ROPE = {  # original_max_position_embeddings small, so short prompts span all three bands
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+PROMPT = "The quick brown fox"
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say héllo to the 日本 fox 😀"},
+]
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def llmkit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m llmkit ARGS`` as a user runs it; fails the test with its output on an error."""
+    done = subprocess.run(
+        [sys.executable, "-m", "llmkit", *args], capture_output=True, text=True, timeout=timeout, env=env()
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def tokenizer_object() -> transformers.PreTrainedTokenizerFast:
+    """Llama 3's tokenizer in miniature: byte-level BPE with its split regex and specials, a BOS
+    post-processor, bos/eos as Llama 3 Instruct names them, its chat template."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
+
+    tk = tokenizers.Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tk.train_from_iterator(CORPUS * 20, trainer)
+    tk.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", BOS)]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
+    )
+    fast.chat_template = LLAMA3_CHAT
+    return fast
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The directory, made once per embedding kind: ``{"tied": DIR, "untied": DIR}``."""
+    fast = tokenizer_object()
+    assert fast.convert_tokens_to_ids(SPECIALS) == [BOS, EOS, 2, 3, EOT]
+    out = {}
+    for kind in ("tied", "untied"):
+        torch.manual_seed(0 if kind == "tied" else 1)
+        cfg = transformers.LlamaConfig(
+            vocab_size=len(fast),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,  # GQA
+            max_position_embeddings=128,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=dict(LLAMA3_ROPE),
+            tie_word_embeddings=kind == "tied",
+            bos_token_id=BOS,
+            eos_token_id=[EOS, EOT],
+        )
+        hf = transformers.LlamaForCausalLM(cfg).float()
+        with torch.no_grad():  # HF inits norms to 1: random, so a misplaced norm would show
+            for name, p in hf.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+        d = tmp_path_factory.mktemp(f"llama3-{kind}")
+        hf.save_pretrained(d)
+        fast.save_pretrained(d)
+        assert (d / "chat_template.jinja").is_file() and (d / "tokenizer.json").is_file()
+        gen = json.loads((d / "generation_config.json").read_text())
+        assert gen["eos_token_id"] == [EOS, EOT]
+        out[kind] = d
+    return out
+
+
+def hf_model(d: Path) -> transformers.LlamaForCausalLM:
+    return transformers.LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+
+
+def hf_greedy(d: Path, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation (stopping at generation_config's eos ids)."""
+    with torch.no_grad():
+        out = hf_model(d).generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def hf_logits(d: Path, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(d)(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_logits_equal_transformers(dirs: dict[str, Path], kind: str) -> None:
+    from llmkit.tokenizer import Tokenizer
+
+    d = dirs[kind]
+    tok = Tokenizer.from_pretrained(d)
+    ids = tok.encode(PROMPT + " " + MESSAGES[1]["content"] * 3)
+    assert ids == transformers.AutoTokenizer.from_pretrained(d)(PROMPT + " " + MESSAGES[1]["content"] * 3)[
+        "input_ids"
+    ]
+    assert len(ids) > LLAMA3_ROPE["original_max_position_embeddings"]
+    model = LlamaForCausalLM.from_pretrained(str(d))
+    assert model.config.tie_word_embeddings == (kind == "tied")
+    ours = model(__import__("llmkit.framework", fromlist=["tensor"]).tensor(np.array([ids]))).logits.numpy()[0]
+    np.testing.assert_allclose(ours, hf_logits(d, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_generate_cli_equals_transformers(dirs: dict[str, Path], kind: str) -> None:
+    d, n = dirs[kind], 12
+    fast = transformers.AutoTokenizer.from_pretrained(d)
+    ids = fast(PROMPT)["input_ids"]
+    want = hf_greedy(d, ids, n)
+    out = llmkit("generate", "--model", str(d), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", str(n))
+    assert out.stdout.rstrip("\n") == PROMPT + fast.decode(want, skip_special_tokens=True)
