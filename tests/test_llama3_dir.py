@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import llmkit.framework as lf
 from llmkit.models.llama import LlamaForCausalLM
 from llmkit.models.llama.tokenizer import LLAMA3_SPLIT
 
@@ -164,7 +165,7 @@ def test_logits_equal_transformers(dirs: dict[str, Path], kind: str) -> None:
     assert len(ids) > LLAMA3_ROPE["original_max_position_embeddings"]
     model = LlamaForCausalLM.from_pretrained(str(d))
     assert model.config.tie_word_embeddings == (kind == "tied")
-    ours = model(__import__("llmkit.framework", fromlist=["tensor"]).tensor(np.array([ids]))).logits.numpy()[0]
+    ours = model(lf.tensor(np.array([ids]))).logits.numpy()[0]
     np.testing.assert_allclose(ours, hf_logits(d, ids), atol=1e-4, rtol=0)
 
 
@@ -176,3 +177,53 @@ def test_generate_cli_equals_transformers(dirs: dict[str, Path], kind: str) -> N
     want = hf_greedy(d, ids, n)
     out = llmkit("generate", "--model", str(d), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", str(n))
     assert out.stdout.rstrip("\n") == PROMPT + fast.decode(want, skip_special_tokens=True)
+
+
+def newest_checkpoint(run: Path) -> Path:
+    return sorted((run / "checkpoints").glob("step-*"))[-1] / "model"
+
+
+@pytest.mark.slow
+def test_train_from_the_dir_writes_a_complete_hf_dir(dirs: dict[str, Path], tmp_path: Path) -> None:
+    d = dirs["untied"]
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(CORPUS) * 30, encoding="utf-8")
+    run, cfg = tmp_path / "run", tmp_path / "hf.yaml"
+    # the docs' config for a Hugging Face directory (docs/train.md): weights and tokenizer from it
+    cfg.write_text(
+        f"model:\n  init_from: {d}\ntokenizer:\n  path: {d}\ndata:\n  sources: [{text}]\n"
+        f"  cache_dir: {tmp_path / 'cache'}\nout_dir: {run}\n",
+        encoding="utf-8",
+    )
+    llmkit(
+        "train",
+        str(cfg),
+        "train.steps=2",
+        "train.batch_size=2",
+        "train.seq_len=32",
+        "train.eval_every=0",
+        "train.log_every=1",
+        "train.save_every=0",
+        "schedule.warmup_steps=0",
+        "optim.lr=1e-2",
+        "--quiet",
+    )
+    ckpt = newest_checkpoint(run)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "generation_config.json"):  # fmt: skip
+        assert (ckpt / name).is_file(), name
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["num_key_value_heads"] == 2
+    assert json.loads((ckpt / "generation_config.json").read_text())["eos_token_id"] == [EOS, EOT]
+    # transformers reads it back: the same ids, the same chat prompt, llmkit's logits
+    theirs, fast = transformers.AutoTokenizer.from_pretrained(ckpt), transformers.AutoTokenizer.from_pretrained(d)
+    for s in CORPUS + [PROMPT]:
+        assert theirs(s)["input_ids"] == fast(s)["input_ids"]
+    assert theirs.apply_chat_template(MESSAGES, add_generation_prompt=True) == fast.apply_chat_template(
+        MESSAGES, add_generation_prompt=True
+    )
+    ids = fast(PROMPT + " " + CORPUS[2])["input_ids"]
+    ours = LlamaForCausalLM.from_pretrained(str(ckpt))(lf.tensor(np.array([ids]))).logits.numpy()[0]
+    np.testing.assert_allclose(ours, hf_logits(ckpt, ids), atol=1e-4, rtol=0)
+    # and training moved the weights
+    assert not np.allclose(hf_logits(ckpt, ids), hf_logits(d, ids), atol=1e-4)
