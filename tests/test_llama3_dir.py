@@ -136,6 +136,12 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+def chat_ids(fast: transformers.PreTrainedTokenizerBase, messages: list[dict], generation: bool = True) -> list[int]:
+    """transformers' ``apply_chat_template`` prompt ids."""
+    out = fast.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=generation)
+    return list(out["input_ids"])
+
+
 def hf_model(d: Path) -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
 
@@ -219,11 +225,43 @@ def test_train_from_the_dir_writes_a_complete_hf_dir(dirs: dict[str, Path], tmp_
     theirs, fast = transformers.AutoTokenizer.from_pretrained(ckpt), transformers.AutoTokenizer.from_pretrained(d)
     for s in CORPUS + [PROMPT]:
         assert theirs(s)["input_ids"] == fast(s)["input_ids"]
-    assert theirs.apply_chat_template(MESSAGES, add_generation_prompt=True) == fast.apply_chat_template(
-        MESSAGES, add_generation_prompt=True
-    )
+    assert chat_ids(theirs, MESSAGES) == chat_ids(fast, MESSAGES)
     ids = fast(PROMPT + " " + CORPUS[2])["input_ids"]
     ours = LlamaForCausalLM.from_pretrained(str(ckpt))(lf.tensor(np.array([ids]))).logits.numpy()[0]
     np.testing.assert_allclose(ours, hf_logits(ckpt, ids), atol=1e-4, rtol=0)
     # and training moved the weights
     assert not np.allclose(hf_logits(ckpt, ids), hf_logits(d, ids), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_rlhf_from_the_dir_renders_chat_prompts_with_its_template(
+    dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmkit.cli import main as cli_main
+    from llmkit.rlhf.rollout import Rollouts
+
+    d = dirs["tied"]
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": MESSAGES}, {"prompt": [MESSAGES[1]]}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    seen: list[list[int]] = []
+    encode = Rollouts.encode
+    monkeypatch.setattr(Rollouts, "encode", lambda self, p: seen.append(encode(self, p)) or seen[-1])
+    run = tmp_path / "rlhf"
+    args = [f"model.init_from={d}", f"data.prompts={prompts}", f"out_dir={run}", "train.steps=2"]
+    args += ["train.save_every=0", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=6"]
+    args += ["rollout.max_batch=4", "schedule.warmup_steps=0"]
+    assert cli_main(["rlhf", str(ROOT / "configs" / "rlhf-tiny.yaml"), *args, "--quiet"]) == 0
+    fast = transformers.AutoTokenizer.from_pretrained(d)
+    want = [chat_ids(fast, r["prompt"]) for r in rows]
+    assert seen and all(ids in want for ids in seen) and {tuple(w) for w in want} == {tuple(s) for s in seen}
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in metrics if "reward_mean" in r] == [1, 2]
+    policy = newest_checkpoint(run)
+    assert json.loads((policy / "config.json").read_text())["tie_word_embeddings"] is True
+    assert chat_ids(transformers.AutoTokenizer.from_pretrained(policy), MESSAGES, False) == chat_ids(
+        fast, MESSAGES, False
+    )
+    ids = fast(PROMPT)["input_ids"]
+    ours = LlamaForCausalLM.from_pretrained(str(policy))(lf.tensor(np.array([ids]))).logits.numpy()[0]
+    np.testing.assert_allclose(ours, hf_logits(policy, ids), atol=1e-4, rtol=0)
