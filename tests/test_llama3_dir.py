@@ -58,14 +58,11 @@ MESSAGES = [
 ]
 
 
-def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(ROOT))
-
-
-def llmkit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def llmkit(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
     """``python -m llmkit ARGS`` as a user runs it; fails the test with its output on an error."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **env)
     done = subprocess.run(
-        [sys.executable, "-m", "llmkit", *args], capture_output=True, text=True, timeout=timeout, env=env()
+        [sys.executable, "-m", "llmkit", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
@@ -265,3 +262,31 @@ def test_rlhf_from_the_dir_renders_chat_prompts_with_its_template(
     ids = fast(PROMPT)["input_ids"]
     ours = LlamaForCausalLM.from_pretrained(str(policy))(lf.tensor(np.array([ids]))).logits.numpy()[0]
     np.testing.assert_allclose(ours, hf_logits(policy, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_quantize_int8_reports_transformers_perplexity(dirs: dict[str, Path], tmp_path: Path) -> None:
+    from llmkit.quant.evaluate import eval_tokens, windows
+    from llmkit.tokenizer import Tokenizer
+
+    d, out, seq = dirs["untied"], tmp_path / "int8", 32
+    calib = tmp_path / "calib.txt"
+    calib.write_text("".join(CORPUS) * 10, encoding="utf-8")
+    args = ["--model", str(d), "--bits", "8", "--calib", str(calib), "--calib-samples", "4"]
+    args += ["--seq-len", str(seq), "--eval-tokens", "256", "--out", str(out), "--quiet"]
+    done = llmkit("quantize", *args, LLMKIT_CACHE_DIR=str(tmp_path / "cache"))
+    report = json.loads((out / "quant_report.json").read_text())
+    ppl = report["perplexity"]
+    assert f"{ppl['float']:.3f}" in done.stdout and f"{ppl['quant']:.3f}" in done.stdout, done.stdout
+    assert report["linears"] == 14 and abs(ppl["quant"] / ppl["float"] - 1) < 0.01
+    # the float side's perplexity is transformers' on the same windows (float64 log-softmax)
+    ids = windows(eval_tokens(Tokenizer.from_pretrained(d), cache_dir=tmp_path / "cache"), seq, 256)
+    assert report["eval"]["tokens"] == ids.shape[0] * seq
+    with torch.no_grad():
+        logits = hf_model(d)(torch.tensor(ids[:, :-1])).logits.double()
+    nll = -torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[:, 1:])[..., None]).mean()
+    assert ppl["float"] == pytest.approx(float(torch.exp(nll)), rel=1e-5)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["bits"] == 8 and cfg["rope_scaling"]["rope_type"] == "llama3"
+    fast = transformers.AutoTokenizer.from_pretrained(d)  # the tokenizer and its template came along
+    assert chat_ids(transformers.AutoTokenizer.from_pretrained(out), MESSAGES) == chat_ids(fast, MESSAGES)
