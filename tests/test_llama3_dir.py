@@ -133,9 +133,13 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def chat_ids(fast: transformers.PreTrainedTokenizerBase, messages: list[dict], generation: bool = True) -> list[int]:
+def chat_ids(
+    fast: transformers.PreTrainedTokenizerBase, messages: list[dict], generation: bool = True
+) -> list[int]:
     """transformers' ``apply_chat_template`` prompt ids."""
-    out = fast.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=generation)
+    out = fast.apply_chat_template(
+        messages, tokenize=True, return_dict=True, add_generation_prompt=generation
+    )
     return list(out["input_ids"])
 
 
@@ -162,9 +166,12 @@ def test_logits_equal_transformers(dirs: dict[str, Path], kind: str) -> None:
     d = dirs[kind]
     tok = Tokenizer.from_pretrained(d)
     ids = tok.encode(PROMPT + " " + MESSAGES[1]["content"] * 3)
-    assert ids == transformers.AutoTokenizer.from_pretrained(d)(PROMPT + " " + MESSAGES[1]["content"] * 3)[
-        "input_ids"
-    ]
+    assert (
+        ids
+        == transformers.AutoTokenizer.from_pretrained(d)(PROMPT + " " + MESSAGES[1]["content"] * 3)[
+            "input_ids"
+        ]
+    )
     assert len(ids) > LLAMA3_ROPE["original_max_position_embeddings"]
     model = LlamaForCausalLM.from_pretrained(str(d))
     assert model.config.tie_word_embeddings == (kind == "tied")
@@ -172,13 +179,16 @@ def test_logits_equal_transformers(dirs: dict[str, Path], kind: str) -> None:
     np.testing.assert_allclose(ours, hf_logits(d, ids), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tied", "untied"])
 def test_generate_cli_equals_transformers(dirs: dict[str, Path], kind: str) -> None:
     d, n = dirs[kind], 12
     fast = transformers.AutoTokenizer.from_pretrained(d)
     ids = fast(PROMPT)["input_ids"]
     want = hf_greedy(d, ids, n)
-    out = llmkit("generate", "--model", str(d), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", str(n))
+    out = llmkit(
+        "generate", "--model", str(d), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", str(n)
+    )
     assert out.stdout.rstrip("\n") == PROMPT + fast.decode(want, skip_special_tokens=True)
 
 
@@ -187,8 +197,11 @@ def newest_checkpoint(run: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_train_from_the_dir_writes_a_complete_hf_dir(dirs: dict[str, Path], tmp_path: Path) -> None:
-    d = dirs["untied"]
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_train_from_the_dir_writes_a_complete_hf_dir(
+    dirs: dict[str, Path], kind: str, tmp_path: Path
+) -> None:
+    d = dirs[kind]
     text = tmp_path / "corpus.txt"
     text.write_text("".join(CORPUS) * 30, encoding="utf-8")
     run, cfg = tmp_path / "run", tmp_path / "hf.yaml"
@@ -217,9 +230,13 @@ def test_train_from_the_dir_writes_a_complete_hf_dir(dirs: dict[str, Path], tmp_
         assert (ckpt / name).is_file(), name
     cfg = json.loads((ckpt / "config.json").read_text())
     assert cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["num_key_value_heads"] == 2
+    assert cfg["tie_word_embeddings"] == (kind == "tied")
     assert json.loads((ckpt / "generation_config.json").read_text())["eos_token_id"] == [EOS, EOT]
     # transformers reads it back: the same ids, the same chat prompt, llmkit's logits
-    theirs, fast = transformers.AutoTokenizer.from_pretrained(ckpt), transformers.AutoTokenizer.from_pretrained(d)
+    theirs, fast = (
+        transformers.AutoTokenizer.from_pretrained(ckpt),
+        transformers.AutoTokenizer.from_pretrained(d),
+    )
     for s in CORPUS + [PROMPT]:
         assert theirs(s)["input_ids"] == fast(s)["input_ids"]
     assert chat_ids(theirs, MESSAGES) == chat_ids(fast, MESSAGES)
@@ -231,13 +248,14 @@ def test_train_from_the_dir_writes_a_complete_hf_dir(dirs: dict[str, Path], tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tied", "untied"])
 def test_rlhf_from_the_dir_renders_chat_prompts_with_its_template(
-    dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dirs: dict[str, Path], kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from llmkit.cli import main as cli_main
     from llmkit.rlhf.rollout import Rollouts
 
-    d = dirs["tied"]
+    d = dirs[kind]
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": MESSAGES}, {"prompt": [MESSAGES[1]]}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -255,7 +273,7 @@ def test_rlhf_from_the_dir_renders_chat_prompts_with_its_template(
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics if "reward_mean" in r] == [1, 2]
     policy = newest_checkpoint(run)
-    assert json.loads((policy / "config.json").read_text())["tie_word_embeddings"] is True
+    assert json.loads((policy / "config.json").read_text())["tie_word_embeddings"] == (kind == "tied")
     assert chat_ids(transformers.AutoTokenizer.from_pretrained(policy), MESSAGES, False) == chat_ids(
         fast, MESSAGES, False
     )
@@ -265,11 +283,14 @@ def test_rlhf_from_the_dir_renders_chat_prompts_with_its_template(
 
 
 @pytest.mark.slow
-def test_quantize_int8_reports_transformers_perplexity(dirs: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_quantize_int8_reports_transformers_perplexity(
+    dirs: dict[str, Path], kind: str, tmp_path: Path
+) -> None:
     from llmkit.quant.evaluate import eval_tokens, windows
     from llmkit.tokenizer import Tokenizer
 
-    d, out, seq = dirs["untied"], tmp_path / "int8", 32
+    d, out, seq = dirs[kind], tmp_path / "int8", 32
     calib = tmp_path / "calib.txt"
     calib.write_text("".join(CORPUS) * 10, encoding="utf-8")
     args = ["--model", str(d), "--bits", "8", "--calib", str(calib), "--calib-samples", "4"]
@@ -290,3 +311,63 @@ def test_quantize_int8_reports_transformers_perplexity(dirs: dict[str, Path], tm
     assert cfg["quantization_config"]["bits"] == 8 and cfg["rope_scaling"]["rope_type"] == "llama3"
     fast = transformers.AutoTokenizer.from_pretrained(d)  # the tokenizer and its template came along
     assert chat_ids(transformers.AutoTokenizer.from_pretrained(out), MESSAGES) == chat_ids(fast, MESSAGES)
+
+
+def stops_at_eot(d: Path, out: Path, ids: list[int]) -> Path:
+    """``d``'s weights with ``lm_head``'s <|eot_id|> row made a little larger than that of the third
+    token greedy decoding of ``ids`` picks: the model then ends its reply with <|eot_id|>, in
+    transformers as anywhere else."""
+    hf = hf_model(d)
+    third = hf_greedy(d, ids, 3)[2]
+    with torch.no_grad():
+        w = hf.lm_head.weight
+        w[EOT] = 1.05 * w[third]
+    hf.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(d).save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_export_and_serve_equal_transformers(dirs: dict[str, Path], kind: str, tmp_path: Path) -> None:
+    import openai
+    from serve.conftest import start_server  # tests/ is on sys.path (pytest rootdir)
+
+    fast = transformers.AutoTokenizer.from_pretrained(dirs[kind])
+    chat = chat_ids(fast, MESSAGES)
+    d = stops_at_eot(dirs[kind], tmp_path / "hf", chat)
+    reply = hf_greedy(d, chat, 16)  # generation_config's eos list [<|end_of_text|>, <|eot_id|>]
+    assert reply[-1] == EOT and len(reply) <= 3, reply
+    model_file = tmp_path / "llama3.llmkit"
+    llmkit("export", "--model", str(d), "--out", str(model_file), "--name", "llama3")
+    server = start_server(model_file, tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+        # a string prompt gets the tokenizer's BOS (add_bos_token), as transformers' encode does
+        ids = fast(PROMPT)["input_ids"]
+        want = hf_greedy(d, ids, 12)
+        done = client.completions.create(model="llama3", prompt=PROMPT, max_tokens=12, temperature=0)
+        assert done.usage.prompt_tokens == len(ids) and done.usage.completion_tokens == len(want)
+        assert done.choices[0].text == fast.decode(want, skip_special_tokens=True)
+        # the chat prompt is apply_chat_template's ids, and the reply stops at <|eot_id|>
+        said = client.chat.completions.create(model="llama3", messages=MESSAGES, max_tokens=16, temperature=0)
+        assert said.usage.prompt_tokens == len(chat)
+        assert said.choices[0].finish_reason == "stop" and said.usage.completion_tokens == len(reply)
+        assert said.choices[0].message.content == fast.decode(reply[:-1])
+        # the same ids given as a token-id prompt: the same reply, and echo gives them back
+        scored = client.completions.create(
+            model="llama3", prompt=chat, max_tokens=16, temperature=0, echo=True, logprobs=0
+        )
+        assert scored.usage.prompt_tokens == len(chat) and scored.choices[0].finish_reason == "stop"
+        lp = scored.choices[0].logprobs
+        assert len(lp.tokens) == len(chat) + len(reply) and lp.token_logprobs[0] is None
+        # echoed token texts: each token alone, special tokens left out as the text leaves them
+        assert lp.tokens[: len(chat)] == [fast.decode([i], skip_special_tokens=True) for i in chat]
+        assert scored.choices[0].text == fast.decode(chat + reply, skip_special_tokens=True)
+        # each echoed log-prob is transformers' log_softmax of that prompt token
+        with torch.no_grad():
+            logp = torch.log_softmax(hf_model(d)(torch.tensor([chat])).logits[0].double(), -1)
+        want_lp = [float(logp[i, t]) for i, t in enumerate(chat[1:])]
+        np.testing.assert_allclose(lp.token_logprobs[1 : len(chat)], want_lp, atol=1e-4, rtol=0)
+    finally:
+        assert server.stop() == 0, server.log.read_text()
