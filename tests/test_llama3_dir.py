@@ -179,6 +179,20 @@ def test_logits_equal_transformers(dirs: dict[str, Path], kind: str) -> None:
     np.testing.assert_allclose(ours, hf_logits(d, ids), atol=1e-4, rtol=0)
 
 
+def stops_at(d: Path, out: Path, ids: list[int], stop: int) -> Path:
+    """``d``'s weights with ``lm_head``'s row of token ``stop`` made a little larger than that of the
+    third token greedy decoding of ``ids`` picks: the model then ends its reply with ``stop``
+    within three tokens, in transformers as anywhere else."""
+    hf = hf_model(d)
+    third = hf_greedy(d, ids, 3)[2]
+    with torch.no_grad():
+        w = hf.lm_head.weight
+        w[stop] = 1.05 * w[third]
+    hf.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(d).save_pretrained(out)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tied", "untied"])
 def test_generate_cli_equals_transformers(dirs: dict[str, Path], kind: str) -> None:
@@ -190,6 +204,24 @@ def test_generate_cli_equals_transformers(dirs: dict[str, Path], kind: str) -> N
         "generate", "--model", str(d), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", str(n)
     )
     assert out.stdout.rstrip("\n") == PROMPT + fast.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["engine", "eager"])
+def test_generate_stops_at_every_eos_of_generation_config(
+    dirs: dict[str, Path], tmp_path: Path, mode: str
+) -> None:
+    """Llama 3 Instruct's tokenizer names <|eot_id|> its eos; <|end_of_text|> stops generation only
+    through generation_config.json's eos list, as in transformers."""
+    fast = transformers.AutoTokenizer.from_pretrained(dirs["untied"])
+    assert fast.eos_token == "<|eot_id|>"
+    ids = fast(PROMPT)["input_ids"]
+    d = stops_at(dirs["untied"], tmp_path / "hf", ids, EOS)
+    reply = hf_greedy(d, ids, 12)
+    assert reply[-1] == EOS and len(reply) <= 3, reply
+    args = ["--model", str(d), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "12"]
+    out = llmkit("generate", *args, *(["--eager"] if mode == "eager" else []))
+    assert out.stdout.rstrip("\n") == PROMPT + fast.decode(reply, skip_special_tokens=True)
 
 
 def newest_checkpoint(run: Path) -> Path:
@@ -313,20 +345,6 @@ def test_quantize_int8_reports_transformers_perplexity(
     assert chat_ids(transformers.AutoTokenizer.from_pretrained(out), MESSAGES) == chat_ids(fast, MESSAGES)
 
 
-def stops_at_eot(d: Path, out: Path, ids: list[int]) -> Path:
-    """``d``'s weights with ``lm_head``'s <|eot_id|> row made a little larger than that of the third
-    token greedy decoding of ``ids`` picks: the model then ends its reply with <|eot_id|>, in
-    transformers as anywhere else."""
-    hf = hf_model(d)
-    third = hf_greedy(d, ids, 3)[2]
-    with torch.no_grad():
-        w = hf.lm_head.weight
-        w[EOT] = 1.05 * w[third]
-    hf.save_pretrained(out)
-    transformers.AutoTokenizer.from_pretrained(d).save_pretrained(out)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tied", "untied"])
 def test_export_and_serve_equal_transformers(dirs: dict[str, Path], kind: str, tmp_path: Path) -> None:
@@ -335,7 +353,7 @@ def test_export_and_serve_equal_transformers(dirs: dict[str, Path], kind: str, t
 
     fast = transformers.AutoTokenizer.from_pretrained(dirs[kind])
     chat = chat_ids(fast, MESSAGES)
-    d = stops_at_eot(dirs[kind], tmp_path / "hf", chat)
+    d = stops_at(dirs[kind], tmp_path / "hf", chat, EOT)
     reply = hf_greedy(d, chat, 16)  # generation_config's eos list [<|end_of_text|>, <|eot_id|>]
     assert reply[-1] == EOT and len(reply) <= 3, reply
     model_file = tmp_path / "llama3.llmkit"
