@@ -132,10 +132,8 @@ class Engine:
             config.compiler,
             config.relayout_weights,
         )
-        eos = model.config.eos_token_id
-        eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
         tok = None if tokenizer is None else Tokenizer.of(tokenizer)
-        return cls(runner, tok, config, model_name=model_name, eos_token_ids=eos_ids)
+        return cls(runner, tok, config, model_name=model_name, eos_token_ids=model.config.eos_ids)
 
     @classmethod
     def from_static(cls, path: str | os.PathLike[str], config: EngineConfig | None = None) -> Engine:

@@ -227,14 +227,7 @@ def save_pretrained(
         floats = [a.dtype for a in state.values() if B.is_floating(a.dtype)]  # codes come first if quantized
         write_config(model.config, floats[0] if floats else next(iter(state.values())).dtype, tmp, arch)
         c = model.config
-        eos = (
-            c.eos_token_id
-            if isinstance(c.eos_token_id, list)
-            else []
-            if c.eos_token_id is None
-            else [c.eos_token_id]
-        )
-        write_generation_config(tmp, c.bos_token_id, eos, c.pad_token_id)
+        write_generation_config(tmp, c.bos_token_id, c.eos_ids, c.pad_token_id)
         total = sum(a.nbytes for a in state.values())
         if max_shard_size is None or total <= max_shard_size:
             lf.save(state, tmp / WEIGHTS, metadata={"format": "pt"})
