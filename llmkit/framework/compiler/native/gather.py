@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import native_kernel
+from .attach import native_kernel
 
 INDEX_SELECT = r"""
 #include <string.h>

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from . import native_kernel
+from .attach import native_kernel
 from .quant_int import QUANT_INT, int_isa_code
 from .simd import VEC
 
