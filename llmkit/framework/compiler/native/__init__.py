@@ -2,9 +2,9 @@
 
 Each family module holds the C source of some ops and attaches it to their specs with
 :func:`native_kernel` (``attach.py``; ``OpSpec.native``: source, size arguments, when it
-applies). ``run`` builds them (``build.py``: the system C compiler, the kernel cache) and runs them in place of the reference
-kernels in compiled programs, where a function made only of C kernels is replayed in one C call;
-their threads come from the pool in ``par.py``.
+applies). ``run`` builds them (``build.py``: the system C compiler, the kernel cache) and runs
+them in place of the reference kernels in compiled programs, where a function made only of C
+kernels is replayed in one C call; their threads come from the pool in ``par.py``.
 
 ==============  ==============================================================================
 ``attach``      ``native_kernel``: a family module attaches its kernel to an op's spec
