@@ -18,9 +18,10 @@ segment: a run of tokens of one sequence, see ``paged_attention``), and returns 
 row: with ``lse = logsumexp(z)`` of the row's logits ``z`` in float64, the log-prob ``z[t] - lse`` of
 ``targets[row]`` (the sequence's next token) and of the K most likely tokens (K =
 ``ModelSpec.score_top_k``), all by that one formula (a target that is the most likely token has
-exactly the top-1 value). The log-softmax row itself is never formed. Its
-``logits`` at ``logit_rows`` are prefill's, by the same ops (so a scored prompt samples the same
-first token). ``pool`` is ``[layers, 2, NB, BS, Hkv, D]``
+exactly the top-1 value). Neither the log-softmax row nor ``z`` itself is formed: ``lse`` is one
+fused pass over the float32 logits, and ``z[t]`` is the float32 logit picked, then cast (exact). Its
+``logits`` at ``logit_rows`` are rows of the same tiled product, so prefill's bits (a scored prompt
+samples the same first token). ``pool`` is ``[layers, 2, NB, BS, Hkv, D]``
 with NB symbolic: the server sizes its pool at startup.
 
 After tracing, passes rewrite them: ``tile-linear`` turns every ``linear`` into
@@ -408,13 +409,17 @@ def trace_programs(
         cache = PagedKVCache(pool, slots, block_tables, kv_len, q_start, q_len)
         hidden = model.model(input_ids, positions, None, cache)  # (1, N, H)
         flat = O.reshape(hidden, [-1, hidden.shape[-1]])  # (N, H)
-        logits = O.linear(O.index_select(flat, logit_rows), lm_weight())  # (R, V): prefill's
         every = O.linear(flat, lm_weight())  # (N, V)
-        z = O.cast(every, np.float64)
-        lse = O.logsumexp(z, axis=-1, keepdim=True)  # (N, 1)
-        _, top_ids = O.topk(every, k=spec.score_top_k)  # (N, K): the order of z, on the narrower type
-        target_lp = O.reshape(O.gather(z, O.reshape(targets, [-1, 1]), axis=-1) - lse, [-1])  # (N,)
-        top_lp = O.gather(z, top_ids, axis=-1) - lse  # (N, K), by the same formula as target_lp
+        # (R, V): prefill's bits, picked from every's rows (a tiled linear's row does not depend on
+        # the rows beside it: the batch-invariance guarantee), not a second product
+        logits = O.index_select(every, logit_rows)
+        lse = O.logsumexp(O.cast(every, np.float64), axis=-1, keepdim=True)  # (N, 1), one fused pass
+        top, top_ids = O.topk(every, k=spec.score_top_k)  # (N, K): the order of z, on the narrower type
+        # z[t] is cast(every[t]) (exact): picked before the cast, so the float64 (N, V) is never
+        # written out (it doubled the bytes the score program wrote per step)
+        target = O.gather(every, O.reshape(targets, [-1, 1]), axis=-1)  # (N, 1)
+        target_lp = O.reshape(O.cast(target, np.float64) - lse, [-1])  # (N,)
+        top_lp = O.cast(top, np.float64) - lse  # (N, K), by the same formula as target_lp
         return logits, target_lp, top_lp, top_ids, cache.pool
 
     def decode(input_ids, positions, slots, block_tables, kv_len, pool):
