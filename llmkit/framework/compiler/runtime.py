@@ -29,9 +29,9 @@ from . import build as B
 from . import tune
 from .build import CPUS
 from .codegen_c import MIN_PARALLEL_WORK, render_c
+from .loop_schedule import build as build_kernel
+from .loop_schedule import coalesce, strategies
 from .lower import Lowered, LowerError, lower
-from .schedule import build as build_kernel
-from .schedule import coalesce, strategies
 
 _KERNELS: weakref.WeakKeyDictionary[Operation, FusedKernel] = weakref.WeakKeyDictionary()
 PLACEHOLDER = "KERNEL_FN"
