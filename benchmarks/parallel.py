@@ -28,7 +28,7 @@ the plan's prediction (``models/llama/parallel.py: predict_traffic``; a pipeline
 crossing the stage boundary, sent point to point), and the parameter + gradient + optimizer bytes
 of the fullest rank against the plan's (``ParallelPlan.state_bytes``), with the peak host memory
 per rank; a pipeline also its measured bubble (the mean fraction of a step a rank waits in its
-receives) beside its schedule's on the clock of ``schedule.simulate`` (a backward costing two
+receives) beside its schedule's on the clock of ``pipeline_schedule.simulate`` (a backward costing two
 forwards). Then the same predictions for Llama-2-7B at dp8, tp8, dp2 x tp4 and
 ZeRO 1-3 on 8 ranks, beside the published formulas they should agree with: ZeRO's memory per rank
 (Rajbhandari et al. 2020, section 5: 16 bytes per parameter, mixed-precision Adam, divided as the
@@ -269,10 +269,10 @@ def launch_training(n: int, overrides: list[str], warmup: int) -> dict:
 def predictions(parallel: dict, batch_size: int, seq_len: int) -> dict:
     """The plan's traffic per step and state bytes per rank for the bench model; a pipeline: the
     activations and their gradients across the stage boundary ([B, S, H] each way per step; the
-    fullest rank sends one of them), and the clock's bubble of its schedule (schedule.simulate)."""
+    fullest rank sends one of them), and the clock's bubble of its schedule (pipeline_schedule.simulate)."""
     from llmkit.framework import nn
+    from llmkit.framework.distributed.pipeline_schedule import make_schedule, simulate
     from llmkit.framework.distributed.plan import ParallelPlan
-    from llmkit.framework.distributed.schedule import make_schedule, simulate
     from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
     from llmkit.models.llama.parallel import predict_traffic
 
