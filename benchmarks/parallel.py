@@ -24,7 +24,7 @@ pp=2 with 1f1b and zero_bubble over 4 micro-batches, eager and static)
 runs over MPI as the CLI runs it (one process per rank, the config's ``parallel`` section); every
 collective the ranks run is counted as the bytes a ring sends per rank, and each strategy reports
 its step time (median, beside one process in the same run), communication bytes per step against
-the plan's prediction (``models/llama/parallel.py: predict_traffic``; a pipeline's: the activation
+the plan's prediction (``models/llama/sharding.py: predict_traffic``; a pipeline's: the activation
 crossing the stage boundary, sent point to point), and the parameter + gradient + optimizer bytes
 of the fullest rank against the plan's (``ParallelPlan.state_bytes``), with the peak host memory
 per rank; a pipeline also its measured bubble (the mean fraction of a step a rank waits in its
@@ -274,7 +274,7 @@ def predictions(parallel: dict, batch_size: int, seq_len: int) -> dict:
     from llmkit.framework.distributed.pipeline_schedule import make_schedule, simulate
     from llmkit.framework.distributed.plan import ParallelPlan
     from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
-    from llmkit.models.llama.parallel import predict_traffic
+    from llmkit.models.llama.sharding import predict_traffic
 
     config = LlamaConfig.from_preset("bench")
     if "pp" in parallel:
@@ -379,7 +379,7 @@ def llama7b() -> None:
     from llmkit.framework import nn
     from llmkit.framework.distributed.plan import ParallelPlan
     from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
-    from llmkit.models.llama.parallel import predict_traffic
+    from llmkit.models.llama.sharding import predict_traffic
 
     config = LlamaConfig.from_preset("7B")
     with nn.init.skip_init():  # shapes only: no weight is drawn or touched

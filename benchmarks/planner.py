@@ -141,7 +141,7 @@ def published() -> None:
     from llmkit.framework.distributed import planner as P
     from llmkit.framework.distributed.plan import PlanError
     from llmkit.models.llama import LlamaConfig
-    from llmkit.models.llama.parallel import llama_cost
+    from llmkit.models.llama.sharding import llama_cost
 
     gpu = P.gpu_machine("A100")
     for size, fields in LLAMA2.items():

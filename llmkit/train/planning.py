@@ -29,7 +29,7 @@ def precision_of(cfg: TrainConfig) -> P.Precision:
 
 
 def model_cost(cfg: TrainConfig) -> tuple[Any, P.ModelCost]:
-    from llmkit.models.llama.parallel import llama_cost
+    from llmkit.models.llama.sharding import llama_cost
 
     if cfg.tokenizer.path == "builtin":
         vocab = cfg.tokenizer.vocab_size
@@ -59,7 +59,7 @@ def step_probe(llama: Any, cfg: TrainConfig) -> tuple[str, Any] | None:
     import llmkit.framework as lf
     from llmkit.framework import optim
     from llmkit.models.llama import LlamaForCausalLM
-    from llmkit.models.llama.parallel import llama_cost
+    from llmkit.models.llama.sharding import llama_cost
 
     from .trainer import build_optimizer
 

@@ -35,7 +35,7 @@ from llmkit.framework.distributed.plan import PlanError
 from llmkit.generate import generate
 from llmkit.infer.sampling import SamplingParams
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
-from llmkit.models.llama.parallel import apply_recompute, check_plan
+from llmkit.models.llama.sharding import apply_recompute, check_plan
 
 from . import checkpoint
 from .config import (

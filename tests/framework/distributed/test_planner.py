@@ -17,7 +17,7 @@ from llmkit.framework.autograd import saved_bytes
 from llmkit.framework.distributed import planner as P
 from llmkit.framework.distributed.plan import ParallelPlan, PlanError
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
-from llmkit.models.llama.parallel import apply_recompute, llama_cost
+from llmkit.models.llama.sharding import apply_recompute, llama_cost
 
 FAST = P.Link(1e-6, 1e-10)
 MACHINE = P.Machine("test", 1e12, 1e11, FAST, P.Link(1e-5, 1e-9), node=8)
