@@ -15,7 +15,7 @@ runs/tiny-int4`` follows without editing a path.
 
 A checkpoint trained with a parallel plan (its ``parallel_plan.json``, beside ``model/``) keeps
 it: the quantized directory's plan places each linear's scales and zeros as its weight
-(``llmkit.quant.parallel``). ``--nproc N`` runs N processes under mpiexec, sharing the work; the
+(``llmkit.quant.multirank``). ``--nproc N`` runs N processes under mpiexec, sharing the work; the
 result is the same bits as one process's.
 """
 
@@ -31,7 +31,7 @@ from llmkit.train.checkpoint import model_dir
 
 from .evaluate import SEQ_LEN, eval_tokens, evaluate
 from .format import QuantConfig, QuantError
-from .parallel import Ranks, derive, plan_file
+from .multirank import Ranks, derive, plan_file
 from .quantize import quantize_model, save_quantized, targets, weight_bytes
 
 

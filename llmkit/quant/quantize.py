@@ -9,7 +9,7 @@ layer ``l`` are the outputs of the already quantized layers before it, each line
 accumulated from its own inputs (forward pre-hooks) while layer ``l`` runs in float, its weights
 are quantized, and layer ``l`` runs again, quantized, to make the next layer's inputs.
 
-``ranks`` (``llmkit.quant.parallel.Ranks``) share the Hessians' and the weights' row blocks; the
+``ranks`` (``llmkit.quant.multirank.Ranks``) share the Hessians' and the weights' row blocks; the
 result is the same bits on any number of ranks.
 """
 
@@ -33,7 +33,7 @@ from llmkit.train.metrics import QUANT_REPORT
 
 from .format import QuantConfig, QuantError, QuantizedWeight, check_shape, join, quantize_rtn
 from .gptq import Hessian, gptq
-from .parallel import Ranks
+from .multirank import Ranks
 
 REPORT = QUANT_REPORT  # what llmkit plot reads
 COMPANIONS = ("tokenizer.model", "generation_config.json")  # files a quantized directory keeps
