@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
     from llmkit.framework.distributed import CollectiveError
     from llmkit.framework.distributed.comm import launched_by_mpi
 
-    from .parallel import run_on_ranks
+    from .data_parallel import run_on_ranks
 
     def rank(stop: Any) -> int:
         trainer = build(cfg, a.resume, a.quiet)

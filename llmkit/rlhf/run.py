@@ -44,7 +44,7 @@ from llmkit.train.config import ConfigError, dump_config, resume_changes
 from llmkit.train.metrics import MetricsLog
 from llmkit.train.trainer import SCHEDULES, Interrupted, StopSignals
 
-from .parallel import DataParallel
+from .data_parallel import DataParallel
 
 TIMINGS = ("gen_s", "train_s", "sync_s", "gen_tokens_per_s", "step_s")  # wall-clock metrics
 
