@@ -271,8 +271,8 @@ def predictions(parallel: dict, batch_size: int, seq_len: int) -> dict:
     activations and their gradients across the stage boundary ([B, S, H] each way per step; the
     fullest rank sends one of them), and the clock's bubble of its schedule (pipeline_schedule.simulate)."""
     from llmkit.framework import nn
+    from llmkit.framework.distributed.parallel_plan import ParallelPlan
     from llmkit.framework.distributed.pipeline_schedule import make_schedule, simulate
-    from llmkit.framework.distributed.plan import ParallelPlan
     from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
     from llmkit.models.llama.sharding import predict_traffic
 
@@ -377,7 +377,7 @@ def eager_overhead(args) -> None:
 def llama7b() -> None:
     """Predicted bytes and memory for Llama-2-7B beside the published formulas (see the docstring)."""
     from llmkit.framework import nn
-    from llmkit.framework.distributed.plan import ParallelPlan
+    from llmkit.framework.distributed.parallel_plan import ParallelPlan
     from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
     from llmkit.models.llama.sharding import predict_traffic
 

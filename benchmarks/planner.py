@@ -139,7 +139,7 @@ PUBLISHED = {
 
 def published() -> None:
     from llmkit.framework.distributed import planner as P
-    from llmkit.framework.distributed.plan import PlanError
+    from llmkit.framework.distributed.parallel_plan import PlanError
     from llmkit.models.llama import LlamaConfig
     from llmkit.models.llama.sharding import llama_cost
 

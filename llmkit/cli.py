@@ -48,7 +48,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ("llmkit.framework.opspec", "OpError"),
         ("llmkit.framework.serialization", "SafetensorsError"),
         ("llmkit.train.config", "ConfigError"),
-        ("llmkit.framework.distributed.plan", "PlanError"),
+        ("llmkit.framework.distributed.parallel_plan", "PlanError"),
         ("llmkit.train.data", "DataError"),
         ("llmkit.train.checkpoint", "ResumeError"),
         ("llmkit.train.plot", "PlotError"),

@@ -152,7 +152,7 @@ def quantize_main(argv: list[str]) -> int:
     if out.exists() and not (out / "config.json").is_file():
         raise QuantError(f"--out {out} exists and is not a model directory; refusing to replace it")
     import llmkit.framework.distributed as dist
-    from llmkit.framework.distributed.plan import ParallelPlan
+    from llmkit.framework.distributed.parallel_plan import ParallelPlan
 
     dist.init()  # mpi under mpiexec (one rank per process), else sim (this process alone)
     ranks = Ranks()

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 import llmkit.framework as lf
 from llmkit.framework import nn
-from llmkit.framework.distributed.plan import PLAN_FILE, ParallelPlan
+from llmkit.framework.distributed.parallel_plan import PLAN_FILE, ParallelPlan
 from llmkit.framework.files import atomic_dir
 from llmkit.train.metrics import QUANT_REPORT
 

@@ -36,9 +36,9 @@ from pydantic import (
     model_validator,
 )
 
+from llmkit.framework.distributed.parallel_plan import ParallelPlan, PipelinePlan, PlanError
 from llmkit.framework.distributed.pipeline import PipelineError, parse_stages
 from llmkit.framework.distributed.pipeline_schedule import SCHEDULES, ScheduleError, make_schedule
-from llmkit.framework.distributed.plan import ParallelPlan, PipelinePlan, PlanError
 from llmkit.framework.files import atomic_write
 from llmkit.models.llama.config import PRESETS, LlamaConfig
 

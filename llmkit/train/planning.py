@@ -14,7 +14,7 @@ import shlex
 from typing import Any
 
 from llmkit.framework.distributed import planner as P
-from llmkit.framework.distributed.plan import PlanError
+from llmkit.framework.distributed.parallel_plan import PlanError
 
 from .cli import ArgumentParser
 from .config import ConfigError, TrainConfig, load_config, resolve_model_config

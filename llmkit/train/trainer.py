@@ -30,8 +30,8 @@ from tqdm import tqdm
 import llmkit.framework as lf
 import llmkit.framework.distributed as dist
 from llmkit.framework import nn, optim
+from llmkit.framework.distributed.parallel_plan import PlanError
 from llmkit.framework.distributed.parallelize import Parallelized
-from llmkit.framework.distributed.plan import PlanError
 from llmkit.generate import generate
 from llmkit.infer.sampling import SamplingParams
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer

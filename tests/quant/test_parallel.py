@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import llmkit.framework as lf
-from llmkit.framework.distributed.plan import ParallelPlan
+from llmkit.framework.distributed.parallel_plan import ParallelPlan
 from llmkit.framework.placement import Replicate, Shard, local_region
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.quant import QuantConfig, QuantError, quantize_model

@@ -14,7 +14,7 @@ import pytest
 
 import llmkit.framework.distributed as dist
 from llmkit.cli import main as cli_main
-from llmkit.framework.distributed.plan import ParallelPlan
+from llmkit.framework.distributed.parallel_plan import ParallelPlan
 from llmkit.models.llama import LlamaForCausalLM
 from llmkit.train import checkpoint
 from llmkit.train.data import BatchSampler

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from llmkit.cli import main as cli_main
-from llmkit.framework.distributed.plan import ParallelPlan
+from llmkit.framework.distributed.parallel_plan import ParallelPlan
 from llmkit.train.checkpoint import ResumeError
 from llmkit.train.config import ConfigError
 from llmkit.train.data import DataError

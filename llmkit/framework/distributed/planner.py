@@ -31,8 +31,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from .parallel_plan import RECOMPUTE, ZERO_STAGES, PlanError
 from .pipeline_schedule import SCHEDULES, Schedule, simulate
-from .plan import RECOMPUTE, ZERO_STAGES, PlanError
 
 GB = 1e9
 

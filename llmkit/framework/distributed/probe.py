@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..files import atomic_write
-from .plan import PlanError
+from .parallel_plan import PlanError
 from .planner import Link, Machine
 
 SIZES = (8, 4 << 20)

@@ -22,7 +22,7 @@ import math
 from typing import Any
 
 from llmkit.framework import nn
-from llmkit.framework.distributed.plan import ParallelPlan, PlanError, register_plan
+from llmkit.framework.distributed.parallel_plan import ParallelPlan, PlanError, register_plan
 from llmkit.framework.distributed.planner import ModelCost
 from llmkit.framework.placement import Shard, local_shape
 

@@ -12,8 +12,8 @@ import pytest
 import llmkit.framework as lf
 import llmkit.framework.distributed as dist
 from llmkit.framework import optim
+from llmkit.framework.distributed.parallel_plan import ParallelPlan
 from llmkit.framework.distributed.parallelize import Parallelized
-from llmkit.framework.distributed.plan import ParallelPlan
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 
 B, S, V, H = 4, 8, 96, 16

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from llmkit.framework.distributed.plan import ParallelPlan, PlanError
+from llmkit.framework.distributed.parallel_plan import ParallelPlan, PlanError
 from llmkit.framework.placement import Replicate, Shard
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.models.llama.sharding import check_plan
