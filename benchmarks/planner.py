@@ -68,7 +68,7 @@ def run(n: int, parallel: dict, batch: int, accum: int, steps: int, warmup: int)
 
 
 def predict(n: int, parallel: dict, batch: int, accum: int):
-    from llmkit.framework.distributed import planner as P
+    from llmkit.framework.distributed import plan_search as P
     from llmkit.train.config import load_config
     from llmkit.train.planning import machine_for, model_cost, precision_of, step_probe
 
@@ -138,7 +138,7 @@ PUBLISHED = {
 
 
 def published() -> None:
-    from llmkit.framework.distributed import planner as P
+    from llmkit.framework.distributed import plan_search as P
     from llmkit.framework.distributed.parallel_plan import PlanError
     from llmkit.models.llama import LlamaConfig
     from llmkit.models.llama.sharding import llama_cost

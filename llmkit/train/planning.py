@@ -1,5 +1,5 @@
 """``llmkit plan CONFIG --world N --mem-gb M [--gpu NAME]`` and ``parallel: auto`` in ``llmkit train``:
-the planner (``framework/distributed/planner.py``) on a run config's model, batch and precision.
+the planner (``framework/distributed/plan_search.py``) on a run config's model, batch and precision.
 
 Without ``--gpu`` the machine is this host: its matmul and memory speeds and the backend's
 collectives, probed once and cached (``framework/distributed/probe.py``), shared out among the
@@ -13,7 +13,7 @@ import os
 import shlex
 from typing import Any
 
-from llmkit.framework.distributed import planner as P
+from llmkit.framework.distributed import plan_search as P
 from llmkit.framework.distributed.parallel_plan import PlanError
 
 from .cli import ArgumentParser

@@ -23,7 +23,7 @@ from typing import Any
 
 from llmkit.framework import nn
 from llmkit.framework.distributed.parallel_plan import ParallelPlan, PlanError, register_plan
-from llmkit.framework.distributed.planner import ModelCost
+from llmkit.framework.distributed.plan_search import ModelCost
 from llmkit.framework.placement import Shard, local_shape
 
 from .model import LlamaForCausalLM

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import llmkit.framework as lf
 from llmkit.framework.autograd import saved_bytes
-from llmkit.framework.distributed import planner as P
+from llmkit.framework.distributed import plan_search as P
 from llmkit.framework.distributed.parallel_plan import ParallelPlan, PlanError
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.models.llama.sharding import apply_recompute, llama_cost
