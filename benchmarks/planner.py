@@ -3,7 +3,7 @@
 
 1. ``measured``: plans of ``configs/bench.yaml`` (8 x 256 tokens per step) run as ``llmkit train``
    runs them (one process, or one per rank over MPI: ``benchmarks/parallel.py``'s worker), each
-   beside the planner's prediction for that plan (``llmkit.train.planning``: this host's speeds,
+   beside the planner's prediction for that plan (``llmkit.train.auto_plan``: this host's speeds,
    the training step's own kernels' FLOP/s, the backend's alpha-beta, probed afresh right after
    the run, so under the same load from other work on the machine): the step time
    (median after warm-up, the slowest rank) and the peak memory per rank (parameters + gradients +
@@ -69,8 +69,8 @@ def run(n: int, parallel: dict, batch: int, accum: int, steps: int, warmup: int)
 
 def predict(n: int, parallel: dict, batch: int, accum: int):
     from llmkit.framework.distributed import plan_search as P
+    from llmkit.train.auto_plan import machine_for, model_cost, precision_of, step_probe
     from llmkit.train.config import load_config
-    from llmkit.train.planning import machine_for, model_cost, precision_of, step_probe
 
     cfg = load_config(BENCH, [f"train.batch_size={batch}", f"train.grad_accum={accum}"])
     llama, cost = model_cost(cfg)

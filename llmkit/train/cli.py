@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
 
     cfg = load_config(a.config, a.overrides)
     if cfg.parallel.auto:  # the planner's choice, as overrides (the processes launched get them too)
-        from .planning import resolve_auto
+        from .auto_plan import resolve_auto
 
         a.overrides = [*a.overrides, *resolve_auto(cfg, a.nproc)]
         cfg = load_config(a.config, a.overrides)
