@@ -41,8 +41,8 @@ from ..tensor import Tensor
 from .api import from_local, reshard
 from .comm import get_backend
 from .dist_array import DistArray
-from .pipeline_jobs import RUNNERS
 from .pipeline_schedule import Job, Schedule, make_schedule
+from .pipeline_stage import RUNNERS
 
 ACTIVATION, GRADIENT = 0, 1  # message kinds (part of each message's tag)
 
