@@ -50,7 +50,7 @@ from .config import (
 from .corpus import builtin_tokenizer
 from .data import BatchSampler, eval_batches, load_token_data
 from .metrics import MetricsLog, matmul_peak_flops, peak_rss_bytes
-from .pipelined import PipelineRun
+from .pipeline_run import PipelineRun
 
 
 class Interrupted(KeyboardInterrupt):
