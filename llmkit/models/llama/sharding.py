@@ -131,7 +131,7 @@ def llama_cost(config: Any, seq_len: int, act_itemsize: int = 4) -> ModelCost:
     attention block drops its 4 Q + 3 KV; recomputing the whole layer keeps its input only. The
     embedding keeps its H-wide output; the head its norm's output and the V-wide logits (vocab
     parallel: cut by tp)."""
-    from .pipeline import piece_flops
+    from .pipeline_parts import piece_flops
 
     c = config
     h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
