@@ -68,7 +68,7 @@ def run(n: int, parallel: dict, batch: int, accum: int, steps: int, warmup: int)
 
 
 def predict(n: int, parallel: dict, batch: int, accum: int):
-    from llmkit.framework.distributed import plan_search as P
+    from llmkit.framework.distributed import plan_search
     from llmkit.train.auto_plan import machine_for, model_cost, precision_of, step_probe
     from llmkit.train.config import load_config
 
@@ -76,7 +76,7 @@ def predict(n: int, parallel: dict, batch: int, accum: int):
     llama, cost = model_cost(cfg)
     host = machine_for(None, "mpi" if n > 1 else "sim", n, step_probe(llama, cfg))
     dp, tp = parallel.get("dp", 1), parallel.get("tp", 1)
-    return P.estimate(
+    return plan_search.estimate(
         cost, host, batch * accum, dp, tp, 1, parallel.get("zero", 0), parallel.get("recompute", "none"),
         accum, precision=precision_of(cfg),
     )  # fmt: skip
@@ -138,20 +138,26 @@ PUBLISHED = {
 
 
 def published() -> None:
-    from llmkit.framework.distributed import plan_search as P
+    from llmkit.framework.distributed import plan_search
     from llmkit.framework.distributed.parallel_plan import PlanError
     from llmkit.models.llama import LlamaConfig
     from llmkit.models.llama.sharding import llama_cost
 
-    gpu = P.gpu_machine("A100")
+    gpu = plan_search.gpu_machine("A100")
     for size, fields in LLAMA2.items():
         fields = dict(fields)
         config = LlamaConfig.from_preset(fields.pop("preset"), **fields)
         cost = llama_cost(config, 4096, 2)
         for world in (8, 64, 512):
             try:
-                choice = P.plan(
-                    cost, gpu, world, 1024, 80e9, precision=P.MIXED, schedules=("1f1b", "zero_bubble")
+                choice = plan_search.plan(
+                    cost,
+                    gpu,
+                    world,
+                    1024,
+                    80e9,
+                    precision=plan_search.MIXED,
+                    schedules=("1f1b", "zero_bubble"),
                 )
             except PlanError as e:
                 emit(
@@ -167,7 +173,7 @@ def published() -> None:
             emit(
                 "planner",
                 f"llama2_{size}_{world}gpu",
-                P.mfu(b, cost, gpu, 1024) * 100,
+                plan_search.mfu(b, cost, gpu, 1024) * 100,
                 "% MFU",
                 params_b=round(config.num_parameters() / 1e9, 2),
                 plan=b.label,

@@ -25,8 +25,7 @@ import numpy as np
 from .. import symbolic as sym
 from ..executor import _PROFILE, LOWERINGS
 from ..ir import Operation, Program
-from . import build as B
-from . import tune
+from . import build, tune
 from .build import CPUS
 from .codegen_c import MIN_PARALLEL_WORK, render_c
 from .loop_schedule import build as build_kernel
@@ -44,7 +43,7 @@ def kernel_sources(low: Lowered) -> list[tuple[str, str, str, Any]]:
         k = build_kernel(low, PLACEHOLDER, strategy, tile)
         src = render_c(k)
         body = src.split("\n", 1)[1]  # the first line is a comment naming the group
-        name = B.kernel_name(body)
+        name = build.kernel_name(body)
         k.name = name
         out.append((f"{strategy}{tile or ''}", name, src.replace(PLACEHOLDER, name), k))
     return out
@@ -154,7 +153,7 @@ class FusedKernel:
         except LowerError:
             return None
         cands = kernel_sources(low)
-        fns = B.build({n: s for _, n, s, _ in cands})
+        fns = build.build({n: s for _, n, s, _ in cands})
         ok = [(lbl, n, fns[n]) for lbl, n, _, _ in cands if fns[n] is not None]
         return Variant(low, ok) if ok else None
 
@@ -207,7 +206,7 @@ def compile_groups(groups: list[Operation]) -> int:
             low = lower(op)
         except LowerError as e:
             name = op.attributes["name"].value if "name" in op.attributes else "?"
-            B.warn_once(f"unfused:{name}", f"cinn: group {name} runs the reference kernels: {e}")
+            build.warn_once(f"unfused:{name}", f"cinn: group {name} runs the reference kernels: {e}")
             continue
         cands = kernel_sources(low)
         pending.append((op, low, cands))
@@ -217,7 +216,7 @@ def compile_groups(groups: list[Operation]) -> int:
                 os.makedirs(dump, exist_ok=True)
                 with open(os.path.join(dump, f"{n}.txt"), "w") as fh:
                     fh.write(f"{k}\n{s}")
-    fns = B.build(sources)
+    fns = build.build(sources)
     n = 0
     for op, low, cands in pending:
         ok = [(lbl, name, fns[name]) for lbl, name, _, _ in cands if fns[name] is not None]
@@ -230,8 +229,8 @@ def compile_groups(groups: list[Operation]) -> int:
 def _lower_fusion(op: Operation) -> Any:
     """``LOWERINGS["cinn.fusion"]``: the op's kernel (compiled now if needed), or None (run unfused)."""
     if op not in _KERNELS:
-        if B.toolchain() is None:
-            B.warn_once("no-cc", NO_CC)
+        if build.toolchain() is None:
+            build.warn_once("no-cc", NO_CC)
             return None
         compile_groups([op])  # a group met without compile_program (a program fused elsewhere)
     return _KERNELS.get(op)
@@ -246,11 +245,11 @@ LOWERINGS["cinn.fusion"] = _lower_fusion
 
 
 def _report() -> None:
-    s = B.STATS
+    s = build.STATS
     if s.compiled or s.cached or s.failed:
         print(
             f"cinn: {s.compiled} kernels compiled in {s.seconds:.2f} s, {s.cached} loaded from the cache, "
-            f"{s.failed} failed ({B.cache_dir()})",
+            f"{s.failed} failed ({build.cache_dir()})",
             file=sys.stderr,
         )
 
