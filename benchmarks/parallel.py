@@ -178,7 +178,7 @@ RING = {  # bytes a member sends, from the array it passes (x) and the group siz
 def train_overrides(steps: int, parallel: dict, extra: list[str], out: str) -> list[str]:
     return [
         f"train.steps={steps}",
-        "schedule.warmup_steps=1",
+        "lr_schedule.warmup_steps=1",
         "train.log_every=1",
         f"out_dir={out}",
         *(f"parallel.{k}={v}" for k, v in parallel.items()),

@@ -62,7 +62,7 @@ MEASURED = {
 def run(n: int, parallel: dict, batch: int, accum: int, steps: int, warmup: int) -> dict:
     """One plan through ``benchmarks/parallel.py``'s train worker (``llmkit train``'s Trainer)."""
     with tempfile.TemporaryDirectory() as out:
-        ov = [f"train.steps={steps}", "schedule.warmup_steps=1", "train.log_every=1", f"out_dir={out}"]
+        ov = [f"train.steps={steps}", "lr_schedule.warmup_steps=1", "train.log_every=1", f"out_dir={out}"]
         ov += [f"train.batch_size={batch}", f"train.grad_accum={accum}"]
         return launch_training(n, ov + [f"parallel.{k}={v}" for k, v in parallel.items()], warmup)
 

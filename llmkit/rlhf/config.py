@@ -17,7 +17,14 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from llmkit.train.config import OptimSection, ParallelSection, ScheduleSection, Section, load_config
+from llmkit.train.config import (
+    OptimSection,
+    ParallelSection,
+    RunConfig,
+    ScheduleSection,
+    Section,
+    load_config,
+)
 
 ALGORITHMS = ("grpo", "ppo", "rloo", "dpo")
 
@@ -121,7 +128,7 @@ def check_data_parallel(par: ParallelSection, rows: int, key: str) -> None:
         )
 
 
-class RLHFConfig(Section):
+class RLHFConfig(RunConfig):
     """A whole RLHF run."""
 
     algorithm: Literal["grpo", "ppo", "rloo", "dpo"] = "grpo"
@@ -131,7 +138,7 @@ class RLHFConfig(Section):
     data: DataSection = DataSection()
     rlhf: AlgorithmSection = AlgorithmSection()
     optim: OptimSection = OptimSection(lr=1e-5, weight_decay=0.0)
-    schedule: ScheduleSection = ScheduleSection(name="constant")
+    lr_schedule: ScheduleSection = ScheduleSection(name="constant")
     train: LoopSection = LoopSection()
     parallel: ParallelSection = ParallelSection()  # dp: data-parallel ranks (--nproc N: processes)
     out_dir: str = "runs/rlhf"
@@ -149,21 +156,21 @@ class RLHFConfig(Section):
             check_data_parallel(self.parallel, self.train.batch_size, "train.batch_size")
         else:  # whole prompts per rank: a prompt's n samples (its group) stay together
             check_data_parallel(self.parallel, self.rollout.prompts_per_step, "rollout.prompts_per_step")
-        if self.schedule.warmup_steps > self.train.steps:
+        if self.lr_schedule.warmup_steps > self.train.steps:
             steps = self.train.steps
             raise ValueError(
-                f"schedule.warmup_steps ({self.schedule.warmup_steps}) exceeds train.steps ({steps})"
+                f"lr_schedule.warmup_steps ({self.lr_schedule.warmup_steps}) exceeds train.steps ({steps})"
             )
         return self
 
 
-class RewardModelConfig(Section):
+class RewardModelConfig(RunConfig):
     """``llmkit rlhf reward``: a Bradley-Terry reward model on preference pairs."""
 
     model: PolicySection = PolicySection()  # the backbone's checkpoint; the scalar head starts fresh
     data: DataSection = DataSection(pairs="builtin:avoid_letter")
     optim: OptimSection = OptimSection(lr=3e-4, weight_decay=0.0)
-    schedule: ScheduleSection = ScheduleSection(name="constant")
+    lr_schedule: ScheduleSection = ScheduleSection(name="constant")
     train: LoopSection = LoopSection(steps=200)
     parallel: ParallelSection = ParallelSection()
     out_dir: str = "runs/reward"

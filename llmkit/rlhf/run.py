@@ -91,8 +91,8 @@ class Run:
 
     def setup(self) -> None:
         """After the subclass built its parts: the schedule, resume, config and metrics."""
-        self.schedule = SCHEDULES[self.cfg.schedule.name](
-            self.optimizer, self.cfg.schedule, self.cfg.train.steps
+        self.schedule = SCHEDULES[self.cfg.lr_schedule.name](
+            self.optimizer, self.cfg.lr_schedule, self.cfg.train.steps
         )
         layers = [self.model, *self.extra_layers.values()]
         # what a step rebinds: held before each step so that an aborted one can be rolled back

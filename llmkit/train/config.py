@@ -275,23 +275,37 @@ class ParallelSection(_Section):
             ) from None
 
 
-class TrainConfig(_Section):
+class RunConfig(_Section):
+    """The root of a job's config (training, RLHF, the reward model): what every root refuses."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lr_schedule_renamed(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and "schedule" in raw:
+            raise ValueError(
+                "schedule was renamed lr_schedule (the learning-rate schedule; "
+                "parallel.schedule is the pipeline's)"
+            )
+        return raw
+
+
+class TrainConfig(RunConfig):
     """A whole training run."""
 
     model: ModelSection  # type: ignore[valid-type]  (a class generated above)
     tokenizer: TokenizerSection = TokenizerSection()
     data: DataSection = DataSection()
     optim: OptimSection = OptimSection()
-    schedule: ScheduleSection = ScheduleSection()
+    lr_schedule: ScheduleSection = ScheduleSection()
     train: TrainSection = TrainSection()
     parallel: ParallelSection = ParallelSection()
     out_dir: str  # checkpoints, logs and the resolved config go here
 
     @model_validator(mode="after")
     def _warmup_within_run(self) -> TrainConfig:
-        if self.schedule.warmup_steps > self.train.steps:
+        if self.lr_schedule.warmup_steps > self.train.steps:
             raise ValueError(
-                f"schedule.warmup_steps ({self.schedule.warmup_steps}) exceeds "
+                f"lr_schedule.warmup_steps ({self.lr_schedule.warmup_steps}) exceeds "
                 f"train.steps ({self.train.steps})"
             )
         dp, m, b = self.parallel.dp, self.parallel.micro_batches, self.train.batch_size

@@ -217,7 +217,7 @@ class Trainer:
                 self.plan,
                 t.seq_len,
                 lambda layer: build_optimizer(cfg, layer),
-                lambda opt: SCHEDULES[cfg.schedule.name](opt, cfg.schedule, t.steps),
+                lambda opt: SCHEDULES[cfg.lr_schedule.name](opt, cfg.lr_schedule, t.steps),
                 [names for names, _ in decay_groups(self.model)],
                 t.mode,
                 t.compiler,
@@ -228,7 +228,7 @@ class Trainer:
             self.optimizer = build_optimizer(cfg, self.model)
             if self.par is not None:
                 self.par.shard_optimizer(self.optimizer)
-            self.schedule = SCHEDULES[cfg.schedule.name](self.optimizer, cfg.schedule, t.steps)
+            self.schedule = SCHEDULES[cfg.lr_schedule.name](self.optimizer, cfg.lr_schedule, t.steps)
         if load_init and saved is None:
             checkpoint.load_weights(self, Path(cfg.model.init_from))
         self.step = 0

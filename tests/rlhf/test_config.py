@@ -38,7 +38,8 @@ def test_defaults_and_overrides(tmp_path):
         (["rollout.max_tokenz=3"], "unknown key rollout.max_tokenz (did you mean rollout.max_tokens?)"),
         (["reward.function=m:f"], "reward: set exactly one of reward.function, reward.model and reward.task"),
         (["algorithm=dpo"], "data.pairs: DPO needs preference pairs"),
-        (["schedule.warmup_steps=500"], "schedule.warmup_steps (500) exceeds train.steps (100)"),
+        (["lr_schedule.warmup_steps=500"], "lr_schedule.warmup_steps (500) exceeds train.steps (100)"),
+        (["lr_schedule.name=constant"], "schedule was renamed lr_schedule (the learning-rate schedule;"),
     ],
 )
 def test_errors_name_the_key(tmp_path, overrides, match):

@@ -105,7 +105,7 @@ ROWS: dict[str, Row] = {
         "model.init_from: cannot read {tmp}/none/config.json",
     ),
     "warmup beyond steps": Row(
-        ["{cfg}", "schedule.warmup_steps=9"], "schedule.warmup_steps (9) exceeds train.steps (2)"
+        ["{cfg}", "lr_schedule.warmup_steps=9"], "lr_schedule.warmup_steps (9) exceeds train.steps (2)"
     ),
     "unknown mode": Row(["{cfg}", "train.mode=jit"], "train.mode: expected 'eager' or 'static', got 'jit'"),
     "cinn needs static": Row(
@@ -221,7 +221,7 @@ def finished_run(tmp_path_factory) -> Path:
 
 def write_config(directory: Path, out_dir: Path) -> Path:
     raw = raw_config(out_dir, steps=2, save_every=0, eval_every=0, log_every=1)
-    raw["schedule"]["warmup_steps"] = 1
+    raw["lr_schedule"]["warmup_steps"] = 1
     path = directory / "c.yaml"
     path.write_text(json.dumps(raw))
     return path

@@ -13,7 +13,7 @@ from .runs import losses, raw_config
 def test_parallel_auto_plans_prints_and_runs_the_choice(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LLMKIT_CACHE_DIR", str(tmp_path / "cache"))  # probes land here, not in ~
     raw = raw_config(tmp_path / "run", steps=2, save_every=0, eval_every=0)
-    raw["schedule"]["warmup_steps"] = 1
+    raw["lr_schedule"]["warmup_steps"] = 1
     raw["parallel"] = "auto"
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(raw))

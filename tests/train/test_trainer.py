@@ -151,7 +151,7 @@ def test_cli_train_plot_and_generate(tmp_path, capsys):
     raw = {
         "model": {"preset": "tiny", **MICRO},
         "tokenizer": {"path": "builtin", "vocab_size": 512},
-        "schedule": {"warmup_steps": 1},
+        "lr_schedule": {"warmup_steps": 1},
         "train": {
             "steps": 4,
             "batch_size": 2,
