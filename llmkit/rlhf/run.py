@@ -16,7 +16,7 @@ wall-clock ones apart). As in ``llmkit train``: a step is all or nothing (a firs
 finish, a second one rolls it back), a resumed run takes its settings from the config given now
 (``FIXED_ON_RESUME`` lists what it cannot change) and its state from the checkpoint.
 
-Data parallel (``parallel.dp``, see parallel.py): every rank runs this loop; rank 0 alone draws
+Data parallel (``parallel.dp``, see data_parallel.py): every rank runs this loop; rank 0 alone draws
 the progress bar, writes ``metrics.jsonl`` and the checkpoints (the state is the same on every
 rank), and the ranks agree on a signal before each step, so they stop after the same one. The
 checkpoint is the one-process run's, so ``--resume`` may change ``parallel.dp``.

@@ -12,7 +12,7 @@ The rollout's log-probs are the behaviour policy's (``old_logp``): with exact lo
 the trainer's own bit for bit (``logprob_diff_max`` = 0, the first ratio 1.0), so no separate
 recomputation pass is needed.
 
-Data parallel (parallel.py): rank r takes its share of the step's prompts with all their samples
+Data parallel (data_parallel.py): rank r takes its share of the step's prompts with all their samples
 (rows ``first .. first + B/dp - 1`` of the step's B), so the advantages of GRPO's and RLOO's groups
 are computed where the group is; PPO whitens with the whole batch's statistics. The minibatches are
 the one-process run's (the same permutation of the B rows): each rank runs its rows of each one
