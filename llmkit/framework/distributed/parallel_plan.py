@@ -95,7 +95,7 @@ class PipelinePlan:
         stages = raw["stages"]
         return cls(
             raw["pp"],
-            raw["lr_schedule"],
+            raw["schedule"],
             raw["micro_batches"],
             raw["virtual_stages"],
             None if stages is None else tuple(map(str, stages)),
