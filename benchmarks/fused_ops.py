@@ -109,19 +109,21 @@ def compile_fn(fn, arrays, grad=()):
     return lambda *xs: ex.run(list(xs))
 
 
-def cases(rng: np.random.Generator) -> list:
-    """(name, composed ops, the same with llmkit ops, inputs, inputs differentiated)."""
+def cases(rng: np.random.Generator, scale: int = 1) -> list:
+    """(name, composed ops, the same with llmkit ops, inputs, inputs differentiated); ``scale``
+    multiplies the rows and sequences (a GPU needs data several times its L2)."""
     f32 = np.float32
-    scores = rng.standard_normal((H * 8, S, S), dtype=f32)  # attention scores of 8 sequences
+    n = N * scale
+    scores = rng.standard_normal((H * 8 * scale, S, S), dtype=f32)  # attention scores of 8 sequences
     gs = rng.standard_normal(scores.shape, dtype=f32)
     ys = np_softmax(scores)
-    ga, gb, gg = (rng.standard_normal((N, I), dtype=f32) for _ in range(3))
-    q = rng.standard_normal((8, H, S, D), dtype=f32)
+    ga, gb, gg = (rng.standard_normal((n, I), dtype=f32) for _ in range(3))
+    q = rng.standard_normal((8 * scale, H, S, D), dtype=f32)
     ang = np.arange(S)[:, None] * rng.uniform(0.01, 1, D // 2)[None]
     ang = np.concatenate([ang, ang], -1)
     cos, sin = np.cos(ang).astype(f32), np.sin(ang).astype(f32)
-    logits = rng.standard_normal((N, V), dtype=f32)
-    labels = rng.integers(0, V, N)
+    logits = rng.standard_normal((n, V), dtype=f32)
+    labels = rng.integers(0, V, n)
     return [
         ("softmax_fwd", np_softmax, lambda x: O.softmax(x, axis=-1), [scores], ()),
         ("softmax_bwd", np_softmax_bwd, lk_softmax_bwd, [ys, gs], ()),

@@ -4,7 +4,11 @@ Random token batches of the config's batch_size x seq_len (throughput does not d
 Modes: eager (tape autograd); static (the whole step as one traced program, ``--compiler cinn``
 fused and compiled, or ``none``), which also times eager in the same run for the ratio.
 ``--device gpu`` runs every variant on the GPU (cupy; PyTorch on CUDA), where one exists.
-``--torch`` also times Hugging Face transformers on PyTorch in the same process; ``--torch-tuned``
+``--set section.key=value`` overrides the config (``benchmarks/gpu_check.sh`` times a ~134M model:
+``model.hidden_size=768 model.num_hidden_layers=12 ...``).
+``--torch`` also times Hugging Face transformers on PyTorch in the same process (``--torch-model
+small``: the small equivalent Llama of ``torch_llama.py`` instead), ``--torch-compile`` also the
+same model under ``torch.compile``; ``--torch-tuned``
 does so with PyTorch "at its best" as the issue measured it: MKL's check for an Intel CPU answered
 yes (a one-function shim, built here with the C compiler and preloaded by re-executing this script;
 MKL otherwise takes slow generic paths on AMD) and glibc's malloc thresholds raised (the executor
@@ -91,18 +95,37 @@ def static_step_fn(llama: LlamaConfig, lr: float, compiler: str):
     return call
 
 
-def torch_step_fn(llama: LlamaConfig, lr: float, device: str = "cpu"):
+def torch_step_fn(
+    llama: LlamaConfig,
+    lr: float,
+    device: str = "cpu",
+    model_kind: str = "transformers",
+    compile: bool = False,
+):
     import torch
-    import transformers
 
     torch.manual_seed(0)
     dev = "cuda" if device == "gpu" else "cpu"
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama.to_dict())).to(dev)
+    if model_kind == "small":
+        from torch_llama import TorchLlama
+
+        model = TorchLlama(llama).to(dev)
+        forward = model
+    else:
+        import transformers
+
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama.to_dict())).to(dev)
+        forward = lambda ids: model(ids).logits
+    if compile and model_kind == "small":
+        for layer in model.layers:  # regional compilation: the identical blocks share one compiled graph
+            layer.compile()
+    elif compile:
+        forward = torch.compile(forward)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     lossf = torch.nn.CrossEntropyLoss()
 
     def step(x, y):
-        logits = model(torch.from_numpy(x).to(dev)).logits
+        logits = forward(torch.from_numpy(x).to(dev))
         loss = lossf(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(y).to(dev).reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -203,7 +226,10 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     p.add_argument("--torch", action="store_true", help="also time transformers on PyTorch (same process)")
+    p.add_argument("--torch-model", default="transformers", choices=["transformers", "small"])
+    p.add_argument("--torch-compile", action="store_true", help="--torch, also under torch.compile")
     p.add_argument("--torch-tuned", action="store_true", help="--torch, with MKL's vendor check patched")
     p.add_argument("--rounds", type=int, default=3, help="--torch-tuned: alternated own-process runs")
     p.add_argument("--alone", choices=["torch", "static"], help=argparse.SUPPRESS)  # an own-process run
@@ -214,10 +240,11 @@ def main() -> None:
     if a.torch_tuned:
         preload_mkl_shim()
         a.torch = True
+    a.torch = a.torch or a.torch_compile
     torch_name = "torch_eager_tuned" if a.torch_tuned else "torch_eager"
     keep_freed_memory()  # every variant under the allocator settings the executor uses
     lf.set_device(a.device)
-    cfg = load_config(a.config)
+    cfg = load_config(a.config, a.set)
     llama = model_config(cfg)
     b, s = cfg.train.batch_size, cfg.train.seq_len
     rng = np.random.default_rng(0)
@@ -236,6 +263,7 @@ def main() -> None:
         batch=b,
         seq_len=s,
         device=a.device,
+        overrides=a.set,
         **machine(),
     )
     emit("train_throughput", "load_average_1min", os.getloadavg()[0], "")
@@ -248,7 +276,12 @@ def main() -> None:
             step(*batches[0])  # trace (and fuse, compile, tune: cached afterwards)
             emit("train_throughput", f"static_{compiler}_first_step_s", time.perf_counter() - t0, "s")
     if a.torch:
-        steps[torch_name] = torch_step_fn(llama, cfg.optim.lr, a.device)
+        steps[torch_name] = torch_step_fn(llama, cfg.optim.lr, a.device, a.torch_model)
+    if a.torch_compile:
+        t0 = time.perf_counter()
+        step = steps["torch_compiled"] = torch_step_fn(llama, cfg.optim.lr, a.device, a.torch_model, True)
+        step(*batches[0])  # dynamo + inductor compile the forward and backward
+        emit("train_throughput", "torch_compiled_first_step_s", time.perf_counter() - t0, "s")
     medians = measure_interleaved(steps, batches, a.warmup)
     tps = {name: b * s / sec for name, sec in medians.items()}
     for name, sec in medians.items():
@@ -305,7 +338,15 @@ def main() -> None:
             best / tps[torch_name],
             "x",
             **({"target": 1.0} if a.torch_tuned else {}),
-            note="transformers on PyTorch, same process, steps interleaved",
+            note=f"{a.torch_model} Llama on PyTorch, same process, steps interleaved",
+        )
+    if a.torch_compile:
+        emit(
+            "train_throughput",
+            f"{name}_over_torch_compiled_same_run",
+            best / tps["torch_compiled"],
+            "x",
+            note=f"{a.torch_model} Llama under torch.compile, same process, steps interleaved",
         )
 
 

@@ -87,12 +87,7 @@ def main(argv: list[str]) -> int:
 
     model = LlamaForCausalLM.from_pretrained(a.model)
     tok = LlamaTokenizer.from_pretrained(a.model)
-    if tok.vocab_size != model.config.vocab_size:
-        from llmkit.models.llama.checkpoint import CheckpointError
-
-        raise CheckpointError(
-            f"tokenizer vocab ({tok.vocab_size}) does not match the model's ({model.config.vocab_size})"
-        )
+    tok.check_fits(model.config.vocab_size, a.model)
     ids = tok.encode(a.prompt, add_bos=True)
     room = model.config.max_position_embeddings - len(ids)
     if a.max_new_tokens > room:
@@ -104,7 +99,9 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
     if a.eager:
-        new = generate(model, [ids], a.max_new_tokens, params, eos_token_id=tok.eos_id)[0]
+        # the engine's stop ids: the tokenizer's eos and generation_config.json's, and config.json's
+        eos = [*tok.eos_ids, *model.config.eos_ids]
+        new = generate(model, [ids], a.max_new_tokens, params, eos_token_id=eos)[0]
         print(a.prompt + tok.decode(new))
         return 0
     from llmkit.framework.compiler.build import spin_between_kernels

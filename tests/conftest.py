@@ -1,8 +1,15 @@
 """Shared test setup: every run writes its caches (tokenizers, packed tokens, compiled kernels)
 under a temporary directory removed at exit, never into the user's ~/.cache; the built-in
-tokenizer is trained once per session. In CI (``CI`` set), a test skipped because torch or
-transformers is missing fails instead: CI installs the ``parity`` extra, so the independent
-references (Hugging Face logits, torch's optimizers) run on every submission."""
+tokenizer is trained once per session. In CI (``CI`` set), a test skipped because torch,
+transformers, gguf, lm-eval, accelerate or ``mpiexec`` is missing fails instead: CI installs the
+``test``, ``parity`` and ``dist`` extras, so the independent references (Hugging Face logits,
+torch's optimizers, the gguf reader, lm-evaluation-harness) and the multi-process runs run on every
+submission.
+
+GPU twins: a test taking the ``device`` fixture runs once on "cpu" (numpy) and once on "gpu"
+(cupy, marked ``gpu``: skipped where cupy finds no CUDA device; ``pytest -m gpu`` on a GPU machine,
+as ``benchmarks/gpu_check.sh`` does). ``assert_on_device`` fails a GPU run whose result came back
+as a host array: a kernel that silently fell back to numpy."""
 
 from __future__ import annotations
 
@@ -12,9 +19,11 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 _root = tempfile.mkdtemp(prefix="llmkit-tests-")
@@ -23,26 +32,61 @@ os.environ.setdefault("LLMKIT_CACHE_DIR", os.path.join(_root, "cache"))
 os.environ.setdefault("LLMKIT_KERNEL_CACHE", os.path.join(_root, "kernels"))
 
 
-PARITY = ("torch", "transformers")
+# references CI must have (a test skipped for want of one fails there): the parity extra, the gguf
+# package whose reader checks `llmkit export --format gguf`, lm-evaluation-harness (the test extra)
+PARITY = ("torch", "transformers", "gguf", "lm_eval", "accelerate")
+MPIEXEC = "needs mpiexec"  # how every MPI test's skip reason starts (skipif no mpiexec on PATH)
 
 
 def _missing_reference(report: pytest.CollectReport | pytest.TestReport) -> bool:
     text = str(report.longrepr) if report.skipped else ""
-    return any(f"could not import '{m}'" in text for m in PARITY)
+    return MPIEXEC in text or any(f"could not import '{m}'" in text for m in PARITY)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
     report = (yield).get_result()
     if os.environ.get("CI") and _missing_reference(report):
-        report.outcome, report.longrepr = "failed", f"CI runs the parity tests: {report.longrepr}"
+        report.outcome, report.longrepr = "failed", f"CI runs the parity and MPI tests: {report.longrepr}"
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
     if os.environ.get("CI") and _missing_reference(report):
-        report.outcome, report.longrepr = "failed", f"CI runs the parity tests: {report.longrepr}"
+        report.outcome, report.longrepr = "failed", f"CI runs the parity and MPI tests: {report.longrepr}"
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def device(request) -> Iterator[str]:
+    """The device a twin test runs on: "cpu" (numpy) and "gpu" (cupy, where a CUDA device exists),
+    also the current device while it runs (tensors made without a device land there)."""
+    from llmkit.framework import backend
+
+    if request.param == "gpu" and not backend.gpu_available():
+        pytest.skip("gpu twin: cupy found no CUDA device")
+    before = backend.get_device()
+    backend.set_device(request.param)
+    yield request.param
+    backend.set_device(before)
+
+
+def _check_on_device(device: str, *arrays: Any) -> None:
+    for i, a in enumerate(arrays):
+        a = getattr(a, "_data", a)  # a Tensor's payload
+        host = isinstance(a, (np.ndarray, np.generic))
+        on_gpu = type(a).__module__.split(".")[0] == "cupy"
+        assert host if device == "cpu" else on_gpu, (
+            f"result {i} is a {type(a).__module__}.{type(a).__name__} on a {device} run"
+            + (": a kernel fell back to the host" if device == "gpu" else "")
+        )
+
+
+@pytest.fixture
+def assert_on_device(device: str):
+    """``assert_on_device(*arrays_or_tensors)``: each lives on the test's device (on "gpu" a cupy
+    array, never a host one: a kernel that fell back to numpy fails the test)."""
+    return lambda *arrays: _check_on_device(device, *arrays)
 
 
 @pytest.fixture(scope="session")

@@ -70,14 +70,30 @@ def module_file(name: str) -> str | None:
     return None
 
 
-def imports(rel: str) -> list[tuple[int, str]]:
-    """(line, target file) of every llmkit module ``rel`` imports, anywhere in its code."""
+def _for_type_checkers(tree: ast.AST) -> set[int]:
+    """The ids of the import statements under ``if TYPE_CHECKING:`` (they never run)."""
+    return {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for stmt in block.body
+        for n in ast.walk(stmt)
+    }
+
+
+def imports(rel: str, run: bool = False) -> list[tuple[int, str]]:
+    """(line, target file) of every llmkit module ``rel`` imports, anywhere in its code (with
+    ``run``, those that can run: not the ones under ``if TYPE_CHECKING:``)."""
     module = "llmkit." + rel.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
     package = module.split(".") if rel.endswith("__init__.py") else module.split(".")[:-1]
     if rel == "__init__.py":
         package = ["llmkit"]
     out = []
-    for node in ast.walk(ast.parse((PACKAGE / rel).read_text())):
+    tree = ast.parse((PACKAGE / rel).read_text())
+    skip = _for_type_checkers(tree) if run else set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -105,6 +121,46 @@ def violations(edges: list[tuple[str, int, str]]) -> list[str]:
     return out
 
 
+def cycles(edges: list[tuple[str, int, str]]) -> list[list[str]]:
+    """The import cycles of a graph of (file, line, imported file): its strongly connected
+    components of more than one module (Tarjan), each sorted, with a module importing itself."""
+    graph: dict[str, set[str]] = {}
+    for src, _, dst in edges:
+        graph.setdefault(src, set()).add(dst)
+        graph.setdefault(dst, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph[v]:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
 FILES = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
 
 
@@ -118,6 +174,46 @@ def test_imports_point_down_the_layers():
     assert len(edges) > 300  # the walk sees the package's imports
     bad = violations(edges)
     assert not bad, "imports against the layers of docs/architecture.md:\n" + "\n".join(bad)
+
+
+# Cycles known and not yet mended, each with why; the test fails when one is mended (drop it here)
+# as well as on any new one. compiler/native's family modules take ``native_kernel`` from the
+# package __init__, which imports them at its end (moving it to a module of its own mends it).
+KNOWN_CYCLES = [
+    [
+        "framework/compiler/native/__init__.py",
+        "framework/compiler/native/attention.py",
+        "framework/compiler/native/gather.py",
+        "framework/compiler/native/linear.py",
+        "framework/compiler/native/paged.py",
+        "framework/compiler/native/quant.py",
+    ],
+]
+
+
+def test_no_import_cycle_inside_a_layer():
+    """The package's imports form no cycle, not even inside one layer, and not through an import
+    inside a function: each layer is layered too (the IR: errors, attributes, printer, opdef, core,
+    dialects, builder, ...). Imports under ``if TYPE_CHECKING:`` never run, so they do not count."""
+    edges = [(f, line, dst) for f in FILES for line, dst in imports(f, run=True)]
+    found = cycles(edges)
+    assert found == KNOWN_CYCLES, (
+        "import cycles (modules importing each other):\n"
+        + "\n".join(" <-> ".join(f"llmkit/{m}" for m in c) for c in found if c not in KNOWN_CYCLES)
+        + "".join(f"\nmended, drop it from KNOWN_CYCLES: {c}" for c in KNOWN_CYCLES if c not in found)
+    )
+
+
+def test_a_cycle_is_reported():
+    edges = [
+        ("a.py", 1, "b.py"),
+        ("b.py", 1, "c.py"),
+        ("c.py", 1, "a.py"),
+        ("c.py", 2, "d.py"),
+        ("e.py", 1, "e.py"),
+    ]
+    assert cycles(edges) == [["a.py", "b.py", "c.py"], ["e.py"]]
+    assert cycles([("a.py", 1, "b.py"), ("b.py", 1, "c.py")]) == []
 
 
 @pytest.mark.parametrize(
@@ -145,3 +241,7 @@ def test_imports_inside_functions_are_seen(tmp_path, monkeypatch):
     (pkg / "framework" / "tensor.py").write_text("def f():\n    from .dispatch import apply\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
     assert imports("framework/tensor.py") == [(2, "framework/dispatch.py")]
+    (pkg / "framework" / "tensor.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .dispatch import apply\n"
+    )
+    assert imports("framework/tensor.py", run=True) == []  # a hint's import never runs

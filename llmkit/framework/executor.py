@@ -4,8 +4,8 @@ Compiling a function makes a flat plan once: each op's kernel resolved from the 
 and result slots, attributes already plain (those holding symbolic dims are evaluated per call
 with the sizes bound from the inputs), and the slots to free after each step (liveness), so
 intermediates die at their last use. ``cinn.fusion`` ops run as the compiled kernel the compiler
-attached to them, or op by op from their region. ``LLMKIT_PROFILE=1`` collects time per op type and
-prints the table at exit.
+attached to them, or op by op from their region (``ir.run_group``). ``LLMKIT_PROFILE=1`` collects
+time per op type and prints the table at exit.
 
 ``native=True`` (every compiled program) runs ops that have a hand-written C kernel with it, and
 replays the whole function in one C call whenever every step is a C kernel or a view: no Python
@@ -31,12 +31,40 @@ import numpy as np
 from . import backend as B
 from . import symbolic as sym
 from .ir import FuncOp, Operation, Program, Value
+from .ir.interpreter import run_group
 from .ir.printer import format_op
 from .memory import keep_freed_memory
 
 
 class ExecutionError(RuntimeError):
     """A program that cannot run on the given inputs; the message names the op or the input."""
+
+
+class FallbackWarning(RuntimeWarning):
+    """Compiled work runs the reference kernels instead (no C compiler, a kernel that failed to
+    compile or to load, a group the compiler could not lower), or its kernels run on one thread
+    (the thread pool failed to build), or a step of a GPU program computed on the host (its kernel
+    returned a numpy array): still correct, much slower. The test suite turns it into an error
+    (pyproject.toml), so a compiled or GPU path cannot pass on fallbacks."""
+
+
+_host_steps: set[str] = set()  # steps of GPU programs already reported as computed on the host
+
+
+def _device_array(xp: Any, out: Any, step: str) -> Any:
+    """A step's output as an array of the program's module; on the GPU a host array means the
+    kernel ran on the host (said once per step name) and is moved to the device."""
+    if xp is not np and type(out) is np.ndarray and step not in _host_steps:
+        import warnings
+
+        _host_steps.add(step)
+        warnings.warn(
+            f"{step}: its kernel returned a host (numpy) array in a GPU program; the step ran on the "
+            "host and its result is copied to the device",
+            FallbackWarning,
+            stacklevel=3,
+        )
+    return xp.asarray(out)
 
 
 # Op name -> function(op) returning a callable(xp, *arrays) -> array | tuple. The compiler
@@ -136,11 +164,7 @@ class Executor:
             lower = LOWERINGS.get(name)
             fn = lower(op) if lower is not None else None
             if fn is None and name == "cinn.fusion":
-                # No compiled kernel: run the group's ops here, mapping its results to the yields.
-                inner = self._plan_block(op.regions[0].blocks[0])
-                for r, s in zip(op.results, inner):
-                    self._slot[r] = s
-                continue
+                fn = self._unfused(op)
             spec = op.opdef.spec
             if fn is None and self.native and _native_kernel is not None and spec is not None:
                 fn = _native_kernel(op)
@@ -157,6 +181,23 @@ class Executor:
             kind = spec.kind if spec is not None else None
             self.steps.append(_Step(label, fn, ins, outs, attrs, sym_attrs, multi, kind))
         return []
+
+    def _unfused(self, fusion: Operation) -> Callable[..., Any]:
+        """A group without a compiled kernel: its ops one by one (``ir.run_group``), each with its
+        hand-written C kernel where this executor runs those."""
+        kernels = {}
+        if self.native and _native_kernel is not None:
+            body = fusion.regions[0].blocks[0]
+            kernels = {
+                o: k for o in body if o.opdef.spec is not None and (k := _native_kernel(o)) is not None
+            }
+
+        def run(xp: Any, *arrays: Any, **attrs: Any) -> Any:
+            return run_group(fusion, xp, arrays, kernels)
+
+        label = fusion.attributes["name"].value if "name" in fusion.attributes else "?"
+        run.profile_name = f"cinn.fusion[{label}] unfused"  # type: ignore[attr-defined]
+        return run
 
     def _liveness(self) -> None:
         """Free each intermediate after the last step that reads it."""
@@ -242,6 +283,7 @@ class Executor:
         for s, c in self._consts(xp):
             slots[s] = c
         profile = _profile if _PROFILE else None
+        host = xp is np
         for st in self.steps:
             attrs = st.attrs
             if st.sym_attrs:
@@ -260,9 +302,11 @@ class Executor:
                 rec[1] += 1
             if st.multi:
                 for s, o in zip(st.outs, out):
-                    slots[s] = o if type(o) is np.ndarray else xp.asarray(o)
+                    slots[s] = o if host and type(o) is np.ndarray else _device_array(xp, o, st.name)
             else:
-                slots[st.outs[0]] = out if type(out) is np.ndarray else xp.asarray(out)
+                slots[st.outs[0]] = (
+                    out if host and type(out) is np.ndarray else _device_array(xp, out, st.name)
+                )
             for s in st.free:
                 slots[s] = None
         return [slots[s] for s in self.output_slots]

@@ -147,25 +147,28 @@ def install_dir(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> No
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
-    """A binary file to write that replaces ``path`` only when the block succeeds.
-
-    The bytes go to a temporary file in the same directory (same filesystem), are flushed to disk,
-    then ``os.replace`` swaps it in; on any error the temporary file is removed. Parents are created.
-    """
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary file name beside ``path`` for a writer that opens files itself (the gguf
+    package's): when the block succeeds the file is flushed to disk and swapped in with
+    ``os.replace``; on any error it is removed. Parents are created."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
     try:
-        with open(tmp, "xb") as f:  # "x": never clobber anything; the mode any new file gets
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        _fsync(tmp)
         os.replace(tmp, path)
         _fsync(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+    """A binary file to write that replaces ``path`` only when the block succeeds (``atomic_path``)."""
+    with atomic_path(path) as tmp, open(tmp, "xb") as f:  # "x": never clobber anything
+        yield f
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:

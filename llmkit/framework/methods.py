@@ -15,7 +15,7 @@ from . import backend as B
 from .autograd import backward
 from .dispatch import O, apply, public
 from .indexing import getitem
-from .opspec import Kind, get, table
+from .opspec import Kind, Trait, get, table
 from .tensor import Tensor
 
 
@@ -120,7 +120,7 @@ def install() -> None:
         if (
             not spec.inputs
             or spec.variadic
-            or "internal" in spec.traits
+            or Trait.INTERNAL in spec.traits
             or spec.kind == Kind.COLLECTIVE
             or hasattr(Tensor, name)
         ):

@@ -5,7 +5,7 @@ defaults), ``infer_meta`` (shapes and dtypes, symbolic dims allowed), ``kernel(x
 reference kernel, the same code for numpy and cupy), ``vjp`` (written with other ops, so it runs
 eagerly and under tracing alike), ``kind`` (the fusion class, which also supplies default shape
 rules), an optional ``decompose`` into primitives, a C expression template for elementwise
-primitives, traits (:data:`TRAITS`), a hand-written C kernel slot (:class:`Native`, filled by
+primitives, traits (:class:`Trait`), a hand-written C kernel slot (:class:`Native`, filled by
 ``compiler/native``) and an ``spmd`` slot (filled by auto-parallel). :func:`defop` registers a
 spec in the one table; nothing else lists ops.
 """
@@ -16,7 +16,7 @@ import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from . import backend as B
 from . import symbolic as sym
 from .placement import Placement, ProcessMesh
 from .symbolic import Dim
+from .types import TensorType
 
 # --------------------------------------------------------------------------------- fusion kinds
 
@@ -56,27 +57,8 @@ class OpError(ValueError):
 # ------------------------------------------------------------------------------------ metadata
 
 
-class Meta:
-    """Shape and dtype of a value, without data. Dims are ints or symbols (see ``symbolic``)."""
-
-    __slots__ = ("dtype", "shape")
-
-    def __init__(self, shape: Sequence[Dim], dtype: Any) -> None:
-        self.shape = tuple(shape)
-        self.dtype = dtype if isinstance(dtype, np.dtype) else B.dtype(dtype)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Meta) and self.shape == other.shape and self.dtype == other.dtype
-
-    def __hash__(self) -> int:
-        return hash((self.shape, self.dtype))
-
-    def __repr__(self) -> str:
-        return f"Meta({list(self.shape)}, {B.dtype_name(self.dtype)})"
+# The op table's name for a value's shape and dtype: the one type, PIR's too (``types.py``).
+Meta = TensorType
 
 
 def describe(x: Any) -> str:
@@ -230,26 +212,44 @@ def attr(name: str, type: AttrType, default: Any = REQUIRED, check=None) -> Attr
 
 # -------------------------------------------------------------------------------------- traits
 
-# What an op may declare about itself (``defop(..., traits={...})``). Passes and the compiler read
-# these, never op names, so a new op gets a rewrite by declaring its trait; PIR gives every llm op
-# its traits in CamelCase (``"same_type_noop"`` -> ``SameTypeNoop``). Facts with a value are spec
-# fields instead: ``identity`` (x op e == x) and ``splat`` (the one value of every element).
-TRAITS: dict[str, str] = {
-    "commutative": "f(a, b) == f(b, a)",
-    "associative": "f(f(a, b), c) == f(a, f(b, c))",
-    "idempotent": "f(a, a) == a",
-    "involution": "f(f(x)) == x (canonicalize drops the pair)",
-    "same_type_noop": "a result with its input's type is that input (canonicalize forwards it)",
-    "shape_attr": "the `shape` attribute is the result's shape, -1 for a dim it infers (simplify-shapes "
-    "writes the dim)",
-    "shape_only": "the result depends on the inputs' shapes, not their values (simplify-shapes folds "
-    "its splat value where known)",
-    "constant_like": "no inputs: its value is known when the program is built",
-    "inplace_input0": "may return input 0 itself, written in place (the caller donates it)",
-    "internal": "programs use it (backward, compiler, engine), users do not: it is no Tensor method",
-    "inference": "an op of the inference engine's programs (batch-invariant by contract), with a "
-    "hand-written kernel in compiler/native",
-}
+
+class Trait:
+    """Trait names: one vocabulary for the op table and PIR. Passes and the compiler read traits,
+    never op names, so a new op gets a rewrite by declaring its trait (``defop(...,
+    traits={"commutative"})``); PIR gives each ``llm`` op its spec's traits as they are, plus
+    ``pure`` (every kind but collectives), ``elementwise`` and ``same_shape`` from its kind. Facts
+    with a value are spec fields instead: ``identity`` (x op e == x) and ``splat`` (the one value
+    of every element)."""
+
+    # algebra
+    COMMUTATIVE = "commutative"  # f(a, b) == f(b, a)
+    ASSOCIATIVE = "associative"  # f(f(a, b), c) == f(a, f(b, c))
+    IDEMPOTENT = "idempotent"  # f(a, a) == a
+    INVOLUTION = "involution"  # f(f(x)) == x (canonicalize drops the pair)
+    # what rewrites may do
+    SAME_TYPE_NOOP = "same_type_noop"  # a result with its input's type is that input (forwarded)
+    SHAPE_ATTR = "shape_attr"  # the `shape` attribute is the result's shape, -1 a dim it infers
+    SHAPE_ONLY = "shape_only"  # the result depends on the inputs' shapes, not values (splat folds)
+    CONSTANT_LIKE = "constant_like"  # no inputs: its value is known when the program is built
+    INPLACE_INPUT0 = "inplace_input0"  # may return input 0 itself, written in place (donated)
+    # who uses it
+    INTERNAL = "internal"  # programs use it (backward, compiler, engine), users not: no Tensor method
+    INFERENCE = "inference"  # an engine op (batch-invariant by contract), kernel in compiler/native
+    # given by PIR (from an op's kind, or by its dialect)
+    PURE = "pure"  # no side effects: removable when unused, mergeable when equal (DCE, CSE)
+    RECURSIVELY_PURE = "recursively_pure"  # pure exactly when every op in its regions is
+    ELEMENTWISE = "elementwise"  # out[i] = f(in[i], ...) with broadcasting
+    SAME_SHAPE = "same_shape"  # the result has the shape of the (single) operand
+    TERMINATOR = "terminator"  # ends a block; nothing may follow it
+    ISOLATED = "isolated_from_above"  # its regions use no value defined outside them
+    SYMBOL = "symbol"  # has a unique name in the enclosing module (functions)
+    SYMBOL_TABLE = "symbol_table"  # holds named symbols (the module)
+    NO_TERMINATOR = "no_terminator"  # its single-block regions need no terminator
+
+    ALL: ClassVar[frozenset[str]]  # every name above
+
+
+Trait.ALL = frozenset(v for k, v in vars(Trait).items() if k.isupper())
 
 
 # ------------------------------------------------------------------------------- native kernels
@@ -311,7 +311,7 @@ class OpSpec:
     # The compiler fuses such ops as index arithmetic; ``ix`` offers dim(), reshape(), broadcast().
     index_map: Callable[..., Any] | None = None
     native: Native | None = None  # a hand-written C kernel, attached by compiler/native (see Native)
-    traits: frozenset[str] = frozenset()  # names from TRAITS
+    traits: frozenset[str] = frozenset()  # names from Trait
     identity: Any = None  # binary ops: x op identity == x (and identity op x == x when commutative)
     # (*metas, **attrs) -> the one value every element of the result holds, or None where unknown
     splat: Callable[..., Any] | None = None
@@ -419,9 +419,9 @@ def defop(
         raise ValueError(f"op {name!r} is declared twice")
     if kind not in Kind.ALL:
         raise ValueError(f"op {name!r}: unknown kind {kind!r}")
-    unknown = set(traits) - set(TRAITS)
+    unknown = set(traits) - Trait.ALL
     if unknown:
-        raise ValueError(f"op {name!r}: unknown trait(s) {sorted(unknown)}; the known ones are in TRAITS")
+        raise ValueError(f"op {name!r}: unknown trait(s) {sorted(unknown)}; the known ones are in Trait")
     spec = OpSpec(
         name=name,
         kind=kind,

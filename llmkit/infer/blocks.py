@@ -81,9 +81,13 @@ class BlockManager:
         return out
 
     # ---- admission ----------------------------------------------------------------------------
-    def admit(self, prompt_ids: Sequence[int], total_tokens: int) -> Allocation | None:
+    def admit(
+        self, prompt_ids: Sequence[int], total_tokens: int, use_cache: bool = True
+    ) -> Allocation | None:
         """Blocks for a sequence of up to ``total_tokens`` tokens starting with ``prompt_ids``, sharing
-        its longest cached prefix; None when not enough blocks are free (nothing changes then)."""
+        its longest cached prefix (none with ``use_cache=False``: a prompt to score is computed whole;
+        its blocks are still registered for others); None when not enough blocks are free (nothing
+        changes then)."""
         n_total = self.blocks_for(total_tokens)
         if n_total > self.num_blocks:
             raise ValueError(
@@ -92,7 +96,8 @@ class BlockManager:
             )
         hashes = self.prefix_hashes(prompt_ids) if self.enable_prefix_caching else []
         hits: list[int] = []
-        usable = (len(prompt_ids) - 1) // self.block_size  # keep >= 1 prompt token to compute
+        # keep >= 1 prompt token to compute
+        usable = (len(prompt_ids) - 1) // self.block_size if use_cache else 0
         for h in hashes[:usable]:
             b = self._cached.get(h)
             if b is None:

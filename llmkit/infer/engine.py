@@ -31,15 +31,16 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from llmkit.tokenizer import Tokenizer
+from llmkit.tokenizer import FILES as TOKENIZER_FILES
+from llmkit.tokenizer import Tokenizer, TokenizerError
 
 from .blocks import BlockManager
-from .chat import ChatTemplate
+from .chat import ChatTemplate, ChatTemplateError
 from .detokenize import Detokenizer
 from .programs import BLOCK_SIZE, DECODE_TILE, PREFILL_TILE, ModelSpec, runs_native, unpack_panel_weights
 from .request import Completion, FinishReason, Request, RequestOutput
 from .runner import DecodeBatch, ModelRunner, PrefillBatch
-from .sampling import Sampler, SamplingParams, merge_stop_ids
+from .sampling import Sampler, SamplingParams, TokenChoice, merge_stop_ids
 from .scheduler import Scheduler
 
 
@@ -83,9 +84,9 @@ class Engine:
         self.spec = runner.spec
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.chat_template = chat_template or ChatTemplate()
+        self.chat_template = chat_template or ChatTemplate.of(tokenizer)
         self.generation_defaults = dict(generation_defaults or {})
-        eos = set(eos_token_ids) | ({tokenizer.eos_id} if tokenizer is not None else set())
+        eos = set(eos_token_ids) | (set(tokenizer.eos_ids) if tokenizer is not None else set())
         self.eos_token_ids = frozenset(eos)
         limit = self.spec.max_model_len
         self.max_model_len = min(config.max_model_len or limit, limit)
@@ -131,10 +132,8 @@ class Engine:
             config.compiler,
             config.relayout_weights,
         )
-        eos = model.config.eos_token_id
-        eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
         tok = None if tokenizer is None else Tokenizer.of(tokenizer)
-        return cls(runner, tok, config, model_name=model_name, eos_token_ids=eos_ids)
+        return cls(runner, tok, config, model_name=model_name, eos_token_ids=model.config.eos_ids)
 
     @classmethod
     def from_static(cls, path: str | os.PathLike[str], config: EngineConfig | None = None) -> Engine:
@@ -154,17 +153,21 @@ class Engine:
             tokenizer,
             config,
             model_name=meta.get("model_name", "model"),
-            chat_template=ChatTemplate.from_dict(meta.get("chat_template")),
+            chat_template=ChatTemplate.from_metadata(meta["chat_template"])
+            if "chat_template" in meta
+            else None,
             generation_defaults=meta.get("generation"),
             eos_token_ids=meta.get("eos_token_ids", ()),
         )
 
     # ---- submitting (any thread) ----------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt's token ids. The BOS rule (docs/serve.md): a text prompt gets the tokenizer's BOS
+        when its ``add_bos_token`` says so (default yes); token ids are taken as given."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: a text prompt needs a tokenizer; pass token ids")
-            return self.tokenizer.encode(prompt, add_bos=True)
+            return self.tokenizer.encode(prompt, add_bos=getattr(self.tokenizer, "add_bos_token", True))
         return [int(t) for t in prompt]
 
     def add_request(
@@ -188,11 +191,22 @@ class Engine:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt: token id {bad} is out of range for a vocabulary of {vocab}")
-        if len(ids) >= self.max_model_len:
+        if len(ids) + min(params.max_tokens, 1) > self.max_model_len:
             raise ValueError(
-                f"prompt: {len(ids)} tokens do not fit the context of {self.max_model_len} tokens "
-                "(at least one new token must fit)"
+                f"prompt: {len(ids)} tokens do not fit the context of {self.max_model_len} tokens"
+                + (" (at least one new token must fit)" if params.max_tokens else "")
             )
+        if params.prompt_logprobs is not None:
+            if not self.runner.can_score:
+                raise ValueError(
+                    "prompt_logprobs: this model file has no score program (exported by an older "
+                    "llmkit); export it again with llmkit export"
+                )
+            if params.prompt_logprobs > self.spec.score_top_k:
+                raise ValueError(
+                    f"prompt_logprobs: at most {self.spec.score_top_k} (the score program's top-k), "
+                    f"got {params.prompt_logprobs}"
+                )
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: {params.max_tokens} new tokens after a {len(ids)}-token prompt exceed the "
@@ -248,16 +262,41 @@ class Engine:
                 if start + n == r.prompt_len:
                     batch.logit_rows.append(row)
                     last.append(r)
-            logits = self.runner.prefill(batch)
+            if any(r.scores_prompt for r, _, _ in plan.prefill):
+                logits = self._score(plan.prefill, batch)
+            else:
+                logits = self.runner.prefill(batch)
             for r, start, n in plan.prefill:
                 r.computed = start + n
                 self.num_prompt_tokens += n
                 self._register_prefix(r)
             for r, row in zip(last, logits):
-                self._append_token(r, row)
+                if r.params.max_tokens == 0:  # scored, nothing to generate
+                    self._finish(r, FinishReason.LENGTH)
+                else:
+                    self._append_token(r, row)
                 touched.append(r)
         self.num_steps += not plan.empty
         return self._flush(touched)
+
+    def _score(self, chunks: list[tuple[Request, int, int]], batch: PrefillBatch) -> np.ndarray:
+        """Run the prefill batch through the score program; the scoring requests' prompt logprobs
+        (row ``i`` of a chunk at ``start`` scores prompt token ``start + i + 1``). Returns the logits
+        at ``batch.logit_rows``, as prefill would."""
+        targets = []
+        for r, start, n in chunks:
+            nxt = r.prompt_ids[start + 1 : start + n + 1]
+            targets += nxt + [0] * (n - len(nxt))  # the prompt's last row has no target
+        s = self.runner.score(batch, targets)
+        row = 0
+        for r, start, n in chunks:
+            if r.scores_prompt:
+                k = r.params.prompt_logprobs
+                for i in range(row, row + min(n, r.prompt_len - 1 - start)):
+                    top = [(int(t), float(lp)) for t, lp in zip(s.top_ids[i, :k], s.top_logprobs[i, :k])]
+                    r.prompt_logprobs.append(TokenChoice(targets[i], float(s.target_logprobs[i]), top))
+            row += n
+        return s.logits
 
     def _drain(self, touched: list[Request]) -> None:
         while self._inbox:
@@ -391,7 +430,7 @@ class StaticMetadata(_EngineFields, total=False):
     """The metadata ``llmkit export`` writes into a static model file's manifest for the engine."""
 
     model_name: str
-    chat_template: ChatTemplate
+    chat_template: Any  # the Jinja source string (an older llmkit wrote a dict): ChatTemplate.from_metadata
     generation: dict[str, float]  # sampling defaults: temperature, top_p, top_k
     eos_token_ids: list[int]
 
@@ -414,14 +453,11 @@ def _check_static(sm: Any) -> tuple[ModelSpec, Tokenizer]:
     for k, v in spec.to_dict().items():
         if isinstance(v, int) and v < 1 and not (k.endswith("_tile") and v == 0):
             raise FormatError(f"{where}: metadata.engine.{k}: must be positive, got {v}")
-    template = ChatTemplate.from_dict(meta.get("chat_template"))
-    for k in ("user", "assistant", "system"):
+    if "chat_template" in meta:
         try:
-            getattr(template, k).format(content="")
-        except (AttributeError, KeyError, IndexError, ValueError) as e:
-            raise FormatError(
-                f"{where}: metadata.chat_template.{k}: not a template with only {{content}} ({e!r})"
-            ) from None
+            ChatTemplate.from_metadata(meta["chat_template"])
+        except ChatTemplateError as e:
+            raise FormatError(f"{where}: {e}") from None
     gen = meta.get("generation", {})
     try:
         SamplingParams(**{k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen})
@@ -433,7 +469,8 @@ def _check_static(sm: Any) -> tuple[ModelSpec, Tokenizer]:
             f"{where}: metadata.eos_token_ids: {bad[0]} is not a token id (vocabulary of {spec.vocab_size})"
         )
     pool = list(spec.pool_shape(0))
-    for name in ("prefill", "decode"):
+    # score is optional: files exported before it existed serve everything but echo
+    for name in ("prefill", "decode", *(["score"] if "score" in sm.programs else [])):
         fn = sm.programs.get(name)
         if fn is None or not fn.input_specs or not fn.output_specs:
             raise FormatError(
@@ -456,13 +493,14 @@ def _check_static(sm: Any) -> tuple[ModelSpec, Tokenizer]:
                 f"{where}: metadata.engine.vocab_size: {spec.vocab_size}, but the {name} program's logits "
                 f"are {logits['shape']}"
             )
-    try:
-        tokenizer = Tokenizer(sm.file("tokenizer.model"))
-    except RuntimeError as e:  # sentencepiece: "could not parse ModelProto"
-        raise FormatError(f"{sm.path}: tokenizer.model is not a sentencepiece model ({e})") from None
-    if tokenizer.vocab_size != spec.vocab_size:
+    names = [n for n in sm.manifest["files"] if n in TOKENIZER_FILES]  # files() of the exporter
+    try:  # an old file holds only tokenizer.model
+        tokenizer = Tokenizer.from_files({n: sm.file(n) for n in names}, origin=str(sm.path))
+    except TokenizerError as e:
+        raise FormatError(str(e)) from None
+    if tokenizer.vocab_size > spec.vocab_size:
         raise FormatError(
-            f"{sm.path}: tokenizer.model has {tokenizer.vocab_size} pieces, the programs "
+            f"{sm.path}: the tokenizer has {tokenizer.vocab_size} tokens, the programs only "
             f"{spec.vocab_size} logits"
         )
     return spec, tokenizer

@@ -1,4 +1,4 @@
-"""The engine's two programs, traced from a causal LM: ``prefill`` and ``decode`` over a paged KV pool.
+"""The engine's programs, traced from a causal LM: ``prefill``, ``decode`` and ``score`` over a paged KV pool.
 
 Both are ``to_static`` traces of the model's own forward with a :class:`PagedKVCache` as its
 ``kv_cache`` (the seam: model code only calls ``kv_cache.attend``), symbolic sizes, and the KV pool
@@ -9,10 +9,18 @@ the pool::
             q_start [G], q_len [G], logit_rows [R], pool) -> (logits [R, V], pool)
     decode(input_ids [B, 1], positions [B, 1], slots [B], block_tables [B, MB], kv_len [B], pool)
             -> (logits [B, V], pool)
+    score(<prefill's inputs but pool>, targets [N], pool)
+            -> (logits [R, V], target_logprobs [N], top_logprobs [N, K], top_ids [N, K], pool)
 
 ``prefill`` runs N tokens of any number of sequences flattened into one row, in G segments (a
 segment: a run of tokens of one sequence, see ``paged_attention``), and returns logits only at
-``logit_rows``; ``decode`` runs one token per sequence. ``pool`` is ``[layers, 2, NB, BS, Hkv, D]``
+``logit_rows``; ``decode`` runs one token per sequence. ``score`` is ``prefill`` that also scores every
+row: with ``lse = logsumexp(z)`` of the row's logits ``z`` in float64, the log-prob ``z[t] - lse`` of
+``targets[row]`` (the sequence's next token) and of the K most likely tokens (K =
+``ModelSpec.score_top_k``), all by that one formula (a target that is the most likely token has
+exactly the top-1 value). The log-softmax row itself is never formed. Its
+``logits`` at ``logit_rows`` are prefill's, by the same ops (so a scored prompt samples the same
+first token). ``pool`` is ``[layers, 2, NB, BS, Hkv, D]``
 with NB symbolic: the server sizes its pool at startup.
 
 After tracing, passes rewrite them: ``tile-linear`` turns every ``linear`` into
@@ -53,6 +61,8 @@ BLOCK_SIZE = 16  # tokens per KV block (and per prefill chunk)
 # (see docs/serve.md). With the compiler, the C kernel computes each row alone whatever the tile.
 PREFILL_TILE = 8
 DECODE_TILE = 1
+SCORE_TOP_K = 5  # most likely tokens the score program reports per position (OpenAI's logprobs <= 5)
+PROGRAMS = ("prefill", "decode", "score")
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,7 @@ class ModelSpec:
     block_size: int = BLOCK_SIZE
     prefill_tile: int = PREFILL_TILE
     decode_tile: int = DECODE_TILE
+    score_top_k: int = SCORE_TOP_K  # K of the score program's top_logprobs (at most the vocabulary)
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -117,16 +128,31 @@ class _TileLinear(RewritePattern):
         rewriter.replace_op(op, rewriter.create("llm.tiled_linear", list(op.operands), {"rows": self.rows}))
 
 
+class _TileQuantLinear(RewritePattern):
+    """A ``quant_linear`` traced as it is (int8 activations, ``act_bits=8``) takes the tiles too."""
+
+    roots = ("llm.quant_linear",)
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
+        if op.plain_attrs["rows"] == 0:
+            attrs = {**op.plain_attrs, "rows": self.rows}
+            rewriter.replace_op(op, rewriter.create("llm.quant_linear", list(op.operands), attrs))
+
+
 @register_pass
 @dataclass
 class TileLinear(Pass):
-    """``linear`` -> ``tiled_linear{rows}``: each row's result independent of the batch size."""
+    """``linear`` -> ``tiled_linear{rows}`` (and ``quant_linear`` traced untiled -> ``{rows}``): each
+    row's result independent of the batch size."""
 
     name = "tile-linear"
     rows: int = PREFILL_TILE
 
     def apply(self, program: Program) -> None:
-        apply_patterns(program, [_TileLinear(self.rows)], erase_dead=False)
+        apply_patterns(program, [_TileLinear(self.rows), _TileQuantLinear(self.rows)], erase_dead=False)
 
 
 class _Relayout(RewritePattern):
@@ -180,7 +206,7 @@ class TransposeWeights(Pass):
 def relayout(a: np.ndarray, layout: str) -> np.ndarray:
     """An ``[out, in]`` weight as a program wants it (see :class:`TransposeWeights`)."""
     if layout == "T":
-        return np.ascontiguousarray(a.T)
+        return B.xp_of(a).ascontiguousarray(a.T)
     if layout == "P16":
         return pack_panels(a.T)
     raise ValueError(f"unknown weight layout {layout!r}")
@@ -271,22 +297,23 @@ _I64 = "int64"
 
 
 def input_specs(spec: ModelSpec) -> dict[str, list[jit.InputSpec]]:
-    """The InputSpecs of both programs (names as they appear in the PIR and the manifest)."""
+    """The InputSpecs of the programs (names as they appear in the PIR and the manifest)."""
     pool = jit.InputSpec(
         [spec.num_layers, 2, "NB", spec.block_size, spec.num_kv_heads, spec.head_dim], spec.dtype, "pool"
     )
+    prefill = [
+        jit.InputSpec([1, "N"], _I64, "input_ids"),
+        jit.InputSpec([1, "N"], _I64, "positions"),
+        jit.InputSpec(["N"], _I64, "slots"),
+        jit.InputSpec(["G", "MB"], _I64, "block_tables"),
+        jit.InputSpec(["G"], _I64, "kv_len"),
+        jit.InputSpec(["G"], _I64, "q_start"),
+        jit.InputSpec(["G"], _I64, "q_len"),
+        jit.InputSpec(["R"], _I64, "logit_rows"),
+    ]
     return {
-        "prefill": [
-            jit.InputSpec([1, "N"], _I64, "input_ids"),
-            jit.InputSpec([1, "N"], _I64, "positions"),
-            jit.InputSpec(["N"], _I64, "slots"),
-            jit.InputSpec(["G", "MB"], _I64, "block_tables"),
-            jit.InputSpec(["G"], _I64, "kv_len"),
-            jit.InputSpec(["G"], _I64, "q_start"),
-            jit.InputSpec(["G"], _I64, "q_len"),
-            jit.InputSpec(["R"], _I64, "logit_rows"),
-            pool,
-        ],
+        "prefill": [*prefill, pool],
+        "score": [*prefill, jit.InputSpec(["N"], _I64, "targets"), pool],
         "decode": [
             jit.InputSpec(["B", 1], _I64, "input_ids"),
             jit.InputSpec(["B", 1], _I64, "positions"),
@@ -313,6 +340,7 @@ def model_spec(
         block_size=block_size,
         prefill_tile=prefill_tile,
         decode_tile=decode_tile,
+        score_top_k=min(SCORE_TOP_K, c.vocab_size),
     )
 
 
@@ -350,8 +378,9 @@ def trace_programs(
     decode_tile: int = DECODE_TILE,
     compiler: str | None = None,
     relayout: bool = True,
+    programs: tuple[str, ...] = PROGRAMS,
 ) -> tuple[dict[str, EngineProgram], ModelSpec]:
-    """Trace ``prefill`` and ``decode`` from ``model`` (its parameters stay live program inputs).
+    """Trace ``programs`` (of :data:`PROGRAMS`) from ``model`` (its parameters stay live program inputs).
 
     The model must provide ``model.model(input_ids, position_ids, attention_mask, kv_cache) ->
     hidden [B, S, H]`` (final norm applied), ``model.lm_weight() -> [V, H]`` and ``model.config``.
@@ -361,25 +390,44 @@ def trace_programs(
     ``compiler`` is passed to ``to_static`` ("cinn", "none"; None: to_static's default).
     """
     spec = model_spec(model, block_size, prefill_tile, decode_tile)
-    tiles = {"prefill": prefill_tile, "decode": decode_tile}
+    tiles = {"prefill": prefill_tile, "decode": decode_tile, "score": prefill_tile}
     native = runs_native(compiler)  # panel-packed weights where the executor runs the C kernel
     lm_weight = model.lm_weight
+    head = None if model.config.tie_word_embeddings else getattr(model, "lm_head", None)
+
+    def logits(rows):  # (R, H) -> (R, V); a quantized lm_head as its layer runs (int8 activations)
+        return head(rows) if isinstance(head, lf.nn.QuantizedLinear) else O.linear(rows, lm_weight())
 
     def prefill(input_ids, positions, slots, block_tables, kv_len, q_start, q_len, logit_rows, pool):
         cache = PagedKVCache(pool, slots, block_tables, kv_len, q_start, q_len)
         hidden = model.model(input_ids, positions, None, cache)  # (1, N, H)
         rows = O.index_select(O.reshape(hidden, [-1, hidden.shape[-1]]), logit_rows)  # (R, H)
-        return O.linear(rows, lm_weight()), cache.pool  # (R, V)
+        return logits(rows), cache.pool  # (R, V)
+
+    def score(input_ids, positions, slots, block_tables, kv_len, q_start, q_len, logit_rows, targets, pool):
+        cache = PagedKVCache(pool, slots, block_tables, kv_len, q_start, q_len)
+        hidden = model.model(input_ids, positions, None, cache)  # (1, N, H)
+        flat = O.reshape(hidden, [-1, hidden.shape[-1]])  # (N, H)
+        logits = O.linear(O.index_select(flat, logit_rows), lm_weight())  # (R, V): prefill's
+        every = O.linear(flat, lm_weight())  # (N, V)
+        z = O.cast(every, np.float64)
+        lse = O.logsumexp(z, axis=-1, keepdim=True)  # (N, 1)
+        _, top_ids = O.topk(every, k=spec.score_top_k)  # (N, K): the order of z, on the narrower type
+        target_lp = O.reshape(O.gather(z, O.reshape(targets, [-1, 1]), axis=-1) - lse, [-1])  # (N,)
+        top_lp = O.gather(z, top_ids, axis=-1) - lse  # (N, K), by the same formula as target_lp
+        return logits, target_lp, top_lp, top_ids, cache.pool
 
     def decode(input_ids, positions, slots, block_tables, kv_len, pool):
         cache = PagedKVCache(pool, slots, block_tables, kv_len)
         hidden = model.model(input_ids, positions, None, cache)  # (B, 1, H)
-        return O.linear(O.reshape(hidden, [-1, hidden.shape[-1]]), lm_weight()), cache.pool  # (B, V)
+        return logits(O.reshape(hidden, [-1, hidden.shape[-1]])), cache.pool  # (B, V)
 
     names = {id(t): n for n, t in model.named_parameters()}
     names.update({id(t): n for n, t in model.named_buffers()})
     out: dict[str, EngineProgram] = {}
-    for pname, fn in (("prefill", prefill), ("decode", decode)):
+    fns = {"prefill": prefill, "decode": decode, "score": score}
+    for pname in programs:
+        fn = fns[pname]
         specs = input_specs(spec)[pname]
         kw = {} if compiler is None else {"compiler": compiler}
         sf = jit.to_static(fn, input_spec=specs, names=names, **kw)

@@ -35,6 +35,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    # with params.prompt_logprobs: every prompt token's (None for the first), in the output of the
+    # step that finished the prompt; None otherwise
+    prompt_logprobs: list[TokenChoice | None] | None = None
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Completion:
     finish_reason: str
     logprobs: list[TokenChoice] | None
     num_cached_tokens: int
+    prompt_logprobs: list[TokenChoice | None] | None = None  # with params.prompt_logprobs
 
 
 @dataclass(eq=False)
@@ -70,6 +74,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenChoice] = field(default_factory=list)
     finish_reason: str | None = None
+    # params.prompt_logprobs: the prompt's token choices, [None] then one per scored position
+    prompt_logprobs: list[TokenChoice | None] = field(default_factory=lambda: [None])
+    prompt_reported: bool = False  # prompt_logprobs went out in a RequestOutput
     # this step's news, flushed into a RequestOutput after the step
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
@@ -91,6 +98,10 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def scores_prompt(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
     def take_output(self) -> RequestOutput:
         out = RequestOutput(
             request_id=self.request_id,
@@ -103,6 +114,8 @@ class Request:
             num_output_tokens=len(self.output_ids),
             num_cached_tokens=self.cached_tokens,
         )
+        if self.scores_prompt and self.prefilled and not self.prompt_reported:
+            out.prompt_logprobs, self.prompt_reported = list(self.prompt_logprobs), True
         self.pending_ids, self.pending_text, self.pending_logprobs = [], "", []
         return out
 
@@ -115,4 +128,5 @@ class Request:
             finish_reason=self.finish_reason or FinishReason.ABORT,
             logprobs=self.logprobs if self.params.logprobs is not None else None,
             num_cached_tokens=self.cached_tokens,
+            prompt_logprobs=list(self.prompt_logprobs) if self.scores_prompt else None,
         )

@@ -1,9 +1,13 @@
-"""ModelRunner: runs the prefill and decode programs on host arrays and owns the KV pool.
+"""ModelRunner: runs the prefill, decode and score programs and owns the KV pool.
 
 The same runner serves a live model (programs traced in-process, weights read at every call) and
 a static model file (programs parsed from PIR, weights from safetensors): each program is just a
-function from input arrays to ``(logits, pool)``. The pool is donated to every call (the programs
-write it in place) and the returned array is kept as the new pool.
+function from input arrays to its outputs, the pool last (``(logits, pool)``; score: see programs.py).
+A live model's score program is traced at its first use (generation and RLHF never pay for it).
+The pool is donated to every call (the programs write it in place) and the returned array is kept as
+the new pool. With a model on the GPU the pool moves there at the first call (the executor moves
+host inputs to the program's device) and stays; the batch's token arrays go up and the outputs come
+back to the host for the sampler.
 """
 
 from __future__ import annotations
@@ -16,9 +20,28 @@ import numpy as np
 
 from llmkit.framework import backend as B
 
-from .programs import BLOCK_SIZE, DECODE_TILE, PREFILL_TILE, EngineProgram, ModelSpec, trace_programs
+from .programs import (
+    BLOCK_SIZE,
+    DECODE_TILE,
+    PREFILL_TILE,
+    PROGRAMS,
+    EngineProgram,
+    ModelSpec,
+    trace_programs,
+)
 
-ProgramFn = Callable[[Sequence[np.ndarray]], tuple[np.ndarray, np.ndarray]]
+ProgramFn = Callable[[Sequence[np.ndarray]], tuple[np.ndarray, ...]]
+
+
+@dataclass
+class Scores:
+    """What the score program returns besides the pool: prefill's logits at ``logit_rows`` and, for
+    every row of the batch, the log-prob of its target and the K most likely tokens (float64)."""
+
+    logits: np.ndarray  # [R, V]
+    target_logprobs: np.ndarray  # [N]
+    top_logprobs: np.ndarray  # [N, K], most likely first
+    top_ids: np.ndarray  # [N, K] int64
 
 
 @dataclass
@@ -77,12 +100,26 @@ def _tables(rows: list[list[int]]) -> np.ndarray:
 
 
 class ModelRunner:
-    """The two programs and the KV pool ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
+    """The programs and the KV pool ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
 
-    def __init__(self, prefill: ProgramFn, decode: ProgramFn, spec: ModelSpec, num_blocks: int) -> None:
+    ``score`` is a program, a function making one at first use, or None (a static model file
+    exported before the score program existed: :attr:`can_score` is False).
+    """
+
+    def __init__(
+        self,
+        prefill: ProgramFn,
+        decode: ProgramFn,
+        spec: ModelSpec,
+        num_blocks: int,
+        score: ProgramFn | Callable[[], ProgramFn] | None = None,
+        *,
+        lazy_score: bool = False,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self._prefill, self._decode = prefill, decode
+        self._score, self._lazy_score = score, lazy_score
         self.spec = spec
         self.num_blocks = num_blocks
         self.pool = np.zeros(spec.pool_shape(num_blocks), B.dtype(spec.dtype))
@@ -113,19 +150,21 @@ class ModelRunner:
         relayout: bool = True,
     ) -> ModelRunner:
         """Programs traced from a live model: every call reads the model's current parameters."""
-        programs, spec = trace_programs(model, block_size, prefill_tile, decode_tile, compiler, relayout)
-        cache: dict[tuple[int, str], tuple[Any, Any]] = {}  # relaid weights, shared by both programs
+        args = (model, block_size, prefill_tile, decode_tile, compiler, relayout)
+        programs, spec = trace_programs(*args, programs=("prefill", "decode"))
+        cache: dict[tuple[int, str], tuple[Any, Any]] = {}  # relaid weights, shared by the programs
 
         def bind(p: EngineProgram) -> ProgramFn:
             executor = p.concrete.executor
+            return lambda arrays: tuple(executor.run([*arrays, *p.capture_arrays(cache)]))
 
-            def run(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-                logits, pool = executor.run([*arrays, *p.capture_arrays(cache)])
-                return logits, pool
+        def trace_score() -> ProgramFn:
+            p = trace_programs(*args, programs=("score",))[0]["score"]
+            runner._live.append(p)
+            return bind(p)
 
-            return run
-
-        runner = cls(bind(programs["prefill"]), bind(programs["decode"]), spec, num_blocks)
+        prefill, decode = bind(programs["prefill"]), bind(programs["decode"])
+        runner = cls(prefill, decode, spec, num_blocks, trace_score, lazy_score=True)
         runner._weight_cache = cache
         runner._live = list(programs.values())
         return runner
@@ -136,16 +175,19 @@ class ModelRunner:
         spec = ModelSpec.from_dict(static_model.metadata["engine"])
 
         def bind(fn) -> ProgramFn:
-            return lambda arrays: fn(*arrays)
+            return lambda arrays: tuple(fn(*arrays))
 
-        return cls(
-            bind(static_model.programs["prefill"]), bind(static_model.programs["decode"]), spec, num_blocks
-        )
+        fns = {name: bind(static_model.programs[name]) for name in PROGRAMS if name in static_model.programs}
+        return cls(fns["prefill"], fns["decode"], spec, num_blocks, fns.get("score"))
+
+    @property
+    def can_score(self) -> bool:
+        """Whether :meth:`score` can run (a static file exported before it existed cannot)."""
+        return self._score is not None
 
     # ---- running ------------------------------------------------------------------------------
-    def prefill(self, batch: PrefillBatch) -> np.ndarray:
-        """Logits [len(logit_rows), V] (float32 or the model dtype)."""
-        arrays = [
+    def _prefill_arrays(self, batch: PrefillBatch) -> list[np.ndarray]:
+        return [
             _i64(batch.input_ids)[None],
             _i64(batch.positions)[None],
             _i64(batch.slots),
@@ -154,10 +196,21 @@ class ModelRunner:
             _i64(batch.q_start),
             _i64(batch.q_len),
             _i64(batch.logit_rows),
-            self.pool,
         ]
-        logits, self.pool = self._prefill(arrays)
-        return logits
+
+    def prefill(self, batch: PrefillBatch) -> np.ndarray:
+        """Logits [len(logit_rows), V] (float32 or the model dtype), on the host."""
+        logits, self.pool = self._prefill([*self._prefill_arrays(batch), self.pool])
+        return B.to_numpy(logits)
+
+    def score(self, batch: PrefillBatch, targets: Sequence[int]) -> Scores:
+        """``prefill`` that also scores every row against ``targets`` (one token id per row)."""
+        if self._score is None:
+            raise ValueError("prompt_logprobs: this model file has no score program; export it again")
+        if self._lazy_score:
+            self._score, self._lazy_score = self._score(), False
+        *outs, self.pool = self._score([*self._prefill_arrays(batch), _i64(targets), self.pool])
+        return Scores(*(B.to_numpy(o) for o in outs))
 
     def decode(self, batch: DecodeBatch) -> np.ndarray:
         """Logits [B, V]."""
@@ -170,4 +223,4 @@ class ModelRunner:
             self.pool,
         ]
         logits, self.pool = self._decode(arrays)
-        return logits
+        return B.to_numpy(logits)

@@ -41,7 +41,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: minus this for every token already generated
     frequency_penalty: float = 0.0  # OpenAI: minus this times how often it was generated
     seed: int | None = None  # per-request seed; None draws from entropy
-    max_tokens: int = 16  # new tokens at most
+    max_tokens: int = 16  # new tokens at most (0: score the prompt only; needs prompt_logprobs)
     stop: tuple[str, ...] = ()  # stop strings (not included in the output text)
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the output (besides eos)
     ignore_eos: bool = False
@@ -49,6 +49,10 @@ class SamplingParams:
     # "raw": of the model's logits; "processed": of the distribution before top-k/top-p/min-p
     # truncation (penalties and temperature applied; temperature 0 counts as 1): RLHF's log-probs
     logprobs_mode: str = "raw"
+    # None: none; k: every prompt token's logprob (the first has none) and the k most likely at its
+    # position, from the engine's score program (raw logits; the prompt is computed whole, never
+    # read from the prefix cache)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
@@ -61,13 +65,15 @@ class SamplingParams:
             ("repetition_penalty", self.repetition_penalty > 0, "> 0 (1 = off)"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
-            ("max_tokens", self.max_tokens >= 1, ">= 1"),
             (
-                "logprobs",
-                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-                f"in [0, {MAX_LOGPROBS}]",
+                "max_tokens",
+                self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+                ">= 1 (0 only with prompt_logprobs: score the prompt without generating)",
             ),
         ]
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            checks.append((name, v is None or 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"))
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")

@@ -1,7 +1,10 @@
 """Continuous batching: which requests run in the next step, and which prompt chunks they prefill.
 
-Between two steps, requests join (admitted first come, first served, while fewer than
-``max_batch`` run and the KV pool has their blocks) and leave (finished or cancelled). A step
+Between two steps, requests join (admitted first come, first served, while the KV pool has their
+blocks and, for a request that will decode, fewer than ``max_batch`` decoding requests run) and leave
+(finished or cancelled). A *prefill-only* request (``max_tokens`` 0 or 1: scoring, or one token that
+prefill's logits give) never takes a decode slot; such requests are admitted while the prompt
+tokens still to compute fit one step's budget, so a step prefills as many of them as fit. A step
 decodes one token for every running request whose prompt is done, and spends the rest of
 ``max_tokens_per_step`` on prompt chunks. Chunks are *aligned*: chunk ``c`` of a prompt is always
 positions ``[c*C, (c+1)*C)`` (C = ``chunk_size``, a divisor of the block size), clipped to the
@@ -28,6 +31,11 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not self.decode and not self.prefill
+
+
+def _prefill_only(req: Request) -> bool:
+    """Whether a request ends when its prompt is computed (it never decodes)."""
+    return req.params.max_tokens <= 1
 
 
 class Scheduler:
@@ -63,12 +71,20 @@ class Scheduler:
             self.waiting.remove(req)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch:
+        decoding = sum(not _prefill_only(r) for r in self.running)
+        pending = sum(r.prompt_len - r.computed for r in self.running)  # prompt tokens to compute
+        while self.waiting:
             req = self.waiting[0]
-            alloc = self.blocks.admit(req.prompt_ids, req.max_total_tokens)
-            if alloc is None:
+            if _prefill_only(req) and pending >= self.max_tokens_per_step:
                 return  # first come, first served: later requests wait too
+            if not _prefill_only(req) and decoding >= self.max_batch:
+                return
+            alloc = self.blocks.admit(req.prompt_ids, req.max_total_tokens, use_cache=not req.scores_prompt)
+            if alloc is None:
+                return
             self.waiting.popleft()
+            decoding += not _prefill_only(req)
+            pending += req.prompt_len - alloc.cached_tokens
             req.blocks, req.prefix_hashes = alloc.blocks, alloc.hashes
             req.computed = req.cached_tokens = alloc.cached_tokens
             req.registered = alloc.cached_tokens // self.blocks.block_size

@@ -12,7 +12,9 @@ A group's parameters (``group_params``), per output row, for weights ``w`` of on
 
 and a weight's code is ``clip(round(w / scale) + zero)``: every weight within half a step of its
 value, except the symmetric 4-bit maximum, clipped from 7.5 to 7 steps (still half a step). The
-scale is rounded to float32 before the codes are made, so the stored scale is the one they fit.
+scale is rounded to float32 (or, ``scale_dtype="float16"``, up to a float16 number, stored as
+float32: what GGUF's Q8_0/Q4_0 blocks hold) before the codes are made, so the stored scale is
+the one they fit.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from llmkit.framework.ops.quant import BITS, CODE_DTYPE, SYM_ZERO, codes
+from llmkit.framework.ops.quant import ACT_BITS, BITS, CODE_DTYPE, SYM_ZERO, codes
+from llmkit.models.llama.checkpoint import QUANT_VERSION as FORMAT_VERSION
 
 METHODS = ("rtn", "gptq")
 QUANT_METHOD = "llmkit"  # quantization_config.quant_method of this format
+# quantization_config.version (FORMAT_VERSION): 1 (no key: weight-only products), 2 (act_bits)
 CODE_RANGE = {8: (-127, 127), 4: (0, 15)}
 _STEPS = {(8, True): 127.0, (4, True): 7.5, (4, False): 15.0}  # max|w| (or the range) per scale
+SCALE_DTYPES = ("float32", "float16")  # the numbers a scale may be (always stored as float32)
 
 
 class QuantError(ValueError):
@@ -43,8 +48,12 @@ class QuantConfig:
     group_size: int = 128  # input columns per scale; -1: one scale per output channel
     sym: bool = True  # zero point 8 (4-bit) / 0 (8-bit); False: per-group uint8 zeros (4-bit only)
     method: str = "gptq"  # "rtn" (round to nearest) or "gptq" (Frantar et al. 2022)
+    scale_dtype: str = "float32"  # "float16": scales rounded to float16 numbers (GGUF Q8_0/Q4_0)
+    act_bits: int = 0  # 0: products with float activations (weight-only); 8: int8 x int8/int4 products
 
     def __post_init__(self) -> None:
+        if self.act_bits not in ACT_BITS:
+            raise QuantError(f"act_bits must be 0 (float activations) or 8, got {self.act_bits!r}")
         if self.bits not in BITS:
             raise QuantError(f"bits must be 4 or 8, got {self.bits!r}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
@@ -55,6 +64,10 @@ class QuantConfig:
             raise QuantError("8-bit weights are symmetric only (W = qweight * scale): drop --asym")
         if self.method not in METHODS:
             raise QuantError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise QuantError(
+                f"scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got {self.scale_dtype!r}"
+            )
 
     def to_hf(self) -> dict[str, Any]:
         """The ``quantization_config`` entry of config.json."""
@@ -64,13 +77,24 @@ class QuantConfig:
             "group_size": self.group_size,
             "sym": self.sym,
             "method": self.method,
+            "scale_dtype": self.scale_dtype,
+            "act_bits": self.act_bits,
+            "version": FORMAT_VERSION,
         }
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> QuantConfig:
         if not isinstance(d, dict) or d.get("quant_method") != QUANT_METHOD:
             raise QuantError(f"quantization_config: not an {QUANT_METHOD!r} config: {d!r}")
-        return cls(**{k: d[k] for k in ("bits", "group_size", "sym", "method") if k in d})
+        version = d.get("version", 1)
+        if version not in range(1, FORMAT_VERSION + 1):
+            raise QuantError(
+                f"quantization_config: version {version!r} is newer than this llmkit reads "
+                f"(1 .. {FORMAT_VERSION}): upgrade llmkit"
+            )
+        return cls(
+            **{k: d[k] for k in ("bits", "group_size", "sym", "method", "scale_dtype", "act_bits") if k in d}
+        )
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else math.ceil(in_features / self.group_size)
@@ -91,15 +115,25 @@ class QuantizedWeight(NamedTuple):
         return sum(a.nbytes for a in self if a is not None)
 
 
-def group_params(w: np.ndarray, bits: int, sym: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Scale (float32) and zero point (int) per row of ``w`` [rows, group] (see the module docstring)."""
+def group_params(
+    w: np.ndarray, bits: int, sym: bool, scale_dtype: str = "float32"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Scale (float32, holding a ``scale_dtype`` number) and zero point (int) per row of ``w``
+    [rows, group] (see the module docstring)."""
     w = np.asarray(w, np.float64)
     if sym:
         span = np.abs(w).max(axis=1)
     else:
         lo, hi = np.minimum(w.min(axis=1), 0.0), np.maximum(w.max(axis=1), 0.0)
         span = hi - lo
-    scale = (span / _STEPS[bits, sym]).astype(np.float32)
+    exact = span / _STEPS[bits, sym]
+    with np.errstate(over="ignore"):
+        scale = exact.astype(scale_dtype)
+        if scale_dtype != "float32":  # rounded up: float16's coarse steps must not push codes past the range
+            scale = np.where(scale < exact, np.nextafter(scale, np.inf, dtype=scale.dtype), scale)
+    scale = scale.astype(np.float32)
+    if not np.isfinite(scale).all():
+        raise QuantError(f"a weight of magnitude {span.max():.3g} has no {scale_dtype} scale")
     scale[scale == 0] = 1.0  # an all-zero group: any scale codes it exactly
     if sym:
         return scale, np.full(len(w), SYM_ZERO[bits], np.int64)
@@ -160,7 +194,7 @@ def quantize_rtn(w: np.ndarray, cfg: QuantConfig) -> QuantizedWeight:
     q = np.empty(w.shape, np.int64)
     for j in range(scales.shape[1]):
         cols = slice(j * g, min((j + 1) * g, n_in))
-        scales[:, j], zeros[:, j] = group_params(w[:, cols], cfg.bits, cfg.sym)
+        scales[:, j], zeros[:, j] = group_params(w[:, cols], cfg.bits, cfg.sym, cfg.scale_dtype)
         q[:, cols] = quantize_codes(w[:, cols], scales[:, j], zeros[:, j], cfg.bits)
     return store(q, scales, zeros, cfg)
 

@@ -105,7 +105,9 @@ def _gptq_rows(
     static = act_order or cfg.group_size == -1
     if static:
         for j in range(scales.shape[1]):
-            scales[:, j], zeros[:, j] = group_params(w[:, j * g : (j + 1) * g], cfg.bits, cfg.sym)
+            scales[:, j], zeros[:, j] = group_params(
+                w[:, j * g : (j + 1) * g], cfg.bits, cfg.sym, cfg.scale_dtype
+            )
     w = w[:, perm]
     q = np.empty((n_out, n_in), np.int64)
     block = BLOCK if static else g * max(1, BLOCK // g)  # dynamic groups never straddle two blocks
@@ -117,7 +119,7 @@ def _gptq_rows(
             col = perm[i1 + i]
             j = col // g
             if not static and col % g == 0:
-                scales[:, j], zeros[:, j] = group_params(w1[:, i : i + g], cfg.bits, cfg.sym)
+                scales[:, j], zeros[:, j] = group_params(w1[:, i : i + g], cfg.bits, cfg.sym, cfg.scale_dtype)
             s, z = scales[:, j].astype(np.float64), zeros[:, j]
             q[:, col] = quantize_codes(w1[:, i], s, z, cfg.bits)
             err[:, i] = (w1[:, i] - (q[:, col] - z) * s) / u1[i, i]

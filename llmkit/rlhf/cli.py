@@ -3,13 +3,10 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from llmkit.train.cli import ArgumentParser, nproc_command, relaunch, report_interrupted, report_resume
-from llmkit.train.trainer import Interrupted
+from llmkit.train.cli import job_main, relaunch, run_job
 
 
 def _policy_job(cfg: Any, resume: bool, quiet: bool) -> Any:
@@ -49,61 +46,37 @@ JOBS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
 }
 
 
+def _check_nproc(cfg: Any, nproc: int) -> None:
+    if cfg.parallel.dp != nproc:
+        from llmkit.train.config import ConfigError
+
+        raise ConfigError(f"parallel.dp ({cfg.parallel.dp}) ranks, but --nproc is {nproc}; make them equal")
+
+
 def main(argv: list[str]) -> int:
     job = "reward" if argv[:1] == ["reward"] else "rlhf"
     description, load, build = JOBS[job]
-    p = ArgumentParser(
-        prog="llmkit rlhf" + (" reward" if job == "reward" else ""),
-        description=description + " Overrides use dotted keys: rollout.n=4 train.steps=50.",
-        epilog=None if job == "reward" else "llmkit rlhf reward CONFIG ...: train a reward model instead.",
-    )
-    p.add_argument("config", help="YAML config (see configs/rlhf-tiny.yaml, configs/dpo-tiny.yaml)")
-    p.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--nproc", type=int, metavar="N", help="run N processes with mpiexec (parallel.dp must be N)"
-    )
-    p.add_argument("--hostfile", help="with --nproc: mpiexec's hostfile, to run on several machines")
-    a = p.parse_intermixed_args(argv[1:] if job == "reward" else argv)
-    cfg = load(a.config, a.overrides)
-    if a.nproc is not None:
-        flags = [f for f, on in (("--resume", a.resume), ("--quiet", a.quiet)) if on]
-        command = ("rlhf", "reward") if job == "reward" else ("rlhf",)
-        if cfg.parallel.dp != a.nproc:
-            from llmkit.train.config import ConfigError
+    command = ["rlhf", "reward"] if job == "reward" else ["rlhf"]
+    prog = "llmkit " + " ".join(command)
 
-            raise ConfigError(
-                f"parallel.dp ({cfg.parallel.dp}) ranks, but --nproc is {a.nproc}; make them equal"
-            )
-        return relaunch(*nproc_command(a.nproc, a.hostfile, [*command, a.config, *a.overrides, *flags]))
-    if a.hostfile is not None:
-        p.error("--hostfile goes with --nproc")
-    from llmkit.framework.distributed import CollectiveError
+    def run(cfg: Any, resume: bool, quiet: bool) -> int:
+        from .data_parallel import run_on_ranks
+
+        return run_on_ranks(lambda stop: run_job(build(cfg, resume, quiet), prog, stop), cfg.parallel.dp)
+
     from llmkit.framework.distributed.comm import launched_by_mpi
 
-    from .data_parallel import run_on_ranks
-
-    def rank(stop: Any) -> int:
-        trainer = build(cfg, a.resume, a.quiet)
-        say = print if trainer.dp.is_rank0 else lambda *args, **kw: None
-        if trainer.resumed_from is not None:
-            report_resume(trainer, say)
-        try:
-            last = trainer.fit(stop)
-        except Interrupted as e:
-            return report_interrupted(e, p.prog, say)
-        summary = ", ".join(
-            f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float) and not k.endswith("_s")
-        )
-        say(f"done: step {trainer.step}, {summary}; model in {trainer.final_model_dir()}")
-        return 0
-
-    try:
-        return run_on_ranks(rank, cfg.parallel.dp)
-    except CollectiveError as e:  # under mpiexec: a rank died or hangs; name it, do not wait for it
-        if not launched_by_mpi():
-            raise
-        print(f"{p.prog}: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)
+    return job_main(
+        argv[1:] if job == "reward" else argv,
+        prog,
+        description + " Overrides use dotted keys: rollout.n=4 train.steps=50.",
+        lambda path, overrides, nproc: (load(path, overrides), overrides),
+        run,
+        _check_nproc,
+        command,
+        config_help="YAML config (see configs/rlhf-tiny.yaml, configs/dpo-tiny.yaml)",
+        nproc_help="run N processes with mpiexec (parallel.dp must be N)",
+        epilog=None if job == "reward" else "llmkit rlhf reward CONFIG ...: train a reward model instead.",
+        hard_exit=launched_by_mpi,
+        launch=lambda cmd, env: relaunch(cmd, env),  # this module's name, looked up when it runs
+    )

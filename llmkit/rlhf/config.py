@@ -4,7 +4,7 @@
 
 Sections: ``algorithm`` (grpo | ppo | rloo | dpo), ``model`` (the policy's checkpoint), ``reward``
 (one source), ``rollout`` (sampling), ``data`` (prompts or preference pairs), ``rlhf`` (the
-algorithm's hyperparameters), ``optim``, ``lr_schedule`` and ``parallel`` (as ``llmkit train``'s; data
+algorithm's hyperparameters), ``optim``, ``schedule`` and ``parallel`` (as ``llmkit train``'s; data
 parallel only: see data_parallel.py), ``train`` (the loop), ``out_dir``. Errors name the dotted key, as
 ``llmkit train``'s do; the reward model job (``llmkit rlhf reward``) has its own schema built from
 the same sections.
@@ -23,6 +23,7 @@ from llmkit.train.config import (
     RunConfig,
     ScheduleSection,
     Section,
+    check_warmup,
     load_config,
 )
 
@@ -72,7 +73,7 @@ class RolloutSection(Section):
 
 
 class DataSection(Section):
-    prompts: str | None = None  # JSONL {"prompt": ...}; null: the reward task's built-in prompts
+    prompts: str | None = None  # JSONL {"prompt": text or [messages]}; null: the task's built-in ones
     pairs: str | None = None  # DPO: JSONL {"prompt", "chosen", "rejected"}, or "builtin:<task>"
     val_fraction: float = Field(0.1, ge=0, lt=1)  # DPO: held-out pairs for eval accuracy
 
@@ -110,17 +111,26 @@ class LoopSection(Section):
     max_length: int = Field(128, gt=0)  # DPO / reward model: prompt + response tokens, longer cut
 
 
-def check_data_parallel(par: ParallelSection, rows: int, key: str) -> None:
-    """RLHF jobs run data parallel only; each of the ``dp`` ranks takes as many of a step's ``rows``
-    (config key ``key``) as the others. ValueError names the key at fault."""
-    for name, unset in (("tp", par.tp == 1), ("sp", not par.sp), ("zero", par.zero == 0)):
-        if not unset:
+def refuse_model_parallel(raw: Any) -> Any:
+    """RLHF jobs run data parallel only: a ``parallel`` key other than ``dp`` given a value other than
+    its default (``parallel: auto`` included) is refused by name, before it could be ignored."""
+    par = raw.get("parallel") if isinstance(raw, dict) else None
+    if par == "auto":
+        par = {"auto": True}
+    if not isinstance(par, dict):
+        return raw  # the schema reports the wrong type
+    for key, field in ParallelSection.model_fields.items():
+        if key != "dp" and key in par and (key == "plan" or par[key] != field.default):
             raise ValueError(
-                f"parallel.{name}: llmkit rlhf runs data parallel only (parallel.dp); "
-                "tensor parallel and ZeRO are llmkit train's"
+                f"parallel.{key}: llmkit rlhf runs data parallel only (parallel.dp); "
+                f"parallel.{key} is llmkit train's"
             )
-    if "plan" in par.model_fields_set:
-        raise ValueError("parallel.plan: llmkit rlhf runs data parallel only (parallel.dp); it takes no plan")
+    return raw
+
+
+def check_data_parallel(par: ParallelSection, rows: int, key: str) -> None:
+    """Each of the ``dp`` ranks takes as many of a step's ``rows`` (config key ``key``) as the
+    others. ValueError names the key at fault."""
     if rows % par.dp:
         raise ValueError(
             f"{key} ({rows}) must be a multiple of parallel.dp ({par.dp}): each data-parallel rank "
@@ -143,6 +153,8 @@ class RLHFConfig(RunConfig):
     parallel: ParallelSection = ParallelSection()  # dp: data-parallel ranks (--nproc N: processes)
     out_dir: str = "runs/rlhf"
 
+    _data_parallel_only = model_validator(mode="before")(refuse_model_parallel)
+
     @model_validator(mode="after")
     def _consistent(self) -> RLHFConfig:
         if self.algorithm == "dpo":
@@ -156,11 +168,7 @@ class RLHFConfig(RunConfig):
             check_data_parallel(self.parallel, self.train.batch_size, "train.batch_size")
         else:  # whole prompts per rank: a prompt's n samples (its group) stay together
             check_data_parallel(self.parallel, self.rollout.prompts_per_step, "rollout.prompts_per_step")
-        if self.lr_schedule.warmup_steps > self.train.steps:
-            steps = self.train.steps
-            raise ValueError(
-                f"lr_schedule.warmup_steps ({self.lr_schedule.warmup_steps}) exceeds train.steps ({steps})"
-            )
+        check_warmup(self.lr_schedule, self.train.steps)
         return self
 
 
@@ -174,6 +182,8 @@ class RewardModelConfig(RunConfig):
     train: LoopSection = LoopSection(steps=200)
     parallel: ParallelSection = ParallelSection()
     out_dir: str = "runs/reward"
+
+    _data_parallel_only = model_validator(mode="before")(refuse_model_parallel)
 
     @model_validator(mode="after")
     def _has_pairs(self) -> RewardModelConfig:

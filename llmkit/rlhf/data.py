@@ -1,6 +1,12 @@
 """RLHF data: prompts (JSONL ``{"prompt"}``) and preference pairs (JSONL ``{"prompt", "chosen",
 "rejected"}``), or the built-in ones made by a task (``tasks.py``); and their token batches.
 
+A prompt is a text (tokenized with BOS, as ``llmkit generate`` does) or, in TRL's conversational
+format, a list of ``{"role", "content"}`` messages, rendered by the model's chat template with its
+generation prompt (``tokenizer.chat_template``, else the Llama 2 default; ``llmkit.infer.ChatTemplate``):
+the prompt ids ``/v1/chat/completions`` would give the policy. Completions (sampled, chosen,
+rejected) are texts, tokenized on their own.
+
 A step's data is a function of ``(seed, step)``, so a resumed run draws what it would have drawn.
 """
 
@@ -14,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from llmkit.infer.chat import ChatTemplate, ChatTemplateError
 from llmkit.train.data import DataError, jsonl_records
 
 from .tasks import corpus_prompts, make_task, preference_pairs
@@ -23,8 +30,12 @@ BUILTIN_PROMPTS = 2048  # prompts of a task's built-in set
 BUILTIN_PAIRS = 2000  # pairs of a built-in preference set
 
 
+Prompt = str | list  # a text, or a conversation: [{"role", "content"}, ...]
+
+
 def read_jsonl(path: str, fields: Sequence[str], key: str) -> list[dict[str, Any]]:
-    """Rows of a JSONL file, each an object whose ``fields`` are strings (other fields are kept)."""
+    """Rows of a JSONL file, each an object whose ``fields`` are strings, the ``"prompt"`` a string
+    or a conversation (other fields are kept)."""
     if not Path(path).is_file():
         raise DataError(f"{key}: file {path!r} not found")
     rows = []
@@ -32,12 +43,34 @@ def read_jsonl(path: str, fields: Sequence[str], key: str) -> list[dict[str, Any
         if not isinstance(row, dict):
             raise DataError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
         for f in fields:
-            if not isinstance(row.get(f), str) or not row[f]:
-                raise DataError(f"{path}:{i}: field {f!r} must be a non-empty string")
+            if f == "prompt" and isinstance(row.get(f), list):
+                _check_conversation(row[f], f"{path}:{i}: field 'prompt'")
+            elif not isinstance(row.get(f), str) or not row[f]:
+                kind = "string or a list of messages" if f == "prompt" else "string"
+                raise DataError(f"{path}:{i}: field {f!r} must be a non-empty {kind}")
         rows.append(row)
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
+
+
+def _check_conversation(messages: list, where: str) -> None:
+    if not messages:
+        raise DataError(f"{where}: a conversation needs at least one message")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
+            raise DataError(f'{where}: messages[{j}] must be an object with string "role" and "content"')
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """A text prompt's ids with BOS, or a conversation's as the chat template renders it for the
+    model to write the next assistant message."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_bos=True)
+    try:
+        return ChatTemplate.of(tokenizer).render(prompt, tokenizer, add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise DataError(f"a prompt: {e}") from None
 
 
 def load_prompts(path: str | None, seed: int = 0) -> list[dict[str, Any]]:
@@ -113,9 +146,9 @@ class TokenBatch:
 def encode_pair(
     tokenizer: Any, row: dict[str, Any], max_length: int
 ) -> tuple[list[int], list[int], list[int]]:
-    """(prompt ids with BOS, chosen ids, rejected ids), responses cut so that prompt + response fits
-    ``max_length`` (the prompt keeps at least one token)."""
-    prompt = tokenizer.encode(row["prompt"], add_bos=True)[: max_length - 1]
+    """(prompt ids (:func:`encode_prompt`), chosen ids, rejected ids), responses cut so that
+    prompt + response fits ``max_length`` (the prompt keeps at least one token)."""
+    prompt = encode_prompt(tokenizer, row["prompt"])[: max_length - 1]
     room = max_length - len(prompt)
     # Responses are tokenized on their own, as a policy's completions are tokens of their own (the
     # tokenizer adds no dummy prefix: " of this" -> " of", " this").

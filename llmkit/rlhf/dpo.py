@@ -13,7 +13,6 @@ and the compiled step sums the gradients over the ranks.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -21,12 +20,13 @@ import numpy as np
 import llmkit.framework as lf
 from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
 from llmkit.train.checkpoint import model_dir
+from llmkit.train.loop import build_optimizer
 
 from . import algorithms, policy
 from .config import RLHFConfig
-from .data import TokenBatch, encode_pair, load_pairs, split_heldout, step_rows
+from .data import TokenBatch, encode_pair, load_pairs, split_heldout
 from .reward_model import pair_selectors
-from .run import Run, build_optimizer
+from .run import Run
 
 O = lf.ops
 INPUTS = ("mask", "ref_seq_logp", "chosen", "rejected")
@@ -53,7 +53,7 @@ class DPOTrainer(Run):
         self.held_pairs = self._with_reference(
             [encode_pair(self.tokenizer, r, t.max_length) for r in held], reference
         )
-        self.optimizer = build_optimizer(cfg.optim, [self.model])
+        self.optimizer = build_optimizer(cfg.optim, self.model)
         self.step_fn = policy.train_step(
             self.model,
             self.optimizer,
@@ -106,23 +106,12 @@ class DPOTrainer(Run):
         return [(*p, float(rc), float(rr)) for p, (rc, rr) in zip(pairs, ref)]
 
     def train_step(self) -> dict[str, Any]:
-        t = self.cfg.train
-        pairs = step_rows(self.train_pairs, t.batch_size, t.seed, self.step)
-        pairs = pairs[self.dp.rows(len(pairs))]
+        pairs = self.step_pairs()
         tb = self._batch(pairs)
         ref = np.array([p[3] for p in pairs] + [p[4] for p in pairs])
-        t0 = time.perf_counter()
-        out = self.step_fn(
-            tb.ids,
-            tb.targets,
-            *policy.segment_arrays(*tb.ids.shape),
-            tb.mask.astype(np.float64),
-            ref,
-            *pair_selectors(len(pairs)),
-        )
-        row = self.dp_stats({k: float(v) for k, v in out.items() if k != "logp"})
-        row["train_s"] = float(self.dp.max([time.perf_counter() - t0], "train_s")[0])
-        return row
+        mask = tb.mask.astype(np.float64)
+        segments = policy.segment_arrays(*tb.ids.shape)
+        return self.update(tb.ids, tb.targets, *segments, mask, ref, *pair_selectors(len(pairs)))
 
     def evaluate(self) -> dict[str, float]:
         """Held-out ``eval_accuracy``, ``eval_margin`` and ``eval_loss``."""

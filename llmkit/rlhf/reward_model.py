@@ -9,7 +9,6 @@ from a causal LM checkpoint (``llmkit train``'s): the backbone's weights, and a 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +21,14 @@ from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 from llmkit.models.llama.checkpoint import load_pretrained, save_pretrained
 from llmkit.models.llama.model import LlamaModel
 from llmkit.train.checkpoint import model_dir
+from llmkit.train.loop import build_optimizer
 from llmkit.train.trainer import state_names
 
 from . import algorithms
 from .config import RewardModelConfig
-from .data import encode_pair, load_pairs, split_heldout, step_rows
+from .data import Prompt, encode_pair, encode_prompt, load_pairs, split_heldout
 from .policy import compile_function
-from .run import Run, build_optimizer
+from .run import Run
 
 O = lf.ops
 ARCHITECTURE = "LlamaForSequenceClassification"
@@ -115,10 +115,10 @@ class RewardModelScorer:
             out.append(np.asarray(self.program(ids, _rows(lengths, ids.shape[1])), dtype=np.float64))
         return np.concatenate(out) if out else np.zeros(0)
 
-    def __call__(self, prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    def __call__(self, prompts: list[Prompt], completions: list[str], **kwargs: Any) -> list[float]:
         limit = self.model.config.max_position_embeddings
         seqs = [
-            (self.tokenizer.encode(p, add_bos=True) + self.tokenizer.encode(c, add_bos=False))[:limit]
+            (encode_prompt(self.tokenizer, p) + self.tokenizer.encode(c, add_bos=False))[:limit]
             for p, c in zip(prompts, completions)
         ]
         return self.scores(seqs).tolist()
@@ -149,7 +149,7 @@ class RewardModelTrainer(Run):
         train, held = split_heldout(rows, cfg.data.val_fraction, t.seed)
         self.train_pairs = [self._encode(r) for r in train]
         self.held_pairs = [self._encode(r) for r in held]
-        self.optimizer = build_optimizer(cfg.optim, [self.model])
+        self.optimizer = build_optimizer(cfg.optim, self.model)
         self.scorer = RewardModelScorer(self.model, self.tokenizer)
         self.step_fn = self._compile_step()
         self.setup()
@@ -192,15 +192,9 @@ class RewardModelTrainer(Run):
         return call
 
     def train_step(self) -> dict[str, Any]:
-        t = self.cfg.train
-        pairs = step_rows(self.train_pairs, t.batch_size, t.seed, self.step)
-        pairs = pairs[self.dp.rows(len(pairs))]
+        pairs = self.step_pairs()
         ids, lengths = _pad([c for c, _ in pairs] + [r for _, r in pairs])
-        t0 = time.perf_counter()
-        out = self.step_fn(ids, _rows(lengths, ids.shape[1]), *pair_selectors(len(pairs)))
-        row = self.dp_stats({k: float(v) for k, v in out.items()})
-        row["train_s"] = float(self.dp.max([time.perf_counter() - t0], "train_s")[0])
-        return row
+        return self.update(ids, _rows(lengths, ids.shape[1]), *pair_selectors(len(pairs)))
 
     def evaluate(self) -> dict[str, float]:
         """Held-out ``eval_accuracy`` (chosen scored above rejected) and ``eval_margin``."""

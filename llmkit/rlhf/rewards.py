@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,10 +69,14 @@ def check_rewards(values: Any, n: int, name: str) -> np.ndarray:
 
 
 class Reward:
-    """The run's reward: ``reward(prompts, completions, completion_ids, columns) -> [n] float64``."""
+    """The run's reward: ``reward(prompts, completions, completion_ids, columns) -> [n] float64``.
 
-    def __init__(self, fn: RewardFn, name: str) -> None:
-        self.fn, self.name = fn, name
+    ``user``: the function is the user's (``reward.function``): an exception it raises becomes a
+    RewardError of one line naming the function, where it was raised and the exception (the run
+    stops before the step changes anything, so the newest checkpoint stays the last good state)."""
+
+    def __init__(self, fn: RewardFn, name: str, user: bool = False) -> None:
+        self.fn, self.name, self.user = fn, name, user
 
     def __call__(
         self,
@@ -82,7 +87,16 @@ class Reward:
     ) -> np.ndarray:
         kwargs = dict(columns or {})
         kwargs["completion_ids"] = [list(c) for c in completion_ids]
-        values = self.fn(prompts=list(prompts), completions=list(completions), **kwargs)
+        try:
+            values = self.fn(prompts=list(prompts), completions=list(completions), **kwargs)
+        except Exception as e:
+            if not self.user:
+                raise
+            frame = traceback.extract_tb(e.__traceback__)[-1]  # where it was raised
+            raise RewardError(
+                f"reward.function {self.name} raised {type(e).__name__}: {e} "
+                f"(in {frame.name}, {frame.filename}:{frame.lineno})"
+            ) from None
         return check_rewards(values, len(completions), self.name)
 
 
@@ -95,7 +109,7 @@ def build_reward(section: Any, tokenizer: Any = None) -> Reward:
             raise RewardError(str(e)) from None
         return Reward(task, f"task {section.task}")
     if section.function is not None:
-        return Reward(load_function(section.function), section.function)
+        return Reward(load_function(section.function), section.function, user=True)
     from .reward_model import RewardModelScorer
 
     return Reward(RewardModelScorer.load(section.model, tokenizer), f"reward model {section.model}")

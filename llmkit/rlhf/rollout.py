@@ -19,6 +19,8 @@ import numpy as np
 
 from llmkit.infer import Engine, EngineConfig, SamplingParams
 
+from .data import Prompt, encode_prompt
+
 
 @dataclass
 class RolloutBatch:
@@ -86,14 +88,17 @@ class Rollouts:
         )
         self.engine = Engine.from_model(model, tokenizer, config)
 
-    def encode(self, prompt: str) -> list[int]:
-        """The prompt's tokens with BOS; a longer prompt keeps its BOS and its last tokens."""
-        ids = self.tokenizer.encode(prompt, add_bos=True)
+    def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's tokens (a text with BOS, a conversation through the chat template:
+        :func:`encode_prompt`); a longer prompt keeps its first token (BOS) and its last tokens."""
+        ids = encode_prompt(self.tokenizer, prompt)
         if len(ids) > self.max_prompt_tokens:
             ids = ids[:1] + ids[len(ids) - self.max_prompt_tokens + 1 :]
         return ids
 
-    def generate(self, prompts: Sequence[str], n: int, seed: int, step: int, first: int = 0) -> RolloutBatch:
+    def generate(
+        self, prompts: Sequence[Prompt], n: int, seed: int, step: int, first: int = 0
+    ) -> RolloutBatch:
         """``n`` completions of each prompt, all queued at once (one continuously batched set);
         ``first``: the index of the first request in the step's batch (a data-parallel rank's rows
         sample what they would in one process)."""

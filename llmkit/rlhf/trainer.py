@@ -32,13 +32,14 @@ import numpy as np
 import llmkit.framework as lf
 from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
 from llmkit.train.checkpoint import model_dir
+from llmkit.train.loop import build_optimizer
 
 from . import algorithms, policy
 from .config import RLHFConfig
 from .data import TokenBatch, load_prompts, step_rows
 from .rewards import build_reward
 from .rollout import Rollouts
-from .run import Run, build_optimizer
+from .run import Run
 
 O = lf.ops
 
@@ -151,6 +152,7 @@ class PolicyTrainer(Run):
 
     desc = "rlhf"
     shown = ("reward_mean", "kl", "logprob_diff_max", "gen_tokens_per_s")
+    one_update_per_step = False  # epochs x minibatches optimizer steps a step
 
     def __init__(self, cfg: RLHFConfig, resume: bool = False, quiet: bool = False) -> None:
         super().__init__(cfg, resume, quiet)
@@ -178,7 +180,7 @@ class PolicyTrainer(Run):
             exact=self.exact,
         )
         layers = [self.model] + ([self.value_head] if self.value_head is not None else [])
-        self.optimizer = build_optimizer(cfg.optim, layers)
+        self.optimizer = build_optimizer(cfg.optim, *layers)
         self.inputs = ("mask", "old_logp", "advantages")  # per row; then the minibatch's counts
         if self.algo.kl_in_loss and self.reference is not None:
             self.inputs += ("ref_logp",)

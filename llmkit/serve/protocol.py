@@ -111,15 +111,14 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, score the prompt only
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
+    echo: bool = False  # the prompt (and its tokens' logprobs) before the completion
     best_of: int | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -188,14 +187,19 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def completion_logprobs(tokens: list[Any], text_of: Any, offset: int) -> dict[str, Any]:
-    """Legacy completions ``logprobs`` for TokenChoices; ``offset`` is where their text starts."""
+    """Legacy completions ``logprobs`` for TokenChoices; ``offset`` is where their text starts. A
+    choice without a logprob (an echoed prompt's first token) has ``null`` logprob and top."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for c in tokens:
         text = text_of(c.token_id)
         out["tokens"].append(text)
         out["token_logprobs"].append(c.logprob)
-        top = {text_of(t): lp for t, lp in c.top}
-        top.setdefault(text, c.logprob)  # the sampled token is always listed
+        top = None
+        if c.logprob is not None:
+            top = {}
+            for t, lp in c.top:  # most likely first: a text two tokens share keeps the likelier
+                top.setdefault(text_of(t), lp)
+            top.setdefault(text, c.logprob)  # the chosen token is always listed
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(text)

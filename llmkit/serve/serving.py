@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmkit.infer import ChatTemplateError, EngineThread, FinishReason, RequestOutput, SamplingParams
+from llmkit.infer.sampling import TokenChoice
 
 from .metrics import Metrics
 from .protocol import (
@@ -58,6 +59,7 @@ class _Choice:
     cached: int = 0
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[Any] | None = None  # echo: the prompt's token choices (None first)
     first: float | None = None
     last: float | None = None
     offset: int = 0  # characters of text streamed so far (completions logprobs text_offset)
@@ -144,6 +146,8 @@ class _Submission:
         c.cached = out.num_cached_tokens
         if out.new_logprobs:
             c.logprobs.extend(out.new_logprobs)
+        if out.prompt_logprobs is not None:
+            c.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             c.finish_reason = out.finish_reason
             self.pending -= 1
@@ -250,14 +254,15 @@ class Serving:
         max_tokens: int | None,
         prompt_param: str,
         logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         ctx = self.max_model_len
         longest = max(len(p) for p in prompts)
-        if longest >= ctx:
+        if longest + (max_tokens != 0) > ctx:
             raise APIError(
                 400,
-                f"This model's maximum context length is {ctx} tokens; the prompt has {longest} tokens "
-                "(at least one new token must fit)",
+                f"This model's maximum context length is {ctx} tokens; the prompt has {longest} tokens"
+                + (" (at least one new token must fit)" if max_tokens != 0 else ""),
                 param=prompt_param,
                 code="context_length_exceeded",
             )
@@ -295,21 +300,27 @@ class Serving:
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
-    def _encode_prompts(self, prompt: Any) -> list[list[int]]:
+    @staticmethod
+    def _split_prompts(prompt: Any) -> list[str | list[int]]:
+        """A request's prompts: one string or id list, or a list of them."""
         if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
             prompts = [prompt]
         else:
             prompts = list(prompt)
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
+        return prompts
+
+    def _encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
         vocab = self.engine.spec.vocab_size
         out = []
         for p in prompts:
-            ids = self.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else [int(t) for t in p]
+            ids = self.engine.encode(p)  # the BOS rule: docs/serve.md
             if not ids:
                 raise APIError(400, "prompt must not be empty", param="prompt")
             bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -321,14 +332,38 @@ class Serving:
         return out
 
     # ---- /v1/completions -----------------------------------------------------------------------
+    def _check_echo(self, req: CompletionRequest) -> None:
+        if req.echo:
+            for name, bad, why in (
+                ("n", req.n > 1, f"n: {req.n} choices with echo: true are not supported (give n: 1)"),
+                ("stream", req.stream, "stream: echo: true is not supported with stream: true"),
+                (
+                    "echo",
+                    not self.engine.runner.can_score,
+                    "echo: this model file has no score program (exported by an older llmkit); "
+                    "export it again with llmkit export",
+                ),
+            ):
+                if bad:
+                    raise APIError(400, why, param=name)
+        elif req.max_tokens == 0:
+            raise APIError(
+                400,
+                "max_tokens: 0 scores the prompt without generating, which needs echo: true",
+                param="max_tokens",
+            )
+
     async def completions(self, req: CompletionRequest, disconnected: Disconnected) -> Any:
         self._check_model(req.model)
+        self._check_echo(req)
+        split = self._split_prompts(req.prompt)
         # Tokenizing runs on a worker thread (sentencepiece releases the GIL): a long prompt does
         # not hold up the event loop, which serves every other client.
-        prompts = await asyncio.to_thread(self._encode_prompts, req.prompt)
-        params = self._params(
-            req, prompts, req.max_tokens or DEFAULT_COMPLETION_TOKENS, "prompt", req.logprobs
-        )
+        prompts = await asyncio.to_thread(self._encode_prompts, split)
+        max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
+        # echo scores the prompt (its logprobs: the score program's top-k, k = logprobs)
+        prompt_logprobs = (req.logprobs or 0) if req.echo else None
+        params = self._params(req, prompts, max_tokens, "prompt", req.logprobs, prompt_logprobs)
         self._admit(len(prompts) * req.n)
         sub = _Submission(self, prompts, params, req.n)
         rid, created = new_id("cmpl"), now()
@@ -352,21 +387,24 @@ class Serving:
 
             return self._stream(sub, event, chunks, head, req.include_usage, req.n)
         await self._collect(sub, disconnected)
-        choices = [
-            {
-                "index": c.index,
-                "text": "".join(c.text),
-                "finish_reason": c.finish_reason,
-                "logprobs": None if req.logprobs is None else completion_logprobs(c.logprobs, text_of, 0),
-            }
-            for c in sub.choices
-        ]
+        choices = []
+        for c in sub.choices:
+            text, tokens = "".join(c.text), c.logprobs
+            if req.echo:  # one choice per prompt (n is 1)
+                p, ids = split[c.index], prompts[c.index]
+                text = (p if isinstance(p, str) else self.tokenizer.decode(p)) + text
+                tokens = [TokenChoice(ids[0]), *(c.prompt_logprobs or [None])[1:], *tokens]
+            logprobs = None if req.logprobs is None else completion_logprobs(tokens, text_of, 0)
+            choices.append(
+                {"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": logprobs}
+            )
         return {**head, "choices": choices, "usage": sub.usage(req.n)}
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, disconnected: Disconnected) -> Any:
         self._check_model(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        # what the template sees: each message's role, text and (when given) name
+        messages = [{"role": m.role, "content": m.text(), "name": m.name} for m in req.messages]
         try:
             ids = await asyncio.to_thread(self.engine.chat_template.render, messages, self.tokenizer)
         except ChatTemplateError as e:

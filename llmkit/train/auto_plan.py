@@ -16,7 +16,7 @@ from typing import Any
 from llmkit.framework.distributed import plan_search
 from llmkit.framework.distributed.parallel_plan import PlanError
 
-from .cli import ArgumentParser
+from .args import ArgumentParser
 from .config import ConfigError, TrainConfig, load_config, resolve_model_config
 
 GB = plan_search.GB
@@ -61,7 +61,7 @@ def step_probe(llama: Any, cfg: TrainConfig) -> tuple[str, Any] | None:
     from llmkit.models.llama import LlamaForCausalLM
     from llmkit.models.llama.sharding import llama_cost
 
-    from .trainer import build_optimizer
+    from .loop import build_optimizer
 
     one = dataclasses.replace(llama, num_hidden_layers=1)
     cost = llama_cost(one, cfg.train.seq_len)
@@ -81,7 +81,7 @@ def step_probe(llama: Any, cfg: TrainConfig) -> tuple[str, Any] | None:
             model.to(cfg.train.dtype)
         ids = lf.tensor(np.random.default_rng(0).integers(0, one.vocab_size, (rows, seq)))
         params = model.parameters()
-        opt = build_optimizer(cfg, model)
+        opt = build_optimizer(cfg.optim, model)
         times, updates = [], []
         for _ in range(4):
             t0 = time.perf_counter()
@@ -120,6 +120,8 @@ def run_planner(
     """The choice for ``cfg`` on ``world`` ranks of ``mem`` bytes, and its report (table + reasons)."""
     if world < 1:
         raise ConfigError(f"--world must be at least 1, got {world}")
+    if not mem > 0:
+        raise ConfigError(f"--mem-gb must be above 0, got {mem / GB:g}")
     backend = backend or ("sim" if world == 1 else "mpi")
     llama, cost = model_cost(cfg)
     machine = machine_for(gpu, backend, world, None if gpu else step_probe(llama, cfg))
@@ -134,9 +136,21 @@ def run_planner(
         f"{world} ranks of {mem / GB:.3g} GB on {machine.name} ({machine.flops / 1e9:.4g} GFLOP/s per rank, "
         f"{flops})",
         plan_search.table(choice, cost, machine, batch, top),
+        mfu_note(gpu is not None),
         *choice.reasons(),
     ]
     return choice, "\n".join(lines)
+
+
+def mfu_note(gpu: bool) -> str:
+    """What the MFU column is: a prediction whose ceiling is the model's own efficiency."""
+    if gpu:
+        return (
+            f"MFU is predicted, not measured: the model runs matmuls at {plan_search.EFFICIENCY:.0%} of "
+            f"the published peak, so no plan can show more than {plan_search.EFFICIENCY:.0%} "
+            "(published runs: 40-58%)"
+        )
+    return "MFU is predicted: model FLOPs over this host's measured bare-matmul speed, not a published peak"
 
 
 def overrides(c: plan_search.Candidate, cfg: TrainConfig) -> list[str]:

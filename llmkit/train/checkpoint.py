@@ -1,15 +1,23 @@
-"""Training checkpoints: everything ``--resume`` needs to continue a run exactly, on any mesh.
+"""Run checkpoints, of every job (``llmkit train``, ``llmkit rlhf``): everything ``--resume`` needs to
+continue a run exactly, on any mesh. One writer and one reader, of the loop's state (:class:`RunState`)
+plus each job's extras.
 
     out_dir/checkpoints/step-00000600/
         model/                  config.json, tokenizer.model and the weights: model.safetensors
                                 (Hugging Face layout) from one process, rank-NNNNN.safetensors
                                 pieces from several (``llmkit checkpoint merge`` joins them)
+        <name>.safetensors      a job's other trained layers (PPO's value head)
         optimizer.safetensors   the optimizer's state tensors (moments); optimizer/rank-NNNNN... from
                                 several processes
-        parallel_plan.json      the run's ParallelPlan (mesh, placements, ZeRO stage, sp)
-        trainer_state.json      step, tokens seen, optimizer groups and step count, schedule, data
-                                position, RNG state, and the run's config
+        parallel_plan.json      llmkit train: the run's ParallelPlan (mesh, placements, ZeRO stage, sp)
+        trainer_state.json      step, optimizer groups and step count, schedule, the run's config,
+                                and the job's own entries (llmkit train: tokens seen, data
+                                position, RNG state)
         COMPLETE                written last: a checkpoint without it does not count
+
+Every file is fsynced before the directory takes its place (``files.atomic_dir``), so a run killed
+at any moment (even with ``kill -9``) leaves its newest complete checkpoint, which ``--resume`` takes.
+Data-parallel ranks that hold the same state (``llmkit rlhf``) write one copy, from rank 0.
 
 With several processes each rank writes the pieces it owns in parallel into a staging directory
 (``.step-00000600.partial``); when every rank has finished (a barrier), rank 0 writes the rest, the
@@ -28,26 +36,24 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 import llmkit.framework as lf
 import llmkit.framework.distributed as dist
-from llmkit.framework import optim
+from llmkit.framework import nn, optim
 from llmkit.framework.distributed.parallel_plan import PLAN_FILE
 from llmkit.framework.distributed.shard_files import RANK_FILES, ShardReader, save_shards
 from llmkit.framework.files import atomic_dir, atomic_write, install_dir, recover
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
-from llmkit.models.llama.checkpoint import check_weights, write_config
+from llmkit.models.llama.checkpoint import CheckpointError, check_weights, write_config
 from llmkit.models.llama.checkpoint import weights as llama_weights
 
 from .config import ConfigError
 from .metrics import peak_rss_bytes
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
@@ -82,24 +88,54 @@ class _SamplerState(_Strict):
 
 
 class TrainerState(_Strict):
-    """``trainer_state.json``, checked: every part at the same step."""
+    """``trainer_state.json``, checked: every part at the same step (the optimizer's too, for a job
+    that updates once a step: the validation context's ``one_update_per_step``)."""
 
     step: int = Field(ge=0)
-    tokens_seen: int = Field(ge=0)
     optimizer: _OptimizerMeta
     schedule: _ScheduleState
-    sampler: _SamplerState
-    rng: dict[str, Any]
     config: dict[str, Any] | None = None  # None in checkpoints written before it was recorded
+    # llmkit train's own entries (a job's ``state_keys``, required where it names them)
+    tokens_seen: int | None = Field(None, ge=0)
+    sampler: _SamplerState | None = None
+    rng: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _one_step(self) -> TrainerState:
-        if not self.optimizer.step == self.schedule.last_step == self.step:
+    def _one_step(self, info: ValidationInfo) -> TrainerState:
+        one = (info.context or {}).get("one_update_per_step", True)
+        optimizer = self.optimizer.step if one else self.step
+        if not optimizer == self.schedule.last_step == self.step:
             raise ValueError(
                 f"its parts are at different steps (trainer {self.step}, optimizer "
                 f"{self.optimizer.step}, schedule {self.schedule.last_step})"
             )
         return self
+
+
+@dataclass
+class RunState:
+    """What a checkpoint holds of a run, from the loop: its step, config, model (and tokenizer),
+    other trained layers, optimizer and schedule, plus the job's own ``trainer_state.json`` entries;
+    and how this process takes part in writing and reading it."""
+
+    out: Path  # the run's out_dir
+    step: int
+    config: BaseModel  # the run's config: recorded, and compared on --resume
+    model: Any  # a causal LM or reward model: save_pretrained, named_parameters, config
+    tokenizer: Any
+    optimizer: optim.Optimizer
+    schedule: optim.LRScheduler
+    layers: dict[str, nn.Layer] = field(default_factory=dict)  # saved as <name>.safetensors
+    extras: dict[str, Any] = field(default_factory=dict)  # the job's trainer_state.json entries
+    writer: bool = True  # this process writes the files that are not per-rank pieces (rank 0)
+    plan: Any = None  # a ParallelPlan, written as parallel_plan.json
+    sharded: bool = False  # several ranks, each writing (and reading) the pieces it holds
+    par: Any = None  # the ranks' layout (Parallelized) that pieces are read into
+    pipe: Any = None  # a pipeline (PipelineRun): its stages write and read their own pieces
+
+    @property
+    def keep_last(self) -> int:
+        return self.config.train.keep_last
 
 
 def checkpoint_dir(out_dir: Path, step: int) -> Path:
@@ -116,6 +152,15 @@ def checkpoints(out_dir: Path) -> list[Path]:
         recover(root / parked.name[1 : -len(".old")])
     found = sorted(p for p in root.glob("step-*") if p.is_dir())
     return [p for p in found if (p / COMPLETE).is_file()]
+
+
+def remove_staging(out_dir: Path) -> None:
+    """Remove what writes cut short by a crash left: staging directories (``.step-*.<hex>.tmp`` of
+    one writer, ``.step-*.partial`` of several). Only for the run's own writer, while it writes
+    nothing (a resumed run, before its first step)."""
+    for p in (out_dir / CHECKPOINTS).glob(".step-*"):
+        if p.name.endswith((".tmp", ".partial")):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def latest(out_dir: Path) -> Path:
@@ -146,8 +191,9 @@ def model_dir(path: str | Path, key: str = "model.init_from") -> Path:
     )
 
 
-def read_state(path: Path) -> TrainerState:
-    """The checked ``trainer_state.json`` of checkpoint ``path``."""
+def read_state(path: Path, one_update_per_step: bool = True, required: tuple[str, ...] = ()) -> TrainerState:
+    """The checked ``trainer_state.json`` of checkpoint ``path`` (``required``: the job's own
+    entries it must have)."""
     file = path / TRAINER_STATE
     try:
         raw = json.loads(file.read_bytes())
@@ -156,141 +202,154 @@ def read_state(path: Path) -> TrainerState:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ResumeError(f"{file}: not valid JSON ({e})") from None
     try:
-        return TrainerState.model_validate(raw)
+        state = TrainerState.model_validate(raw, context={"one_update_per_step": one_update_per_step})
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(map(str, err["loc"]))
         message = err["msg"].removeprefix("Value error, ")
         raise ResumeError(f"{file}: {where + ': ' if where else ''}{message}") from None
+    missing = next((k for k in required if getattr(state, k) is None), None)
+    if missing is not None:
+        raise ResumeError(f"{file}: {missing}: Field required")
+    return state
 
 
-def _optimizer_tensors(trainer: Trainer) -> tuple[dict[str, lf.Tensor], dict[str, Any]]:
-    return optim.flatten_state_dict(trainer.optimizer.state_dict())
-
-
-def _write_rest(trainer: Trainer, tmp: Path, meta: dict[str, Any]) -> None:
+def _write_rest(s: RunState, tmp: Path, meta: dict[str, Any]) -> None:
     """What rank 0 writes once every rank's tensors are in: tokenizer, plan, state, marker (last)."""
-    trainer.tokenizer.save_pretrained(tmp / "model")
-    trainer.plan.save(tmp / PLAN_FILE)
+    s.tokenizer.save_pretrained(tmp / "model")
+    if s.plan is not None:
+        s.plan.save(tmp / PLAN_FILE)
     state = {
-        "step": trainer.step,
-        "tokens_seen": trainer.tokens_seen,
+        "step": s.step,
         "optimizer": meta,
-        "schedule": trainer.schedule.state_dict(),
-        "sampler": trainer.sampler.state_dict(),
-        "rng": lf.backend.get_rng_state(),
-        "config": trainer.cfg.model_dump(mode="json"),
+        "schedule": s.schedule.state_dict(),
+        **s.extras,
+        "config": s.config.model_dump(mode="json"),
     }
     (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
-    atomic_write(tmp / COMPLETE, f"step {trainer.step}\n")
+    atomic_write(tmp / COMPLETE, f"step {s.step}\n")
 
 
-def save(trainer: Trainer) -> Path:
-    """Write the trainer's state at ``trainer.step`` (every rank calls this); keep the newest
-    ``keep_last``."""
-    path = checkpoint_dir(trainer.out, trainer.step)
-    if trainer.backend is None:
+def save(s: RunState) -> Path:
+    """Write the run's state at ``s.step`` (every rank calls this); keep the newest ``keep_last``."""
+    path = checkpoint_dir(s.out, s.step)
+    if s.sharded:
+        _save_sharded(s, path)
+    elif s.writer:
         with atomic_dir(path) as tmp:
-            trainer.model.save_pretrained(tmp / "model")
-            tensors, meta = _optimizer_tensors(trainer)
+            s.model.save_pretrained(tmp / "model")
+            for name, layer in s.layers.items():
+                lf.save({k: v.numpy() for k, v in layer.state_dict().items()}, tmp / f"{name}.safetensors")
+            tensors, meta = optim.flatten_state_dict(s.optimizer.state_dict())
             lf.save(tensors, tmp / OPTIMIZER)
-            _write_rest(trainer, tmp, meta)
-    else:
-        _save_sharded(trainer, path)
-    if trainer.is_rank0:
-        for old in checkpoints(trainer.out)[: -trainer.cfg.train.keep_last]:
+            _write_rest(s, tmp, meta)
+    if s.writer:
+        for old in checkpoints(s.out)[: -s.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return path
 
 
-def _save_sharded(trainer: Trainer, path: Path) -> None:
+def _save_sharded(s: RunState, path: Path) -> None:
     stage = path.parent / f".{path.name}.partial"
     comm = dist.get_backend()
-    if trainer.is_rank0 and stage.exists():
+    if s.writer and stage.exists():
         shutil.rmtree(stage)  # left by a run that crashed while writing
     comm.barrier()
-    model = trainer.model
-    if trainer.pipe is not None:  # each pipeline rank its stages' pieces, under the whole model's names
-        trainer.pipe.save(stage / "model", stage / OPTIMIZER_DIR)
-        meta = trainer.pipe.optimizer_meta()
+    model = s.model
+    if s.pipe is not None:  # each pipeline rank its stages' pieces, under the whole model's names
+        s.pipe.save(stage / "model", stage / OPTIMIZER_DIR)
+        meta = s.pipe.optimizer_meta()
     else:
         save_shards(dict(model.named_parameters()), stage / "model")
-        tensors, meta = _optimizer_tensors(trainer)
+        tensors, meta = optim.flatten_state_dict(s.optimizer.state_dict())
         save_shards(tensors, stage / OPTIMIZER_DIR)
     comm.barrier()  # every rank's pieces are on disk
-    if trainer.is_rank0:
+    if s.writer:
         write_config(model.config, model.model.norm.weight.dtype, stage / "model")
-        _write_rest(trainer, stage, meta)
+        _write_rest(s, stage, meta)
         install_dir(stage, path)
     comm.barrier()  # the checkpoint is in place before any rank goes on (and may prune or resume)
 
 
-def load(trainer: Trainer, path: Path, state: TrainerState) -> None:
-    """Restore the state of checkpoint ``path`` into the trainer, keeping the hyperparameters of its
-    config (optimizer groups and schedule settings), each rank reading only the slices it holds;
-    ResumeError names the first bad file."""
+def load(s: RunState, path: Path, state: TrainerState) -> tuple[int, int, int]:
+    """Restore the state of checkpoint ``path`` into the run's model, layers, optimizer and schedule,
+    keeping the hyperparameters of its config (optimizer groups and schedule settings), each rank
+    reading only the slices it holds; ResumeError names the first bad file. Returns (bytes the
+    fullest rank read, bytes of the whole checkpoint, peak host memory)."""
     config_json = path / "model" / "config.json"
     try:
         saved = LlamaConfig.from_json_file(config_json).to_dict()
     except (OSError, ValueError) as e:
         raise ResumeError(f"cannot load the checkpoint's model: {e}") from None
-    own = trainer.model_config.to_dict()
+    own = s.model.config.to_dict()
     for key in own:
         if key != "torch_dtype" and saved.get(key) != own[key]:
             raise ResumeError(
                 f"{config_json}: {key} is {saved.get(key)!r}, this run's model has {own[key]!r}"
             )
     try:
-        weights, names = _model_weights(trainer, path / "model")
+        weights, names = _model_weights(s.model, path / "model")
+        layers = {n: _layer_weights(layer, path / f"{n}.safetensors") for n, layer in s.layers.items()}
     except (OSError, ValueError) as e:
         raise ResumeError(f"cannot load the checkpoint's model: {e}") from None
-    opt = trainer.optimizer
+    opt = s.optimizer
     try:
         moments = _optimizer_reader(path)
-        if trainer.pipe is not None:  # every pipeline rank its stages' weights and moments, by name
-            read = trainer.pipe.load(weights, moments, state.optimizer.step)
+        if s.pipe is not None:  # every pipeline rank its stages' weights and moments, by name
+            read = s.pipe.load(weights, moments, state.optimizer.step)
         else:
-            tensors = {k: _read(trainer, moments, k) for k in moments.names()}
+            tensors = {k: _read(s, moments, k) for k in moments.names()}
             opt_state = optim.unflatten_state_dict(tensors, state.optimizer.model_dump())
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
             opt.load_state_dict(opt_state)  # checks everything before it changes anything
     except (OSError, ValueError, KeyError) as e:
         where = path / (OPTIMIZER if (path / OPTIMIZER).exists() else OPTIMIZER_DIR)
         raise ResumeError(f"{where}: {e}") from None
-    if trainer.pipe is None:
+    if s.pipe is None:
         for group, h in zip(opt.param_groups, hyper, strict=True):
             group.update(h)  # this run's lr, betas, weight decay... (a resumed run may change them)
-    try:
-        lf.backend.set_rng_state(state.rng)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ResumeError(f"{path / TRAINER_STATE}: rng: {e!r}") from None
-    if trainer.pipe is None:
-        _set_weights(trainer, weights, names)
+    if state.rng is not None:
+        try:
+            lf.backend.set_rng_state(state.rng)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ResumeError(f"{path / TRAINER_STATE}: rng: {e!r}") from None
+    if s.pipe is None:
+        _set_weights(s, weights, names)
         per_rank = [weights.rank_bytes.get(r, 0) + moments.rank_bytes.get(r, 0) for r in weights.rank_bytes]
         read = max(per_rank) if per_rank else weights.bytes_read + moments.bytes_read
-    trainer.load_report = (read, weights.total_bytes + moments.total_bytes, peak_rss_bytes())
+    for name, layer in s.layers.items():
+        layer.load_state_dict(layers[name])
     # The schedule is a closed form of the step: this run's settings, the checkpoint's step.
-    trainer.schedule.load_state_dict({**trainer.schedule.state_dict(), "last_step": state.step})
-    trainer.sampler.load_state_dict(state.sampler.model_dump())
-    trainer.step, trainer.tokens_seen = state.step, state.tokens_seen
+    s.schedule.load_state_dict({**s.schedule.state_dict(), "last_step": state.step})
+    return read, weights.total_bytes + moments.total_bytes, peak_rss_bytes()
 
 
-def _model_weights(trainer: Trainer, model_dir: Path) -> tuple[ShardReader, list[str]]:
-    """The weights of a model directory (either layout), checked against the trainer's model."""
+def _model_weights(model: Any, model_dir: Path) -> tuple[ShardReader, list[str]]:
+    """The weights of a model directory (either layout), checked against ``model``."""
     weights = llama_weights(model_dir)
-    shapes = {n: p.shape for n, p in trainer.model.named_parameters()}
-    return weights, check_weights(weights, shapes, model_dir, trainer.model_config.tie_word_embeddings)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    return weights, check_weights(weights, shapes, model_dir, model.config.tie_word_embeddings)
 
 
-def _set_weights(trainer: Trainer, weights: ShardReader, names: list[str]) -> None:
-    params = dict(trainer.model.named_parameters())
+def _layer_weights(layer: nn.Layer, file: Path) -> dict[str, Any]:
+    """A trained layer's tensors from its file, checked against the layer's parameters."""
+    tensors = lf.load(file)
+    want = {n: p.shape for n, p in layer.named_parameters()}
+    got = {n: tuple(v.shape) for n, v in tensors.items()}
+    if got != want:
+        raise CheckpointError(f"{file}: tensors {got}, this run's layer has {want}")
+    return tensors
+
+
+def _set_weights(s: RunState, weights: ShardReader, names: list[str]) -> None:
+    params = dict(s.model.named_parameters())
     for name in names:
-        params[name].set_value(_read(trainer, weights, name, params[name]))
+        params[name].set_value(_read(s, weights, name, params[name]))
 
 
-def load_weights(trainer: Trainer, model_dir: Path) -> None:
+def load_weights(s: RunState, model_dir: Path) -> None:
     """Set the model's weights from a Hugging Face directory, each rank reading only its slices."""
-    _set_weights(trainer, *_model_weights(trainer, model_dir))
+    _set_weights(s, *_model_weights(s.model, model_dir))
 
 
 def _optimizer_reader(path: Path) -> ShardReader:
@@ -301,10 +360,10 @@ def _optimizer_reader(path: Path) -> ShardReader:
     return ShardReader(files)
 
 
-def _read(trainer: Trainer, reader: ShardReader, name: str, like: lf.Tensor | None = None) -> lf.Tensor:
+def _read(s: RunState, reader: ShardReader, name: str, like: lf.Tensor | None = None) -> lf.Tensor:
     """Tensor ``name`` of the checkpoint as this run holds it: whole in one process, else each hosted
     rank's region of the placement the plan gives it (a parameter's, or its optimizer state's)."""
-    par = trainer.par
+    par = s.par
     if par is None:
         value = reader.read(name)
         return lf.Tensor(value if like is None else value.astype(like.dtype, copy=False))
@@ -312,7 +371,7 @@ def _read(trainer: Trainer, reader: ShardReader, name: str, like: lf.Tensor | No
         placements = par.placements(name)
     else:  # state.<j>.<key>: the j-th optimizer parameter's state
         j = int(name.split(".")[1])
-        placements = par.placements(par.names[id(trainer.optimizer.params[j])], "state")
+        placements = par.placements(par.names[id(s.optimizer.params[j])], "state")
     value = lf.Tensor(reader.read_placed(name, par.mesh, placements))
     return value if like is None else value.astype(like.dtype)
 

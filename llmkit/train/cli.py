@@ -1,29 +1,42 @@
 """``llmkit train CONFIG [section.key=value ...] [--resume] [--quiet] [--nproc N [--hostfile F]]``
-(overrides and flags in any order), ``llmkit checkpoint merge``, ``llmkit tokenizer``, ``llmkit plot``."""
+(overrides and flags in any order; :func:`job_main`, ``llmkit rlhf``'s command line too),
+``llmkit checkpoint merge``, ``llmkit tokenizer``, ``llmkit plot``."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line on stderr (exit 2), like every other bad input."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+from .args import ArgumentParser
 
 
-def main(argv: list[str]) -> int:
-    p = ArgumentParser(
-        prog="llmkit train",
-        description="Train a Llama model. Overrides use dotted keys: optim.lr=1e-3 train.steps=50.",
-    )
-    p.add_argument("config", help="YAML run config (see configs/)")
+def job_main(
+    argv: list[str],
+    prog: str,
+    description: str,
+    load: Callable[[str, list[str], int | None], tuple[Any, list[str]]],
+    run: Callable[[Any, bool, bool], int],
+    check_nproc: Callable[[Any, int], None],
+    command: list[str],
+    config_help: str = "YAML run config (see configs/)",
+    nproc_help: str = "run N processes with mpiexec",
+    epilog: str | None = None,
+    hard_exit: Callable[[], bool] = lambda: True,
+    launch: Callable[[list[str], dict[str, str]], int] | None = None,
+) -> int:
+    """The command line of a YAML job (``llmkit train``, ``llmkit rlhf``, ``llmkit rlhf reward``):
+    ``CONFIG [section.key=value ...] [--resume] [--quiet] [--nproc N [--hostfile F]]``, overrides
+    and flags in any order. ``load(config, overrides, nproc)``: the config and the overrides the
+    launched processes get; ``--nproc``: ``check_nproc(cfg, N)``, then this process is replaced by
+    ``mpiexec -n N python -m llmkit COMMAND ...`` (``launch``: default :func:`relaunch`); else
+    ``run(cfg, resume, quiet)``. A rank that died or hangs (CollectiveError) is named in one line,
+    and where ``hard_exit()`` (under mpiexec) this process exits without waiting for it."""
+    p = ArgumentParser(prog=prog, description=description, epilog=epilog)
+    p.add_argument("config", help=config_help)
     p.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     p.add_argument(
         "--resume",
@@ -31,67 +44,79 @@ def main(argv: list[str]) -> int:
         help="continue from the newest checkpoint in out_dir; overrides apply from its step on",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--nproc",
-        type=int,
-        metavar="N",
-        help="run N processes with mpiexec (parallel.pp x parallel.dp x parallel.tp must be N)",
-    )
+    p.add_argument("--nproc", type=int, metavar="N", help=nproc_help)
     p.add_argument("--hostfile", help="with --nproc: mpiexec's hostfile, to run on several machines")
     a = p.parse_intermixed_args(argv)
-    from .config import load_config
-
-    cfg = load_config(a.config, a.overrides)
-    if cfg.parallel.auto:  # the planner's choice, as overrides (the processes launched get them too)
-        from .auto_plan import resolve_auto
-
-        a.overrides = [*a.overrides, *resolve_auto(cfg, a.nproc)]
-        cfg = load_config(a.config, a.overrides)
+    cfg, overrides = load(a.config, a.overrides, a.nproc)
     if a.nproc is not None:
+        check_nproc(cfg, a.nproc)
         flags = [f for f, on in (("--resume", a.resume), ("--quiet", a.quiet)) if on]
-        return launch(cfg, a.nproc, a.hostfile, [a.config, *a.overrides, *flags])
+        cmd, env = nproc_command(a.nproc, a.hostfile, [*command, a.config, *overrides, *flags])
+        return (launch or relaunch)(cmd, env)
     if a.hostfile is not None:
         p.error("--hostfile goes with --nproc")
     from llmkit.framework.distributed import CollectiveError
 
     try:
-        return _train(cfg, a.resume, a.quiet)
+        return run(cfg, a.resume, a.quiet)
     except CollectiveError as e:  # a rank died or hangs: name it, and do not wait for it at exit
-        print(f"llmkit train: {e}", file=sys.stderr, flush=True)
+        if not hard_exit():
+            raise
+        print(f"{prog}: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
 
 
-def _train(cfg, resume: bool, quiet: bool) -> int:
-    from .trainer import Interrupted, Trainer
+def run_job(job: Any, prog: str, stop: Any = None) -> int:
+    """Fit a built job (a ``Loop``) and print, from rank 0, where it resumed from, how it stopped,
+    or its final metrics; the exit status."""
+    from .loop import Interrupted
 
-    trainer = Trainer(cfg, resume=resume, quiet=quiet)
-    say = print if trainer.is_rank0 else lambda *a, **k: None
-    if trainer.backend is not None:
-        say(f"parallel: {trainer.plan.describe()} on {trainer.backend} ({trainer.plan.world_size} ranks)")
-    if trainer.pipe is not None and not quiet:  # its stages and every rank's job list
-        say(trainer.pipe.describe())
-    if trainer.resumed_from is not None:
-        report_resume(trainer, say)
-        read, total, rss = trainer.load_report
-        mb = 2**20
-        say(
-            f"resume: read {read / mb:.3g} MB of {total / mb:.3g} MB per rank; "
-            f"peak host memory {rss / mb:.0f} MB"
-        )
+    say = print if job.is_rank0 else lambda *a, **k: None
+    job.report_start(say)
     try:
-        last = trainer.fit()
+        last = job.fit(stop)
     except Interrupted as e:
-        return report_interrupted(e, "llmkit train", say)
-    summary = ", ".join(f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float))
-    say(f"done: step {trainer.step}, {summary}; checkpoints and metrics.jsonl in {cfg.out_dir}")
+        return report_interrupted(e, prog, say)
+    say(f"done: step {job.step}, {job.summary(last)}; {job.written()}")
     return 0
 
 
-def report_resume(job: Any, say: Any = print) -> None:
-    """Where a resumed job continues from, and what its config changed (every job's command line)."""
-    say(f"resume: step {job.step} from {job.resumed_from}")
-    say(f"resume: {', '.join(job.resume_changes) or 'the config is unchanged'}")
+def main(argv: list[str]) -> int:
+    return job_main(
+        argv,
+        "llmkit train",
+        "Train a Llama model. Overrides use dotted keys: optim.lr=1e-3 train.steps=50.",
+        _load,
+        _train,
+        _check_nproc,
+        ["train"],
+        nproc_help="run N processes with mpiexec (parallel.pp x parallel.dp x parallel.tp must be N)",
+    )
+
+
+def _load(path: str, overrides: list[str], nproc: int | None) -> tuple[Any, list[str]]:
+    from .config import load_config
+
+    cfg = load_config(path, overrides)
+    if cfg.parallel.auto:  # the planner's choice, as overrides (the processes launched get them too)
+        from .auto_plan import resolve_auto
+
+        overrides = [*overrides, *resolve_auto(cfg, nproc)]
+        cfg = load_config(path, overrides)
+    return cfg, overrides
+
+
+def _check_nproc(cfg: Any, nproc: int) -> None:
+    from .config import check_world
+
+    check_world(cfg.parallel, nproc, "--nproc is {n}")
+
+
+def _train(cfg: Any, resume: bool, quiet: bool) -> int:
+    from .trainer import Trainer
+
+    return run_job(Trainer(cfg, resume=resume, quiet=quiet), "llmkit train")
 
 
 def report_interrupted(e: Any, prog: str, say: Any = print) -> int:
@@ -102,11 +127,6 @@ def report_interrupted(e: Any, prog: str, say: Any = print) -> int:
         file=sys.stderr,
     )
     return 128 + e.signum
-
-
-def launch(cfg, nproc: int, hostfile: str | None, argv: list[str]) -> int:
-    """Replace this process by ``mpiexec -n N python -m llmkit train ARGS`` (one rank per process)."""
-    return relaunch(*mpiexec_command(cfg, nproc, hostfile, argv))
 
 
 def relaunch(cmd: list[str], env: dict[str, str]) -> int:
@@ -121,9 +141,7 @@ def mpiexec_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The mpiexec command line and environment of ``llmkit train --nproc``; ConfigError when the
     config's mesh has another number of ranks."""
-    from .config import check_world
-
-    check_world(cfg.parallel, nproc, "--nproc is {n}")
+    _check_nproc(cfg, nproc)
     return nproc_command(nproc, hostfile, ["train", *argv])
 
 
@@ -157,18 +175,28 @@ def nproc_command(nproc: int, hostfile: str | None, argv: list[str]) -> tuple[li
 
 
 def tokenizer_main(argv: list[str]) -> int:
-    """``llmkit tokenizer train --input FILES --vocab-size N --out DIR``."""
+    """``llmkit tokenizer train --input FILES --vocab-size N --out DIR [--kind sentencepiece|bpe]``."""
+    from llmkit.models.llama.tokenizer import KINDS
+
     p = ArgumentParser(prog="llmkit tokenizer", description="Tokenizer tools.")
     sub = p.add_subparsers(dest="action", required=True)
-    t = sub.add_parser("train", help="train a BPE sentencepiece model with Llama's settings (byte fallback)")
+    t = sub.add_parser(
+        "train", help="train a tokenizer: Llama 2's sentencepiece BPE or Llama 3's byte-level BPE"
+    )
     t.add_argument("--input", nargs="+", required=True, help="text files, globs, .jsonl files or 'builtin'")
     t.add_argument("--vocab-size", type=int, required=True)
-    t.add_argument("--out", required=True, help="directory to write tokenizer.model into")
+    t.add_argument("--out", required=True, help="directory to write the tokenizer's Hugging Face files into")
+    t.add_argument(
+        "--kind",
+        choices=list(KINDS),
+        default="sentencepiece",
+        help="sentencepiece: tokenizer.model (byte fallback); bpe: a byte-level BPE tokenizer.json",
+    )
     a = p.parse_args(argv)
     from .data import tokenizer_train
 
-    tokenizer_train(a.input, a.vocab_size, a.out)
-    print(f"wrote {a.out}/tokenizer.model")
+    tok = tokenizer_train(a.input, a.vocab_size, a.out, a.kind)
+    print(f"wrote {a.out}: a {tok.vocab_size}-token {a.kind} tokenizer ({', '.join(sorted(tok.files()))})")
     return 0
 
 

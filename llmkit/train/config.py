@@ -41,6 +41,7 @@ from llmkit.framework.distributed.pipeline import PipelineError, parse_stages
 from llmkit.framework.distributed.pipeline_schedule import SCHEDULES, ScheduleError, make_schedule
 from llmkit.framework.files import atomic_write
 from llmkit.models.llama.config import PRESETS, LlamaConfig
+from llmkit.models.llama.tokenizer import KINDS as TOKENIZER_KINDS
 
 
 class ConfigError(ValueError):
@@ -104,13 +105,15 @@ ModelSection = create_model(
 
 
 class TokenizerSection(_Section):
-    path: str = "builtin"  # "builtin" (trained on the built-in corpus) or a dir with tokenizer.model
+    path: str = "builtin"  # "builtin" (trained on the built-in corpus) or an HF tokenizer directory
     vocab_size: int = Field(4096, gt=259)  # builtin only: 3 specials + 256 bytes + merges
+    kind: Literal[tuple(TOKENIZER_KINDS)] = "sentencepiece"  # builtin only: models/llama/tokenizer.py
 
     @model_validator(mode="after")
     def _vocab_only_for_builtin(self) -> TokenizerSection:
-        if self.path != "builtin" and "vocab_size" in self.model_fields_set:
-            raise ValueError(f"tokenizer.vocab_size only applies to path: builtin, not {self.path!r}")
+        for key in ("vocab_size", "kind"):
+            if self.path != "builtin" and key in self.model_fields_set:
+                raise ValueError(f"tokenizer.{key} only applies to path: builtin, not {self.path!r}")
         return self
 
 
@@ -212,6 +215,11 @@ class ParallelSection(_Section):
 
     @model_validator(mode="after")
     def _plan_applies(self) -> ParallelSection:
+        if self.recompute == "none" and self.recompute_every != 1:
+            raise ValueError(
+                f"parallel.recompute_every ({self.recompute_every}) applies to a recompute policy: "
+                "set parallel.recompute (attention or full) too"
+            )
         self._check_pipeline()
         self.build()
         return self
@@ -275,6 +283,15 @@ class ParallelSection(_Section):
             ) from None
 
 
+def check_warmup(schedule: ScheduleSection, steps: int) -> None:
+    """The warm-up fits in the run (``train.steps``); the error says which key to set."""
+    if schedule.warmup_steps > steps:
+        raise ValueError(
+            f"lr_schedule.warmup_steps ({schedule.warmup_steps}) exceeds train.steps ({steps}): "
+            f"set lr_schedule.warmup_steps={steps} or fewer for a run of {steps} steps"
+        )
+
+
 class RunConfig(_Section):
     """The root of a job's config (training, RLHF, the reward model): what every root refuses."""
 
@@ -303,11 +320,7 @@ class TrainConfig(RunConfig):
 
     @model_validator(mode="after")
     def _warmup_within_run(self) -> TrainConfig:
-        if self.lr_schedule.warmup_steps > self.train.steps:
-            raise ValueError(
-                f"lr_schedule.warmup_steps ({self.lr_schedule.warmup_steps}) exceeds "
-                f"train.steps ({self.train.steps})"
-            )
+        check_warmup(self.lr_schedule, self.train.steps)
         dp, m, b = self.parallel.dp, self.parallel.micro_batches, self.train.batch_size
         if b % m:
             raise ValueError(

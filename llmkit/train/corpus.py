@@ -24,8 +24,10 @@ import warnings
 from pathlib import Path
 
 import sentencepiece as spm
+import tokenizers
 
 from llmkit.models.llama.tokenizer import TRAINER_SETTINGS, LlamaTokenizer, train_tokenizer
+from llmkit.tokenizer import SPECIAL_MAP_FILE
 
 # Pure-Python or always-built modules present on CPython 3.10+ on every platform, whose import has
 # no side effects. Left out: modules that need optional C libraries (bz2, lzma, sqlite3, ssl,
@@ -59,6 +61,7 @@ STDLIB_MODULES: tuple[str, ...] = tuple(
 _TOKENIZER_KEY_SETTINGS = {
     "python": f"{sys.version_info.major}.{sys.version_info.minor}",
     "sentencepiece": spm.__version__,
+    "tokenizers": tokenizers.__version__,
     "trainer": TRAINER_SETTINGS,
 }
 
@@ -91,23 +94,22 @@ def builtin_corpus_sha256(include_docstrings: bool = True) -> str:
 
 
 def builtin_tokenizer(
-    vocab_size: int = 4096, cache_dir: str | os.PathLike[str] | None = None
+    vocab_size: int = 4096, cache_dir: str | os.PathLike[str] | None = None, kind: str = "sentencepiece"
 ) -> LlamaTokenizer:
-    """A BPE tokenizer trained on the built-in corpus, cached on disk after the first call.
+    """A tokenizer of ``kind`` (``train_tokenizer``'s) trained on the built-in corpus, cached on
+    disk after the first call.
 
-    The cache entry `<cache_dir>/tokenizers/builtin-<key>/tokenizer.model` is keyed by the Python
-    version, the corpus sha256, vocab_size, the sentencepiece version and the trainer settings.
+    The cache entry `<cache_dir>/tokenizers/builtin-<key>/` (the tokenizer's files, special_tokens_map.json
+    written last) is keyed by the Python version, the corpus sha256, vocab_size, kind, the
+    sentencepiece and tokenizers versions and the trainer settings.
     """
-    key = hashlib.sha256(
-        json.dumps(
-            {**_TOKENIZER_KEY_SETTINGS, "corpus": builtin_corpus_sha256(), "vocab_size": vocab_size},
-            sort_keys=True,
-        ).encode()
-    ).hexdigest()[:16]
+    settings = {**_TOKENIZER_KEY_SETTINGS, "corpus": builtin_corpus_sha256(), "vocab_size": vocab_size}
+    settings["kind"] = kind
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     directory = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"builtin-{key}"
-    if (directory / "tokenizer.model").is_file():
+    if (directory / SPECIAL_MAP_FILE).is_file():
         return LlamaTokenizer.from_pretrained(directory)
-    return train_tokenizer(builtin_documents(), vocab_size, directory)
+    return train_tokenizer(builtin_documents(), vocab_size, directory, kind=kind)
 
 
 def _module_document(name: str, seen: set[str]) -> str:

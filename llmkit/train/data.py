@@ -5,8 +5,10 @@ one document per line in its "text" field, or one conversation per line in its "
 (`[{"role", "content"}, ...]`, ending with an assistant turn: chat data for supervised
 fine-tuning); any other file is one document of UTF-8 text.
 
-A conversation is rendered by the chat template the server uses (`llmkit.infer.ChatTemplate`), and
-only its assistant tokens (each reply and the eos after it) are training targets: with chat data a
+A conversation is rendered by the chat template the server uses (the tokenizer's Jinja
+`chat_template`, else the Llama 2 default: `llmkit.infer.ChatTemplate`), and only its assistant tokens
+(what the template writes for each reply, e.g. " reply </s>" for Llama 2, "reply<|eot_id|>" for Llama 3,
+or its `{% generation %}` blocks) are training targets: with chat data a
 second file, a uint8 mask parallel to the stream, marks the targets, and a window's labels are -100
 (ignored by the loss) wherever it is 0.
 
@@ -100,11 +102,17 @@ def read_documents(sources: Sequence[str]) -> list[str | Conversation]:
     return [doc for doc in docs if doc]
 
 
-def tokenizer_train(input: list[str], vocab_size: int, out: str) -> None:
-    """`llmkit tokenizer train`: train a BPE tokenizer on data sources, write `out/tokenizer.model`."""
+def tokenizer_train(
+    input: list[str], vocab_size: int, out: str, kind: str = "sentencepiece"
+) -> LlamaTokenizer:
+    """`llmkit tokenizer train`: train a tokenizer of `kind` ("sentencepiece" or "bpe") on data
+    sources, write its Hugging Face files into `out`."""
     docs = read_documents(input)
-    train_tokenizer(
-        [d if isinstance(d, str) else "\n".join(m["content"] for m in d) for d in docs], vocab_size, out
+    return train_tokenizer(
+        [d if isinstance(d, str) else "\n".join(m["content"] for m in d) for d in docs],
+        vocab_size,
+        out,
+        kind=kind,
     )
 
 
@@ -278,7 +286,7 @@ def _cache_key(sources: list[str], tokenizer: LlamaTokenizer) -> str:
     """sha256 over the packing settings, the tokenizer model and each source's kind and bytes."""
     h = hashlib.sha256(json.dumps(_PACKING, sort_keys=True).encode())
     h.update(tokenizer.sha256.encode())
-    h.update(json.dumps(ChatTemplate().to_dict(), sort_keys=True).encode())  # how conversations render
+    h.update(ChatTemplate.of(tokenizer).source.encode())  # how conversations render
     for source in sources:
         h.update(b"\0source\0")
         if source == BUILTIN:
@@ -301,7 +309,7 @@ def _pack(
         raise DataError(f"the data sources {sources} contain no text")
     docs.sort(key=lambda doc: hashlib.sha256(_doc_bytes(doc)).digest())
     chat = any(not isinstance(d, str) for d in docs)
-    template = ChatTemplate()
+    template = ChatTemplate.of(tokenizer)
     bar = tqdm(total=len(docs), unit="doc", desc="tokenizing", disable=None)  # silent off a terminal
     masks: list[np.ndarray] = []
     with atomic_open(path) as f, bar:

@@ -1,4 +1,4 @@
-"""The training loop: ``Trainer(cfg).fit()``.
+"""Language-model training: ``Trainer(cfg).fit()``, the step of the loop in loop.py.
 
 One step = ``grad_accum`` micro-batches (forward, backward), global-norm clipping, an optimizer
 step and a schedule step. Every ``log_every`` steps a line goes to ``metrics.jsonl`` (step, loss,
@@ -6,10 +6,8 @@ lr, tokens/s, MFU...); every ``eval_every`` steps the validation loss and perple
 ``save_every`` steps (and at the end, and on SIGINT or SIGTERM) a checkpoint that ``--resume``
 continues exactly (checkpoint.py).
 
-A step is all or nothing. Its batches are drawn by position and the sampler moves only when the
-step is done; a signal stops training only between steps (the step in flight finishes), and a
-second one aborts the step in flight, which is rolled back. So a checkpoint's weights, optimizer,
-schedule, data position and RNG always describe the same step.
+The batches are drawn by position and the sampler moves only when the step is done (``commit``),
+so an aborted step, rolled back by the loop, leaves no trace.
 """
 
 from __future__ import annotations
@@ -17,15 +15,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 import llmkit.framework as lf
 import llmkit.framework.distributed as dist
@@ -42,69 +36,25 @@ from .config import (
     ConfigError,
     TrainConfig,
     check_world,
-    dump_config,
     resolve_model_config,
-    resume_changes,
     validate_against_model,
 )
 from .corpus import builtin_tokenizer
 from .data import BatchSampler, eval_batches, load_token_data
-from .metrics import MetricsLog, matmul_peak_flops, peak_rss_bytes
+from .loop import Interrupted, Loop, StopSignals, build_optimizer, build_schedule, decay_groups
+from .metrics import matmul_peak_flops, peak_rss_bytes
 from .pipeline_run import PipelineRun
+from .ranks import DataParallel
 
-
-class Interrupted(KeyboardInterrupt):
-    """``fit()`` stopped by a signal; the checkpoint of ``step`` was saved at ``path``."""
-
-    def __init__(self, signum: int, step: int, path: Path) -> None:
-        super().__init__(f"{signal.Signals(signum).name} at step {step}")
-        self.signum, self.step, self.path = signum, step, path
-
-
-class StopSignals:
-    """SIGINT and SIGTERM while training, as a context manager around ``fit``'s loop.
-
-    The first signal is recorded (``signum``): the loop finishes the step in flight, saves and
-    stops. A second signal while an ``abortable()`` block runs (a step, an evaluation) raises
-    KeyboardInterrupt there; anywhere else it is recorded too. Outside the main thread, where Python
-    cannot install handlers, signals keep their usual behaviour.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._abortable = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None and self._abortable:
-            self._abortable = False  # one KeyboardInterrupt, never a second inside the rollback
-            raise KeyboardInterrupt
-        self.signum = self.signum or signum
-
-    @contextlib.contextmanager
-    def abortable(self) -> Iterator[None]:
-        self._abortable = True
-        try:
-            yield
-        finally:
-            self._abortable = False
+__all__ = ["Interrupted", "StopSignals", "Trainer", "state_names"]  # Interrupted: the loop's, re-exported
 
 
 def build_tokenizer(cfg: TrainConfig) -> LlamaTokenizer:
     if cfg.tokenizer.path == "builtin":
         try:
-            return builtin_tokenizer(cfg.tokenizer.vocab_size, cache_dir=cfg.data.cache_dir)
+            return builtin_tokenizer(
+                cfg.tokenizer.vocab_size, cache_dir=cfg.data.cache_dir, kind=cfg.tokenizer.kind
+            )
         except ValueError as e:  # sentencepiece cannot make that many pieces from the corpus
             raise ConfigError(f"tokenizer.vocab_size: {e}") from None
     return LlamaTokenizer.from_pretrained(cfg.tokenizer.path)
@@ -115,26 +65,6 @@ def check_out_dir(out: Path) -> None:
     existing = next(p for p in (out, *out.parents) if p.exists())
     if not existing.is_dir():
         raise ConfigError(f"out_dir {str(out)!r}: {str(existing)!r} is a file, not a directory")
-
-
-def decay_groups(model: nn.Layer) -> list[tuple[list[str], bool]]:
-    """The optimizer's groups in its order, as (parameter names, decayed): weight matrices (decayed),
-    then norms, biases and gains; empty groups left out."""
-    named = list(model.named_parameters())
-    groups = [([n for n, p in named if p.ndim >= 2], True), ([n for n, p in named if p.ndim < 2], False)]
-    return [g for g in groups if g[0]]
-
-
-def build_optimizer(cfg: TrainConfig, model: nn.Layer) -> optim.Optimizer:
-    """AdamW/SGD with weight decay on weight matrices only (not norms, biases or gains)."""
-    o, params = cfg.optim, dict(model.named_parameters())
-    groups = [
-        {"params": [params[n] for n in names], "weight_decay": o.weight_decay if decayed else 0.0}
-        for names, decayed in decay_groups(model)
-    ]
-    if o.name == "adamw":
-        return optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
-    return optim.SGD(groups, lr=o.lr, momentum=o.momentum)
 
 
 def state_names(
@@ -156,15 +86,11 @@ def state_names(
     return names
 
 
-SCHEDULES = {
-    "constant": lambda opt, s, steps: optim.ConstantLR(opt, warmup_steps=s.warmup_steps),
-    "cosine": lambda opt, s, steps: optim.WarmupCosine(opt, s.warmup_steps, steps, s.min_lr_ratio),
-    "linear": lambda opt, s, steps: optim.LinearDecay(opt, s.warmup_steps, steps, s.min_lr_ratio),
-}
-
-
-class Trainer:
+class Trainer(Loop):
     """Builds everything a run needs from its config, then ``fit()`` trains."""
+
+    shown = ("loss", "lr", "tokens_per_s", "mfu", "eval_loss")
+    state_keys = ("tokens_seen", "sampler", "rng")
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> None:
         """``resume``: continue from the newest checkpoint in ``cfg.out_dir``, with the settings of
@@ -178,12 +104,14 @@ class Trainer:
             raise ConfigError(f"train.device: {e}") from e
         self.out = Path(cfg.out_dir)
         check_out_dir(self.out)
-        self.resumed_from: Path | None = checkpoint.latest(self.out) if resume else None
+        self.resumed_from = checkpoint.latest(self.out) if resume else None
         self.resume_changes: list[str] = []
-        saved = self._check_resume(self.resumed_from) if self.resumed_from is not None else None
+        self.extra_layers = {}
+        saved = self.check_resume(self.resumed_from) if self.resumed_from is not None else None
         self.plan = cfg.parallel.build()
         self.rank, self.backend = self._join_world()
-        self.is_rank0 = self.rank == 0
+        world = dist.get_backend().world_size if self.backend == "mpi" else 1
+        self.ranks = DataParallel(self.rank, world, "train") if world > 1 else DataParallel(job="train")
         self.tokenizer = build_tokenizer(cfg)
         self.model_config: LlamaConfig = resolve_model_config(cfg, self.tokenizer.vocab_size)
         validate_against_model(cfg, self.model_config)
@@ -216,23 +144,23 @@ class Trainer:
                 self.model,
                 self.plan,
                 t.seq_len,
-                lambda layer: build_optimizer(cfg, layer),
-                lambda opt: SCHEDULES[cfg.lr_schedule.name](opt, cfg.lr_schedule, t.steps),
-                [names for names, _ in decay_groups(self.model)],
+                lambda layer: build_optimizer(cfg.optim, layer),
+                lambda opt: build_schedule(cfg, opt),
+                [[n for n, _ in named] for named, _ in decay_groups(self.model)],
                 t.mode,
                 t.compiler,
             )
             self.optimizer, self.schedule = self.pipe.first.optimizer, self.pipe.schedules
         else:
             self.par = None if self.backend is None else Parallelized(self.model, self.plan)
-            self.optimizer = build_optimizer(cfg, self.model)
+            self.optimizer = build_optimizer(cfg.optim, self.model)
             if self.par is not None:
                 self.par.shard_optimizer(self.optimizer)
-            self.schedule = SCHEDULES[cfg.lr_schedule.name](self.optimizer, cfg.lr_schedule, t.steps)
-        if load_init and saved is None:
-            checkpoint.load_weights(self, Path(cfg.model.init_from))
+            self.schedule = build_schedule(cfg, self.optimizer)
         self.step = 0
         self.tokens_seen = 0
+        if load_init and saved is None:
+            checkpoint.load_weights(self.run_state(), Path(cfg.model.init_from))
         self.flops_per_token = self.model_config.flops_per_token(t.seq_len)
         self.peak_flops = matmul_peak_flops(t.device) * self.plan.world_size
         self.state_bytes = 0  # parameter + gradient + optimizer bytes of the fullest rank, last step
@@ -243,30 +171,7 @@ class Trainer:
             self.step_fn = self._pipeline_step
         else:
             self.step_fn = self._static_step() if t.mode == "static" else self._eager_step
-        # What a step rebinds: held before each step so that an aborted one can be rolled back (a
-        # pipeline's step is never aborted: its ranks run on threads or processes, as over MPI).
-        self._state = (
-            []
-            if self.pipe is not None
-            else [
-                *self.model.parameters(),
-                *self._optimizer_state(),
-                *self.optimizer.lr_tensors,
-                self.optimizer.step_count,
-            ]
-        )
-        self._saved_step: int | None = None
-        if saved is not None:
-            checkpoint.load(self, self.resumed_from, saved)
-            self._saved_step = self.step
-            was, now = saved.optimizer.param_groups[0]["lr"], self.optimizer.param_groups[0]["lr"]
-            if now != was:
-                self.resume_changes.append(f"lr at step {self.step} {was:.4g} -> {now:.4g}")
-        self.metrics = None
-        if self.is_rank0:  # rank 0 alone logs
-            self.out.mkdir(parents=True, exist_ok=True)
-            dump_config(cfg, self.out / "config.yaml")
-            self.metrics = MetricsLog(self.out / "metrics.jsonl", truncate_after=self.step)
+        self.start(saved)
 
     def _join_world(self) -> tuple[int, str | None]:
         """This process's rank and the backend (None: one process, no mesh). A plan of several ranks
@@ -281,16 +186,6 @@ class Trainer:
         if b.name != "sim":
             check_world(self.cfg.parallel, b.world_size, "this run has {n} processes (mpiexec -n / --nproc)")
         return b.rank, b.name
-
-    def _check_resume(self, path: Path) -> checkpoint.TrainerState:
-        """Read the checkpoint's state; refuse the config changes that cannot apply, list the rest."""
-        saved = checkpoint.read_state(path)
-        if saved.config is not None:
-            self.resume_changes = [f"{k} {a} -> {b}" for k, a, b in resume_changes(saved.config, self.cfg)]
-        if self.cfg.train.steps < saved.step:
-            steps = self.cfg.train.steps
-            raise ConfigError(f"train.steps ({steps}) is below the step of {path} ({saved.step})")
-        return saved
 
     # ---- one step ------------------------------------------------------------------------------
     def place(self, read: Callable[[slice], tuple[np.ndarray, ...]]) -> tuple[lf.Tensor, ...]:
@@ -396,148 +291,91 @@ class Trainer:
         return run
 
     @lf.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss of the validation batches (every rank takes part; rank 0 reports it)."""
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss (and perplexity) of the validation batches (every rank takes part; rank 0
+        reports it)."""
         t = self.cfg.train
         batches = eval_batches(self.data.val, t.eval_steps, t.batch_size, t.seq_len, self.data.val_mask)
         if self.pipe is not None:
-            return float(np.mean([self.pipe.evaluate(x, y) for x, y in batches]))
-        losses = [
-            self.value(self.model.loss(*self.place(lambda rows, x=x, y=y: (x[rows], y[rows]))))
-            for x, y in batches
-        ]
-        return float(np.mean(losses))
+            val = float(np.mean([self.pipe.evaluate(x, y) for x, y in batches]))
+        else:
+            losses = [
+                self.value(self.model.loss(*self.place(lambda rows, x=x, y=y: (x[rows], y[rows]))))
+                for x, y in batches
+            ]
+            val = float(np.mean(losses))
+        return {"eval_loss": val, "eval_ppl": math.exp(min(val, 50.0))}
 
-    # ---- the loop --------------------------------------------------------------------------------
-    def train_step(self, stop: StopSignals | None = None) -> tuple[float, float, float]:
-        """One optimizer step, all or nothing: (loss, grad norm, lr it ran at).
+    # ---- the loop's hooks ------------------------------------------------------------------------------
+    def rollback_tensors(self) -> list[lf.Tensor]:
+        # a pipeline's step is never aborted: its ranks run on threads or processes, as over MPI
+        return [] if self.pipe is not None else super().rollback_tensors()
 
-        The rebound state is held before the step runs (``set_value`` and static programs rebind
-        arrays, never write into them, so holding them is a snapshot): a KeyboardInterrupt anywhere
-        inside restores the state of the step before and propagates.
-        """
+    @property
+    def can_abort(self) -> bool:
+        return self.backend != "mpi" and self.pipe is None
+
+    def compute_step(self) -> dict[str, Any]:
         ga = self.cfg.train.grad_accum
         first = self.sampler.step
-        batches = [self.draw(i) for i in range(first, first + ga)]
-        lr = self.optimizer.param_groups[0]["lr"]
-        before, rng = [t.detach() for t in self._state], lf.backend.get_rng_state()
-        try:
-            with self._abortable(stop):
-                loss, gnorm = self.step_fn(batches)
-        except KeyboardInterrupt:
-            for t, value in zip(self._state, before, strict=True):
-                t.set_value(value)
-            lf.backend.set_rng_state(rng)
-            self.optimizer.zero_grad()
-            raise
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss became {loss} at step {self.step + 1}; lower optim.lr?")
-        self.sampler.step = first + ga
-        self.schedule.step()
-        self.step += 1
-        self.tokens_seen += ga * self.cfg.train.batch_size * self.cfg.train.seq_len
-        return loss, gnorm, lr
+        loss, gnorm = self.step_fn([self.draw(i) for i in range(first, first + ga)])
+        return {"loss": loss, "grad_norm": gnorm}
 
-    def _abortable(self, stop: StopSignals | None) -> contextlib.AbstractContextManager[None]:
-        """A second signal aborts a step or evaluation, except over MPI: one rank leaving a
-        collective would leave the others waiting, so there every signal waits for the step's end."""
-        if stop is None or self.backend == "mpi" or self.pipe is not None:
-            return contextlib.nullcontext()
-        return stop.abortable()
-
-    def _stopping(self, stop: StopSignals) -> bool:
-        """Whether to stop before the next step; over MPI the ranks agree (a signal may reach one
-        process a step before another), so they all save the same step."""
-        stop.signum = stop.signum or self._most(stop.signum or 0, "stop signal") or None
-        return stop.signum is not None
-
-    def _most(self, value: int, what: str) -> int:
-        """The largest ``value`` of the processes (a collective over MPI; elsewhere this one's)."""
-        if self.backend != "mpi":
-            return value
-        comm = dist.get_backend()
-        got = comm.all_reduce(
-            tuple(range(comm.world_size)), {comm.rank: np.array([value], np.int64)}, "max", what
-        )
-        return int(got[comm.rank][0])
-
-    def fit(self) -> dict[str, Any]:
-        """Train to ``train.steps``. On SIGINT or SIGTERM: finish the step in flight (roll it back on
-        a second signal), save a checkpoint and raise ``Interrupted``."""
+    def commit(self) -> None:
         t = self.cfg.train
-        bar = tqdm(
-            total=t.steps,
-            initial=self.step,
-            desc="train" if self.backend is None else f"train x{self.plan.world_size}",
-            unit="step",
-            disable=self.quiet or not self.is_rank0,
-            dynamic_ncols=True,
-        )
-        last: dict[str, Any] = {}
-        window_t, window_tokens = time.perf_counter(), 0
-        with StopSignals() as stop:
-            try:
-                while self.step < t.steps and not self._stopping(stop):
-                    tokens = self.tokens_seen
-                    loss, gnorm, lr = self.train_step(stop)
-                    window_tokens += self.tokens_seen - tokens
-                    row: dict[str, Any] = {}
-                    if self.step % t.log_every == 0 or self.step == t.steps:
-                        dt = time.perf_counter() - window_t
-                        tps = window_tokens / dt if dt > 0 else 0.0
-                        row = {
-                            "step": self.step,
-                            "loss": loss,
-                            "lr": lr,
-                            "grad_norm": gnorm,
-                            "tokens_per_s": tps,
-                            "mfu": tps * self.flops_per_token / self.peak_flops,
-                            "tokens": self.tokens_seen,
-                            "state_bytes_per_rank": self.state_bytes,
-                            "activation_bytes_per_rank": self.activation_bytes,
-                            "peak_rss_bytes": self._most(peak_rss_bytes(), "peak memory"),
-                        }
-                        window_t, window_tokens = time.perf_counter(), 0
-                    if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                        try:
-                            with self._abortable(stop):
-                                val = self.evaluate()
-                        except KeyboardInterrupt:  # the step is done: keep its line
-                            if row and self.metrics is not None:
-                                self.metrics.write(row)
-                            raise
-                        row.update(step=self.step, eval_loss=val, eval_ppl=math.exp(min(val, 50.0)))
-                        window_t = time.perf_counter()  # eval time is not training throughput
-                    if row:
-                        if self.metrics is not None:
-                            self.metrics.write(row)
-                        last.update(row)
-                        shown = {
-                            k: _fmt(last[k])
-                            for k in ("loss", "lr", "tokens_per_s", "mfu", "eval_loss")
-                            if k in last
-                        }
-                        bar.set_postfix(
-                            {**shown, "mem/rank": f"{self.state_bytes / 2**20:.3g}MB"}, refresh=False
-                        )
-                    bar.update(1)
-                    if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
-                        self.save_checkpoint()
-            except KeyboardInterrupt:  # a second signal (or one outside the main thread)
-                stop.signum = stop.signum or signal.SIGINT
-            finally:
-                bar.close()
-            path = self.save_checkpoint()  # signals stay deferred: a save is never cut short
-        if stop.signum is not None:
-            raise Interrupted(stop.signum, self.step, path)
+        self.sampler.step += t.grad_accum
+        self.tokens_seen += t.grad_accum * t.batch_size * t.seq_len
+
+    def train_step(self, stop: StopSignals | None = None) -> tuple[float, float, float]:
+        """One optimizer step, all or nothing (``Loop.run_step``): (loss, grad norm, lr it ran at)."""
+        row = self.run_step(stop)
+        return row["loss"], row["grad_norm"], row["lr"]
+
+    def log_row(self, row: dict[str, Any], seconds: float, steps: int) -> dict[str, Any]:
+        t = self.cfg.train
+        tps = steps * t.grad_accum * t.batch_size * t.seq_len / seconds if seconds > 0 else 0.0
+        return {
+            "step": self.step,
+            "loss": row["loss"],
+            "lr": row["lr"],
+            "grad_norm": row["grad_norm"],
+            "tokens_per_s": tps,
+            "mfu": tps * self.flops_per_token / self.peak_flops,
+            "tokens": self.tokens_seen,
+            "state_bytes_per_rank": self.state_bytes,
+            "activation_bytes_per_rank": self.activation_bytes,
+            "peak_rss_bytes": int(self.ranks.max([peak_rss_bytes()], "peak memory")[0]),
+        }
+
+    def report_start(self, say: Callable[..., None]) -> None:
+        if self.backend is not None:
+            say(f"parallel: {self.plan.describe()} on {self.backend} ({self.plan.world_size} ranks)")
+        if self.pipe is not None and not self.quiet:  # its stages and every rank's job list
+            say(self.pipe.describe())
+        super().report_start(say)
+        if self.load_report is not None:
+            read, total, rss = self.load_report
+            mb = 2**20
+            say(
+                f"resume: read {read / mb:.3g} MB of {total / mb:.3g} MB per rank; "
+                f"peak host memory {rss / mb:.0f} MB"
+            )
+
+    def written(self) -> str:
+        return f"checkpoints and metrics.jsonl in {self.cfg.out_dir}"
+
+    def postfix(self) -> dict[str, str]:
+        return {"mem/rank": f"{self.state_bytes / 2**20:.3g}MB"}
+
+    def finish(self) -> None:
         if self.is_rank0:
             # Several ranks: rank 0 samples from the final checkpoint's model, joined from its pieces.
-            model = self.model if self.backend is None else LlamaForCausalLM.from_pretrained(path / "model")
+            joined = self.backend is not None
+            model = LlamaForCausalLM.from_pretrained(self.final_model_dir()) if joined else self.model
             sample = self.sample_text(model)
             (self.out / "sample.txt").write_text(sample + "\n")
             if not self.quiet:
                 print(f"sample: {sample!r}")
-        return last
 
     def sample_text(self, model: LlamaForCausalLM, prompt: str = "The", max_new_tokens: int = 48) -> str:
         ids = self.tokenizer.encode(prompt, add_bos=True)
@@ -552,12 +390,23 @@ class Trainer:
         return prompt + self.tokenizer.decode(new)
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
-        """Save the run at ``self.step`` (once per step) and prune to the newest ``keep_last``."""
-        if self._saved_step != self.step:
-            checkpoint.save(self)
-            self._saved_step = self.step
-        return checkpoint.checkpoint_dir(self.out, self.step)
+    def run_state(self) -> checkpoint.RunState:
+        state = super().run_state()
+        state.plan, state.par, state.pipe = self.plan, self.par, self.pipe
+        state.sharded = self.backend is not None
+        return state
+
+    def checkpoint_extras(self) -> dict[str, Any]:
+        rng = lf.backend.get_rng_state()
+        return {"tokens_seen": self.tokens_seen, "sampler": self.sampler.state_dict(), "rng": rng}
+
+    def restore_extras(self, state: checkpoint.TrainerState) -> None:
+        assert state.sampler is not None and state.tokens_seen is not None  # state_keys
+        self.sampler.load_state_dict(state.sampler.model_dump())
+        self.tokens_seen = state.tokens_seen
+        was, now = state.optimizer.param_groups[0]["lr"], self.optimizer.param_groups[0]["lr"]
+        if now != was:
+            self.resume_changes.append(f"lr at step {state.step} {was:.4g} -> {now:.4g}")
 
 
 def _program_peak(cp: Any, args: list[Any]) -> int:
@@ -572,12 +421,6 @@ def _program_peak(cp: Any, args: list[Any]) -> int:
 
 def _nbytes(tensors: list[Any]) -> int:
     return sum(t._data.nbytes for t in tensors if t is not None)
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:,.0f}"
-    return str(v)
 
 
 def cpu_count() -> int:

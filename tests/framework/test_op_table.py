@@ -6,6 +6,8 @@ the input dims made symbolic), (c) ``decompose`` computes the kernel's values, a
 values equal an independent numpy float64 formula written below (and float32 runs stay close).
 Collectives run on one thread per rank of the ``sim`` backend (``Case.ranks``): a sample holds every
 rank's inputs stacked on a leading axis and its attributes as a function of the rank.
+The forward and gradient checks take the ``device`` fixture: their GPU twins run every kernel
+with cupy (``pytest -m gpu``), each result required to stay on the GPU.
 """
 
 from __future__ import annotations
@@ -1161,15 +1163,15 @@ def test_every_op_has_a_case():
     assert not stale, f"cases for ops that no longer exist: {stale}"
 
 
-def _tensor(a, grad=False):
+def _tensor(a, grad=False, device=None):
     if a is None:
         return None
-    return lf.tensor(a, dtype=a.dtype, requires_grad=grad)
+    return lf.tensor(a, dtype=a.dtype, requires_grad=grad, device=device)
 
 
-def _call(name, inputs, attrs, grad=False):
+def _call(name, inputs, attrs, grad=False, device=None):
     spec = table()[name]
-    ts = [_tensor(a, grad and a is not None and np.issubdtype(a.dtype, np.floating)) for a in inputs]
+    ts = [_tensor(a, grad and a is not None and np.issubdtype(a.dtype, np.floating), device) for a in inputs]
     return lf.ops.public(spec)(ts, **attrs) if spec.variadic else lf.ops.public(spec)(*ts, **attrs), ts
 
 
@@ -1243,17 +1245,24 @@ def test_every_process_draws_the_same_samples():
 
 
 @pytest.mark.parametrize("name", OPS)
-def test_forward_matches_numpy_float64(name):
+def test_forward_matches_numpy_float64(name, device, assert_on_device):
+    """Every op's kernel against its float64 formula: with numpy, and (the GPU twin) the same
+    kernel with cupy, whose every output must stay on the GPU."""
     c = CASES[name]
     for s in _samples(name):
         if c.ranks > 1:
+            if device != "cpu":
+                pytest.skip(
+                    "collectives: sim ranks are host threads (nccl: tests/framework/test_gpu_twins.py)"
+                )
             for rank, out in _call_ranks(name, s.inputs, s).items():
                 want = c.ref(rank, *s.inputs, **_ref_attrs(s, rank))
                 np.testing.assert_allclose(
                     out.numpy(), want, rtol=c.rtol, atol=c.atol, err_msg=f"{name} {rank}"
                 )
             continue
-        out, _ = _call(name, s.inputs, s.attrs)
+        out, _ = _call(name, s.inputs, s.attrs, device=device)
+        assert_on_device(*_outs(out))
         ref = c.ref(*s.inputs, **s.attrs)
         if name == "dropout":
             x, p = s.inputs[0], s.attrs["p"]
@@ -1375,8 +1384,12 @@ def _diff_inputs(spec, inputs):
 
 
 @pytest.mark.parametrize("name", OPS)
-def test_gradient_matches_finite_differences(name):
+def test_gradient_matches_finite_differences(name, device, assert_on_device):
+    """Each vjp against central differences (float64, on the host); the GPU twin takes the
+    gradient with cupy, every gradient staying on the GPU."""
     spec = table()[name]
+    if device != "cpu" and CASES[name].ranks > 1:
+        pytest.skip("collectives: sim ranks are host threads (nccl: tests/framework/test_gpu_twins.py)")
     for s in _samples(name):
         if not s.fd:
             continue
@@ -1384,21 +1397,22 @@ def test_gradient_matches_finite_differences(name):
         if not diff:
             continue
         rng = np.random.default_rng(0)
-        out, ts = _call(name, s.inputs, s.attrs, grad=True)
+        out, ts = _call(name, s.inputs, s.attrs, grad=True, device=device)
         outs = [o for o in _outs(out) if np.issubdtype(o.dtype, np.floating)]
         weights = [rng.standard_normal(o.shape) for o in outs]
 
         def loss_np(inputs):
             with lf.no_grad():
-                o2, _ = _call(name, inputs, s.attrs)
+                o2, _ = _call(name, inputs, s.attrs, device="cpu")
             fl = [o for o in _outs(o2) if np.issubdtype(o.dtype, np.floating)]
             return sum(float(np.sum(o.numpy() * w)) for o, w in zip(fl, weights))
 
         loss = None
         for o, w in zip(outs, weights):
-            term = (o * lf.tensor(w)).sum()
+            term = (o * lf.tensor(w, device=device)).sum()
             loss = term if loss is None else loss + term
         grads = lf.grad(loss, [ts[i] for i in diff], allow_unused=True)
+        assert_on_device(*[g for g in grads if g is not None])
         eps = 1e-6
         for i, g in zip(diff, grads):
             num = np.zeros_like(s.inputs[i])

@@ -272,3 +272,29 @@ def test_engine_thread_fails_requests_of_a_broken_step_and_keeps_serving(model):
     assert ev.wait(30) and done[rid2].finish_reason == FinishReason.LENGTH
     thread.stop(drain_timeout=0)
     assert not thread.alive and eng.blocks.num_used == 0
+
+
+def test_engine_on_each_device_matches_eager_generation(device, assert_on_device):
+    """The GPU twin of the engine: weights moved to the device (initialized on the CPU, so both
+    runs start from the same numbers), the KV pool living there after the first step, the
+    greedy tokens those of eager generation on the CPU and the prefill logits close to them."""
+    prompts = prompts_of([5, 17, 33], seed=4)
+    lf.set_device("cpu")  # the reference and the weights: made on the CPU
+    try:
+        ref, m = tiny_model(), tiny_model()
+        want = [generate(ref, [p], max_new_tokens=6)[0] for p in prompts]
+        with lf.no_grad():
+            last = [ref(lf.tensor(np.array([p]))).logits.numpy()[0, -1].astype(np.float64) for p in prompts]
+    finally:
+        lf.set_device(device)
+    m.to(device)
+    eng = Engine.from_model(m, config=EngineConfig(max_batch=8))
+    outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5))
+    assert_on_device(eng.runner.pool, *[p._data for p in m.parameters()])
+    for o, tokens, logits in zip(outs, want, last):
+        assert o.token_ids == tokens
+        lse = logits.max() + np.log(np.exp(logits - logits.max()).sum())
+        top = [t for t, _ in o.logprobs[0].top]
+        np.testing.assert_allclose(
+            [lp for _, lp in o.logprobs[0].top], logits[top] - lse, rtol=1e-4, atol=1e-4
+        )

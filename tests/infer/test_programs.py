@@ -18,11 +18,13 @@ def test_programs_use_tiled_linears_with_relaid_weights(model, compiler):
         pytest.skip("no working C compiler")
     programs, spec = trace_programs(model, block_size=16, compiler=compiler)
     assert spec.block_size == 16 and spec.num_kv_heads == 2 and spec.max_model_len == 512
-    assert (spec.prefill_tile, spec.decode_tile) == (8, 1)
+    assert (spec.prefill_tile, spec.decode_tile, spec.score_top_k) == (8, 1, 5)
+    assert sorted(programs) == ["decode", "prefill", "score"]
     for name, p in programs.items():
         ops = [op.name for op in p.concrete.program.walk()]
         assert "llm.linear" not in ops
-        assert ops.count("llm.tiled_linear") == 2 * 7 + 1  # 7 per layer + lm_head
+        # 7 per layer + lm_head (score: at the sampled rows, as prefill, and at every row)
+        assert ops.count("llm.tiled_linear") == 2 * 7 + 1 + (name == "score")
         assert ops.count("llm.paged_kv_write") == ops.count("llm.paged_attention") == 2
         # BLAS's [in, out] for the reference kernels; when compiled, the C kernel's 16-column panels
         # where out_features is a multiple of 16 (not this model's MLP width, 344)
@@ -37,7 +39,7 @@ def test_programs_use_tiled_linears_with_relaid_weights(model, compiler):
         assert "transposed = true" in text and "inplace = true" in text
         assert ("panel = 16" in text) == (compiler == "cinn")
         assert ("rows = 1" in text) == (name == "decode")  # rows = 8 is the default, not printed
-        assert "NB" in text and ("N]" in text if name == "prefill" else "B, 1]" in text)
+        assert "NB" in text and ("B, 1]" in text if name == "decode" else "N]" in text)
     assert "tile-linear" in ir.registered_passes() and "transpose-weights" in ir.registered_passes()
 
 

@@ -1,4 +1,5 @@
-"""Incremental detokenization with stop strings, the tokenizer's token bytes, and chat templates."""
+"""Incremental detokenization with stop strings, and the tokenizer's token bytes (chat templates:
+test_chat_templates.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmkit.infer import ChatTemplate, ChatTemplateError, Tokenizer
+from llmkit.infer import Tokenizer
 from llmkit.infer.detokenize import Detokenizer
 
 
@@ -114,43 +115,3 @@ def test_tokenizer_of_and_token_bytes(tok):
     assert t.token_bytes(t.eos_id) == b""
     with pytest.raises(TypeError, match="no sentencepiece model_proto"):
         Tokenizer.of(object())
-
-
-def test_llama2_chat_template(tok):
-    t = Tokenizer.of(tok)
-    msgs = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello"},
-        {"role": "user", "content": "Bye"},
-    ]
-    ids = ChatTemplate().render(msgs, t)
-    want = (
-        [t.bos_id]
-        + t.encode("[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST]", add_bos=False)
-        + t.encode(" Hello ", add_bos=False)
-        + [t.eos_id, t.bos_id]
-        + t.encode("[INST] Bye [/INST]", add_bos=False)
-    )
-    assert ids == want
-    assert ChatTemplate.from_dict(ChatTemplate().to_dict()) == ChatTemplate()
-
-
-@pytest.mark.parametrize(
-    "msgs, match",
-    [
-        ([], "at least one user message"),
-        ([{"role": "assistant", "content": "x"}], r"messages\[0\]: expected a user message"),
-        (
-            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
-            r"messages\[1\]: expected an? assistant",
-        ),
-        (
-            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-            "last message must be from the user",
-        ),
-    ],
-)
-def test_chat_template_errors_name_the_message(tok, msgs, match):
-    with pytest.raises(ChatTemplateError, match=match):
-        ChatTemplate().render(msgs, Tokenizer.of(tok))

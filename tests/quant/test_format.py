@@ -86,16 +86,26 @@ def test_ops_reproduce_the_weights_the_format_describes(case):
 
 
 @pytest.mark.parametrize(
-    ("bits", "group", "sym"), [(8, -1, True), (8, 16, True), (4, 32, True), (4, 32, False)]
+    ("bits", "group", "sym", "scale_dtype"),
+    [
+        (8, -1, True, "float32"),
+        (8, 16, True, "float32"),
+        (4, 32, True, "float32"),
+        (4, 32, False, "float32"),
+        (8, 32, True, "float16"),
+        (4, 32, True, "float16"),
+    ],
 )
-def test_rtn_keeps_every_weight_within_half_a_step(bits, group, sym):
+def test_rtn_keeps_every_weight_within_half_a_step(bits, group, sym, scale_dtype):
     rng = np.random.default_rng(bits + group)
     w = rng.standard_normal((24, 96)).astype(np.float32) * rng.uniform(0.01, 3, (24, 1)).astype(np.float32)
     w[3] = 0.0  # an all-zero row
     w[5, 7] = 40.0  # an outlier
     w[6] = np.abs(w[6])  # all positive: the asymmetric zero point sits at a range end
-    qw = quantize_rtn(w, QuantConfig(bits, group, sym, "rtn"))
+    qw = quantize_rtn(w, QuantConfig(bits, group, sym, "rtn", scale_dtype))
     deq = read_weight(*qw, bits, group)
+    if scale_dtype == "float16":  # float16 numbers, as GGUF's blocks hold them
+        np.testing.assert_array_equal(qw.scales.astype(np.float16).astype(np.float32), qw.scales)
     step = qw.scales.astype(np.float64)[:, np.arange(96) // (96 if group == -1 else group)]
     assert np.all(np.abs(deq - w) <= step / 2 * (1 + 1e-6))
     assert np.all(deq[3] == 0)
@@ -107,6 +117,7 @@ def test_config_rejects_what_the_format_cannot_hold():
         ({"bits": 8, "sym": False}, "symmetric only"),
         ({"group_size": 0}, "group_size"),
         ({"method": "awq"}, "method"),
+        ({"scale_dtype": "bfloat16"}, "scale_dtype must be one of float32, float16"),
     ]:
         with pytest.raises(QuantError, match=msg):
             QuantConfig(**kw)
@@ -117,7 +128,9 @@ def test_config_rejects_what_the_format_cannot_hold():
     cfg = QuantConfig(4, 128, False, "gptq")
     assert QuantConfig.from_hf(cfg.to_hf()) == cfg
     hf = {"quant_method": "llmkit", "bits": 4, "group_size": 128, "sym": False, "method": "gptq"}
-    assert cfg.to_hf() == hf
+    hf["scale_dtype"] = "float32"
+    assert cfg.to_hf() == {**hf, "act_bits": 0, "version": 2}
+    assert QuantConfig.from_hf(hf) == cfg  # a version 1 config (no act_bits): weight-only
 
 
 def test_quantized_linear_is_a_linear_with_the_dequantized_weight():

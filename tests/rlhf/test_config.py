@@ -39,7 +39,27 @@ def test_defaults_and_overrides(tmp_path):
         (["reward.function=m:f"], "reward: set exactly one of reward.function, reward.model and reward.task"),
         (["algorithm=dpo"], "data.pairs: DPO needs preference pairs"),
         (["lr_schedule.warmup_steps=500"], "lr_schedule.warmup_steps (500) exceeds train.steps (100)"),
-        (["lr_schedule.name=constant"], "schedule was renamed lr_schedule (the learning-rate schedule;"),
+        (["schedule.warmup=2"], "schedule was renamed lr_schedule (the learning-rate schedule;"),
+        # data parallel only: every other parallel key is refused by name, never ignored
+        *(
+            ([f"parallel.{key}={value}"], f"parallel.{key}: llmkit rlhf runs data parallel only")
+            for key, value in [
+                ("pp", 2),
+                ("micro_batches", 4),
+                ("schedule", "gpipe"),
+                ("virtual_stages", 2),
+                ("pp_stages", "[0-0, 1-1]"),
+                ("recompute", "full"),
+                ("recompute_every", 3),
+                ("auto", "true"),
+                ("tp", 2),
+                ("sp", "true"),
+                ("zero", 1),
+                ("plan", "llama"),
+            ]
+        ),
+        (["parallel=auto"], "parallel.auto: llmkit rlhf runs data parallel only"),
+        (["parallel.pp=2", "parallel.recompute=full"], "parallel.pp: llmkit rlhf runs data parallel only"),
     ],
 )
 def test_errors_name_the_key(tmp_path, overrides, match):
@@ -52,6 +72,8 @@ def test_reward_model_config(tmp_path):
     assert cfg.data.pairs == "builtin:avoid_letter" and cfg.train.steps == 200
     with pytest.raises(ConfigError, match="unknown key rollout"):
         load_reward_config(write(tmp_path, {"rollout": {"n": 2}}))
+    with pytest.raises(ConfigError, match="parallel.recompute: llmkit rlhf runs data parallel only"):
+        load_reward_config(write(tmp_path, {"parallel": {"dp": 1, "recompute": "full"}}))
 
 
 def test_model_dir_finds_a_runs_newest_checkpoint(tmp_path):

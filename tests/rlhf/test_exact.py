@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from llmkit.framework import optim
-from llmkit.rlhf import algorithms as A
-from llmkit.rlhf import policy
+from llmkit.rlhf import algorithms, policy
 from llmkit.rlhf.data import TokenBatch
 from llmkit.rlhf.rollout import Rollouts
 
@@ -24,7 +23,7 @@ LONG = "The following methods can be defined to customize the meaning of attribu
 
 
 def loss_fn(logp, logits, values, mask, old_logp, advantages):
-    return A.clipped_policy_loss(logp, old_logp, advantages, mask)
+    return algorithms.clipped_policy_loss(logp, old_logp, advantages, mask)
 
 
 def setup(temperature, exact=True, seed=0, lr=1e-3):
@@ -69,7 +68,7 @@ def test_the_engine_samples_from_the_updated_weights_with_no_stale_prefix(tok):
     again = ro.generate([LONG], 1, seed=0, step=0)
     assert again.logprobs == before.logprobs and ro.engine.stats()["prefix_cache_hits"] == 1
     trainer_logp(step, before)  # one optimizer step
-    assert ro.sync() >= 0.0
+    ro.sync()
     after = ro.generate([LONG], 1, seed=0, step=0)
     assert ro.engine.stats()["prefix_cache_hits"] == 1  # nothing cached before the update is used
     assert after.logprobs != before.logprobs
@@ -79,6 +78,36 @@ def test_the_engine_samples_from_the_updated_weights_with_no_stale_prefix(tok):
     fresh = scorer(tb.ids, tb.targets, *policy.segment_arrays(*tb.ids.shape))["logp"]
     on = tb.mask > 0
     np.testing.assert_array_equal(fresh[on], after.token_array(tb.ids.shape[1])[on])
+
+
+def engine_arrays(ro):
+    """What the engine's programs are given as weights at their next call: {id: array}."""
+    runner = ro.engine.runner
+    out = {}
+    for p in runner._live:
+        for t, a in zip(p.concrete.captures, p.capture_arrays(runner._weight_cache), strict=True):
+            out[id(t)] = a
+    return out
+
+
+def test_the_engine_reads_the_policy_s_parameters_themselves(tok):
+    """With exact log-probs, every weight the engine's programs read is a parameter's own array (no
+    copy, nothing to sync); a parameter rebound as an optimizer step rebinds it is what the very
+    next rollout samples from, with no call in between."""
+    model = small_model()
+    ro = rollouts(model, tok, 0.8)
+    given = engine_arrays(ro)
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        assert id(p) in given, f"{name} is not read by the engine's programs"
+        a = given[id(p)]
+        assert a is p._data and np.shares_memory(a, p.numpy()), name
+    before = ro.generate(PROMPTS[:1], 1, seed=0, step=0)
+    norm = params["model.norm.weight"]
+    norm.set_value(norm.numpy() * 3.0)  # a new array, as the optimizer's update binds one
+    assert engine_arrays(ro)[id(norm)] is norm._data
+    after = ro.generate(PROMPTS[:1], 1, seed=0, step=0)
+    assert after.logprobs[0][0] != before.logprobs[0][0]  # the first token's: the new weights'
 
 
 def test_without_exact_logprobs_the_difference_is_small_but_not_zero(tok):

@@ -150,3 +150,49 @@ def test_step_rows_cover_every_row_once_per_epoch():
     assert step_rows(rows, 4, 1, 3) == step_rows(rows, 4, 1, 3) != step_rows(rows, 4, 2, 3)
     train, held = split_heldout(list(range(100)), 0.1, 0)
     assert len(held) == 10 and sorted(train + held) == list(range(100))
+
+
+RAISES = """
+calls = 0
+
+
+def flaky(prompts, completions, **kwargs):
+    global calls
+    calls += 1
+    if calls == 3:
+        return [len(c) / 0 for c in completions]
+    return [float(len(c)) for c in completions]
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_raises_stops_the_run_in_one_line(tmp_path, policy_dir, capsys):
+    """Through the CLI: the error names the function, its file and line, and the exception; exit 2;
+    the checkpoint of step 2 (before the failing step 3) is intact and nothing newer is written."""
+    from llmkit.cli import main as cli_main
+    from llmkit.train import checkpoint
+
+    fn_file = tmp_path / "my_reward.py"
+    fn_file.write_text(RAISES)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        json.dumps(
+            {
+                "algorithm": "grpo",
+                "model": {"init_from": str(policy_dir)},
+                "reward": {"function": f"{fn_file}:flaky"},
+                "rollout": {"prompts_per_step": 2, "n": 2, "max_tokens": 4},
+                "train": {"steps": 4, "save_every": 2},
+                "out_dir": str(tmp_path / "run"),
+            }
+        )
+    )
+    assert cli_main(["rlhf", str(cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith(f"llmkit rlhf: reward.function {fn_file}:flaky raised ZeroDivisionError: ")
+    assert err.endswith(f", {fn_file}:9)") and "division by zero" in err, err  # the raising line
+    done = checkpoint.checkpoints(tmp_path / "run")
+    assert [p.name for p in done] == ["step-00000002"], done
+    assert (done[0] / "COMPLETE").is_file() and (done[0] / "model" / "model.safetensors").is_file()
+    assert checkpoint.latest(tmp_path / "run") == done[0]

@@ -1,4 +1,4 @@
-"""Whole runs through ``llmkit rlhf``: GRPO learns a built-in task, RLOO and PPO run, DPO and the
+"""Whole runs through ``llmkit rlhf``: GRPO, RLOO and PPO learn a built-in task, DPO and the
 reward model separate held-out pairs, and a run killed with SIGKILL resumes with the same metrics.
 
 The policy is a small random Llama (2 layers, width 128); a built-in task's reward is a property of
@@ -82,26 +82,30 @@ def test_grpo_raises_the_reward_of_a_builtin_task(tmp_path, policy_dir, capsys):
     assert "reward.png" in capsys.readouterr().out
 
 
+# RLOO and PPO at lr 3e-2 take the same task from about 0.25 to above 0.9 within 8 steps
+# (measured, kl_coef 0: RLOO 0.25 -> 0.99 by step 8, PPO with 2 epochs of 2 minibatches 0.25 -> 0.98).
 @pytest.mark.parametrize(
     "algorithm,extra", [("rloo", {}), ("ppo", {"rlhf__epochs": 2, "rlhf__minibatches": 2})]
 )
-def test_rloo_and_ppo_run(tmp_path, policy_dir, algorithm, extra):
+def test_rloo_and_ppo_raise_the_reward_of_a_builtin_task(tmp_path, policy_dir, algorithm, extra):
     cfg = grpo_config(
         tmp_path,
         policy_dir,
         algorithm,
         algorithm=algorithm,
-        train__steps=3,
-        rlhf__kl_coef=0.05,
-        optim__lr=1e-3,
+        train__steps=8,
+        optim__lr=3e-2,
         **extra,
     )
     assert cli_main(["rlhf", str(cfg), "--quiet"]) == 0
     rows = read_metrics(tmp_path / algorithm / "metrics.jsonl")
-    assert len(rows) == 3 and all(r["logprob_diff_max"] == 0.0 for r in rows)
+    assert len(rows) == 8 and all(r["logprob_diff_max"] == 0.0 for r in rows)
+    reward = values(rows, "reward_mean")
+    first, last = sum(reward[:3]) / 3, sum(reward[-3:]) / 3
+    assert last - first > GRPO_MARGIN, reward
     if algorithm == "ppo":
         assert "value_loss" in rows[0] and rows[0]["clip_frac"] >= 0.0
-        assert (tmp_path / "ppo" / "checkpoints" / "step-00000003" / "value_head.safetensors").is_file()
+        assert (tmp_path / "ppo" / "checkpoints" / "step-00000008" / "value_head.safetensors").is_file()
         assert any(r["ratio_mean"] != 1.0 for r in rows)  # later minibatches see updated weights
 
 

@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -108,3 +109,48 @@ def server(model_file: Path, tmp_path_factory: pytest.TempPathFactory):
     )
     yield s
     assert s.stop() == 0, s.log.read_text()
+
+
+def write_hf_model(d: Path, tok: LlamaTokenizer, seed: int = 0) -> Any:
+    """A tiny random ``transformers.LlamaForCausalLM`` saved as a Hugging Face directory that both
+    transformers and llmkit read: ``config.json``, ``model.safetensors`` (transformers' own), and
+    the built-in tokenizer's files as llmkit writes them (``tokenizer.model``, ``tokenizer.json``,
+    ``tokenizer_config.json``, ...: ``AutoTokenizer`` reads them). Returns the transformers model
+    (eval mode)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,  # peakier distributions than 0.02: choices differ, ranks are clear
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_id,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_model(tmp_path_factory: pytest.TempPathFactory, tok: LlamaTokenizer) -> tuple[Any, Path]:
+    """(transformers model, its directory): see :func:`write_hf_model`."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("hf") / "hf-tiny"
+    return write_hf_model(d, tok), d
+
+
+@pytest.fixture(scope="session")
+def hf_model_file(hf_model: tuple[Any, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The transformers-made model exported by ``llmkit export``."""
+    out = tmp_path_factory.mktemp("export") / "hf-tiny.llmkit"
+    assert cli_main(["export", "--model", str(hf_model[1]), "--out", str(out), "--name", "hf-tiny"]) == 0
+    return out

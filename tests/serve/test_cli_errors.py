@@ -16,12 +16,14 @@ from llmkit.cli import main as cli_main
 
 def edit(base: str, name: str, data: bytes | None, checksum: bool = False) -> Callable[..., Path]:
     """A copy of the model directory ("hf") or the model file ("static") with ``name`` replaced by
-    ``data`` (None: deleted), its manifest checksum updated when ``checksum``."""
+    ``data`` (None: deleted; ``name`` may then be several names joined by "+"), its manifest
+    checksum updated when ``checksum``."""
 
     def make(tmp: Path, hf: Path, static: Path) -> Path:
         d = Path(shutil.copytree(hf if base == "hf" else static, tmp / base))
         if data is None:
-            (d / name).unlink()
+            for n in name.split("+"):
+                (d / n).unlink()
         else:
             (d / name).write_bytes(data(d / name) if callable(data) else data)
         if checksum:
@@ -78,7 +80,10 @@ HF_BAD = {
     "bad hidden_size": (edit("hf", "config.json", config_with(hidden_size=-1)), "hidden_size must be"),
     "wrong model_type": (edit("hf", "config.json", config_with(model_type="gpt2")), "model_type is 'gpt2'"),
     "config vs weights": (edit("hf", "config.json", config_with(num_hidden_layers=3)), "does not match"),
-    "no tokenizer": (edit("hf", "tokenizer.model", None), "no tokenizer.model in"),
+    "no tokenizer": (
+        edit("hf", "tokenizer.model+tokenizer.json", None),
+        "no tokenizer.model or tokenizer.json in",
+    ),
     "bad tokenizer": (edit("hf", "tokenizer.model", b"garbage"), "is not a sentencepiece model"),
 }
 EXPORT_BAD = {

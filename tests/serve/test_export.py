@@ -16,19 +16,22 @@ from llmkit.cli import main as cli_main
 from llmkit.framework import jit
 from llmkit.framework.compiler import available
 from llmkit.infer import Engine, EngineConfig, SamplingParams
+from llmkit.infer.chat import LLAMA2_CHAT_TEMPLATE
 from llmkit.models.llama.checkpoint import derived_path
 
 
 def test_manifest_programs_weights_and_metadata(model_file, trained):
     model, _ = trained
     m = json.loads((model_file / "manifest.json").read_text())
-    assert set(m["programs"]) == {"prefill", "decode"}
-    assert set(m["files"]) == {"prefill.pir", "decode.pir", "weights.safetensors", "tokenizer.model"}
+    assert set(m["programs"]) == {"prefill", "decode", "score"}
+    tokenizer = {"tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+    pirs = {"prefill.pir", "decode.pir", "score.pir"}
+    assert set(m["files"]) == {*pirs, "weights.safetensors", *tokenizer}
     assert all(len(v) == 64 for v in m["files"].values())  # sha256 of every part
     meta = m["metadata"]
     assert meta["model_name"] == "tiny" and meta["engine"]["block_size"] == 16
     assert meta["engine"]["max_model_len"] == 512 and meta["eos_token_ids"] == [2]
-    assert meta["chat_template"]["name"] == "llama-2" and meta["config"]["hidden_size"] == 128
+    assert meta["chat_template"] == LLAMA2_CHAT_TEMPLATE and meta["config"]["hidden_size"] == 128
     dec = m["programs"]["decode"]
     assert [i["name"] for i in dec["inputs"]][-1] == "pool"
     # linear weights in the layout the programs read: 16-column panels [out/16, in, 16] where the
@@ -66,6 +69,33 @@ def test_round_trip_logits_equal_the_training_models(model_file, trained):
             np.testing.assert_allclose(
                 [lp for _, lp in c.top], ref[[t for t, _ in c.top]], rtol=1e-5, atol=1e-5
             )
+
+
+def test_the_served_score_program_scores_as_the_live_model_and_an_older_file_refuses_echo(
+    model_file, trained, tmp_path
+):
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 4096, n).tolist() for n in (9, 30)]
+    score = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=2)
+    served = Engine.from_static(model_file, EngineConfig(max_batch=4)).generate(prompts, score)
+    live = Engine.from_model(trained[0], config=EngineConfig(max_batch=4)).generate(prompts, score)
+    assert [len(c.prompt_logprobs) for c in served] == [9, 30]
+    for a, b in zip(served, live):  # the same program on the same weights: bit for bit
+        assert [(c.token_id, c.logprob, c.top) for c in a.prompt_logprobs[1:]] == [
+            (c.token_id, c.logprob, c.top) for c in b.prompt_logprobs[1:]
+        ]
+    # a file written before the score program existed: everything but scoring still runs
+    old = tmp_path / "old.llmkit"
+    shutil.copytree(model_file, old)
+    m = json.loads((old / "manifest.json").read_text())
+    del m["programs"]["score"], m["files"]["score.pir"]
+    (old / "manifest.json").write_text(json.dumps(m))
+    (old / "score.pir").unlink()
+    eng = Engine.from_static(old, EngineConfig(max_batch=4))
+    assert not eng.runner.can_score
+    assert eng.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))[0].token_ids
+    with pytest.raises(ValueError, match="^prompt_logprobs: this model file has no score program"):
+        eng.add_request(prompts[0], score)
 
 
 def test_a_file_with_packed_weights_runs_the_reference_kernels_on_unpacked_ones(model_file, trained):

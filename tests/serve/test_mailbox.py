@@ -60,6 +60,7 @@ class _FakeRunner:
             model_name="m",
             max_model_len=64,
             spec=SimpleNamespace(vocab_size=100),
+            encode=lambda prompt: [int(t) for t in prompt],  # token-id prompts, as given
             generation_defaults={},
             stats=lambda: {"waiting": 0},
         )

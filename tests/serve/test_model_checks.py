@@ -42,15 +42,36 @@ def test_a_corrupted_weights_file_is_refused(copied):
         Engine.from_static(copied, CONFIG)
 
 
+def sha256(f):
+    return hashlib.sha256(f.read_bytes()).hexdigest()
+
+
 def test_a_tokenizer_that_does_not_fit_is_refused(copied):
     (copied / "tokenizer.model").write_bytes(b"not a sentencepiece model")
     digest = hashlib.sha256(b"not a sentencepiece model").hexdigest()
     rewrite(copied, lambda m: m["files"].update({"tokenizer.model": digest}))
     with pytest.raises(jit.FormatError, match="tokenizer.model is not a sentencepiece model"):
         Engine.from_static(copied, CONFIG)
-    rewrite(copied, lambda m: m["files"].pop("tokenizer.model"))
-    with pytest.raises(jit.FormatError, match="no file 'tokenizer.model' in the manifest"):
+    rewrite(copied, lambda m: [m["files"].pop(n) for n in ("tokenizer.model", "tokenizer.json")])
+    with pytest.raises(jit.FormatError, match="no tokenizer.json or tokenizer.model in"):
         Engine.from_static(copied, CONFIG)
+    (copied / "tokenizer.json").write_bytes(b'{"model": {"vocab": ')
+    rewrite(copied, lambda m: m["files"].update({"tokenizer.json": sha256(copied / "tokenizer.json")}))
+    with pytest.raises(jit.FormatError, match=r"tokenizer.json: not valid JSON text"):
+        Engine.from_static(copied, CONFIG)
+
+
+def test_an_old_file_with_only_tokenizer_model_loads(copied):
+    """Files written before tokenizer.json was stored hold tokenizer.model alone."""
+    want = Engine.from_static(copied, CONFIG).tokenizer
+    rewrite(
+        copied,
+        lambda m: [m["files"].pop(n) for n in list(m["files"]) if n.startswith(("tokenizer_", "special_"))],
+    )
+    rewrite(copied, lambda m: m["files"].pop("tokenizer.json"))
+    got = Engine.from_static(copied, CONFIG).tokenizer
+    assert got.kind == "sentencepiece" and got.model_proto == want.model_proto
+    assert got.encode("hello world") == want.encode("hello world")
 
 
 def meta(key: str, value: Any):
@@ -81,8 +102,11 @@ def meta(key: str, value: Any):
             meta("engine.vocab_size", 4000),
             r"metadata.engine.vocab_size: 4000, but the prefill program's logits",
         ),
-        (meta("chat_template.user", "[INST] {x} [/INST]"), "metadata.chat_template.user: not a template"),
-        (meta("chat_template.bos_each_turn", "yes"), "chat_template.bos_each_turn: expected true or false"),
+        (meta("chat_template", 7), "metadata.chat_template: expected a Jinja template string, got int"),
+        (
+            meta("chat_template", {"name": "llama-2", "user": "[INST] {x} [/INST]"}),
+            r"metadata.chat_template.user: '\[INST\] \{x\} \[/INST\]' is not the Llama 2 format",
+        ),
         (meta("generation", {"temperature": -1}), "metadata.generation: temperature must be >= 0"),
         (meta("generation", {"top_k": "5"}), r"metadata.generation.top_k: expected a number"),
         (meta("eos_token_ids", [2, 99999]), "metadata.eos_token_ids: 99999 is not a token id"),
@@ -103,7 +127,7 @@ def test_random_mutations_of_an_exported_manifest_raise_only_format_errors(copie
     for i in range(60):
         m = copy.deepcopy(original)
         meta = m["metadata"]  # the engine's fields get most of the mutations
-        target = [m, meta, meta, meta["engine"], meta["chat_template"]][i % 5]
+        target = [m, meta, meta, meta["engine"], meta["generation"]][i % 5]
         for _ in range(rng.randint(1, 2)):
             mutate_json(target, rng)
         (copied / "manifest.json").write_text(json.dumps(m))

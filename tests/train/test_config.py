@@ -123,6 +123,11 @@ def test_yaml_file_reads_scientific_notation_as_float(tmp_path: Path) -> None:
             ["parallel.recompute_every=0"],
             "config error: parallel.recompute_every: expected a value > 0, got 0",
         ),
+        (
+            ["parallel.recompute_every=3"],
+            "config error: parallel.recompute_every (3) applies to a recompute policy: set "
+            "parallel.recompute (attention or full) too",
+        ),
         (["optim.betas=[0.9]"], "config error: optim.betas: too few items, got [0.9]"),
         (
             ["optim.betas=[0.9, 0.9, 0.9]"],
@@ -137,7 +142,7 @@ def test_yaml_file_reads_scientific_notation_as_float(tmp_path: Path) -> None:
         (["parallel.zero=4"], "config error: parallel.zero: expected a value <= 3, got 4"),
         (["parallel.ppp=2"], "config error: unknown key parallel.ppp (did you mean parallel.pp?)"),
         (
-            ["lr_schedule.warmup_steps=2"],
+            ["schedule.warmup=2"],  # an old config: any key under schedule
             "config error: schedule was renamed lr_schedule (the learning-rate schedule; "
             "parallel.schedule is the pipeline's)",
         ),
@@ -167,6 +172,8 @@ def test_yaml_file_reads_scientific_notation_as_float(tmp_path: Path) -> None:
             ["tokenizer.path=tok", "tokenizer.vocab_size=1000"],
             "config error: tokenizer.vocab_size only applies",
         ),
+        (["tokenizer.path=tok", "tokenizer.kind=bpe"], "config error: tokenizer.kind only applies"),
+        (["tokenizer.kind=wordpiece"], "config error: tokenizer.kind"),
         (
             ["lr_schedule.warmup_steps=2000"],
             "config error: lr_schedule.warmup_steps (2000) exceeds train.steps (1000)",

@@ -218,4 +218,9 @@ def test_tokenizer_train_from_globs(sources: list[str], tmp_path: Path) -> None:
     assert tok.vocab_size == 300
     text = "json doc two\nwith a newline"
     assert tok.decode(tok.encode(text)) == text
-    assert os.listdir(tmp_path / "tok") == ["tokenizer.model"]
+    assert sorted(os.listdir(tmp_path / "tok")) == [
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+    ]

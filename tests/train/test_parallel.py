@@ -137,8 +137,12 @@ def test_a_sharded_checkpoint_merges_exports_and_generates(tp2, tmp_path, capsys
     sharded = LlamaForCausalLM.from_pretrained(last / "model")
     assert {p.name for p in (tmp_path / "hf").iterdir()} == {
         "config.json",
+        "generation_config.json",
         "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
         "tokenizer.model",
+        "tokenizer_config.json",
     }
     for (name, a), (_, b) in zip(merged.named_parameters(), sharded.named_parameters(), strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)

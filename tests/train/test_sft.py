@@ -34,7 +34,8 @@ def chat_file(tmp_path, chats=CHATS, repeat=1):
 
 
 def expected(tok, messages):
-    """Llama 2's format written out by hand: (ids, is_target) of one conversation."""
+    """Llama 2's format written out by hand (the default chat template, Meta's Jinja): (ids,
+    is_target) of one conversation."""
     msgs = list(messages)
     system = msgs.pop(0)["content"] if msgs[0]["role"] == "system" else None
     ids, target = [], []
@@ -83,7 +84,7 @@ def test_text_data_has_no_mask(tmp_path, tok):
         ("hi", '"messages" must be a non-empty list'),
         (
             [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}],
-            "expected a user message",
+            "a conversation: chat template: Conversation roles must alternate user/assistant",
         ),
     ],
 )

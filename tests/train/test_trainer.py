@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -10,13 +11,14 @@ import pytest
 
 from llmkit.cli import main as cli_main
 from llmkit.framework.distributed.parallel_plan import ParallelPlan
+from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
 from llmkit.train.checkpoint import ResumeError
-from llmkit.train.config import ConfigError
+from llmkit.train.config import ConfigError, parse_config
 from llmkit.train.data import DataError
 from llmkit.train.metrics import read_metrics
 from llmkit.train.trainer import Trainer
 
-from .runs import MICRO, config, losses
+from .runs import MICRO, config, losses, raw_config
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +41,44 @@ def test_run_writes_metrics_checkpoints_config_and_sample(finished_run):
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert ckpts == [f"step-{s:08d}" for s in (5, 10, 15, 20, 25, 30)]
     model_dir = out / "checkpoints" / "step-00000030" / "model"
-    assert {p.name for p in model_dir.iterdir()} == {"config.json", "model.safetensors", "tokenizer.model"}
+    assert {p.name for p in model_dir.iterdir()} == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+    }
     plan = ParallelPlan.load(model_dir.parent)  # every checkpoint records its plan (here one rank)
     assert plan == ParallelPlan.make("llama") and plan.is_trivial
+
+
+def test_a_checkpoint_is_a_complete_hf_directory(finished_run):
+    """transformers reads the checkpoint's model directory (tokenizer without protobuf's help: the
+    directory has a tokenizer.json) and encodes as the trainer did."""
+    transformers = pytest.importorskip("transformers")
+    out, _ = finished_run
+    model_dir = out / "checkpoints" / "step-00000030" / "model"
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ours = LlamaTokenizer.from_pretrained(model_dir)
+    texts = ["The quick brown fox.", "def f(x):\n    return x  # 2024", "héllo 🦙 </s> <s>", "  two  spaces"]
+    assert [hf(t).input_ids for t in texts] == ours.encode_batch(texts)
+    gen = transformers.GenerationConfig.from_pretrained(model_dir)
+    assert (gen.bos_token_id, gen.eos_token_id) == (ours.bos_id, ours.eos_id)
+
+
+def test_a_run_with_a_byte_level_bpe_tokenizer(tmp_path):
+    """tokenizer.kind: bpe trains Llama 3's kind of tokenizer on the built-in corpus; the
+    checkpoint holds its tokenizer.json and no tokenizer.model."""
+    raw = raw_config(tmp_path, steps=3, save_every=3, eval_every=3)
+    raw["tokenizer"] = {"path": "builtin", "vocab_size": 512, "kind": "bpe"}
+    Trainer(parse_config(raw), quiet=True).fit()
+    model_dir = tmp_path / "checkpoints" / "step-00000003" / "model"
+    assert "tokenizer.json" in os.listdir(model_dir) and "tokenizer.model" not in os.listdir(model_dir)
+    tok = LlamaTokenizer.from_pretrained(model_dir)
+    assert (tok.kind, tok.vocab_size, tok.bos_token) == ("bpe", 512, "<|begin_of_text|>")
+    assert LlamaForCausalLM.from_pretrained(model_dir).config.vocab_size == 512
 
 
 def test_loss_falls(finished_run):
@@ -196,20 +233,24 @@ def test_cli_tokenizer_train(tmp_path, capsys):
         )
         == 0
     )
-    from llmkit.models.llama import LlamaTokenizer
-
     tok = LlamaTokenizer.from_pretrained(tmp_path / "tok")
     assert tok.vocab_size == 300 and tok.decode(tok.encode("the quick fox")) == "the quick fox"
+    assert tok.kind == "sentencepiece" and "300-token sentencepiece tokenizer" in capsys.readouterr().out
+    args = ["tokenizer", "train", "--input", str(text), "--vocab-size", "280", "--out", str(tmp_path / "bpe")]
+    assert cli_main([*args, "--kind", "bpe"]) == 0
+    tok = LlamaTokenizer.from_pretrained(tmp_path / "bpe")
+    assert (tok.kind, tok.vocab_size, tok.bos_token) == ("bpe", 280, "<|begin_of_text|>")
+    assert tok.decode(tok.encode("the quick fox 日本")) == "the quick fox 日本"  # bytes: nothing is unknown
 
 
 def test_generate_rejects_a_tokenizer_that_does_not_match_the_model(tmp_path, capsys):
     from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
     from llmkit.train.corpus import builtin_tokenizer
 
-    LlamaForCausalLM(LlamaConfig.from_preset("tiny", vocab_size=600, **MICRO)).save_pretrained(tmp_path / "m")
+    LlamaForCausalLM(LlamaConfig.from_preset("tiny", vocab_size=400, **MICRO)).save_pretrained(tmp_path / "m")
     builtin_tokenizer(512).save_pretrained(tmp_path / "m")
     assert cli_main(["generate", "--model", str(tmp_path / "m"), "--prompt", "x"]) == 2
-    assert "tokenizer vocab (512) does not match the model's (600)" in capsys.readouterr().err
+    assert "tokenizer vocab (512) is larger than the model's (400)" in capsys.readouterr().err
 
 
 def test_gpu_device_without_cupy_is_a_config_error(tmp_path, capsys):
@@ -220,3 +261,23 @@ def test_gpu_device_without_cupy_is_a_config_error(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"train.device: device 'gpu' needs cupy"):
         Trainer(config(tmp_path / "r", device="gpu"), quiet=True)
     assert not (tmp_path / "r").exists()  # nothing written
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_a_run_and_its_resume_on_each_device(device, mode, tmp_path, assert_on_device):
+    """The trainer's GPU twin: a short run in each mode on the device (weights, optimizer state
+    and the loss all there), its checkpoint written from the device and read back onto it to
+    resume; the losses finite and falling."""
+    out = tmp_path / "r"
+    run = dict(device=device, mode=mode, eval_every=4, save_every=4, keep_last=2)
+    trainer = Trainer(config(out, steps=4, **run), quiet=True)
+    trainer.fit()
+    assert_on_device(*trainer.model.parameters())
+    resumed = Trainer(config(out, steps=8, **run), resume=True, quiet=True)
+    assert resumed.step == 4
+    resumed.fit()
+    assert_on_device(*resumed.model.parameters())
+    ls = losses(out)
+    assert sorted(ls) == list(range(1, 9)) and np.isfinite(list(ls.values())).all()
+    assert np.mean([ls[s] for s in range(6, 9)]) < np.mean([ls[s] for s in range(1, 4)])

@@ -35,19 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..executor import FallbackWarning
 from . import par
 from .codegen_c import PRELUDE
 
 log = logging.getLogger("llmkit.compiler")
 
 SPIN_NS = 200_000  # how long the thread pool's helpers (par.py) spin between kernels, where they do
-
-
-class FallbackWarning(RuntimeWarning):
-    """Compiled work runs the reference kernels instead (no C compiler, a kernel that failed to
-    compile or to load, a group the compiler could not lower), or its kernels run on one thread
-    (the thread pool failed to build): still correct, much slower. The test suite turns it into
-    an error (pyproject.toml), so a compiled path cannot pass on fallbacks."""
 
 
 def spin_between_kernels() -> None:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ir import Builder, Operation, Program
-from ..ir.opdef import Trait
 from ..ir.pass_manager import Pass, register_pass
+from ..opspec import Trait
 from ..tensor import Tensor
 from ..tracer import Trace, tracing
 from .native import native_of

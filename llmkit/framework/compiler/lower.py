@@ -28,7 +28,6 @@ import numpy as np
 from .. import symbolic as sym
 from ..ir import Operation, Value
 from ..ir.core import BlockArgument
-from ..opspec import Meta
 from . import loop_ir as L
 from .fuse import outer_shapes, reduced_axes, role
 
@@ -202,8 +201,8 @@ class Lowering:
         if r == "ew":
             return self.template(op, idx)
         if r == "view":
-            metas = [Meta(a.type.shape, a.type.dtype) for a in op.operands]
-            entries = spec.index_map(self.ix, idx, Meta(v.type.shape, v.type.dtype), *metas, **attrs)
+            metas = [a.type for a in op.operands]
+            entries = spec.index_map(self.ix, idx, v.type, *metas, **attrs)
             *conds, (last_idx, _) = entries
             out = self.value(op.operands[-1], self._clamped(last_idx, op.operands[-1]) if conds else last_idx)
             for (i_idx, cond), x in reversed(list(zip(entries[:-1], op.operands[:-1]))):

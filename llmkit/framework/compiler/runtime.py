@@ -25,6 +25,7 @@ import numpy as np
 from .. import symbolic as sym
 from ..executor import _PROFILE, LOWERINGS
 from ..ir import Operation, Program
+from ..ir.interpreter import run_group
 from . import build, tune
 from .build import CPUS
 from .codegen_c import MIN_PARALLEL_WORK, render_c
@@ -163,29 +164,10 @@ class FusedKernel:
         fn = cuda.kernel_for(self)
         if fn is not None:
             return fn(xp, arrays)
-        return reference(self.fusion, xp, arrays)
-
-
-def reference(fusion: Operation, xp: Any, arrays: tuple) -> Any:
-    """The group's ops run one by one with the op-table kernels (the fallback, and the oracle)."""
-    env: dict[str, int] = {}
-    for v, a in zip(fusion.operands, arrays):
-        for d, n in zip(v.type.shape, a.shape):
-            sym.bind(d, n, env)
-    vals: dict[Any, Any] = dict(zip(fusion.operands, arrays))
-    body = fusion.regions[0].blocks[0]
-    for op in body:
-        if op.name == "cinn.yield":
-            outs = [vals[v] for v in op.operands]
-            return outs[0] if len(outs) == 1 else tuple(outs)
-        if op.name == "builtin.constant":
-            vals[op.results[0]] = xp.asarray(op.attributes["value"].value)
-            continue
-        attrs = {k: (a.evaluate(env) if a.symbolic else a.value) for k, a in op.attributes.items()}
-        out = op.opdef.spec.kernel(xp, *[vals[v] for v in op.operands], **attrs)
-        for r, o in zip(op.results, out if op.opdef.spec.multi_output else (out,)):
-            vals[r] = xp.asarray(o)
-    raise RuntimeError("a cinn.fusion without cinn.yield")
+        build.warn_once(
+            f"no-cuda:{self.label}", f"cinn: group {self.label} runs the reference kernels on {xp.__name__}"
+        )
+        return run_group(self.fusion, xp, arrays)  # no CUDA kernel: the group's ops one by one
 
 
 def compile_fusions(*programs: Program) -> int:

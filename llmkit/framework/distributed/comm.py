@@ -591,9 +591,10 @@ def _exit_on_uncaught_error() -> None:
 
 class NcclBackend(MpiBackend):
     """cupy's NCCL on one GPU per process, bootstrapped over MPI: all-reduce natively, the other
-    collectives as grouped sends and receives (NCCL has no uneven all-gather). Arrays are cupy
-    arrays; a collective is launched on the current stream and its completion polled against the
-    deadline like MPI's. (This machine has no GPU: this backend is untested here.)"""
+        collectives as grouped sends and receives (NCCL has no uneven all-gather). Arrays are cupy
+        arrays; a collective is launched on the current stream and its completion polled against the
+        deadline like MPI's. Tested only on a GPU, over a world of one (``tests/framework/test_gpu_twins.py``,
+    run by ``benchmarks/gpu_check.sh``); its parent ``mpi`` runs the same collectives' contract on the CPU."""
 
     name = "nccl"
 

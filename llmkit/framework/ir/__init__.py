@@ -16,17 +16,21 @@ Building programs (what the tracer does)::
     y = b.llm.exp(f.args[0])           # or b.create("llm.exp", [x], attrs) -> Operation
     b.ret(y)
 
-Map of the package: ``types`` / ``attributes`` (values of the IR), ``core`` (Value, Operation,
-Block, Region), ``opdef`` (traits, interfaces, dialect registry), ``dialects/`` (builtin, llm,
-cinn, dist), ``builder``, ``program``, ``printer`` / ``lexer`` / ``text_parser`` / ``parser``
-(the text form), ``verifier``, ``rewriter`` (PatternRewriter and the worklist driver), ``drr``
-(declarative rules), ``pass_manager`` and ``passes/`` (dce, cse, fold-constants, canonicalize,
-simplify-shapes, fuse-patterns), ``interpreter``.
+Map of the package, bottom up (no module imports one above it): ``errors``, ``lexer``,
+``attributes`` (values of the IR and their text form; types are ``framework/types.py``),
+``printer`` (the text form), ``opdef`` (interfaces, the dialect registry; traits are
+``opspec.Trait``), ``core`` (Value, Operation, Block, Region), ``dialects/`` (builtin, llm, cinn,
+dist), ``builder``, ``verifier``, ``program``, ``text_parser`` / ``parser``, ``interpreter``
+(with ``run_group``, every unfused group's fallback), ``rewriter`` (PatternRewriter and the
+worklist driver), ``drr`` (declarative rules), ``pass_manager`` and ``passes/`` (dce, cse,
+fold-constants, canonicalize, simplify-shapes, fuse-patterns).
 """
 
 from __future__ import annotations
 
-from . import (
+from ..opspec import Trait
+from ..types import ScalarType, TensorType, Type
+from . import (  # passes register themselves with pass_manager (dialects with opdef, below)
     drr,
     passes,
 )
@@ -55,12 +59,11 @@ from .dialects.cinn import FusionOp
 from .dialects.llm import LlmOp, op_class
 from .errors import IRError, ParseError, VerifyError
 from .interpreter import InterpretError, interpret
-from .opdef import Dialect, Interface, OpDef, OpView, Trait, dialects, lookup
+from .opdef import Dialect, Interface, OpDef, OpView, dialects, lookup
 from .parser import parse
 from .pass_manager import Pass, PassManager, make_pass, register_pass, registered_passes
 from .program import Program
 from .rewriter import PatternRewriter, RewritePattern, apply_patterns, pattern
-from .types import ScalarType, TensorType, Type
 from .verifier import verify
 
 __all__ = [

@@ -29,6 +29,7 @@ one attribute and one text form.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,7 +38,7 @@ import numpy as np
 from .. import backend as B
 from .. import symbolic as sym
 from ..placement import Partial, Placement, ProcessMesh, Replicate, Shard
-from .types import check_dim, dtype_short
+from ..types import check_dim, dtype_short
 
 
 class Attribute:
@@ -78,13 +79,9 @@ class Attribute:
         raise AttributeError(f"{type(self).__name__} is immutable")
 
     def __repr__(self) -> str:
-        from .printer import format_attr
-
         return f"{type(self).__name__}({format_attr(self)})"
 
     def __str__(self) -> str:
-        from .printer import format_attr
-
         return format_attr(self)
 
 
@@ -529,3 +526,108 @@ def from_optable(type_name: str, v: Any) -> Attribute:
             return ShapeAttr(v)
         return to_attr(v)
     return conv(v)
+
+
+# ---- the text form of attributes (the printer's; ``str(attr)`` is the same text) ----------------
+
+INLINE_LIMIT = 16  # dense constants with more elements print by reference
+IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*\Z")
+
+
+# ---- attributes -------------------------------------------------------------------------------
+
+
+def format_float(x: float) -> str:
+    """Shortest text that reads back as the same float (inf/nan spelled out)."""
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return repr(float(x))
+
+
+def _element(x: Any, dtype: np.dtype) -> str:
+    if dtype.kind == "b":
+        return "true" if x else "false"
+    if dtype.kind in "iu":
+        return str(int(x))
+    f = float(x)
+    if math.isnan(f) or math.isinf(f) or dtype == np.float64:
+        return format_float(f)
+    s = str(x)  # numpy's shortest repr for the element's own precision
+    if not any(c in s for c in ".en"):
+        s += ".0"  # always read as a float
+    try:
+        if np.array(float(s), dtype=dtype).tobytes() == np.array(x, dtype=dtype).tobytes():
+            return s
+    except (ValueError, OverflowError):
+        pass
+    return format_float(f)
+
+
+def format_dense(a: DenseAttr) -> str:
+    arr = a.value
+    head = f"{dtype_short(arr.dtype)}[{', '.join(str(d) for d in arr.shape)}]"
+    if arr.size <= INLINE_LIMIT:
+        return f"dense<{head} [{', '.join(_element(x, arr.dtype) for x in arr.reshape(-1))}]>"
+    return f"dense<{head} 0x{np.ascontiguousarray(arr).tobytes().hex().upper()}>"
+
+
+def format_key(k: str) -> str:
+    return k if IDENT.match(k) else quote(k)
+
+
+def quote(s: str) -> str:
+    out = ['"']
+    for ch in s:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
+def format_attr(a: Attribute, resources: dict[DenseAttr, str] | None = None) -> str:
+    """One attribute in text form; large dense constants go to ``resources`` when given."""
+    t = type(a)
+    if t is IntAttr:
+        return str(a.value)
+    if t is BoolAttr:
+        return "true" if a.value else "false"
+    if t is FloatAttr:
+        return format_float(a.value)
+    if t is StrAttr:
+        return quote(a.value)
+    if t is DTypeAttr:
+        return dtype_short(a.value)
+    if t is DimAttr:
+        return a.value
+    if t is ShapeAttr:
+        return "[" + ", ".join(str(d) for d in a.value) + "]"
+    if t is NoneAttr:
+        return "none"
+    if t is ArrayAttr:
+        return "[" + ", ".join(format_attr(x, resources) for x in a.items) + "]"
+    if t is DictAttr:
+        return format_attr_dict(a.items, resources)
+    if t is DenseAttr:
+        if resources is not None and a.value.size > INLINE_LIMIT:
+            name = resources.get(a)
+            if name is None:
+                name = resources[a] = f"r{len(resources)}"
+            return f"dense_resource<{name}>"
+        return format_dense(a)
+    if isinstance(a, OpaqueAttr):
+        return f"#{a.kind}<{', '.join(format_attr(p, resources) for p in a.params)}>"
+    raise TypeError(f"cannot print attribute {a!r}")
+
+
+def format_attr_dict(items: Any, resources: dict[DenseAttr, str] | None = None) -> str:
+    return "{" + ", ".join(f"{format_key(k)} = {format_attr(v, resources)}" for k, v in items.items()) + "}"

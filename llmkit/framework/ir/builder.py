@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 
 from ..opspec import OpError, OpSpec, table
+from ..types import Type
 from .attributes import DenseAttr, StrAttr, from_optable, to_attr
 from .core import Block, Operation, Region, Value
 from .dialects import llm
 from .errors import IRError
 from .opdef import OpDef, known_names, lookup
-from .types import Type
 
 _BY_SPEC: dict[int, tuple[OpSpec, OpDef, str, tuple]] = {}
 

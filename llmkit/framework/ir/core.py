@@ -18,16 +18,15 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..types import Type
 from .attributes import Attribute, to_attr
 from .errors import IRError
-from .types import Type
-
-if TYPE_CHECKING:
-    from .opdef import OpDef
+from .opdef import OpDef, lookup
+from .printer import format_op
 
 Use = tuple  # (operation, operand index)
 
@@ -54,7 +53,7 @@ class Value:
     """An SSA value: defined once (by an op result or a block argument), used by operands.
 
     ``shape``, ``dtype`` and ``ndim`` come from the type, so a Value can stand where the op table
-    expects a Meta (``spec.infer_meta(value, ...)``) and serve as a tracer's tensor payload.
+    expects a TensorType (``spec.infer_meta(value, ...)``) and serve as a tracer's tensor payload.
     """
 
     __slots__ = ("__weakref__", "_uses", "name", "type")
@@ -176,8 +175,6 @@ class Operation:
         result_names: Sequence[str | None] | None = None,
     ) -> None:
         if opdef is None:
-            from .opdef import lookup
-
             opdef = lookup(name)
             if opdef is None:
                 raise IRError(f"unknown op {name!r}: no dialect defines it")
@@ -347,8 +344,6 @@ class Operation:
         return new
 
     def __repr__(self) -> str:
-        from .printer import format_op
-
         try:
             return f"<Operation {format_op(self)}>"
         except Exception:  # never let repr fail while debugging a broken op

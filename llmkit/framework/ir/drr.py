@@ -26,12 +26,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..opspec import OpError
+from ..opspec import OpError, Trait
 from .attributes import Attribute, from_optable, to_attr
 from .builder import Builder, resolve
 from .core import Operation, OpResult, Value
 from .errors import IRError
-from .opdef import OpDef, Trait
+from .opdef import OpDef
 from .rewriter import PatternRewriter, RewritePattern
 
 

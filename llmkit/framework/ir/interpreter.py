@@ -4,6 +4,8 @@ Slow and simple on purpose — it is the oracle passes are checked against (the 
 arrives with ``to_static``). Symbolic dims are bound from the inputs (``symbolic.bind``) and
 checked; attributes holding symbolic dims (``reshape`` shapes, ``arange`` bounds) are evaluated
 with the bound sizes before the kernel runs; every result is checked against its declared type.
+:func:`run_group` runs one ``cinn.fusion`` group the same way, on numpy or cupy arrays: the one
+op-by-op fallback of a group without a compiled kernel (the executor's, the compiler's on GPUs).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import numpy as np
 
 from .. import backend as B
 from .. import symbolic as sym
+from ..types import TensorType, Type
 from .core import Block, Operation, Value
 from .errors import IRError
+from .printer import format_op
 from .program import Program
-from .types import TensorType, Type
 
 
 class InterpretError(IRError):
@@ -53,11 +56,37 @@ def interpret(
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
+def run_group(
+    fusion: Operation,
+    xp: Any,
+    arrays: Sequence[Any],
+    kernels: Mapping[Operation, Callable[..., Any]] | None = None,
+) -> Any:
+    """Run the ops of ``cinn.fusion`` group ``fusion`` one by one on ``arrays`` (its operands,
+    numpy or cupy: ``xp`` is their module) with the op-table kernels, or the one ``kernels`` gives
+    an op (an executor's hand-written C kernels). Symbols are bound from the operands and every
+    result is checked against its type. Returns the output, or a tuple for several."""
+    run = _Run({}, xp, kernels)
+    for i, (v, a) in enumerate(zip(fusion.operands, arrays, strict=True)):
+        run.bind(v.type, a, f"operand #{i} of {fusion.name}")
+        run.values[v] = a
+    run.check_bound()
+    outs = _fusion(run, fusion)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
 class _Run:
-    def __init__(self, params: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        params: Mapping[str, Any],
+        xp: Any = np,
+        kernels: Mapping[Operation, Callable[..., Any]] | None = None,
+    ) -> None:
         self.params = params
+        self.xp = xp
+        self.kernels = kernels or {}
         self.env: dict[str, int] = {}
-        self.values: dict[Value, np.ndarray] = {}
+        self.values: dict[Value, Any] = {}
         self.pending: list[tuple[Type, tuple, str]] = []
 
     def bind(self, t: Type, arr: np.ndarray, what: str) -> None:
@@ -112,11 +141,12 @@ class _Run:
             kw = {k: a.evaluate(self.env) for k, a in attrs.items()}
         else:
             kw = op.plain_attrs
+        xp = self.xp
         try:
-            out = spec.kernel(np, *arrays, **kw)
+            out = self.kernels.get(op, spec.kernel)(xp, *arrays, **kw)
         except Exception as e:
             raise InterpretError(_where(op, f"kernel failed: {type(e).__name__}: {e}")) from e
-        outs = [np.asarray(o) for o in out] if spec.multi_output else [np.asarray(out)]
+        outs = [xp.asarray(o) for o in out] if spec.multi_output else [xp.asarray(out)]
         if len(outs) != len(op.results):
             raise InterpretError(
                 _where(op, f"kernel returned {len(outs)} arrays for {len(op.results)} results")
@@ -142,13 +172,12 @@ class _Run:
 
 
 def _where(op: Operation, msg: str) -> str:
-    from .printer import format_op
-
     return f"{op.name}: {msg}\n    {format_op(op)}"
 
 
 def _constant(run: _Run, op: Operation) -> list[np.ndarray]:
-    return [op.attributes["value"].value]
+    value = op.attributes["value"].value
+    return [value if run.xp is np else run.xp.asarray(value)]
 
 
 def _parameter(run: _Run, op: Operation) -> list[np.ndarray]:

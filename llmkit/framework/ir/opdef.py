@@ -1,7 +1,7 @@
-"""Op definitions, traits, interfaces, typed views and the dialect registry.
+"""Op definitions, interfaces, typed views and the dialect registry.
 
 An :class:`OpDef` describes one kind of operation: operand and result counts, declared attributes,
-regions, traits (algebraic and structural facts passes rely on), interfaces (``InferMeta``,
+regions, traits (names from ``opspec.Trait``, the op table's vocabulary), interfaces (``InferMeta``,
 ``VJP``...) and an optional extra verifier. A :class:`Dialect` maps op names to OpDefs; the ``llm``
 dialect makes its OpDefs from the op table on demand, so no op is ever listed twice.
 """
@@ -10,33 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..types import Type
 from .attributes import Attribute
-from .core import Operation, Value
-from .types import Type
 
-
-class Trait:
-    """Trait names (strings, so op-table traits map onto them directly: ``opspec.TRAITS``)."""
-
-    PURE = "Pure"  # no side effects: removable when unused, mergeable when equal (DCE, CSE)
-    RECURSIVELY_PURE = "RecursivelyPure"  # pure exactly when every op in its regions is
-    COMMUTATIVE = "Commutative"  # f(a, b) == f(b, a)
-    ASSOCIATIVE = "Associative"  # f(f(a, b), c) == f(a, f(b, c))
-    IDEMPOTENT = "Idempotent"  # f(a, a) == a
-    INVOLUTION = "Involution"  # f(f(x)) == x
-    SAME_TYPE_NOOP = "SameTypeNoop"  # a result with its operand's type is that operand
-    SHAPE_ATTR = "ShapeAttr"  # the `shape` attribute is the result's shape (-1: a dim inferred)
-    SHAPE_ONLY = "ShapeOnly"  # the result depends on the operands' shapes, not their values
-    ELEMENTWISE = "Elementwise"  # out[i] = f(in[i], ...) with broadcasting
-    SAME_SHAPE = "SameShape"  # the result has the shape of the (single) operand
-    TERMINATOR = "Terminator"  # ends a block; nothing may follow it
-    CONSTANT_LIKE = "ConstantLike"  # materializes a compile-time value
-    ISOLATED = "IsolatedFromAbove"  # its regions use no value defined outside them
-    SYMBOL = "Symbol"  # has a unique name in the enclosing module (functions)
-    SYMBOL_TABLE = "SymbolTable"  # holds named symbols (the module)
-    NO_TERMINATOR = "NoTerminator"  # its single-block regions need no terminator
+if TYPE_CHECKING:
+    from .core import Operation, Value
 
 
 class Interface:
@@ -155,7 +135,6 @@ def register_dialect(d: Dialect) -> Dialect:
 
 
 def dialects() -> Mapping[str, Dialect]:
-    _ensure_loaded()
     return dict(_DIALECTS)
 
 
@@ -164,7 +143,6 @@ def lookup(name: str) -> OpDef | None:
     d = _CACHE.get(name)
     if d is not None:
         return d
-    _ensure_loaded()
     dialect, _, short = name.partition(".")
     dia = _DIALECTS.get(dialect)
     if dia is None or not short:
@@ -177,13 +155,7 @@ def lookup(name: str) -> OpDef | None:
 
 def known_names() -> list[str]:
     """Every op name the dialects know now (for "did you mean" hints)."""
-    _ensure_loaded()
     out: list[str] = []
     for d in _DIALECTS.values():
         out.extend(d.names())
     return out
-
-
-def _ensure_loaded() -> None:
-    if "builtin" not in _DIALECTS:
-        from . import dialects  # noqa: F401  (registers builtin, llm, cinn, dist)

@@ -10,15 +10,16 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from ..opspec import OpError
+from ..opspec import OpError, Trait
+from ..types import Type
 from .attributes import Attribute, StrAttr, from_optable
 from .core import Block, Operation, Region, Value, paused_gc
 from .errors import IRError, ParseError, VerifyError
 from .lexer import EOF_KIND
-from .opdef import OpDef, Trait, known_names, lookup
+from .opdef import OpDef, known_names, lookup
 from .program import Program
 from .text_parser import TextParser
-from .types import Type
+from .verifier import verify as run_verifier
 
 
 def parse(text: str, *, verify: bool = True) -> Program:
@@ -47,10 +48,8 @@ class _Parser(TextParser):
         if self.kind() != EOF_KIND:
             self.fail(f"expected the end of the program, got {self.got()}")
         if verify:
-            from .verifier import verify as run
-
             try:
-                run(module, self.locations)
+                run_verifier(module, self.locations)
             except VerifyError as e:
                 line, col = e.location or self.toks.position(0)
                 raise ParseError(e.reason.split("\n")[0], line, col, self.toks.source_line(line)) from None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Any, ClassVar, TextIO
 from .core import paused_gc
 from .errors import IRError, VerifyError
 from .program import Program
+from .text_parser import TextParser
 
 DUMP_ENV = "LLMKIT_IR_DUMP"
 TIMING_ENV = "LLMKIT_IR_TIMING"
@@ -71,9 +71,8 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
 
 
 def registered_passes() -> dict[str, type[Pass]]:
-    """Every registered pass, by name."""
-    importlib.import_module(f"{__package__}.passes")  # registers the standard passes
-
+    """Every registered pass, by name (``ir/__init__`` imports ``passes``, which registers the
+    standard ones)."""
     return dict(_PASSES)
 
 
@@ -143,8 +142,6 @@ class PassManager:
     def parse(text: str) -> PassManager:
         """``"canonicalize,cse,fold-constants{max_elements = 64}"``: option values use the PIR
         attribute syntax (numbers, true/false, strings, lists, ``{k = v}`` dicts)."""
-        from .text_parser import TextParser
-
         pm = PassManager()
         parser = TextParser(text)
         while parser.kind() != "eof":

@@ -9,11 +9,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..types import Type
 from .attributes import StrAttr
 from .core import Block, Operation, Region, paused_gc
 from .dialects.builtin import FUNC, MODULE, FuncOp
 from .errors import IRError
-from .types import Type
+from .printer import print_program
+from .verifier import verify
 
 
 class Program:
@@ -99,8 +101,6 @@ class Program:
 
     def verify(self) -> Program:
         """Check every IR rule; raise :class:`~.errors.VerifyError` naming the offending op."""
-        from .verifier import verify
-
         verify(self.module)
         return self
 
@@ -110,8 +110,6 @@ class Program:
             return Program(self.module.clone())
 
     def __str__(self) -> str:
-        from .printer import print_program
-
         return print_program(self)
 
     def __repr__(self) -> str:

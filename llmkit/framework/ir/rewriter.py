@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
+from ..opspec import Trait
+from ..types import Type
 from .builder import Builder
 from .core import Operation, Region, Value
 from .errors import IRError
-from .opdef import Trait
-from .types import Type
 
 
 def is_pure(op: Operation) -> bool:

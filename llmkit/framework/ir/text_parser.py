@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import backend as B
 from .. import symbolic as sym
+from ..types import DTYPE_BY_SHORT, ScalarType, TensorType, Type, check_dim
 from .attributes import (
     ArrayAttr,
     Attribute,
@@ -29,7 +30,6 @@ from .attributes import (
     opaque_attr,
 )
 from .lexer import EOF_KIND, Tokens, describe, unquote
-from .types import DTYPE_BY_SHORT, ScalarType, TensorType, Type, check_dim
 
 MAX_DEPTH = 64  # nesting of regions and attributes
 _KEYWORD_ATTRS = {

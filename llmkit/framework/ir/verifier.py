@@ -18,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..opspec import Trait
+from ..types import Type
 from .core import Block, Operation, OpResult, Value
 from .errors import VerifyError
-from .opdef import Trait, lookup
-from .types import Type
+from .opdef import lookup
+from .printer import _enclosing_func, format_op
 
 
 def verify(op: Operation, locations: Mapping[Operation, tuple[int, int]] | None = None) -> None:
@@ -34,8 +36,6 @@ class _Verifier:
         self.locations = locations
 
     def fail(self, op: Operation, msg: str) -> VerifyError:
-        from .printer import _enclosing_func, format_op
-
         func = _enclosing_func(op)
         where = ""
         if func is not None and func is not op:

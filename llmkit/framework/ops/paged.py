@@ -45,6 +45,7 @@ from ..dispatch import O
 from ..opspec import A, Kind, Meta, OpError, attr, defop, describe, get, optional, same_dtype
 from . import spmd as P
 from .contraction import _linear_meta, _linear_vjp, mm
+from .gather import _add_at
 
 
 def _known_differ(a: sym.Dim, b: sym.Dim) -> bool:
@@ -315,8 +316,8 @@ def _attn_grad_kernel(xp, g, q, pool, block_tables, kv_len, q_start=None, q_len=
         dv = xp.matmul(p.transpose(0, 1, 3, 2), gs)
         pos = np.arange(t)
         slots = (blocks[:, pos // bs] * bs + pos % bs).reshape(-1)  # (C*T,) where each key lives
-        for j, dx in ((0, dk), (1, dv)):
-            np.add.at(flat[j], slots, dx.transpose(0, 2, 1, 3).reshape(-1, hk, d))
+        for j, dx in ((0, dk), (1, dv)):  # (numpy's add.at, cupyx's scatter_add on the GPU)
+            _add_at(xp, flat[j], xp.asarray(slots), dx.transpose(0, 2, 1, 3).reshape(-1, hk, d))
     return _head_major(dq, q), dpool
 
 
@@ -366,7 +367,7 @@ def pack_panels(w: np.ndarray) -> np.ndarray:
     k, n = w.shape
     if n % PANEL:
         raise ValueError(f"pack_panels: out_features {n} is not a multiple of {PANEL}")
-    return np.ascontiguousarray(w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2))
+    return B.xp_of(w).ascontiguousarray(w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2))
 
 
 def _unpanel(weight):

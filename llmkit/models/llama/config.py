@@ -132,6 +132,12 @@ class LlamaConfig:
         object.__setattr__(self, "rope_scaling", _normalize_rope_scaling(self.rope_scaling))
         object.__setattr__(self, "extra", dict(self.extra))
 
+    @property
+    def eos_ids(self) -> list[int]:
+        """``eos_token_id`` as a list: none, one, or several stop ids (Llama 3.1 Instruct's)."""
+        eos = self.eos_token_id
+        return list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
+
     # ---- presets and HF config.json -------------------------------------------------------------
 
     @classmethod
@@ -194,8 +200,9 @@ class LlamaConfig:
 
     # ---- derived quantities ---------------------------------------------------------------------
 
-    def rope_inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies, (head_dim // 2,) float64, with `rope_scaling` applied.
+    def rope_inv_freq(self, scaled: bool = True) -> np.ndarray:
+        """RoPE inverse frequencies, (head_dim // 2,) float64, with `rope_scaling` applied (unless
+        `scaled` is False: the base frequencies).
 
         Base: inv_freq[i] = rope_theta ** (-2i / head_dim). "linear" divides every frequency by
         `factor` (position interpolation). "llama3" divides only the low frequencies, whose
@@ -206,7 +213,7 @@ class LlamaConfig:
         """
         dim = self.head_dim
         inv_freq = 1.0 / self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-        if self.rope_scaling is None:
+        if self.rope_scaling is None or not scaled:
             return inv_freq
         s = self.rope_scaling
         factor = float(s["factor"])
@@ -269,8 +276,8 @@ def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | 
         return None
     if rope_type not in ROPE_SCALING_FIELDS:
         raise LlamaConfigError(
-            f"LlamaConfig: rope_scaling type {rope_type!r} is not supported "
-            f"(supported: {', '.join(ROPE_SCALING_FIELDS)})"
+            f"LlamaConfig: rope_scaling.rope_type {rope_type!r} is not supported "
+            f"(supported: default, {', '.join(ROPE_SCALING_FIELDS)})"
         )
     for key in ROPE_SCALING_FIELDS[rope_type]:
         value = scaling.get(key)

@@ -4,7 +4,7 @@ Without a GPU the generated CUDA is still checked: it is compiled as C++ by the 
 against a one-thread emulation of the CUDA built-ins (one block of one thread, so every
 grid-/block-stride loop walks all iterations and a block reduction is the thread's own value) and
 its results are compared with the reference. That catches everything but the real parallel
-reduction, which the GPU test below covers where a GPU exists (``benchmarks/gpu_smoke.py``).
+reduction, which the GPU test below covers where a GPU exists (``benchmarks/gpu_check.sh``).
 """
 
 from __future__ import annotations
@@ -143,19 +143,24 @@ def test_cuda_kernels_equal_the_reference_on_a_gpu():
             pytest.skip("no CUDA device")
     except Exception:
         pytest.skip("no CUDA device")
+    from llmkit.framework.compiler.runtime import FusedKernel
     from llmkit.framework.executor import Executor
 
     for name, (fn, specs) in sorted(CASES.items()):
         p = _program(fn, specs)
         fused = compiler.compile_program(p)
+        ex = Executor(fused)
         rng = np.random.default_rng(0)
         for n in (1, 5, 300):
             arrays = [
                 rng.standard_normal([n if isinstance(d, str) else d for d in s]).astype(t) for s, t in specs
             ]
-            got = [cp.asnumpy(o) for o in Executor(fused).run([cp.asarray(a) for a in arrays])]
+            outs = ex.run([cp.asarray(a) for a in arrays])
+            assert all(isinstance(o, cp.ndarray) for o in outs), f"{name}: a result came back on the host"
             want = Executor(p).run(arrays)
-            assert_same(got, want, arrays[0].dtype, f"{name} n={n} on the GPU")
+            assert_same([cp.asnumpy(o) for o in outs], want, arrays[0].dtype, f"{name} n={n} on the GPU")
+        groups = [st.fn for st in ex.steps if isinstance(st.fn, FusedKernel)]
+        assert groups and all(g.cuda is not None for g in groups), f"{name}: a group ran without CUDA"
 
 
 def test_cuda_launch_covers_rows_or_elements():

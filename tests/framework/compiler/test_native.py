@@ -596,3 +596,35 @@ module {
     x, w = np.ones((2, 8), np.float32), np.eye(8, dtype=np.float32)
     np.testing.assert_allclose(ex.run([x, w])[0], np.exp(x))
     assert list(ex._replays.plans.values()) == [None]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_topk_last_axis_equals_a_stable_sort_with_ties_infinities_and_nans(dtype):
+    rng = np.random.default_rng(4)
+    rows = [
+        rng.standard_normal(50),
+        rng.integers(-2, 3, 50).astype(np.float64),  # many ties: the lower index first
+        np.array([-np.inf, 1.0, -np.inf, -0.0, 0.0, np.nan, 1.0, np.nan]),
+        np.array([np.nan, np.nan, 3.0, np.nan, -np.inf, np.nan, np.nan, np.nan]),  # NaNs fill, in order
+    ]
+    for x in rows:
+        for k in (1, 3, min(8, x.size)):
+            x2 = np.stack([x, x[::-1]]).astype(dtype)
+            assert applies("topk", x2, k=k)
+            vals, idx = native("topk")(np, x2, k=k)
+            want = np.argsort(-x2, axis=-1, kind="stable")[:, :k]  # the float64 reference's order
+            np.testing.assert_array_equal(idx, want)
+            np.testing.assert_array_equal(vals, np.take_along_axis(x2, want, -1))
+    assert not applies("topk", np.zeros((2, 4)), k=2, largest=False)  # smallest: reference kernel
+    assert not applies("topk", np.zeros((4, 2)), k=2, axis=0)
+
+
+def test_gather_last_axis_any_dtype_and_negative_indices():
+    rng = np.random.default_rng(5)
+    for x in (rng.standard_normal((4, 9)), rng.integers(0, 9, (2, 3, 5)), rng.random((3, 6)) > 0.5):
+        idx = rng.integers(-x.shape[-1], x.shape[-1], (*x.shape[:-1], 4))
+        assert applies("gather", x, idx, axis=-1)
+        np.testing.assert_array_equal(native("gather")(np, x, idx, axis=-1), np.take_along_axis(x, idx, -1))
+    assert not applies("gather", np.zeros((3, 4)), np.zeros((1, 4), np.int64), axis=0)
+    with pytest.raises(IndexError, match="out of bounds"):  # the reference kernel's own error
+        native("gather")(np, np.zeros((2, 3)), np.array([[0], [3]], np.int64), axis=-1)

@@ -171,5 +171,21 @@ def test_llmkit_plan_prints_the_table_and_the_choice(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "8 ranks of 80 GB on H100" in out and "plans fit" in out and "\nchose dp" in out
     assert "run it: llmkit train" in out and "'parallel={dp:" in out
+    assert "MFU is predicted, not measured: the model runs matmuls at 70% of the published peak" in out
+    assert "no plan can show more than 70%" in out
     assert main(["plan", str(cfg), "--world", "8", "--mem-gb", "1", "--gpu", "H100"]) == 2
     assert "no plan fits in 1 GB per rank: the smallest" in capsys.readouterr().err
+    for mem in ("-5", "0"):
+        assert main(["plan", str(cfg), "--world", "8", "--mem-gb", mem, "--gpu", "H100"]) == 2
+        err = capsys.readouterr().err
+        assert f"--mem-gb must be above 0, got {float(mem):g}" in err and "Traceback" not in err
+
+
+def test_predicted_mfu_never_exceeds_the_assumed_matmul_efficiency():
+    """The GPU model runs matmuls at EFFICIENCY of the peak and adds only costs on top, so its MFU
+    is bounded by it (what ``llmkit plan`` says under its table)."""
+    cost = llama_cost(LlamaConfig.from_preset("7B"), 4096, 2)
+    gpu = plan_search.gpu_machine("A100")
+    choice = plan_search.plan(cost, gpu, 64, 1024, 80e9, precision=plan_search.MIXED)
+    values = [plan_search.mfu(c, cost, gpu, 1024) for c in choice.ranked]
+    assert 0.3 < max(values) <= plan_search.EFFICIENCY

@@ -73,3 +73,12 @@ def test_hf_to_ours(tmp_path, name):
     np.testing.assert_allclose(
         ours(lf.tensor(ids)).logits.numpy(), hf_logits(tmp_path, ids), rtol=2e-4, atol=2e-5
     )
+
+
+def test_generation_config_is_read_by_transformers(tmp_path):
+    """save_pretrained's generation_config.json: transformers' own reader gets the config's ids;
+    a file already there keeps its settings and gains the ids (eos united)."""
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "eos_token_id": [7]}')
+    LlamaForCausalLM(config(eos_token_id=[2, 5], pad_token_id=3)).save_pretrained(tmp_path)
+    gen = transformers.GenerationConfig.from_pretrained(tmp_path)
+    assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id, gen.temperature) == (1, [7, 2, 5], 3, 0.6)

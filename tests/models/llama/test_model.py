@@ -200,7 +200,9 @@ def test_save_and_load_pretrained_round_trip(tmp_path, shard):
     if shard:
         assert "model.safetensors.index.json" in files and any(f.startswith("model-00001-of-") for f in files)
     else:
-        assert files == ["config.json", "model.safetensors"]
+        assert files == ["config.json", "generation_config.json", "model.safetensors"]
+    gen = json.loads((tmp_path / "m" / "generation_config.json").read_text())
+    assert gen == {"bos_token_id": model.config.bos_token_id, "eos_token_id": model.config.eos_token_id}
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
     assert lf.serialization.load_metadata(next((tmp_path / "m").glob("*.safetensors"))) == {"format": "pt"}

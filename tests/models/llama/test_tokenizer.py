@@ -82,10 +82,15 @@ def test_batch_methods_match_single(tok: LlamaTokenizer) -> None:
 
 
 def test_out_of_range_ids_are_rejected(tok: LlamaTokenizer) -> None:
-    with pytest.raises(ValueError, match="token id 320 is out of range for a vocabulary of 320 pieces"):
-        tok.decode([5, 320])
+    with pytest.raises(ValueError, match="token id -1 is out of range for a vocabulary of 320 pieces"):
+        tok.decode([5, -1])
+    with pytest.raises(ValueError, match="token id 320 is out of range"):
+        tok.id_to_piece(320)
     with pytest.raises(ValueError, match="token id -1 is out of range"):
-        tok.id_to_piece(-1)
+        tok.token_bytes(-1)
+    # rows of a padded embedding past the vocabulary have no text (the tokenizers library's rule)
+    assert tok.decode([*tok.encode("fox", add_bos=False), 320, 999]) == "fox"
+    assert tok.token_bytes(320) == b""
 
 
 def test_training_is_deterministic(tok: LlamaTokenizer, tmp_path: Path) -> None:
@@ -102,7 +107,7 @@ def test_save_and_load(tok: LlamaTokenizer, tmp_path: Path) -> None:
 
 
 def test_missing_model_file_is_named(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=f"no tokenizer.model in {tmp_path}"):
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer.model or tokenizer.json in {tmp_path}"):
         LlamaTokenizer.from_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="nowhere does not exist"):
         LlamaTokenizer.from_pretrained(tmp_path / "nowhere")

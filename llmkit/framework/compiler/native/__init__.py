@@ -13,6 +13,7 @@ their threads come from the pool in ``par.py``.
 ``linear``      ``tiled_linear``, ``tiled_linear_swiglu``: the engine's batch-invariant products
 ``paged``       ``paged_attention``, ``paged_kv_write``: the engine's KV cache
 ``quant``       ``quant_linear``: products with int8 / int4 weights, dequantized in the loop
+``quant_int``   ``quant_linear`` with int8 activations: integer dot products, the ISA picked at run time
 ``gather``      ``index_select``, ``index_add``: embedding rows and their gradient
 ``attention``   flash attention forward and backward (``scaled_dot_product_attention*``)
 ==============  ==============================================================================

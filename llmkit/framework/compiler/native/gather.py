@@ -1,4 +1,5 @@
-"""``index_select`` and ``index_add`` along axis 0: an embedding's rows, and its gradient.
+"""``index_select`` and ``index_add`` along axis 0: an embedding's rows, and its gradient;
+``gather`` and ``topk`` along the last axis: the score program's picks from every row's logits.
 
 Whole rows are copied (or added in index order, as numpy's ``add.at``: the reference's bits).
 """
@@ -81,4 +82,93 @@ native_kernel(
         x.itemsize,
     ],
     applies=lambda x, index, src, axis=0: _rows(x, index, axis) and x.dtype.name in ("float32", "float64"),
+)
+
+
+GATHER_LAST = r"""
+#include <string.h>
+/* gather along the last axis: out[r, j] = x[r, index[r, j]] (negative indices count from the end,
+   as numpy take_along_axis does), elements of any size.
+   bufs: x [R, V], index [R, K] (int64), out [R, K], status. sizes: R, V, K, itemsize. */
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  (void)nthreads;
+  const int64_t R = sizes[0], V = sizes[1], K = sizes[2], item = sizes[3];
+  const char *x = (const char *)bufs[0];
+  const int64_t *index = (const int64_t *)bufs[1];
+  char *out = (char *)bufs[2];
+  int64_t *status = (int64_t *)bufs[3];
+  for (int64_t i = 0; i < R * K; i++)
+    if (index[i] < -V || index[i] >= V) { status[0] = 1; status[1] = i; return; }
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t j = 0; j < K; j++) {
+      const int64_t v = index[r * K + j] < 0 ? index[r * K + j] + V : index[r * K + j];
+      memcpy(out + (r * K + j) * item, x + (r * V + v) * item, item);
+    }
+}
+"""
+
+TOPK_LAST = r"""
+#include <math.h>
+/* topk (largest) along the last axis, float32 (itemsize 4) or float64 (8): each row's K largest
+   values, largest first, the lower index first among equal values (the order of a stable sort of
+   -x); NaNs, which a sort of -x puts last, fill what is left in index order. One pass per row
+   keeps the K best in order (an insertion after every kept value >= the new one).
+   bufs: x [R, V], values [R, K], indices [R, K] (int64), status. sizes: R, V, K, itemsize. */
+#define KERNEL_FN_ROW(T)                                                                         \
+  static void KERNEL_FN_row_##T(const T *x, int64_t V, int64_t K, T *val, int64_t *idx) {       \
+    int64_t n = 0;                                                                               \
+    for (int64_t v = 0; v < V; v++) {                                                            \
+      const T a = x[v];                                                                          \
+      if (a != a || (n == K && !(a > val[K - 1]))) continue;                                     \
+      int64_t p = n < K ? n : K - 1;                                                             \
+      while (p > 0 && val[p - 1] < a) { val[p] = val[p - 1]; idx[p] = idx[p - 1]; p--; }         \
+      val[p] = a; idx[p] = v;                                                                    \
+      if (n < K) n++;                                                                            \
+    }                                                                                            \
+    for (int64_t v = 0; v < V && n < K; v++)                                                     \
+      if (x[v] != x[v]) { val[n] = x[v]; idx[n] = v; n++; }                                      \
+  }
+KERNEL_FN_ROW(float)
+KERNEL_FN_ROW(double)
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  (void)nthreads;
+  const int64_t R = sizes[0], V = sizes[1], K = sizes[2], item = sizes[3];
+  int64_t *idx = (int64_t *)bufs[2];
+  for (int64_t r = 0; r < R; r++) {
+    if (item == 4)
+      KERNEL_FN_row_float((const float *)bufs[0] + r * V, V, K, (float *)bufs[1] + r * K, idx + r * K);
+    else
+      KERNEL_FN_row_double((const double *)bufs[0] + r * V, V, K, (double *)bufs[1] + r * K,
+                           idx + r * K);
+  }
+}
+"""
+TOPK_MAX_K = 64  # the insertion keeps K values in order: small K (scoring's 5), not a sort
+
+
+def _last_axis(x, axis) -> bool:
+    return x.ndim >= 1 and axis in (-1, x.ndim - 1)
+
+
+def _flat_rows(x) -> tuple[int, int]:
+    v = x.shape[-1] if x.ndim else 1
+    return x.size // max(v, 1), v
+
+
+native_kernel(
+    "gather",
+    GATHER_LAST,
+    sizes=lambda x, index, axis=0: [*_flat_rows(x), index.shape[-1], x.itemsize],
+    applies=lambda x, index, axis=0: _last_axis(x, axis) and index.dtype == np.int64,
+)
+native_kernel(
+    "topk",
+    TOPK_LAST,
+    sizes=lambda x, k, axis=-1, largest=True: [*_flat_rows(x), k, x.itemsize],
+    applies=lambda x, k, axis=-1, largest=True: (
+        _last_axis(x, axis)
+        and largest
+        and k <= TOPK_MAX_K
+        and np.dtype(x.dtype).name in ("float32", "float64")
+    ),
 )

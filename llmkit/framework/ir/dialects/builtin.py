@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ...opspec import Trait
 from ...placement import check
+from ...types import TensorType, Type
 from ..attributes import DenseAttr, MeshAttr, StrAttr
 from ..core import Block, BlockArgument, Operation, Value
-from ..opdef import Dialect, OpDef, OpView, Trait, any_attr, is_a
-from ..types import TensorType, Type
+from ..opdef import Dialect, OpDef, OpView, any_attr, is_a
 
 T = Trait
 

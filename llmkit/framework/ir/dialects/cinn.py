@@ -8,9 +8,10 @@ are given explicitly.
 
 from __future__ import annotations
 
+from ...opspec import Trait
 from ..attributes import StrAttr
 from ..core import Block, Operation
-from ..opdef import Dialect, OpDef, OpView, Trait, any_attr, is_a
+from ..opdef import Dialect, OpDef, OpView, any_attr, is_a
 
 T = Trait
 

@@ -15,12 +15,12 @@ from functools import cache
 from typing import Any
 
 from ... import ops as _ops  # noqa: F401  (registers every op)
-from ...opspec import Kind, OpError, OpSpec, table
+from ...opspec import Kind, OpError, OpSpec, Trait, table
 from ...placement import check
+from ...types import TensorType, Type
 from ..attributes import Attribute, from_optable
 from ..core import Operation, Value
-from ..opdef import Dialect, Interface, OpDef, OpView, Trait, any_attr, lookup
-from ..types import TensorType, Type
+from ..opdef import Dialect, Interface, OpDef, OpView, any_attr, lookup
 
 PREFIX = "llm."
 
@@ -31,19 +31,15 @@ def full_name(spec: OpSpec) -> str:
 
 
 def metas_to_types(spec: OpSpec, out: Any) -> list[Type]:
-    """infer_meta's result (a Meta, or a tuple of them for multi-output ops) as PIR types."""
+    """infer_meta's result (a TensorType, or a tuple for multi-output ops; a rule may also hand back
+    an input, which is a Value under tracing) as PIR types."""
     if spec.multi_output:
         return [TensorType(m.shape, m.dtype) for m in out]
     return [TensorType(out.shape, out.dtype)]
 
 
-def trait_name(t: str) -> str:
-    """Op-table trait ``"commutative"`` -> PIR trait ``"Commutative"``."""
-    return "".join(w.capitalize() for w in t.split("_"))
-
-
 def _traits(spec: OpSpec) -> frozenset[str]:
-    out = {trait_name(t) for t in spec.traits}
+    out = set(spec.traits)
     if spec.kind != Kind.COLLECTIVE:
         out.add(Trait.PURE)
     if spec.kind == Kind.ELEMENTWISE:

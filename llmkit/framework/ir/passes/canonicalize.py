@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ...opspec import Trait
 from .. import drr
 from ..core import Operation, Value
-from ..opdef import Trait
 from ..pass_manager import Pass, register_pass
 from ..program import Program
 from ..rewriter import PatternRewriter, RewritePattern, apply_patterns, pattern

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ...opspec import Trait
 from ..core import Block, Operation
-from ..opdef import Trait
 from ..pass_manager import Pass, register_pass
 from ..program import Program
 

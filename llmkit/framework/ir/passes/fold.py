@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...types import TensorType
 from ..attributes import DenseAttr
 from ..builder import Builder
 from ..core import Operation
@@ -21,7 +22,6 @@ from ..interpreter import run_ops
 from ..pass_manager import Pass, register_pass
 from ..program import Program
 from ..rewriter import is_pure
-from ..types import TensorType
 
 
 def foldable(op: Operation, max_elements: int) -> bool:

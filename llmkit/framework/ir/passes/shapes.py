@@ -19,16 +19,15 @@ from typing import Any
 import numpy as np
 
 from ... import symbolic as sym
-from ...opspec import OpError
+from ...opspec import OpError, Trait
 from ...symbolic import Dim
+from ...types import TensorType, Type
 from ..attributes import Attribute, DimAttr, ShapeAttr, dim_attr
 from ..builder import Builder
 from ..core import Operation
 from ..errors import IRError
-from ..opdef import Trait
 from ..pass_manager import Pass, register_pass
 from ..program import Program
-from ..types import TensorType, Type
 
 
 def substitute(d: Dim, mapping: Mapping[str, Dim]) -> Dim:

@@ -1,8 +1,11 @@
-"""PIR types: ``TensorType(shape, dtype)`` with int or symbolic dims, and ``ScalarType(dtype)``.
+"""Value types: ``TensorType(shape, dtype)`` with int or symbolic dims, and ``ScalarType(dtype)``.
 
-Types are immutable and interned: building the same type twice returns the same object, so type
-equality is usually an identity check (the verifier compares thousands of them). Text forms:
-``f32[B, S, 64]`` is a tensor (``f32[]`` a 0-d tensor), a bare ``f32`` is a scalar.
+A TensorType is the one description of a value's shape and dtype without data: what an op's
+``infer_meta`` takes and returns (``opspec.Meta`` is its name there), the type of a PIR value,
+what tracing, the verifier, the executor and the planner read. Types are immutable and interned:
+building the same type twice returns the same object, so type equality is usually an identity
+check (the verifier compares thousands of them). Text forms: ``f32[B, S, 64]`` is a tensor
+(``f32[]`` a 0-d tensor), a bare ``f32`` is a scalar.
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .. import backend as B
-from .. import symbolic as sym
-from ..symbolic import Dim
+from . import backend as B
+from . import symbolic as sym
+from .symbolic import Dim
 
 # Short dtype names used by the text form (and accepted wherever a dtype is).
 SHORT_NAMES: dict[str, str] = {
