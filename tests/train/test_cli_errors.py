@@ -222,7 +222,7 @@ def finished_run(tmp_path_factory) -> Path:
 
 def write_config(directory: Path, out_dir: Path) -> Path:
     raw = raw_config(out_dir, steps=2, save_every=0, eval_every=0, log_every=1)
-    raw["schedule"]["warmup_steps"] = 1
+    raw["lr_schedule"]["warmup_steps"] = 1
     path = directory / "c.yaml"
     path.write_text(json.dumps(raw))
     return path
