@@ -1,4 +1,4 @@
-"""Views: reshape, permute, broadcast, slice, join and split (the gathers are in ``gather.py``).
+"""Views: reshape, permute, broadcast, slice, join and split (the gathers are in ``indexed.py``).
 
 They compute nothing, so their gradients are other movement ops (the inverse move, or a scatter of
 the gathered elements). Sizes may be symbolic: shape arithmetic goes through ``symbolic``.
