@@ -252,7 +252,7 @@ def test_train_from_the_dir_writes_a_complete_hf_dir(
         "train.eval_every=0",
         "train.log_every=1",
         "train.save_every=0",
-        "schedule.warmup_steps=0",
+        "lr_schedule.warmup_steps=0",
         "optim.lr=1e-2",
         "--quiet",
     )
@@ -297,7 +297,7 @@ def test_rlhf_from_the_dir_renders_chat_prompts_with_its_template(
     run = tmp_path / "rlhf"
     args = [f"model.init_from={d}", f"data.prompts={prompts}", f"out_dir={run}", "train.steps=2"]
     args += ["train.save_every=0", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=6"]
-    args += ["rollout.max_batch=4", "schedule.warmup_steps=0"]
+    args += ["rollout.max_batch=4", "lr_schedule.warmup_steps=0"]
     assert cli_main(["rlhf", str(ROOT / "configs" / "rlhf-tiny.yaml"), *args, "--quiet"]) == 0
     fast = transformers.AutoTokenizer.from_pretrained(d)
     want = [chat_ids(fast, r["prompt"]) for r in rows]

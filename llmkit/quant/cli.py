@@ -16,7 +16,7 @@ runs/tiny-int4`` follows without editing a path.
 
 A checkpoint trained with a parallel plan (its ``parallel_plan.json``, beside ``model/``) keeps
 it: the quantized directory's plan places each linear's scales and zeros as its weight
-(``llmkit.quant.parallel``). ``--nproc N`` runs N processes under mpiexec, sharing the work; the
+(``llmkit.quant.multirank``). ``--nproc N`` runs N processes under mpiexec, sharing the work; the
 result is the same bits as one process's.
 
 The report's table has a column per way of running the codes: weight-only (float activations) and
@@ -36,7 +36,7 @@ from llmkit.train.checkpoint import model_dir
 
 from .evaluate import SEQ_LEN, eval_tokens, evaluate
 from .format import QuantConfig, QuantError
-from .parallel import Ranks, derive, plan_file
+from .multirank import Ranks, derive, plan_file
 from .quantize import quantize_model, save_quantized, set_act_bits, targets, weight_bytes
 
 
@@ -177,7 +177,7 @@ def quantize_main(argv: list[str]) -> int:
     if out.exists() and not (out / "config.json").is_file():
         raise QuantError(f"--out {out} exists and is not a model directory; refusing to replace it")
     import llmkit.framework.distributed as dist
-    from llmkit.framework.distributed.plan import ParallelPlan
+    from llmkit.framework.distributed.parallel_plan import ParallelPlan
 
     dist.init()  # mpi under mpiexec (one rank per process), else sim (this process alone)
     ranks = Ranks()

@@ -11,7 +11,7 @@ layer ``l`` are the outputs of the already quantized layers before it, each line
 accumulated from its own inputs (forward pre-hooks) while layer ``l`` runs in float, its weights
 are quantized, and layer ``l`` runs again, quantized, to make the next layer's inputs.
 
-``ranks`` (``llmkit.quant.parallel.Ranks``) share the Hessians' and the weights' row blocks; the
+``ranks`` (``llmkit.quant.multirank.Ranks``) share the Hessians' and the weights' row blocks; the
 result is the same bits on any number of ranks.
 """
 
@@ -29,14 +29,14 @@ from tqdm import tqdm
 
 import llmkit.framework as lf
 from llmkit.framework import nn
-from llmkit.framework.distributed.plan import PLAN_FILE, ParallelPlan
+from llmkit.framework.distributed.parallel_plan import PLAN_FILE, ParallelPlan
 from llmkit.framework.files import atomic_dir
 from llmkit.tokenizer import GENERATION_FILE, Tokenizer
 from llmkit.train.metrics import QUANT_REPORT
 
 from .format import QuantConfig, QuantError, QuantizedWeight, check_shape, join, quantize_rtn
 from .gptq import Hessian, gptq
-from .parallel import Ranks
+from .multirank import Ranks
 
 REPORT = QUANT_REPORT  # what llmkit plot reads
 CALIB_BATCH = 16  # calibration sequences per forward
