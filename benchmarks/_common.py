@@ -54,6 +54,11 @@ def machine() -> dict[str, Any]:
     }
 
 
+def load_average() -> float:
+    """The 1-minute load average (``uptime``'s first figure): how shared the machine was."""
+    return round(os.getloadavg()[0], 2)
+
+
 def engine_steps(engine: Any, batch: int, prompt_len: int, new_tokens: int) -> list[float]:
     """Seconds per engine step while ``batch`` requests decode (their prefill step excluded)."""
     from llmkit.infer import SamplingParams

@@ -24,11 +24,11 @@ pp=2 with 1f1b and zero_bubble over 4 micro-batches, eager and static)
 runs over MPI as the CLI runs it (one process per rank, the config's ``parallel`` section); every
 collective the ranks run is counted as the bytes a ring sends per rank, and each strategy reports
 its step time (median, beside one process in the same run), communication bytes per step against
-the plan's prediction (``models/llama/parallel.py: predict_traffic``; a pipeline's: the activation
+the plan's prediction (``models/llama/sharding.py: predict_traffic``; a pipeline's: the activation
 crossing the stage boundary, sent point to point), and the parameter + gradient + optimizer bytes
 of the fullest rank against the plan's (``ParallelPlan.state_bytes``), with the peak host memory
 per rank; a pipeline also its measured bubble (the mean fraction of a step a rank waits in its
-receives) beside its schedule's on the clock of ``schedule.simulate`` (a backward costing two
+receives) beside its schedule's on the clock of ``pipeline_schedule.simulate`` (a backward costing two
 forwards). Then the same predictions for Llama-2-7B at dp8, tp8, dp2 x tp4 and
 ZeRO 1-3 on 8 ranks, beside the published formulas they should agree with: ZeRO's memory per rank
 (Rajbhandari et al. 2020, section 5: 16 bytes per parameter, mixed-precision Adam, divided as the
@@ -178,7 +178,7 @@ RING = {  # bytes a member sends, from the array it passes (x) and the group siz
 def train_overrides(steps: int, parallel: dict, extra: list[str], out: str) -> list[str]:
     return [
         f"train.steps={steps}",
-        "schedule.warmup_steps=1",
+        "lr_schedule.warmup_steps=1",
         "train.log_every=1",
         f"out_dir={out}",
         *(f"parallel.{k}={v}" for k, v in parallel.items()),
@@ -269,12 +269,12 @@ def launch_training(n: int, overrides: list[str], warmup: int) -> dict:
 def predictions(parallel: dict, batch_size: int, seq_len: int) -> dict:
     """The plan's traffic per step and state bytes per rank for the bench model; a pipeline: the
     activations and their gradients across the stage boundary ([B, S, H] each way per step; the
-    fullest rank sends one of them), and the clock's bubble of its schedule (schedule.simulate)."""
+    fullest rank sends one of them), and the clock's bubble of its schedule (pipeline_schedule.simulate)."""
     from llmkit.framework import nn
-    from llmkit.framework.distributed.plan import ParallelPlan
-    from llmkit.framework.distributed.schedule import make_schedule, simulate
+    from llmkit.framework.distributed.parallel_plan import ParallelPlan
+    from llmkit.framework.distributed.pipeline_schedule import make_schedule, simulate
     from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
-    from llmkit.models.llama.parallel import predict_traffic
+    from llmkit.models.llama.sharding import predict_traffic
 
     config = LlamaConfig.from_preset("bench")
     if "pp" in parallel:
@@ -377,9 +377,9 @@ def eager_overhead(args) -> None:
 def llama7b() -> None:
     """Predicted bytes and memory for Llama-2-7B beside the published formulas (see the docstring)."""
     from llmkit.framework import nn
-    from llmkit.framework.distributed.plan import ParallelPlan
+    from llmkit.framework.distributed.parallel_plan import ParallelPlan
     from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
-    from llmkit.models.llama.parallel import predict_traffic
+    from llmkit.models.llama.sharding import predict_traffic
 
     config = LlamaConfig.from_preset("7B")
     with nn.init.skip_init():  # shapes only: no weight is drawn or touched

@@ -3,7 +3,7 @@
 
 1. ``measured``: plans of ``configs/bench.yaml`` (8 x 256 tokens per step) run as ``llmkit train``
    runs them (one process, or one per rank over MPI: ``benchmarks/parallel.py``'s worker), each
-   beside the planner's prediction for that plan (``llmkit.train.planning``: this host's speeds,
+   beside the planner's prediction for that plan (``llmkit.train.auto_plan``: this host's speeds,
    the training step's own kernels' FLOP/s, the backend's alpha-beta, probed afresh right after
    the run, so under the same load from other work on the machine): the step time
    (median after warm-up, the slowest rank) and the peak memory per rank (parameters + gradients +
@@ -62,21 +62,21 @@ MEASURED = {
 def run(n: int, parallel: dict, batch: int, accum: int, steps: int, warmup: int) -> dict:
     """One plan through ``benchmarks/parallel.py``'s train worker (``llmkit train``'s Trainer)."""
     with tempfile.TemporaryDirectory() as out:
-        ov = [f"train.steps={steps}", "schedule.warmup_steps=1", "train.log_every=1", f"out_dir={out}"]
+        ov = [f"train.steps={steps}", "lr_schedule.warmup_steps=1", "train.log_every=1", f"out_dir={out}"]
         ov += [f"train.batch_size={batch}", f"train.grad_accum={accum}"]
         return launch_training(n, ov + [f"parallel.{k}={v}" for k, v in parallel.items()], warmup)
 
 
 def predict(n: int, parallel: dict, batch: int, accum: int):
-    from llmkit.framework.distributed import planner as P
+    from llmkit.framework.distributed import plan_search
+    from llmkit.train.auto_plan import machine_for, model_cost, precision_of, step_probe
     from llmkit.train.config import load_config
-    from llmkit.train.planning import machine_for, model_cost, precision_of, step_probe
 
     cfg = load_config(BENCH, [f"train.batch_size={batch}", f"train.grad_accum={accum}"])
     llama, cost = model_cost(cfg)
     host = machine_for(None, "mpi" if n > 1 else "sim", n, step_probe(llama, cfg))
     dp, tp = parallel.get("dp", 1), parallel.get("tp", 1)
-    return P.estimate(
+    return plan_search.estimate(
         cost, host, batch * accum, dp, tp, 1, parallel.get("zero", 0), parallel.get("recompute", "none"),
         accum, precision=precision_of(cfg),
     )  # fmt: skip
@@ -138,20 +138,26 @@ PUBLISHED = {
 
 
 def published() -> None:
-    from llmkit.framework.distributed import planner as P
-    from llmkit.framework.distributed.plan import PlanError
+    from llmkit.framework.distributed import plan_search
+    from llmkit.framework.distributed.parallel_plan import PlanError
     from llmkit.models.llama import LlamaConfig
-    from llmkit.models.llama.parallel import llama_cost
+    from llmkit.models.llama.sharding import llama_cost
 
-    gpu = P.gpu_machine("A100")
+    gpu = plan_search.gpu_machine("A100")
     for size, fields in LLAMA2.items():
         fields = dict(fields)
         config = LlamaConfig.from_preset(fields.pop("preset"), **fields)
         cost = llama_cost(config, 4096, 2)
         for world in (8, 64, 512):
             try:
-                choice = P.plan(
-                    cost, gpu, world, 1024, 80e9, precision=P.MIXED, schedules=("1f1b", "zero_bubble")
+                choice = plan_search.plan(
+                    cost,
+                    gpu,
+                    world,
+                    1024,
+                    80e9,
+                    precision=plan_search.MIXED,
+                    schedules=("1f1b", "zero_bubble"),
                 )
             except PlanError as e:
                 emit(
@@ -167,7 +173,7 @@ def published() -> None:
             emit(
                 "planner",
                 f"llama2_{size}_{world}gpu",
-                P.mfu(b, cost, gpu, 1024) * 100,
+                plan_search.mfu(b, cost, gpu, 1024) * 100,
                 "% MFU",
                 params_b=round(config.num_parameters() / 1e9, 2),
                 plan=b.label,

@@ -1,12 +1,20 @@
-"""Quantized models: decode tokens/s of int8 and int4 against float32, and the accuracy table.
+"""Quantized models: decode tokens/s of int8 and int4 against float32, the lm_head alone, and the
+accuracy table.
 
 Speed: the engine (``Engine.from_model``, as configured by default: compiled programs, the ops' C
 kernels) on two models with random weights (speed does not depend on the values), quantized with
 RTN: configs/bench.yaml's model and a 134M-parameter one (hidden 768, 12 layers, 12 heads, MLP 2048,
-vocab 32000). Variants: float32; int8 per output channel; int4 in groups of 128 (symmetric); and
-both again with the lm_head quantized (``--lm-head``; on the 134M model the float lm_head alone is
-a fifth of the weights). Batch 1 and 8, greedy, tokens/s from the median step time over interleaved
-rounds; each ratio is the median over rounds of the two measured in the same round.
+vocab 32000). Variants (``SPEED``): float32; int8 per output channel and int4 in groups of 128,
+each weight-only (float activations) and with int8 activations (``_act8``: integer products); and
+the all-tensor variants (``_all``: the lm_head and the token embedding quantized too, as GGUF's
+Q8_0 / Q4_0 files) at every group size. Batch 1, 8 and 32 (``--batches``), greedy, tokens/s from the
+median step time over interleaved rounds; each ratio is the median over rounds of the two measured
+in the same round. Every line carries the 1-minute load average when it was measured.
+
+The lm_head alone (``head``): the 134M model's [32000, 768] product at batch 1, 8 and 32 for every
+format the lm_head can take (int8 per channel; int4 in groups of 32, 64, 128 and per channel),
+weight-only and with int8 activations, against float32's ``tiled_linear`` kernel, one call at a
+time, interleaved.
 
 The bound of each variant: a decode step reads every weight once (of the embedding table one row
 per sequence), ``weight_MB`` per step, so ``GB_per_s`` = weight bytes / median step time is the
@@ -51,13 +59,26 @@ MODELS = {
         max_position_embeddings=1024,
     ),
 }
-SPEED = {  # variant -> (QuantConfig, lm_head quantized) or None for float32
+
+
+def _q(bits: int, group: int, act_bits: int = 0) -> QuantConfig:
+    return QuantConfig(bits, group, True, "rtn", act_bits)
+
+
+SPEED = {  # variant -> (QuantConfig, lm_head and embedding quantized) or None for float32
     "float32": None,
-    "int8": (QuantConfig(8, -1, True, "rtn"), False),
-    "int4": (QuantConfig(4, 128, True, "rtn"), False),
-    "int8_lm_head": (QuantConfig(8, -1, True, "rtn"), True),
-    "int4_lm_head": (QuantConfig(4, 128, True, "rtn"), True),
+    "int8": (_q(8, -1), False),
+    "int8_act8": (_q(8, -1, 8), False),
+    "int4_g128": (_q(4, 128), False),
+    "int4_g128_act8": (_q(4, 128, 8), False),
+    "int8_all": (_q(8, -1), True),
+    "int8_all_act8": (_q(8, -1, 8), True),
+    "int4_g32_all": (_q(4, 32), True),
+    "int4_g32_all_act8": (_q(4, 32, 8), True),
+    "int4_g64_all_act8": (_q(4, 64, 8), True),
+    "int4_g128_all_act8": (_q(4, 128, 8), True),
 }
+HEAD_FORMATS = [(8, -1), (4, 32), (4, 64), (4, 128), (4, -1)]  # what an lm_head can be stored as
 ACCURACY = [(8, -1, True), (4, 32, True), (4, 64, True), (4, 128, True), (4, 128, False)]
 
 
@@ -66,33 +87,50 @@ def model_of(config: LlamaConfig, variant: tuple | None) -> LlamaForCausalLM:
     model = LlamaForCausalLM(config)
     model.eval()
     if variant is not None:
-        quantize_model(model, variant[0], lm_head=variant[1], progress=False)
+        quantize_model(model, variant[0], lm_head=variant[1], embed=variant[1], progress=False)
     return model
 
 
 def step_bytes(model: LlamaForCausalLM) -> int:
     """Weight bytes a decode step reads: every tensor once, of an untied embedding table one row."""
-    total = sum(t.numpy().nbytes for t in model.state_dict().values())
+    state = model.state_dict()
+    total = sum(t.numpy().nbytes for t in state.values())
     if not model.config.tie_word_embeddings:
-        emb = model.model.embed_tokens.weight.numpy()
-        total -= emb.nbytes - emb[0].nbytes
+        for name, t in state.items():
+            if name.startswith("model.embed_tokens."):
+                a = t.numpy()
+                total -= a.nbytes - a[0].nbytes
     return total
 
 
-def speed(name: str, rounds: int, prompt_len: int, new_tokens: int, info: dict) -> None:
+def load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def speed(
+    name: str,
+    variants: list[str],
+    batches: list[int],
+    rounds: int,
+    prompt_len: int,
+    new_tokens: int,
+    info: dict,
+) -> None:
     config = MODELS[name]()
     engines, weights = {}, {}
-    for v, q in SPEED.items():
+    for v in ["float32", *(v for v in variants if v != "float32")]:
         t = time.perf_counter()
-        model = model_of(config, q)
+        model = model_of(config, SPEED[v])
         weights[v] = step_bytes(model)
-        engines[v] = Engine.from_model(model, None, EngineConfig(max_batch=8))
-        emit("quant", f"{name}_{v}_setup_s", time.perf_counter() - t, "s", model=name)
-    for batch in (1, 8):
+        engines[v] = Engine.from_model(model, None, EngineConfig(max_batch=max(batches)))
+        emit("quant", f"{name}_{v}_setup_s", time.perf_counter() - t, "s", model=name, load_1min=load())
+    for batch in batches:
         per_round: dict[str, list[float]] = {v: [] for v in engines}
+        loads = []
         for _ in range(rounds):
             for v, e in engines.items():
                 per_round[v].append(float(np.median(engine_steps(e, batch, prompt_len, new_tokens))))
+            loads.append(load())
         gbps = {v: weights[v] / float(np.median(steps)) / 1e9 for v, steps in per_round.items()}
         for v, steps in per_round.items():
             med = float(np.median(steps))
@@ -105,6 +143,7 @@ def speed(name: str, rounds: int, prompt_len: int, new_tokens: int, info: dict) 
                 weight_MB=round(weights[v] / 1e6, 2),
                 MB_per_token=round(weights[v] / batch / 1e6, 2),
                 GB_per_s=round(gbps[v], 2),
+                load_1min=loads,
                 **info,
             )
         for v in engines:
@@ -117,7 +156,51 @@ def speed(name: str, rounds: int, prompt_len: int, new_tokens: int, info: dict) 
                     model=name,
                     format_bound_x=round(weights["float32"] / weights[v], 3),
                     GB_per_s_of_float32=round(gbps[v] / gbps["float32"], 3),
+                    load_1min=loads,
                     note="decode tokens/s, same run; bound: float32's GB/s over the variant's bytes",
+                )
+
+
+def head(rounds: int, batches: list[int], info: dict) -> None:
+    """The lm_head product alone: each format's kernel against float32's, interleaved calls."""
+    from llmkit.framework.compiler.native import NativeOp, build_c
+    from llmkit.framework.ops.paged import pack_panels
+    from llmkit.framework.opspec import table
+    from llmkit.quant import quantize_rtn
+
+    ql, tl = (
+        NativeOp(table()[n], build_c(table()[n].native.source)) for n in ("quant_linear", "tiled_linear")
+    )
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((32000, 768)) * 0.02).astype(np.float32)
+    panels = pack_panels(np.ascontiguousarray(w.T))
+    calls = {"float32": lambda x: tl(np, x, panels, rows=1, panel=16)}
+    for bits, group in HEAD_FORMATS:
+        qw = quantize_rtn(w, QuantConfig(bits, group, True, "rtn"))
+        for act in (0, 8):
+            label = f"int{bits}_{'g' + str(group) if group > 0 else 'channel'}{'_act8' if act else ''}"
+            calls[label] = lambda x, qw=qw, b=bits, g=group, a=act: ql(
+                np, x, qw.qweight, qw.scales, bits=b, group_size=g, act_bits=a
+            )
+    for batch in batches:
+        x = rng.standard_normal((batch, 768)).astype(np.float32)
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        for _ in range(rounds * 5):
+            for k, f in calls.items():
+                t = time.perf_counter()
+                f(x)
+                times[k].append(time.perf_counter() - t)
+        for k, ts in times.items():
+            med = float(np.median(ts))
+            emit("quant", f"lm_head_{k}_batch{batch}_ms", med * 1e3, "ms", load_1min=load(), **info)
+            if k != "float32":
+                emit_paired_ratio(
+                    "quant",
+                    f"lm_head_{k}_speedup_over_float32_batch{batch}",
+                    times["float32"],
+                    ts,
+                    load_1min=load(),
+                    note="float32 time / this format's, [32000, 768] weight, same run",
                 )
 
 
@@ -170,13 +253,18 @@ def main() -> None:
     )
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--variants", nargs="+", default=list(SPEED), choices=list(SPEED))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--skip-head", action="store_true", help="no lm_head-alone figures")
     a = p.parse_args()
     spin_between_kernels()  # as llmkit serve runs
     info = dict(prompt_len=a.prompt_len, new_tokens=a.new_tokens, **machine())
     emit("quant", "load_average_1min", os.getloadavg()[0], "load", **info)
+    if not a.skip_head:
+        head(a.rounds, a.batches, info)
     if not a.skip_speed:
         for name in a.models:
-            speed(name, a.rounds, a.prompt_len, a.new_tokens, {"model": name, **info})
+            speed(name, a.variants, a.batches, a.rounds, a.prompt_len, a.new_tokens, {"model": name, **info})
     if Path(a.model).exists():
         accuracy(Path(a.model), a.calib_samples)
     else:

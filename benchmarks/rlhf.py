@@ -127,7 +127,7 @@ def steps(args, model_path: str) -> None:
                     f"model.init_from={model_path}",
                     f"train.steps={args.steps}",
                     "train.save_every=0",
-                    "schedule.warmup_steps=0",
+                    "lr_schedule.warmup_steps=0",
                     f"rlhf.exact_logprobs={str(exact).lower()}",
                     f"out_dir={out}",
                 ]
@@ -158,7 +158,7 @@ def data_parallel(args, model_path: str) -> None:
         for dp in per:
             with tempfile.TemporaryDirectory() as out:
                 cmd = [sys.executable, "-m", "llmkit", "rlhf", str(config), f"model.init_from={model_path}"]
-                cmd += [f"train.steps={args.steps}", "train.save_every=0", "schedule.warmup_steps=0"]
+                cmd += [f"train.steps={args.steps}", "train.save_every=0", "lr_schedule.warmup_steps=0"]
                 cmd += [f"out_dir={out}", "--quiet"]
                 if dp > 1:
                     cmd += [f"parallel.dp={dp}", "--nproc", str(dp)]

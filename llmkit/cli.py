@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train a Llama model from a YAML config", "llmkit.train.cli:main"),
     "plan": (
         "pick the fastest parallel plan that fits: llmkit plan CFG --world N --mem-gb M [--gpu H100]",
-        "llmkit.train.planning:plan_main",
+        "llmkit.train.auto_plan:plan_main",
     ),
     "generate": ("generate text from a trained model", "llmkit.generate:main"),
     "tokenizer": (
@@ -51,7 +51,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ("llmkit.framework.opspec", "OpError"),
         ("llmkit.framework.serialization", "SafetensorsError"),
         ("llmkit.train.config", "ConfigError"),
-        ("llmkit.framework.distributed.plan", "PlanError"),
+        ("llmkit.framework.distributed.parallel_plan", "PlanError"),
         ("llmkit.train.data", "DataError"),
         ("llmkit.train.checkpoint", "ResumeError"),
         ("llmkit.train.plot", "PlotError"),

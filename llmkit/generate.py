@@ -99,7 +99,9 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
     if a.eager:
-        new = generate(model, [ids], a.max_new_tokens, params, eos_token_id=tok.eos_id)[0]
+        # the engine's stop ids: the tokenizer's eos and generation_config.json's, and config.json's
+        eos = [*tok.eos_ids, *model.config.eos_ids]
+        new = generate(model, [ids], a.max_new_tokens, params, eos_token_id=eos)[0]
         print(a.prompt + tok.decode(new))
         return 0
     from llmkit.framework.compiler.build import spin_between_kernels

@@ -688,8 +688,17 @@ class Tokenizer:
             self._bytes[token_id] = b
         return b
 
+    @cached_property
+    def _texts(self) -> list[str | None]:
+        return [None] * self.vocab_size
+
     def token_text(self, token_id: int) -> str:
         """One token's text (a partial UTF-8 byte shows as U+FFFD, as OpenAI does)."""
+        if 0 <= token_id < self.vocab_size:  # echo's logprobs ask several times per prompt token
+            t = self._texts[token_id]
+            if t is None:
+                t = self._texts[token_id] = self.token_bytes(token_id).decode("utf-8", errors="replace")
+            return t
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def check_fits(self, model_vocab_size: int, where: str) -> None:

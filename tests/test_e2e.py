@@ -49,7 +49,7 @@ TRAIN = [
     "train.eval_steps=2",
     "train.log_every=5",
     "train.save_every=0",
-    "schedule.warmup_steps=2",
+    "lr_schedule.warmup_steps=2",
 ]
 # a large learning rate, so that three steps move weights by more than int4's half step
 RLHF = [
@@ -60,7 +60,7 @@ RLHF = [
     "rollout.max_tokens=8",
     "rollout.max_batch=8",
     "optim.lr=1e-2",
-    "schedule.warmup_steps=0",
+    "lr_schedule.warmup_steps=0",
 ]
 QUANTIZE = ["--bits", "4", "--calib-samples", "8", "--eval-tokens", "2048", "--quiet"]
 PROMPT, SEED = "The value", 3

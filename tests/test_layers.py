@@ -177,18 +177,8 @@ def test_imports_point_down_the_layers():
 
 
 # Cycles known and not yet mended, each with why; the test fails when one is mended (drop it here)
-# as well as on any new one. compiler/native's family modules take ``native_kernel`` from the
-# package __init__, which imports them at its end (moving it to a module of its own mends it).
-KNOWN_CYCLES = [
-    [
-        "framework/compiler/native/__init__.py",
-        "framework/compiler/native/attention.py",
-        "framework/compiler/native/gather.py",
-        "framework/compiler/native/linear.py",
-        "framework/compiler/native/paged.py",
-        "framework/compiler/native/quant.py",
-    ],
-]
+# as well as on any new one. None are left.
+KNOWN_CYCLES: list[list[str]] = []
 
 
 def test_no_import_cycle_inside_a_layer():

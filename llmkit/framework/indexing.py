@@ -13,7 +13,7 @@ import numpy as np
 
 from . import backend as B
 from .dispatch import O
-from .ops.movement import END
+from .ops.views import END
 from .tensor import Tensor
 
 

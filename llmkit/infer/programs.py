@@ -18,9 +18,10 @@ segment: a run of tokens of one sequence, see ``paged_attention``), and returns 
 row: with ``lse = logsumexp(z)`` of the row's logits ``z`` in float64, the log-prob ``z[t] - lse`` of
 ``targets[row]`` (the sequence's next token) and of the K most likely tokens (K =
 ``ModelSpec.score_top_k``), all by that one formula (a target that is the most likely token has
-exactly the top-1 value). The log-softmax row itself is never formed. Its
-``logits`` at ``logit_rows`` are prefill's, by the same ops (so a scored prompt samples the same
-first token). ``pool`` is ``[layers, 2, NB, BS, Hkv, D]``
+exactly the top-1 value). Neither the log-softmax row nor ``z`` itself is formed: ``lse`` is one
+fused pass over the float32 logits, and ``z[t]`` is the float32 logit picked, then cast (exact). Its
+``logits`` at ``logit_rows`` are rows of the same tiled product, so prefill's bits (a scored prompt
+samples the same first token). ``pool`` is ``[layers, 2, NB, BS, Hkv, D]``
 with NB symbolic: the server sizes its pool at startup.
 
 After tracing, passes rewrite them: ``tile-linear`` turns every ``linear`` into
@@ -128,16 +129,31 @@ class _TileLinear(RewritePattern):
         rewriter.replace_op(op, rewriter.create("llm.tiled_linear", list(op.operands), {"rows": self.rows}))
 
 
+class _TileQuantLinear(RewritePattern):
+    """A ``quant_linear`` traced as it is (int8 activations, ``act_bits=8``) takes the tiles too."""
+
+    roots = ("llm.quant_linear",)
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
+        if op.plain_attrs["rows"] == 0:
+            attrs = {**op.plain_attrs, "rows": self.rows}
+            rewriter.replace_op(op, rewriter.create("llm.quant_linear", list(op.operands), attrs))
+
+
 @register_pass
 @dataclass
 class TileLinear(Pass):
-    """``linear`` -> ``tiled_linear{rows}``: each row's result independent of the batch size."""
+    """``linear`` -> ``tiled_linear{rows}`` (and ``quant_linear`` traced untiled -> ``{rows}``): each
+    row's result independent of the batch size."""
 
     name = "tile-linear"
     rows: int = PREFILL_TILE
 
     def apply(self, program: Program) -> None:
-        apply_patterns(program, [_TileLinear(self.rows)], erase_dead=False)
+        apply_patterns(program, [_TileLinear(self.rows), _TileQuantLinear(self.rows)], erase_dead=False)
 
 
 class _Relayout(RewritePattern):
@@ -378,30 +394,38 @@ def trace_programs(
     tiles = {"prefill": prefill_tile, "decode": decode_tile, "score": prefill_tile}
     native = runs_native(compiler)  # panel-packed weights where the executor runs the C kernel
     lm_weight = model.lm_weight
+    head = None if model.config.tie_word_embeddings else getattr(model, "lm_head", None)
+
+    def logits(rows):  # (R, H) -> (R, V); a quantized lm_head as its layer runs (int8 activations)
+        return head(rows) if isinstance(head, lf.nn.QuantizedLinear) else O.linear(rows, lm_weight())
 
     def prefill(input_ids, positions, slots, block_tables, kv_len, q_start, q_len, logit_rows, pool):
         cache = PagedKVCache(pool, slots, block_tables, kv_len, q_start, q_len)
         hidden = model.model(input_ids, positions, None, cache)  # (1, N, H)
         rows = O.index_select(O.reshape(hidden, [-1, hidden.shape[-1]]), logit_rows)  # (R, H)
-        return O.linear(rows, lm_weight()), cache.pool  # (R, V)
+        return logits(rows), cache.pool  # (R, V)
 
     def score(input_ids, positions, slots, block_tables, kv_len, q_start, q_len, logit_rows, targets, pool):
         cache = PagedKVCache(pool, slots, block_tables, kv_len, q_start, q_len)
         hidden = model.model(input_ids, positions, None, cache)  # (1, N, H)
         flat = O.reshape(hidden, [-1, hidden.shape[-1]])  # (N, H)
-        logits = O.linear(O.index_select(flat, logit_rows), lm_weight())  # (R, V): prefill's
         every = O.linear(flat, lm_weight())  # (N, V)
-        z = O.cast(every, np.float64)
-        lse = O.logsumexp(z, axis=-1, keepdim=True)  # (N, 1)
-        _, top_ids = O.topk(every, k=spec.score_top_k)  # (N, K): the order of z, on the narrower type
-        target_lp = O.reshape(O.gather(z, O.reshape(targets, [-1, 1]), axis=-1) - lse, [-1])  # (N,)
-        top_lp = O.gather(z, top_ids, axis=-1) - lse  # (N, K), by the same formula as target_lp
+        # (R, V): prefill's bits, picked from every's rows (a tiled linear's row does not depend on
+        # the rows beside it: the batch-invariance guarantee), not a second product
+        logits = O.index_select(every, logit_rows)
+        lse = O.logsumexp(O.cast(every, np.float64), axis=-1, keepdim=True)  # (N, 1), one fused pass
+        top, top_ids = O.topk(every, k=spec.score_top_k)  # (N, K): the order of z, on the narrower type
+        # z[t] is cast(every[t]) (exact): picked before the cast, so the float64 (N, V) is never
+        # written out (it doubled the bytes the score program wrote per step)
+        target = O.gather(every, O.reshape(targets, [-1, 1]), axis=-1)  # (N, 1)
+        target_lp = O.reshape(O.cast(target, np.float64) - lse, [-1])  # (N,)
+        top_lp = O.cast(top, np.float64) - lse  # (N, K), by the same formula as target_lp
         return logits, target_lp, top_lp, top_ids, cache.pool
 
     def decode(input_ids, positions, slots, block_tables, kv_len, pool):
         cache = PagedKVCache(pool, slots, block_tables, kv_len)
         hidden = model.model(input_ids, positions, None, cache)  # (B, 1, H)
-        return O.linear(O.reshape(hidden, [-1, hidden.shape[-1]]), lm_weight()), cache.pool  # (B, V)
+        return logits(O.reshape(hidden, [-1, hidden.shape[-1]])), cache.pool  # (B, V)
 
     names = {id(t): n for n, t in model.named_parameters()}
     names.update({id(t): n for n, t in model.named_buffers()})

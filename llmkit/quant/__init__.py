@@ -13,7 +13,7 @@ from __future__ import annotations
 from .evaluate import EvalError, eval_tokens, evaluate
 from .format import QuantConfig, QuantError, QuantizedWeight, pack, quantize_rtn, unpack
 from .gptq import Hessian, gptq
-from .quantize import install, quantize_model, save_quantized, targets, weight_bytes
+from .quantize import install, quantize_model, save_quantized, set_act_bits, targets, weight_bytes
 
 __all__ = [
     "EvalError",
@@ -29,6 +29,7 @@ __all__ = [
     "quantize_model",
     "quantize_rtn",
     "save_quantized",
+    "set_act_bits",
     "targets",
     "unpack",
     "weight_bytes",

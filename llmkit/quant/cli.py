@@ -5,6 +5,7 @@
     llmkit quantize --model runs/tiny --bits 4            # -> runs/tiny-int4 (GPTQ, groups of 128)
     llmkit quantize --model DIR --bits 8 --method rtn --out DIR8
     llmkit quantize --model runs/tiny-tp2 --bits 4 --nproc 2   # two MPI processes share the work
+    llmkit quantize --model runs/tiny --bits 4 --group 32 --lm-head --act-bits 8   # int8 x int4 products
     llmkit eval --model runs/tiny-int4                    # perplexity on the held-out split
     llmkit eval --model DIR --data notes.txt
 
@@ -15,8 +16,12 @@ runs/tiny-int4`` follows without editing a path.
 
 A checkpoint trained with a parallel plan (its ``parallel_plan.json``, beside ``model/``) keeps
 it: the quantized directory's plan places each linear's scales and zeros as its weight
-(``llmkit.quant.parallel``). ``--nproc N`` runs N processes under mpiexec, sharing the work; the
+(``llmkit.quant.multirank``). ``--nproc N`` runs N processes under mpiexec, sharing the work; the
 result is the same bits as one process's.
+
+The report's table has a column per way of running the codes: weight-only (float activations) and
+with int8 activations (``--act-bits 8``: integer products, docs/quantize.md); ``--act-bits`` says
+which one the written model runs.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from llmkit.train.checkpoint import model_dir
 
 from .evaluate import SEQ_LEN, eval_tokens, evaluate
 from .format import QuantConfig, QuantError
-from .parallel import Ranks, derive, plan_file
-from .quantize import quantize_model, save_quantized, targets, weight_bytes
+from .multirank import Ranks, derive, plan_file
+from .quantize import quantize_model, save_quantized, set_act_bits, targets, weight_bytes
 
 
 def default_out(model_dir: Path, bits: int) -> Path:
@@ -54,22 +59,30 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
+ACT_NAMES = {0: "weight-only", 8: "int8 act"}  # report["variants"] keys: act_bits -> column name
+
+
 def _table(cfg: QuantConfig, r: dict[str, Any]) -> str:
+    """The report as text: a column per variant (weight-only, int8 activations), the written one
+    marked with *."""
     name = f"int{cfg.bits} {'g' + str(cfg.group_size) if cfg.group_size > 0 else 'per-channel'} {cfg.method}"
-    (fp, qp), b = r["perplexity"].values(), r["bytes"]
+    fp, b = r["perplexity"]["float"], r["bytes"]
+    cols = [(bits, r["variants"][v]) for bits, v in ACT_NAMES.items()]
+    ratio = f"{_mb(b['layers_quant'])}  ({b['layers_quant'] / b['layers_float']:.3f}x)"
     rows = [
-        ("", "float32", name),
-        ("perplexity", f"{fp:.3f}", f"{qp:.3f}  ({100 * (qp / fp - 1):+.2f}%)"),
-        ("mean KL (nats/token)", "-", f"{r['kl']:.3g}"),
-        ("top-1 agreement", "-", f"{100 * r['top1']:.2f}%"),
+        ("", "float32", *(f"{name}, {ACT_NAMES[a]}{' *' if a == cfg.act_bits else ''}" for a, _ in cols)),
         (
-            "quantized linears",
-            _mb(b["layers_float"]),
-            f"{_mb(b['layers_quant'])}  ({b['layers_quant'] / b['layers_float']:.3f}x)",
+            "perplexity",
+            f"{fp:.3f}",
+            *(f"{v['quant']:.3f}  ({100 * (v['quant'] / fp - 1):+.2f}%)" for _, v in cols),
         ),
-        ("whole model", _mb(b["model_float"]), _mb(b["model_quant"])),
+        ("mean KL (nats/token)", "-", *(f"{v['kl']:.3g}" for _, v in cols)),
+        ("top-1 agreement", "-", *(f"{100 * v['top1']:.2f}%" for _, v in cols)),
+        ("quantized linears", _mb(b["layers_float"]), *(ratio for _ in cols)),
+        ("whole model", _mb(b["model_float"]), *(_mb(b["model_quant"]) for _ in cols)),
     ]
-    lines = [f"{a:<22}{x:>12}   {y}" for a, x, y in rows]
+    lines = [f"{row[0]:<22}{row[1]:>12}   " + "".join(f"{c:<34}" for c in row[2:]).rstrip() for row in rows]
+    lines.append(f"(* the written model: --act-bits {cfg.act_bits})")
     e = r["eval"]
     lines.append(f"({e['tokens']:,} tokens of {e['data']}, windows of {e['seq_len']})")
     return "\n".join(lines)
@@ -130,6 +143,16 @@ def quantize_main(argv: list[str]) -> int:
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ: diagonal damping, a fraction of its mean")
     p.add_argument("--lm-head", action="store_true", help="quantize the lm_head too (untied models)")
     p.add_argument(
+        "--embed", action="store_true", help="quantize the token embedding too (RTN; untied models)"
+    )
+    p.add_argument(
+        "--act-bits",
+        type=int,
+        default=0,
+        choices=[0, 8],
+        help="0: float activations (weight-only); 8: int8 activations, integer products",
+    )
+    p.add_argument(
         "--eval-tokens", type=int, default=0, help="held-out tokens for the report (0: the whole split)"
     )
     p.add_argument("--seed", type=int, default=0, help="calibration window offsets")
@@ -146,7 +169,7 @@ def quantize_main(argv: list[str]) -> int:
     if a.hostfile is not None:
         p.error("--hostfile goes with --nproc")
     group = a.group if a.group is not None else (128 if a.bits == 4 else -1)
-    cfg = QuantConfig(a.bits, group, a.sym, a.method, a.scale_dtype)
+    cfg = QuantConfig(a.bits, group, a.sym, a.method, scale_dtype=a.scale_dtype, act_bits=a.act_bits)
     src = model_dir(a.model, "--model")
     out = Path(a.out) if a.out else default_out(src, a.bits)
     if out.resolve() == src.resolve():
@@ -154,7 +177,7 @@ def quantize_main(argv: list[str]) -> int:
     if out.exists() and not (out / "config.json").is_file():
         raise QuantError(f"--out {out} exists and is not a model directory; refusing to replace it")
     import llmkit.framework.distributed as dist
-    from llmkit.framework.distributed.plan import ParallelPlan
+    from llmkit.framework.distributed.parallel_plan import ParallelPlan
 
     dist.init()  # mpi under mpiexec (one rank per process), else sim (this process alone)
     ranks = Ranks()
@@ -162,7 +185,7 @@ def quantize_main(argv: list[str]) -> int:
     if "quantization_config" in model.config.extra:
         raise QuantError(f"{src} is already quantized; quantize its float source instead")
     layers = dict(model.named_sublayers())
-    paths = targets(model, a.lm_head)
+    paths = targets(model, a.lm_head, a.embed)
     found = plan_file(src)
     plan = None
     if found is not None:  # checked before any work: a group straddling two shards is an error now
@@ -174,16 +197,23 @@ def quantize_main(argv: list[str]) -> int:
     calib = (
         calibration_ids(tok, a.calib, a.calib_samples, a.seq_len, a.seed) if cfg.method == "gptq" else None
     )
-    paths = quantize_model(model, cfg, calib, a.lm_head, a.act_order, a.damp, not a.quiet, ranks)
+    paths = quantize_model(model, cfg, calib, a.lm_head, a.act_order, a.damp, not a.quiet, ranks, a.embed)
     seconds = time.perf_counter() - start
     if not ranks.is_first:
         return 0  # rank 0 reports and writes
     float_model, _ = _load(src)
-    ev = evaluate([float_model, model], eval_tokens(tok), a.seq_len, a.eval_tokens)
+    variants = {}
+    for act_bits, label in ACT_NAMES.items():  # the same codes, run both ways
+        set_act_bits(model, act_bits)
+        ev = evaluate([float_model, model], eval_tokens(tok), a.seq_len, a.eval_tokens)
+        variants[label] = {"act_bits": act_bits, "quant": ev["ppl"][1], "kl": ev["kl"], "top1": ev["top1"]}
+    set_act_bits(model, cfg.act_bits)
+    ev = {**ev, **variants[ACT_NAMES[cfg.act_bits]]}
     report = {
         "quantization_config": cfg.to_hf(),
         "act_order": a.act_order,
         "lm_head": a.lm_head,
+        "embed": a.embed,
         "calibration": None
         if calib is None
         else {"data": a.calib, "samples": a.calib_samples, "seq_len": a.seq_len, "seed": a.seed},
@@ -191,9 +221,10 @@ def quantize_main(argv: list[str]) -> int:
         "parallel": {"plan": None if found is None else str(found), "ranks": ranks.size},
         "seconds": round(seconds, 2),
         "eval": {"data": "the built-in corpus' held-out split", "tokens": ev["tokens"], "seq_len": a.seq_len},
-        "perplexity": {"float": ev["ppl"][0], "quant": ev["ppl"][1]},
+        "perplexity": {"float": ev["ppl"][0], "quant": ev["quant"]},  # of the written variant
         "kl": ev["kl"],
         "top1": ev["top1"],
+        "variants": variants,
         "bytes": weight_bytes(float_model, model, paths),
     }
     save_quantized(model, src, out, report, plan)
@@ -233,6 +264,8 @@ def eval_main(argv: list[str]) -> int:
     r = evaluate([model], eval_tokens(tok, a.data), a.seq_len, a.max_tokens)
     qc = model.config.extra.get("quantization_config")
     kind = "float" if qc is None else f"int{qc['bits']}, group {qc['group_size']}, {qc['method']}"
+    if qc is not None and qc.get("act_bits"):
+        kind += f", int{qc['act_bits']} activations"
     what = a.data or "the built-in corpus' held-out split"
     n = r["tokens"]
     print(f"perplexity {r['ppl'][0]:.3f}  ({src}, {kind}; {n:,} tokens of {what}, windows of {a.seq_len})")

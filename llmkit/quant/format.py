@@ -25,10 +25,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from llmkit.framework.ops.quant import BITS, CODE_DTYPE, SYM_ZERO, codes
+from llmkit.framework.ops.quant import ACT_BITS, BITS, CODE_DTYPE, SYM_ZERO, codes
+from llmkit.models.llama.checkpoint import QUANT_VERSION as FORMAT_VERSION
 
 METHODS = ("rtn", "gptq")
 QUANT_METHOD = "llmkit"  # quantization_config.quant_method of this format
+# quantization_config.version (FORMAT_VERSION): 1 (no key: weight-only products), 2 (act_bits)
 CODE_RANGE = {8: (-127, 127), 4: (0, 15)}
 _STEPS = {(8, True): 127.0, (4, True): 7.5, (4, False): 15.0}  # max|w| (or the range) per scale
 SCALE_DTYPES = ("float32", "float16")  # the numbers a scale may be (always stored as float32)
@@ -47,8 +49,11 @@ class QuantConfig:
     sym: bool = True  # zero point 8 (4-bit) / 0 (8-bit); False: per-group uint8 zeros (4-bit only)
     method: str = "gptq"  # "rtn" (round to nearest) or "gptq" (Frantar et al. 2022)
     scale_dtype: str = "float32"  # "float16": scales rounded to float16 numbers (GGUF Q8_0/Q4_0)
+    act_bits: int = 0  # 0: products with float activations (weight-only); 8: int8 x int8/int4 products
 
     def __post_init__(self) -> None:
+        if self.act_bits not in ACT_BITS:
+            raise QuantError(f"act_bits must be 0 (float activations) or 8, got {self.act_bits!r}")
         if self.bits not in BITS:
             raise QuantError(f"bits must be 4 or 8, got {self.bits!r}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
@@ -73,13 +78,23 @@ class QuantConfig:
             "sym": self.sym,
             "method": self.method,
             "scale_dtype": self.scale_dtype,
+            "act_bits": self.act_bits,
+            "version": FORMAT_VERSION,
         }
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> QuantConfig:
         if not isinstance(d, dict) or d.get("quant_method") != QUANT_METHOD:
             raise QuantError(f"quantization_config: not an {QUANT_METHOD!r} config: {d!r}")
-        return cls(**{k: d[k] for k in ("bits", "group_size", "sym", "method", "scale_dtype") if k in d})
+        version = d.get("version", 1)
+        if version not in range(1, FORMAT_VERSION + 1):
+            raise QuantError(
+                f"quantization_config: version {version!r} is newer than this llmkit reads "
+                f"(1 .. {FORMAT_VERSION}): upgrade llmkit"
+            )
+        return cls(
+            **{k: d[k] for k in ("bits", "group_size", "sym", "method", "scale_dtype", "act_bits") if k in d}
+        )
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else math.ceil(in_features / self.group_size)

@@ -19,7 +19,7 @@ parameters are always fixed up front.
 
 Rows are independent (each sees the same ``H``), so the work is done in fixed blocks of ``ROWS``
 rows (``row_blocks``): a block's bits never depend on which other rows were quantized with it, and
-ranks that share a weight's blocks (``llmkit.quant.parallel``) give the one-process result exactly.
+ranks that share a weight's blocks (``llmkit.quant.multirank``) give the one-process result exactly.
 Likewise ``XᵀX`` is summed in fixed blocks of ``ROWS`` of its rows.
 """
 

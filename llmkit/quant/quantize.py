@@ -1,15 +1,17 @@
 """Quantizing a Llama model in place, and writing it as a quantized checkpoint directory.
 
-Which weights: every ``Linear`` of the decoder layers (attention q/k/v/o, MLP gate/up/down), and
-the ``lm_head`` when asked (``lm_head=True``, untied models). Embeddings and norms stay float: a
-lookup reads one row per token, and the norms are a few vectors.
+Which weights: every ``Linear`` of the decoder layers (attention q/k/v/o, MLP gate/up/down), the
+``lm_head`` when asked (``lm_head=True``, untied models), and the token embedding when asked
+(``embed=True``, untied models: GGUF's all-tensor variants; always RTN, a lookup has no Hessian, and
+first, so GPTQ's calibration runs on the quantized embedding's rows). Norms stay float: a few
+vectors.
 
 GPTQ runs the decoder layers in order (as the paper does): the calibration batches' inputs to
 layer ``l`` are the outputs of the already quantized layers before it, each linear's Hessian is
 accumulated from its own inputs (forward pre-hooks) while layer ``l`` runs in float, its weights
 are quantized, and layer ``l`` runs again, quantized, to make the next layer's inputs.
 
-``ranks`` (``llmkit.quant.parallel.Ranks``) share the Hessians' and the weights' row blocks; the
+``ranks`` (``llmkit.quant.multirank.Ranks``) share the Hessians' and the weights' row blocks; the
 result is the same bits on any number of ranks.
 """
 
@@ -27,22 +29,29 @@ from tqdm import tqdm
 
 import llmkit.framework as lf
 from llmkit.framework import nn
-from llmkit.framework.distributed.plan import PLAN_FILE, ParallelPlan
+from llmkit.framework.distributed.parallel_plan import PLAN_FILE, ParallelPlan
 from llmkit.framework.files import atomic_dir
 from llmkit.tokenizer import GENERATION_FILE, Tokenizer
 from llmkit.train.metrics import QUANT_REPORT
 
 from .format import QuantConfig, QuantError, QuantizedWeight, check_shape, join, quantize_rtn
 from .gptq import Hessian, gptq
-from .parallel import Ranks
+from .multirank import Ranks
 
 REPORT = QUANT_REPORT  # what llmkit plot reads
 CALIB_BATCH = 16  # calibration sequences per forward
 
 
-def targets(model: Any, lm_head: bool = False) -> list[str]:
-    """The dotted paths of the linears to quantize (see the module docstring)."""
-    paths = [p for p, sub in model.model.layers.named_sublayers("model.layers") if isinstance(sub, nn.Linear)]
+EMBED = "model.embed_tokens"
+
+
+def targets(model: Any, lm_head: bool = False, embed: bool = False) -> list[str]:
+    """The dotted paths of the layers to quantize (see the module docstring)."""
+    if embed and model.config.tie_word_embeddings:
+        raise QuantError("--embed: this model's embeddings are tied to its lm_head; quantize an untied model")
+    paths = [EMBED] if embed else []
+    decoder = model.model.layers.named_sublayers("model.layers")
+    paths += [p for p, sub in decoder if isinstance(sub, nn.Linear)]
     if lm_head:
         if model.config.tie_word_embeddings:
             raise QuantError("--lm-head: this model's lm_head is tied to the embeddings, which stay float")
@@ -53,13 +62,25 @@ def targets(model: Any, lm_head: bool = False) -> list[str]:
 def install(model: Any, weights: dict[str, QuantizedWeight], cfg: QuantConfig) -> None:
     """Replace the linears at ``weights``' paths by ``QuantizedLinear`` layers holding them, and mark
     the model's config quantized (its ``quantization_config``)."""
-    for path, layer in nn.quantize_linears(model, list(weights), cfg.bits, cfg.group_size, cfg.sym).items():
+    made = nn.quantize_linears(model, list(weights), cfg.bits, cfg.group_size, cfg.sym, cfg.act_bits)
+    for path, layer in made.items():
         qw = weights[path]
         layer.qweight.set_value(qw.qweight)
         layer.scales.set_value(qw.scales.astype(layer.scales.dtype))
         if qw.zeros is not None:
             layer.zeros.set_value(qw.zeros)
     model.config.extra["quantization_config"] = cfg.to_hf()
+
+
+def set_act_bits(model: Any, act_bits: int) -> None:
+    """Switch every quantized linear of ``model`` to float (0) or int8 (8) activations, and its
+    config's ``quantization_config`` with them (the codes stay as they are)."""
+    for layer in model.sublayers():
+        if isinstance(layer, nn.QuantizedLinear):
+            layer.act_bits = act_bits
+    qc = model.config.extra.get("quantization_config")
+    if qc is not None:
+        qc["act_bits"] = act_bits
 
 
 class _Captured(Exception):
@@ -120,6 +141,7 @@ def quantize_model(
     damp: float = 0.01,
     progress: bool = True,
     ranks: Ranks | None = None,
+    embed: bool = False,
 ) -> list[str]:
     """Quantize ``model`` (a LlamaForCausalLM, float) in place; returns the quantized paths.
 
@@ -127,10 +149,11 @@ def quantize_model(
     shares the work (default: this process alone under ``sim``, every process under ``mpi``).
     """
     ranks = Ranks() if ranks is None else ranks
-    paths = targets(model, lm_head)
+    paths = targets(model, lm_head, embed)
     layers = dict(model.named_sublayers())
     for p in paths:
-        check_shape(p, layers[p].out_features, layers[p].in_features, cfg)
+        w = layers[p].weight
+        check_shape(p, w.shape[0], w.shape[1], cfg)
     if cfg.method == "gptq" and (calib is None or len(calib) == 0):
         raise QuantError("GPTQ needs calibration token ids")
     decoder = model.model.layers
@@ -151,6 +174,8 @@ def quantize_model(
         w = m.weight.numpy()
         return ranks.gather_weight(gptq(w, h, cfg, act_order, damp, ranks.rows(len(w))), len(w))
 
+    if embed:
+        install(model, {EMBED: rtn(layers[EMBED])}, cfg)
     inputs = _layer_inputs(model, calib) if cfg.method == "gptq" else []
     for i, layer in enumerate(decoder):
         mine = {p: layers[p] for p in paths if p.startswith(f"model.layers.{i}.")}

@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     prog = "llmkit " + " ".join(command)
 
     def run(cfg: Any, resume: bool, quiet: bool) -> int:
-        from .parallel import run_on_ranks
+        from .data_parallel import run_on_ranks
 
         return run_on_ranks(lambda stop: run_job(build(cfg, resume, quiet), prog, stop), cfg.parallel.dp)
 

@@ -5,7 +5,7 @@
 Sections: ``algorithm`` (grpo | ppo | rloo | dpo), ``model`` (the policy's checkpoint), ``reward``
 (one source), ``rollout`` (sampling), ``data`` (prompts or preference pairs), ``rlhf`` (the
 algorithm's hyperparameters), ``optim``, ``schedule`` and ``parallel`` (as ``llmkit train``'s; data
-parallel only: see parallel.py), ``train`` (the loop), ``out_dir``. Errors name the dotted key, as
+parallel only: see data_parallel.py), ``train`` (the loop), ``out_dir``. Errors name the dotted key, as
 ``llmkit train``'s do; the reward model job (``llmkit rlhf reward``) has its own schema built from
 the same sections.
 """
@@ -20,6 +20,7 @@ from pydantic import Field, model_validator
 from llmkit.train.config import (
     OptimSection,
     ParallelSection,
+    RunConfig,
     ScheduleSection,
     Section,
     check_warmup,
@@ -137,7 +138,7 @@ def check_data_parallel(par: ParallelSection, rows: int, key: str) -> None:
         )
 
 
-class RLHFConfig(Section):
+class RLHFConfig(RunConfig):
     """A whole RLHF run."""
 
     algorithm: Literal["grpo", "ppo", "rloo", "dpo"] = "grpo"
@@ -147,7 +148,7 @@ class RLHFConfig(Section):
     data: DataSection = DataSection()
     rlhf: AlgorithmSection = AlgorithmSection()
     optim: OptimSection = OptimSection(lr=1e-5, weight_decay=0.0)
-    schedule: ScheduleSection = ScheduleSection(name="constant")
+    lr_schedule: ScheduleSection = ScheduleSection(name="constant")
     train: LoopSection = LoopSection()
     parallel: ParallelSection = ParallelSection()  # dp: data-parallel ranks (--nproc N: processes)
     out_dir: str = "runs/rlhf"
@@ -167,17 +168,17 @@ class RLHFConfig(Section):
             check_data_parallel(self.parallel, self.train.batch_size, "train.batch_size")
         else:  # whole prompts per rank: a prompt's n samples (its group) stay together
             check_data_parallel(self.parallel, self.rollout.prompts_per_step, "rollout.prompts_per_step")
-        check_warmup(self.schedule, self.train.steps)
+        check_warmup(self.lr_schedule, self.train.steps)
         return self
 
 
-class RewardModelConfig(Section):
+class RewardModelConfig(RunConfig):
     """``llmkit rlhf reward``: a Bradley-Terry reward model on preference pairs."""
 
     model: PolicySection = PolicySection()  # the backbone's checkpoint; the scalar head starts fresh
     data: DataSection = DataSection(pairs="builtin:avoid_letter")
     optim: OptimSection = OptimSection(lr=3e-4, weight_decay=0.0)
-    schedule: ScheduleSection = ScheduleSection(name="constant")
+    lr_schedule: ScheduleSection = ScheduleSection(name="constant")
     train: LoopSection = LoopSection(steps=200)
     parallel: ParallelSection = ParallelSection()
     out_dir: str = "runs/reward"

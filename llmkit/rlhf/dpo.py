@@ -22,8 +22,7 @@ from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
 from llmkit.train.checkpoint import model_dir
 from llmkit.train.loop import build_optimizer
 
-from . import algorithms as A
-from . import policy
+from . import algorithms, policy
 from .config import RLHFConfig
 from .data import TokenBatch, encode_pair, load_pairs, split_heldout
 from .reward_model import pair_selectors
@@ -73,7 +72,7 @@ class DPOTrainer(Run):
         ref = O.unsqueeze(ref_seq_logp, axis=-1)
         pick = lambda sel, x: O.squeeze(O.matmul(sel, x), axis=-1)
         r, count = self.cfg.rlhf, float(self.cfg.train.batch_size)  # the whole step's pairs
-        return A.dpo_loss(
+        return algorithms.dpo_loss(
             pick(chosen, seq),
             pick(rejected, seq),
             pick(chosen, ref),
@@ -121,7 +120,7 @@ class DPOTrainer(Run):
         pol = self._sequence_logps(self.policy_score, self.held_pairs)
         ref = np.array([p[3:5] for p in self.held_pairs])
         r = self.cfg.rlhf
-        loss, stats = A.dpo_loss(
+        loss, stats = algorithms.dpo_loss(
             *(lf.tensor(a) for a in (pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1])), r.beta, r.dpo_loss
         )
         return {

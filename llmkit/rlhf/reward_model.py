@@ -24,7 +24,7 @@ from llmkit.train.checkpoint import model_dir
 from llmkit.train.loop import build_optimizer
 from llmkit.train.trainer import state_names
 
-from . import algorithms as A
+from . import algorithms
 from .config import RewardModelConfig
 from .data import Prompt, encode_pair, encode_prompt, load_pairs, split_heldout
 from .policy import compile_function
@@ -168,7 +168,7 @@ class RewardModelTrainer(Run):
             scores = model(ids, rows)  # (2P,)
             s = O.unsqueeze(O.cast(scores, "float64"), axis=-1)
             c, r = O.squeeze(O.matmul(chosen, s), axis=-1), O.squeeze(O.matmul(rejected, s), axis=-1)
-            loss, stats = A.bradley_terry_loss(c, r, count)
+            loss, stats = algorithms.bradley_terry_loss(c, r, count)
             loss.backward()
             if len(group) > 1:
                 all_reduce_grads(params, group)
@@ -203,7 +203,7 @@ class RewardModelTrainer(Run):
         held, sizes = self.held_pairs[self.dp.rows(len(self.held_pairs))], self.dp.sizes(len(self.held_pairs))
         c = self.dp.gather(self.scorer.scores([c for c, _ in held]), sizes, "held-out scores")
         r = self.dp.gather(self.scorer.scores([r for _, r in held]), sizes, "held-out scores")
-        _, stats = A.bradley_terry_loss(lf.tensor(c), lf.tensor(r))
+        _, stats = algorithms.bradley_terry_loss(lf.tensor(c), lf.tensor(r))
         return {
             "eval_accuracy": float(stats["accuracy"].item()),
             "eval_margin": float(stats["margin"].item()),

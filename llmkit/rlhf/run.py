@@ -9,7 +9,7 @@ from its newest checkpoint with the same metrics as an uninterrupted run (the wa
 apart). A resumed run takes its settings from the config given now (``FIXED_ON_RESUME`` lists what
 it cannot change) and its state from the checkpoint.
 
-Data parallel (``parallel.dp``, see parallel.py): every rank runs the loop; rank 0 alone draws the
+Data parallel (``parallel.dp``, see data_parallel.py): every rank runs the loop; rank 0 alone draws the
 progress bar, writes ``metrics.jsonl`` and the checkpoints (the state is the same on every rank),
 and the ranks agree on a signal before each step, so they stop after the same one. The checkpoint
 is the one-process run's, so ``--resume`` may change ``parallel.dp``.

@@ -12,7 +12,7 @@ The rollout's log-probs are the behaviour policy's (``old_logp``): with exact lo
 the trainer's own bit for bit (``logprob_diff_max`` = 0, the first ratio 1.0), so no separate
 recomputation pass is needed.
 
-Data parallel (parallel.py): rank r takes its share of the step's prompts with all their samples
+Data parallel (data_parallel.py): rank r takes its share of the step's prompts with all their samples
 (rows ``first .. first + B/dp - 1`` of the step's B), so the advantages of GRPO's and RLOO's groups
 are computed where the group is; PPO whitens with the whole batch's statistics. The minibatches are
 the one-process run's (the same permutation of the B rows): each rank runs its rows of each one
@@ -34,8 +34,7 @@ from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
 from llmkit.train.checkpoint import model_dir
 from llmkit.train.loop import build_optimizer
 
-from . import algorithms as A
-from . import policy
+from . import algorithms, policy
 from .config import RLHFConfig
 from .data import TokenBatch, load_prompts, step_rows
 from .rewards import build_reward
@@ -64,13 +63,15 @@ def _per_token(seq: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def _grpo(d: StepData, r: Any) -> tuple[np.ndarray, None]:
-    return _per_token(A.grpo_advantages(d.rewards, d.group, r.scale_rewards), d.tokens.mask), None
+    return _per_token(algorithms.grpo_advantages(d.rewards, d.group, r.scale_rewards), d.tokens.mask), None
 
 
 def _rloo(d: StepData, r: Any) -> tuple[np.ndarray, None]:
     # the KL in the reward, as a sequence total of k1 (TRL's RLOO)
     seq_kl = ((d.logp - d.ref_logp) * d.tokens.mask).sum(axis=1)
-    return _per_token(A.rloo_advantages(d.rewards - r.kl_coef * seq_kl, d.group), d.tokens.mask), None
+    return _per_token(
+        algorithms.rloo_advantages(d.rewards - r.kl_coef * seq_kl, d.group), d.tokens.mask
+    ), None
 
 
 def _ppo(d: StepData, r: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -78,9 +79,9 @@ def _ppo(d: StepData, r: Any) -> tuple[np.ndarray, np.ndarray]:
     token_rewards = -r.kl_coef * (d.logp - d.ref_logp) * mask  # per-token k1 penalty
     last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)  # each row's last response token
     token_rewards[np.arange(len(last)), last] += d.rewards
-    adv, returns = A.gae(token_rewards, d.values, mask, r.gamma, r.lam)
+    adv, returns = algorithms.gae(token_rewards, d.values, mask, r.gamma, r.lam)
     if r.whiten_advantages:
-        adv = A.whiten(adv, mask, total=d.total)
+        adv = algorithms.whiten(adv, mask, total=d.total)
     return adv, returns
 
 
@@ -117,7 +118,7 @@ def make_loss(cfg: RLHFConfig, algo: Algorithm) -> Callable[..., tuple[Any, dict
         returns=None,
     ):
         counts = {"token": tokens, "sequence": sequences}
-        loss, stats = A.clipped_policy_loss(
+        loss, stats = algorithms.clipped_policy_loss(
             logp,
             old_logp,
             advantages,
@@ -131,10 +132,10 @@ def make_loss(cfg: RLHFConfig, algo: Algorithm) -> Callable[..., tuple[Any, dict
             counts=counts,
         )
         stats.pop("kl", None)  # reported from the rollout (the same for every algorithm)
-        ent = A.masked_mean(O.cast(A.entropy(logits, temperature), "float64"), mask, counts)
+        ent = algorithms.masked_mean(O.cast(algorithms.entropy(logits, temperature), "float64"), mask, counts)
         stats["entropy"] = ent
         if values is not None:
-            vloss, vstats = A.clipped_value_loss(
+            vloss, vstats = algorithms.clipped_value_loss(
                 O.cast(values, "float64"), old_values, returns, mask, r.value_clip, counts
             )
             loss = loss + r.vf_coef * vloss
@@ -240,7 +241,7 @@ class PolicyTrainer(Run):
         train_s = time.perf_counter() - t0
 
         sync_s = self.rollouts.sync()
-        kl = A.KL_ESTIMATORS[cfg.rlhf.kl_estimator](lf.tensor(roll), lf.tensor(ref)).numpy()
+        kl = algorithms.KL_ESTIMATORS[cfg.rlhf.kl_estimator](lf.tensor(roll), lf.tensor(ref)).numpy()
         all_rewards = dp.gather(rewards, what="rewards")
         kl_sum, tokens_sum, gen_tokens = dp.sum([(kl * mask).sum(), mask.sum(), batch.num_tokens], "kl")
         worst = dp.max([first_diff if diff is None else diff, batch.seconds, train_s, sync_s], "timings")

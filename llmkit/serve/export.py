@@ -102,8 +102,7 @@ def export_model(
         concrete[pname] = jit.ConcreteProgram(
             cp.program, cp.n_args, caps, [], cp.out_tree, cp.n_outputs, cp.compiler
         )
-    eos = model.config.eos_token_id
-    eos_ids = sorted({*tokenizer.eos_ids, *(eos if isinstance(eos, list) else [] if eos is None else [eos])})
+    eos_ids = sorted({*tokenizer.eos_ids, *model.config.eos_ids})
     metadata = {
         "model_name": model_name,
         "architecture": "llama",

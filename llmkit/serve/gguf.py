@@ -125,12 +125,14 @@ def _tensors(
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
     out, as_float = [], []
     for path, layer in model.named_sublayers():
-        if isinstance(layer, nn.QuantizedLinear) and quantized and _whole_rows_only(layer):
+        # a quantized embedding holds its table as a quantized weight [vocab -> hidden]: the same blocks
+        coded = isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        if coded and quantized and _whole_rows_only(layer):
             as_float.append(path)
             arrays = [("weight", layer.weight.numpy().astype(np.float32), None)]
-        elif isinstance(layer, nn.QuantizedLinear) and quantized:
+        elif coded and quantized:
             arrays = [("weight", *quantized_blocks(path, layer))]
-        elif isinstance(layer, (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.RMSNorm)):
+        elif coded or isinstance(layer, (nn.Linear, nn.Embedding, nn.RMSNorm)):
             arrays = [("weight", layer.weight.numpy().astype(np.float32), None)]
         else:
             continue

@@ -358,8 +358,12 @@ class Serving:
         self._check_echo(req)
         split = self._split_prompts(req.prompt)
         # Tokenizing runs on a worker thread (sentencepiece releases the GIL): a long prompt does
-        # not hold up the event loop, which serves every other client.
-        prompts = await asyncio.to_thread(self._encode_prompts, split)
+        # not hold up the event loop, which serves every other client. Token-id prompts (lm-eval's
+        # scoring requests) are only checked, here: a thread hop would cost more than the check.
+        if any(isinstance(p, str) for p in split):
+            prompts = await asyncio.to_thread(self._encode_prompts, split)
+        else:
+            prompts = self._encode_prompts(split)
         max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
         # echo scores the prompt (its logprobs: the score program's top-k, k = logprobs)
         prompt_logprobs = (req.logprobs or 0) if req.echo else None

@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 import llmkit.framework as lf
 import llmkit.framework.distributed as dist
 from llmkit.framework import nn, optim
-from llmkit.framework.distributed.plan import PLAN_FILE
+from llmkit.framework.distributed.parallel_plan import PLAN_FILE
 from llmkit.framework.distributed.shard_files import RANK_FILES, ShardReader, save_shards
 from llmkit.framework.files import atomic_dir, atomic_write, install_dir, recover, sha256
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer, lora

@@ -100,7 +100,7 @@ def _load(path: str, overrides: list[str], nproc: int | None) -> tuple[Any, list
 
     cfg = load_config(path, overrides)
     if cfg.parallel.auto:  # the planner's choice, as overrides (the processes launched get them too)
-        from .planning import resolve_auto
+        from .auto_plan import resolve_auto
 
         overrides = [*overrides, *resolve_auto(cfg, nproc)]
         cfg = load_config(path, overrides)

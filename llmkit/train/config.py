@@ -36,9 +36,9 @@ from pydantic import (
     model_validator,
 )
 
+from llmkit.framework.distributed.parallel_plan import ParallelPlan, PipelinePlan, PlanError
 from llmkit.framework.distributed.pipeline import PipelineError, parse_stages
-from llmkit.framework.distributed.plan import ParallelPlan, PipelinePlan, PlanError
-from llmkit.framework.distributed.schedule import SCHEDULES, ScheduleError, make_schedule
+from llmkit.framework.distributed.pipeline_schedule import SCHEDULES, ScheduleError, make_schedule
 from llmkit.framework.files import atomic_write
 from llmkit.models.llama.config import PRESETS, LlamaConfig
 from llmkit.models.llama.lora import ALL_LINEAR, LoraConfig, LoraError, apply_lora
@@ -318,19 +318,33 @@ def check_warmup(schedule: ScheduleSection, steps: int) -> None:
     """The warm-up fits in the run (``train.steps``); the error says which key to set."""
     if schedule.warmup_steps > steps:
         raise ValueError(
-            f"schedule.warmup_steps ({schedule.warmup_steps}) exceeds train.steps ({steps}): "
-            f"set schedule.warmup_steps={steps} or fewer for a run of {steps} steps"
+            f"lr_schedule.warmup_steps ({schedule.warmup_steps}) exceeds train.steps ({steps}): "
+            f"set lr_schedule.warmup_steps={steps} or fewer for a run of {steps} steps"
         )
 
 
-class TrainConfig(_Section):
+class RunConfig(_Section):
+    """The root of a job's config (training, RLHF, the reward model): what every root refuses."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lr_schedule_renamed(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and "schedule" in raw:
+            raise ValueError(
+                "schedule was renamed lr_schedule (the learning-rate schedule; "
+                "parallel.schedule is the pipeline's)"
+            )
+        return raw
+
+
+class TrainConfig(RunConfig):
     """A whole training run."""
 
     model: ModelSection  # type: ignore[valid-type]  (a class generated above)
     tokenizer: TokenizerSection = TokenizerSection()
     data: DataSection = DataSection()
     optim: OptimSection = OptimSection()
-    schedule: ScheduleSection = ScheduleSection()
+    lr_schedule: ScheduleSection = ScheduleSection()
     train: TrainSection = TrainSection()
     parallel: ParallelSection = ParallelSection()
     lora: LoraSection | None = None  # low-rank adapters; null: full fine-tuning
@@ -338,7 +352,7 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _warmup_within_run(self) -> TrainConfig:
-        check_warmup(self.schedule, self.train.steps)
+        check_warmup(self.lr_schedule, self.train.steps)
         dp, m, b = self.parallel.dp, self.parallel.micro_batches, self.train.batch_size
         if b % m:
             raise ValueError(

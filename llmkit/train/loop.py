@@ -118,8 +118,8 @@ SCHEDULES = {
 
 
 def build_schedule(cfg: Any, opt: optim.Optimizer) -> optim.LRScheduler:
-    """The lr schedule of ``cfg.schedule`` over ``cfg.train.steps``."""
-    return SCHEDULES[cfg.schedule.name](opt, cfg.schedule, cfg.train.steps)
+    """The lr schedule of ``cfg.lr_schedule`` over ``cfg.train.steps``."""
+    return SCHEDULES[cfg.lr_schedule.name](opt, cfg.lr_schedule, cfg.train.steps)
 
 
 def fmt(v: Any) -> str:

@@ -36,7 +36,7 @@ class DataParallel:
             if rank is None or rank >= dp:
                 raise RuntimeError(
                     f"parallel.dp={dp} in one process runs each rank on a thread: build the job inside "
-                    "llmkit.rlhf.parallel.run_on_ranks (as llmkit rlhf does), or launch with --nproc"
+                    "llmkit.rlhf.data_parallel.run_on_ranks (as llmkit rlhf does), or launch with --nproc"
                 )
             return cls(rank, dp)
         if b.world_size != dp:

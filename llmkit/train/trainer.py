@@ -24,12 +24,12 @@ import numpy as np
 import llmkit.framework as lf
 import llmkit.framework.distributed as dist
 from llmkit.framework import nn, optim
+from llmkit.framework.distributed.parallel_plan import PlanError
 from llmkit.framework.distributed.parallelize import Parallelized
-from llmkit.framework.distributed.plan import PlanError
 from llmkit.generate import generate
 from llmkit.infer.sampling import SamplingParams
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
-from llmkit.models.llama.parallel import apply_recompute, check_plan
+from llmkit.models.llama.sharding import apply_recompute, check_plan
 
 from . import checkpoint
 from .config import (
@@ -44,7 +44,7 @@ from .corpus import builtin_tokenizer
 from .data import BatchSampler, eval_batches, load_token_data
 from .loop import Interrupted, Loop, StopSignals, build_optimizer, build_schedule, decay_groups
 from .metrics import matmul_peak_flops, peak_rss_bytes
-from .pipelined import PipelineRun
+from .pipeline_run import PipelineRun
 from .ranks import DataParallel
 
 __all__ = ["Interrupted", "StopSignals", "Trainer", "state_names"]  # Interrupted: the loop's, re-exported

@@ -1,5 +1,5 @@
 """Run under ``mpiexec -n N``: ``llmkit quantize ARGS``, one rank per process (what ``mpiexec -n N
-llmkit quantize ...`` runs; test_parallel_mpi.py launches it with the shared ``run_mpi``)."""
+llmkit quantize ...`` runs; test_multirank_mpi.py launches it with the shared ``run_mpi``)."""
 
 import sys
 

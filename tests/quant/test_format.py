@@ -129,7 +129,8 @@ def test_config_rejects_what_the_format_cannot_hold():
     assert QuantConfig.from_hf(cfg.to_hf()) == cfg
     hf = {"quant_method": "llmkit", "bits": 4, "group_size": 128, "sym": False, "method": "gptq"}
     hf["scale_dtype"] = "float32"
-    assert cfg.to_hf() == hf
+    assert cfg.to_hf() == {**hf, "act_bits": 0, "version": 2}
+    assert QuantConfig.from_hf(hf) == cfg  # a version 1 config (no act_bits): weight-only
 
 
 def test_quantized_linear_is_a_linear_with_the_dequantized_weight():

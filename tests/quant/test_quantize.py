@@ -70,7 +70,11 @@ def test_the_directory_holds_the_format(quantized, trained_tiny):
         "sym": True,
         "method": "gptq",
         "scale_dtype": "float32",
+        "act_bits": 0,
+        "version": 2,
     }
+    assert set(report["variants"]) == {"weight-only", "int8 act"}
+    assert report["perplexity"]["quant"] == report["variants"]["weight-only"]["quant"]
     assert (d / "tokenizer.model").read_bytes() == (model_dir(trained_tiny) / "tokenizer.model").read_bytes()
     tensors = lf.load(d / "model.safetensors")
     lin = "model.layers.0.mlp.down_proj"  # [128, 344]: groups 128, 128, 88

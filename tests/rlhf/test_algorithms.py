@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import llmkit.framework as lf
-from llmkit.rlhf import algorithms as A
+from llmkit.rlhf import algorithms
 
 RNG = np.random.default_rng(0)
 
@@ -47,24 +47,24 @@ def tokens(mask):
 
 def test_grpo_advantages():
     r = RNG.normal(size=12)
-    got = A.grpo_advantages(r, 4)
+    got = algorithms.grpo_advantages(r, 4)
     for g in range(3):
         grp = r[4 * g : 4 * g + 4]
         mean = sum(grp) / 4
         std = math.sqrt(sum((x - mean) ** 2 for x in grp) / 3)
         for i in range(4):
             assert got[4 * g + i] == pytest.approx((grp[i] - mean) / (std + 1e-4), rel=1e-12)
-    centred = A.grpo_advantages(r, 4, scale=False)
+    centred = algorithms.grpo_advantages(r, 4, scale=False)
     assert centred[:4] == pytest.approx(r[:4] - r[:4].mean(), rel=1e-12)
 
 
 def test_grpo_advantages_of_equal_rewards_are_zero():
-    assert np.all(A.grpo_advantages(np.ones(6), 3) == 0)
+    assert np.all(algorithms.grpo_advantages(np.ones(6), 3) == 0)
 
 
 def test_rloo_advantages():
     r = RNG.normal(size=10)
-    got = A.rloo_advantages(r, 5)
+    got = algorithms.rloo_advantages(r, 5)
     for g in range(2):
         grp = list(r[5 * g : 5 * g + 5])
         for i in range(5):
@@ -72,7 +72,7 @@ def test_rloo_advantages():
             assert got[5 * g + i] == pytest.approx(grp[i] - sum(others) / 4, rel=1e-12, abs=1e-14)
 
 
-@pytest.mark.parametrize("fn", [A.grpo_advantages, A.rloo_advantages])
+@pytest.mark.parametrize("fn", [algorithms.grpo_advantages, algorithms.rloo_advantages])
 def test_advantages_reject_bad_groups(fn):
     with pytest.raises(ValueError, match="groups of 4"):
         fn(np.zeros(6), 4)
@@ -89,7 +89,7 @@ def test_gae():
     mask[1, 1:4] = 1
     mask[2, 3:5] = 1
     gamma, lam = 0.9, 0.8
-    adv, ret = A.gae(r, v, mask, gamma, lam)
+    adv, ret = algorithms.gae(r, v, mask, gamma, lam)
     for i in range(b):
         idx = [j for j in range(s) if mask[i, j]]  # the episode: the masked tokens, in order
         want = {}
@@ -109,7 +109,7 @@ def test_gae_with_gamma_and_lambda_one_is_return_to_go_minus_value():
     r = RNG.normal(size=(2, 5))
     v = RNG.normal(size=(2, 5))
     mask = np.ones((2, 5))
-    _, ret = A.gae(r, v, mask, 1.0, 1.0)
+    _, ret = algorithms.gae(r, v, mask, 1.0, 1.0)
     for j in range(5):
         assert ret[:, j] == pytest.approx(r[:, j:].sum(axis=1), rel=1e-12)
 
@@ -117,7 +117,7 @@ def test_gae_with_gamma_and_lambda_one_is_return_to_go_minus_value():
 def test_whiten():
     x = RNG.normal(3, 2, size=(3, 4))
     mask = (RNG.random((3, 4)) > 0.3).astype(float)
-    got = A.whiten(x, mask)
+    got = algorithms.whiten(x, mask)
     vals = [x[i, j] for i, j in tokens(mask)]
     mean = sum(vals) / len(vals)
     std = math.sqrt(sum((a - mean) ** 2 for a in vals) / len(vals))
@@ -159,7 +159,9 @@ def test_clipped_policy_loss(estimator, aggregation):
     adv = RNG.normal(size=4)
     args = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.05, kl_estimator=estimator, aggregation=aggregation)
     lp = t64(logp, grad=True)
-    loss, stats = A.clipped_policy_loss(lp, t64(old), t64(adv[:, None]), t64(mask), ref_logp=t64(ref), **args)
+    loss, stats = algorithms.clipped_policy_loss(
+        lp, t64(old), t64(adv[:, None]), t64(mask), ref_logp=t64(ref), **args
+    )
     want, want_stats = policy_reference(logp, old, ref, adv, mask, 0.2, 0.28, 0.05, estimator, aggregation)
     assert loss.item() == pytest.approx(want, rel=1e-12)
     for k, v in want_stats.items():
@@ -183,7 +185,7 @@ def test_clipped_policy_loss(estimator, aggregation):
 def test_first_step_ratio_is_one_and_the_loss_is_minus_the_mean_advantage():
     logp, _, _, mask = batch()
     adv = RNG.normal(size=(4, 9))
-    loss, stats = A.clipped_policy_loss(t64(logp), t64(logp), t64(adv), t64(mask))
+    loss, stats = algorithms.clipped_policy_loss(t64(logp), t64(logp), t64(adv), t64(mask))
     assert stats["ratio_mean"].item() == 1.0 and stats["clip_frac"].item() == 0.0
     assert loss.item() == pytest.approx(-(adv * mask).sum() / mask.sum(), rel=1e-12)
 
@@ -194,7 +196,7 @@ def test_first_step_ratio_is_one_and_the_loss_is_minus_the_mean_advantage():
 def test_clipped_value_loss():
     _, _, _, mask = batch()
     v, old, ret = (RNG.normal(size=(4, 9)) for _ in range(3))
-    loss, stats = A.clipped_value_loss(t64(v), t64(old), t64(ret), t64(mask), clip=0.3)
+    loss, stats = algorithms.clipped_value_loss(t64(v), t64(old), t64(ret), t64(mask), clip=0.3)
     total, n, clipped = 0.0, 0, 0
     for i, j in tokens(mask):
         vc = old[i, j] + min(max(v[i, j] - old[i, j], -0.3), 0.3)
@@ -208,7 +210,7 @@ def test_clipped_value_loss():
 
 def test_entropy():
     logits = RNG.normal(size=(2, 3, 7)) * 3
-    got = A.entropy(t64(logits), temperature=0.7).numpy()
+    got = algorithms.entropy(t64(logits), temperature=0.7).numpy()
     for i in range(2):
         for j in range(3):
             z = logits[i, j] / 0.7
@@ -220,10 +222,10 @@ def test_entropy():
 def test_masked_and_sequence_means():
     x = RNG.normal(size=(3, 5))
     mask = np.array([[0, 1, 1, 0, 0], [1, 1, 1, 1, 0], [0, 0, 0, 0, 0]], dtype=float)  # an empty row
-    assert A.masked_mean(t64(x), t64(mask)).item() == pytest.approx(
+    assert algorithms.masked_mean(t64(x), t64(mask)).item() == pytest.approx(
         (x[0, 1] + x[0, 2] + x[1, :4].sum()) / 6, rel=1e-12
     )
-    assert A.sequence_mean(t64(x), t64(mask)).item() == pytest.approx(
+    assert algorithms.sequence_mean(t64(x), t64(mask)).item() == pytest.approx(
         ((x[0, 1] + x[0, 2]) / 2 + x[1, :4].sum() / 4 + 0.0) / 3, rel=1e-12
     )
 
@@ -241,7 +243,7 @@ def test_dpo_loss(kind):
     pc, pr, rc, rr = sequence_logps(1)
     beta = 0.3
     tensors = [t64(a, grad=True) for a in (pc, pr, rc, rr)]
-    loss, stats = A.dpo_loss(*tensors, beta=beta, kind=kind)
+    loss, stats = algorithms.dpo_loss(*tensors, beta=beta, kind=kind)
 
     def reference(pc, pr):
         out = []
@@ -266,14 +268,14 @@ def test_dpo_loss(kind):
 
 def test_log_sigmoid_does_not_overflow():
     x = t64([-800.0, -30.0, 0.0, 30.0, 800.0])
-    got = A.log_sigmoid(x).numpy()
+    got = algorithms.log_sigmoid(x).numpy()
     want = [-800.0, -30.0 - math.log1p(math.exp(-30)), -math.log(2), -math.log1p(math.exp(-30)), 0.0]
     assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
 
 
 def test_bradley_terry_loss():
     c, r = RNG.normal(size=8), RNG.normal(size=8)
-    loss, stats = A.bradley_terry_loss(t64(c), t64(r))
+    loss, stats = algorithms.bradley_terry_loss(t64(c), t64(r))
     want = sum(-math.log(1 / (1 + math.exp(-(a - b)))) for a, b in zip(c, r)) / 8
     assert loss.item() == pytest.approx(want, rel=1e-12)
     assert stats["accuracy"].item() == pytest.approx(np.mean(c > r))

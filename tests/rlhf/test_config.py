@@ -38,7 +38,8 @@ def test_defaults_and_overrides(tmp_path):
         (["rollout.max_tokenz=3"], "unknown key rollout.max_tokenz (did you mean rollout.max_tokens?)"),
         (["reward.function=m:f"], "reward: set exactly one of reward.function, reward.model and reward.task"),
         (["algorithm=dpo"], "data.pairs: DPO needs preference pairs"),
-        (["schedule.warmup_steps=500"], "schedule.warmup_steps (500) exceeds train.steps (100)"),
+        (["lr_schedule.warmup_steps=500"], "lr_schedule.warmup_steps (500) exceeds train.steps (100)"),
+        (["schedule.warmup=2"], "schedule was renamed lr_schedule (the learning-rate schedule;"),
         # data parallel only: every other parallel key is refused by name, never ignored
         *(
             ([f"parallel.{key}={value}"], f"parallel.{key}: llmkit rlhf runs data parallel only")

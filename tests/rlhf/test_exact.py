@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from llmkit.framework import optim
-from llmkit.rlhf import algorithms as A
-from llmkit.rlhf import policy
+from llmkit.rlhf import algorithms, policy
 from llmkit.rlhf.data import TokenBatch
 from llmkit.rlhf.rollout import Rollouts
 
@@ -24,7 +23,7 @@ LONG = "The following methods can be defined to customize the meaning of attribu
 
 
 def loss_fn(logp, logits, values, mask, old_logp, advantages):
-    return A.clipped_policy_loss(logp, old_logp, advantages, mask)
+    return algorithms.clipped_policy_loss(logp, old_logp, advantages, mask)
 
 
 def setup(temperature, exact=True, seed=0, lr=1e-3):

@@ -188,6 +188,25 @@ def test_quantized_blocks_hold_llmkits_codes_exactly(trained, tmp_path, bits, qt
         np.testing.assert_array_equal(row[2:] >> 4, codes[16:])
 
 
+def test_a_quantized_embedding_is_written_as_blocks_too(trained, tmp_path):
+    """`llmkit quantize --embed`: token_embd is Q8_0 (its codes as they are), never left out."""
+    _, src = trained
+    lf.seed(2)
+    model = LlamaForCausalLM(
+        LlamaConfig.from_preset("tiny", vocab_size=4096, num_hidden_layers=1, intermediate_size=384)
+    )
+    quantize_model(model, QuantConfig(8, 32, True, "rtn", "float16"), progress=False, embed=True)
+    out = tmp_path / "quant"
+    save_quantized(model, src, out, {})
+    model = LlamaForCausalLM.from_pretrained(str(out))
+    assert isinstance(model.model.embed_tokens, lf.nn.QuantizedEmbedding)
+    r = export(out, tmp_path / "e.gguf")
+    t = next(t for t in r.tensors if t.name == "token_embd.weight")
+    assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    want = model.model.embed_tokens.weight.numpy()  # the dequantized table llmkit looks up
+    np.testing.assert_array_equal(read_back(r, model.config)["token_embd.weight"], want)
+
+
 def test_rows_that_are_not_whole_blocks_fall_back_to_exact_float32(trained, tmp_path, capsys):
     """tiny's MLP is 344 wide: down_proj's rows are 10 groups of 32 and one of 24, which no Q4_0
     row holds; like llama.cpp's converter, that tensor is written unquantized (float32, exact)."""

@@ -28,7 +28,7 @@ SHRINK = [
     "train.log_every=1",
     "train.save_every=10",
     "train.keep_last=5",
-    "schedule.warmup_steps=5",
+    "lr_schedule.warmup_steps=5",
 ]
 
 

@@ -23,7 +23,7 @@ def raw_config(out_dir: Path | str, **train: Any) -> dict[str, Any]:
         "model": {"preset": "tiny", **MICRO},
         "tokenizer": {"path": "builtin", "vocab_size": 512},
         "optim": {"lr": 3e-3},
-        "schedule": {"name": "cosine", "warmup_steps": 3},
+        "lr_schedule": {"name": "cosine", "warmup_steps": 3},
         "train": {
             "steps": 30,
             "batch_size": 4,

@@ -105,8 +105,8 @@ ROWS: dict[str, Row] = {
         "model.init_from: cannot read {tmp}/none/config.json",
     ),
     "warmup beyond steps": Row(
-        ["{cfg}", "schedule.warmup_steps=9"],
-        "schedule.warmup_steps (9) exceeds train.steps (2): set schedule.warmup_steps=2 or fewer",
+        ["{cfg}", "lr_schedule.warmup_steps=9"],
+        "lr_schedule.warmup_steps (9) exceeds train.steps (2): set lr_schedule.warmup_steps=2 or fewer",
     ),
     "unknown mode": Row(["{cfg}", "train.mode=jit"], "train.mode: expected 'eager' or 'static', got 'jit'"),
     "cinn needs static": Row(
@@ -222,7 +222,7 @@ def finished_run(tmp_path_factory) -> Path:
 
 def write_config(directory: Path, out_dir: Path) -> Path:
     raw = raw_config(out_dir, steps=2, save_every=0, eval_every=0, log_every=1)
-    raw["schedule"]["warmup_steps"] = 1
+    raw["lr_schedule"]["warmup_steps"] = 1
     path = directory / "c.yaml"
     path.write_text(json.dumps(raw))
     return path
@@ -269,8 +269,8 @@ def test_a_shorter_run_of_a_shipped_config_names_the_warmup_key(capsys):
     assert cli_main(["train", str(root / "configs" / "bench.yaml"), "train.steps=10"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line == (
-        "llmkit train: config error: schedule.warmup_steps (20) exceeds train.steps (10): "
-        "set schedule.warmup_steps=10 or fewer for a run of 10 steps"
+        "llmkit train: config error: lr_schedule.warmup_steps (20) exceeds train.steps (10): "
+        "set lr_schedule.warmup_steps=10 or fewer for a run of 10 steps"
     )
 
 

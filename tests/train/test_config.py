@@ -50,7 +50,7 @@ def test_bench_yaml_is_the_bench_shape() -> None:
 
 def test_defaults(minimal: Path) -> None:
     cfg = load_config(minimal)
-    assert cfg.optim.name == "adamw" and cfg.schedule.name == "cosine" and cfg.parallel.dp == 1
+    assert cfg.optim.name == "adamw" and cfg.lr_schedule.name == "cosine" and cfg.parallel.dp == 1
     assert cfg.model.overrides() == {}
 
 
@@ -141,6 +141,11 @@ def test_yaml_file_reads_scientific_notation_as_float(tmp_path: Path) -> None:
         (["data.val_fraction=1.0"], "config error: data.val_fraction: expected a value < 1, got 1.0"),
         (["parallel.zero=4"], "config error: parallel.zero: expected a value <= 3, got 4"),
         (["parallel.ppp=2"], "config error: unknown key parallel.ppp (did you mean parallel.pp?)"),
+        (
+            ["schedule.warmup=2"],  # an old config: any key under schedule
+            "config error: schedule was renamed lr_schedule (the learning-rate schedule; "
+            "parallel.schedule is the pipeline's)",
+        ),
         (["parallel.zero=1"], "config error: parallel.zero: ZeRO stage 1 shards over data-parallel ranks"),
         (["parallel.sp=true"], "config error: parallel.sp: sequence parallelism shards between"),
         (["parallel.plan=megatron"], "config error: parallel.plan: 'megatron' is neither a built-in plan"),
@@ -170,8 +175,8 @@ def test_yaml_file_reads_scientific_notation_as_float(tmp_path: Path) -> None:
         (["tokenizer.path=tok", "tokenizer.kind=bpe"], "config error: tokenizer.kind only applies"),
         (["tokenizer.kind=wordpiece"], "config error: tokenizer.kind"),
         (
-            ["schedule.warmup_steps=2000"],
-            "config error: schedule.warmup_steps (2000) exceeds train.steps (1000)",
+            ["lr_schedule.warmup_steps=2000"],
+            "config error: lr_schedule.warmup_steps (2000) exceeds train.steps (1000)",
         ),
         (
             ["train.compiler=cinn"],

@@ -208,7 +208,7 @@ def test_sigterm_to_the_cli_saves_and_exits_143_then_resume_is_exact(reference, 
     """A real process and a real signal: `llmkit train` gets SIGTERM mid-run."""
     out = tmp_path / "run"
     raw = raw_config(out, steps=200, save_every=0, eval_every=0, log_every=1)
-    raw["schedule"] = {"name": "constant", "warmup_steps": 3}  # the same lr whatever train.steps says
+    raw["lr_schedule"] = {"name": "constant", "warmup_steps": 3}  # the same lr whatever train.steps says
     cfg = tmp_path / "c.yaml"
     cfg.write_text(json.dumps(raw))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

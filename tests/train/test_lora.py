@@ -111,7 +111,7 @@ def pretrained(tmp_path_factory):
 
 def test_loss_falls_on_the_builtin_corpus(tmp_path, pretrained):
     raw = raw_config(tmp_path / "run", steps=40, batch_size=8, seq_len=32, eval_every=0, save_every=0)
-    raw["optim"], raw["schedule"] = {"lr": 1e-2, "weight_decay": 0.0}, {"name": "constant"}
+    raw["optim"], raw["lr_schedule"] = {"lr": 1e-2, "weight_decay": 0.0}, {"name": "constant"}
     raw["model"], raw["lora"] = (
         {"init_from": str(pretrained), "preset": None},
         {"r": 8, "targets": "all-linear"},
@@ -160,7 +160,7 @@ def test_chat_sft_with_adapters(tmp_path, pretrained):
     )
     raw["data"] = {"sources": [str(chat_file(tmp_path, repeat=20))], "val_fraction": 0.0}
     raw["optim"] = {"lr": 1e-2}
-    raw["schedule"] = {"name": "constant"}
+    raw["lr_schedule"] = {"name": "constant"}
     raw["lora"] = {"r": 8, "alpha": 16, "targets": "all-linear"}
     raw["model"] = {"init_from": str(pretrained), "preset": None}
     Trainer(parse_config(raw), quiet=True).fit()

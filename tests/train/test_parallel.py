@@ -14,7 +14,7 @@ import pytest
 
 import llmkit.framework.distributed as dist
 from llmkit.cli import main as cli_main
-from llmkit.framework.distributed.plan import ParallelPlan
+from llmkit.framework.distributed.parallel_plan import ParallelPlan
 from llmkit.models.llama import LlamaForCausalLM
 from llmkit.train import checkpoint
 from llmkit.train.data import BatchSampler
@@ -106,7 +106,7 @@ def test_one_process_checkpoint_resumes_on_tp2_reading_half(single, tmp_path):
 
 def test_zero3_on_four_ranks_holds_a_quarter_of_the_state(single, tmp_path):
     out = tmp_path / "run"
-    Trainer(config(out, "train.steps=2", "schedule.warmup_steps=1", dp=4, zero=3), quiet=True).fit()
+    Trainer(config(out, "train.steps=2", "lr_schedule.warmup_steps=1", dp=4, zero=3), quiet=True).fit()
     full = read_metrics(single / "metrics.jsonl")[0]["state_bytes_per_rank"]
     quarter = read_metrics(out / "metrics.jsonl")[0]["state_bytes_per_rank"]
     # parameters + gradients + two AdamW moments, float32: the single process holds 4 x 4 bytes each

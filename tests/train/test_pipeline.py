@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from llmkit.cli import main as cli_main
-from llmkit.framework.distributed.plan import ParallelPlan, PipelinePlan
+from llmkit.framework.distributed.parallel_plan import ParallelPlan, PipelinePlan
 from llmkit.models.llama import LlamaForCausalLM
 from llmkit.train import checkpoint
 from llmkit.train.config import ConfigError

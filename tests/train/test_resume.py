@@ -21,7 +21,7 @@ LR, WARMUP, MIN_RATIO = 3e-3, 2, 0.1
 def run(out, steps=6, **sections):
     raw = raw_config(out, steps=steps, save_every=0, eval_every=0)
     raw["optim"] = {"lr": LR}
-    raw["schedule"] = {"name": "cosine", "warmup_steps": WARMUP, "min_lr_ratio": MIN_RATIO}
+    raw["lr_schedule"] = {"name": "cosine", "warmup_steps": WARMUP, "min_lr_ratio": MIN_RATIO}
     for dotted, value in sections.items():
         section, key = dotted.split("__")
         raw.setdefault(section, {})[key] = value
@@ -65,14 +65,14 @@ def test_more_steps_replan_the_schedule_from_the_saved_step(finished):
 
 def test_changed_optimizer_and_schedule_settings_apply(finished):
     trainer = Trainer(
-        run(finished, steps=9, optim__lr=1e-3, optim__weight_decay=0.05, schedule__min_lr_ratio=0.5),
+        run(finished, steps=9, optim__lr=1e-3, optim__weight_decay=0.05, lr_schedule__min_lr_ratio=0.5),
         resume=True,
         quiet=True,
     )
     assert trainer.resume_changes[:4] == [
         "optim.lr 0.003 -> 0.001",
         "optim.weight_decay 0.1 -> 0.05",
-        "schedule.min_lr_ratio 0.1 -> 0.5",
+        "lr_schedule.min_lr_ratio 0.1 -> 0.5",
         "train.steps 6 -> 9",
     ]
     decay_group = trainer.optimizer.param_groups[0]

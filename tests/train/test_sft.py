@@ -103,7 +103,7 @@ def test_sft_run_trains_on_chat_data(tmp_path, tok):
         "tokenizer": {"path": "builtin", "vocab_size": 4096},
         "data": {"sources": [str(chat_file(tmp_path, repeat=20))], "val_fraction": 0.0},
         "optim": {"lr": 1e-2},
-        "schedule": {"name": "constant"},
+        "lr_schedule": {"name": "constant"},
         "train": {"steps": 30, "batch_size": 4, "seq_len": 32, "eval_every": 0, "log_every": 10},
         "out_dir": str(tmp_path / "run"),
     }

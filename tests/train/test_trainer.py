@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from llmkit.cli import main as cli_main
-from llmkit.framework.distributed.plan import ParallelPlan
+from llmkit.framework.distributed.parallel_plan import ParallelPlan
 from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
 from llmkit.train.checkpoint import ResumeError
 from llmkit.train.config import ConfigError, parse_config
@@ -188,7 +188,7 @@ def test_cli_train_plot_and_generate(tmp_path, capsys):
     raw = {
         "model": {"preset": "tiny", **MICRO},
         "tokenizer": {"path": "builtin", "vocab_size": 512},
-        "schedule": {"warmup_steps": 1},
+        "lr_schedule": {"warmup_steps": 1},
         "train": {
             "steps": 4,
             "batch_size": 2,

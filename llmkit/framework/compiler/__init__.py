@@ -5,7 +5,7 @@ The pipeline, one named stage per file::
     decompose   composite ops -> primitives (the op table's ``decompose``)        decompose.py
     fuse        primitives -> ``cinn.fusion`` groups, by each op's ``kind``         fuse.py
     lower       a group -> expressions over its loop domain                         lower.py
-    schedule    -> a loop-IR kernel (coalesced loops, threads, SIMD, tiles)         schedule.py, loop_ir.py
+    schedule    -> a loop-IR kernel (coalesced loops, threads, SIMD, tiles)       loop_schedule.py, loop_ir.py
     codegen     -> C (parallel loops on the pool, par.py) or CUDA                   codegen_c.py, cuda.py
     build       -> shared library, cached by content hash, loaded with ctypes       build.py
     tune        -> the fastest schedule per kernel and shape class, kept on disk    tune.py

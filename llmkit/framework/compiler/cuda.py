@@ -161,8 +161,8 @@ def kernel_for(fk: Any) -> Any:
         import cupy
     except ImportError:
         return None
+    from .loop_schedule import build
     from .lower import lower
-    from .schedule import build
 
     low = lower(fk.fusion)
     k = build(low, "k_cuda", "rows")

@@ -14,7 +14,7 @@ index (a tuple of index expressions, one per dim of the value):
 
 The result (:class:`Lowered`) lists the reductions (each: reducer, accumulated expression, the
 accumulators it reads) and the output stores; :func:`coalesce` then merges adjacent axes that
-every access walks contiguously (so ``[B, S, H]`` elementwise is one loop), and ``schedule`` turns
+every access walks contiguously (so ``[B, S, H]`` elementwise is one loop), and ``loop_schedule`` turns
 it into loops. Symbolic dims become size arguments bound from the inputs' shapes at call time.
 """
 

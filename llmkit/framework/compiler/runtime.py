@@ -26,13 +26,12 @@ from .. import symbolic as sym
 from ..executor import _PROFILE, LOWERINGS
 from ..ir import Operation, Program
 from ..ir.interpreter import run_group
-from . import build as B
-from . import tune
+from . import build, tune
 from .build import CPUS
 from .codegen_c import MIN_PARALLEL_WORK, render_c
+from .loop_schedule import build as build_kernel
+from .loop_schedule import coalesce, strategies
 from .lower import Lowered, LowerError, lower
-from .schedule import build as build_kernel
-from .schedule import coalesce, strategies
 
 _KERNELS: weakref.WeakKeyDictionary[Operation, FusedKernel] = weakref.WeakKeyDictionary()
 PLACEHOLDER = "KERNEL_FN"
@@ -45,7 +44,7 @@ def kernel_sources(low: Lowered) -> list[tuple[str, str, str, Any]]:
         k = build_kernel(low, PLACEHOLDER, strategy, tile)
         src = render_c(k)
         body = src.split("\n", 1)[1]  # the first line is a comment naming the group
-        name = B.kernel_name(body)
+        name = build.kernel_name(body)
         k.name = name
         out.append((f"{strategy}{tile or ''}", name, src.replace(PLACEHOLDER, name), k))
     return out
@@ -155,7 +154,7 @@ class FusedKernel:
         except LowerError:
             return None
         cands = kernel_sources(low)
-        fns = B.build({n: s for _, n, s, _ in cands})
+        fns = build.build({n: s for _, n, s, _ in cands})
         ok = [(lbl, n, fns[n]) for lbl, n, _, _ in cands if fns[n] is not None]
         return Variant(low, ok) if ok else None
 
@@ -165,7 +164,7 @@ class FusedKernel:
         fn = cuda.kernel_for(self)
         if fn is not None:
             return fn(xp, arrays)
-        B.warn_once(
+        build.warn_once(
             f"no-cuda:{self.label}", f"cinn: group {self.label} runs the reference kernels on {xp.__name__}"
         )
         return run_group(self.fusion, xp, arrays)  # no CUDA kernel: the group's ops one by one
@@ -189,7 +188,7 @@ def compile_groups(groups: list[Operation]) -> int:
             low = lower(op)
         except LowerError as e:
             name = op.attributes["name"].value if "name" in op.attributes else "?"
-            B.warn_once(f"unfused:{name}", f"cinn: group {name} runs the reference kernels: {e}")
+            build.warn_once(f"unfused:{name}", f"cinn: group {name} runs the reference kernels: {e}")
             continue
         cands = kernel_sources(low)
         pending.append((op, low, cands))
@@ -199,7 +198,7 @@ def compile_groups(groups: list[Operation]) -> int:
                 os.makedirs(dump, exist_ok=True)
                 with open(os.path.join(dump, f"{n}.txt"), "w") as fh:
                     fh.write(f"{k}\n{s}")
-    fns = B.build(sources)
+    fns = build.build(sources)
     n = 0
     for op, low, cands in pending:
         ok = [(lbl, name, fns[name]) for lbl, name, _, _ in cands if fns[name] is not None]
@@ -212,8 +211,8 @@ def compile_groups(groups: list[Operation]) -> int:
 def _lower_fusion(op: Operation) -> Any:
     """``LOWERINGS["cinn.fusion"]``: the op's kernel (compiled now if needed), or None (run unfused)."""
     if op not in _KERNELS:
-        if B.toolchain() is None:
-            B.warn_once("no-cc", NO_CC)
+        if build.toolchain() is None:
+            build.warn_once("no-cc", NO_CC)
             return None
         compile_groups([op])  # a group met without compile_program (a program fused elsewhere)
     return _KERNELS.get(op)
@@ -228,11 +227,11 @@ LOWERINGS["cinn.fusion"] = _lower_fusion
 
 
 def _report() -> None:
-    s = B.STATS
+    s = build.STATS
     if s.compiled or s.cached or s.failed:
         print(
             f"cinn: {s.compiled} kernels compiled in {s.seconds:.2f} s, {s.cached} loaded from the cache, "
-            f"{s.failed} failed ({B.cache_dir()})",
+            f"{s.failed} failed ({build.cache_dir()})",
             file=sys.stderr,
         )
 

@@ -1,7 +1,7 @@
 """The tuner: time a kernel's candidate schedules once per shape class, keep the winner on disk.
 
 A *shape class* buckets each size argument by its power of two, so a new batch size or sequence
-length in the same bucket reuses the decision. Candidates are the schedules ``schedule`` offers
+length in the same bucket reuses the decision. Candidates are the schedules ``loop_schedule`` offers
 (rows / column tiles) times the thread counts (1 or every core, passed at call time). Each is timed
 on the real inputs (a few runs, the median); the winner goes to ``tune.json`` next to the kernels,
 keyed by kernel, class and core count. ``LLMKIT_CINN_TUNE=0`` skips timing (first candidate,

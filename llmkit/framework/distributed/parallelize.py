@@ -31,7 +31,7 @@ from ..tensor import Tensor
 from .api import from_local, reshard, shard_tensor
 from .comm import get_backend
 from .dist_array import DistArray
-from .plan import ParallelPlan
+from .parallel_plan import ParallelPlan
 
 
 class Parallelized:

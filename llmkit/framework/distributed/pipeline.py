@@ -6,7 +6,7 @@ A model describes itself as a chain (:class:`PipelineParts`, written by the mode
 stages (layer ranges given, or balanced by the pieces' costs), the first stage also holding
 ``first`` and the last ``last``; stage ``s`` lives on the ranks at ``pp`` coordinate ``s % pp``.
 
-Each rank runs its job list (``schedule.py``) with :class:`RankPipeline`: a forward job receives
+Each rank runs its job list (``pipeline_schedule.py``) with :class:`RankPipeline`: a forward job receives
 its input activation from the previous stage's rank (or takes the micro-batch), runs the stage
 and sends the output on; a backward job receives the output's gradient, runs autograd through
 the stage (gradients accumulate in the parameters' ``.grad``: gradient accumulation over the
@@ -41,8 +41,8 @@ from ..tensor import Tensor
 from .api import from_local, reshard
 from .comm import get_backend
 from .dist_array import DistArray
-from .pipeline_jobs import RUNNERS
-from .schedule import Job, Schedule, make_schedule
+from .pipeline_schedule import Job, Schedule, make_schedule
+from .pipeline_stage import RUNNERS
 
 ACTIVATION, GRADIENT = 0, 1  # message kinds (part of each message's tag)
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from ..files import atomic_write
-from .plan import PlanError
-from .planner import Link, Machine
+from .parallel_plan import PlanError
+from .plan_search import Link, Machine
 
 SIZES = (8, 4 << 20)
 
@@ -128,7 +128,7 @@ def local_machine(
             atomic_write(path, json.dumps(cache, indent=1) + "\n")
         flops, update = speeds[mine]
     link = Link(hit["alpha"], hit["beta"])
-    from .planner import scaled
+    from .plan_search import scaled
 
     cores = os.cpu_count() or 1
     host = Machine(

@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 from . import functional, init
-from .basic import GELU, Dropout, Embedding, Linear, QuantizedLinear, ReLU, RMSNorm, SiLU, quantize_linears
+from .basic import (
+    GELU,
+    Dropout,
+    Embedding,
+    Linear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    ReLU,
+    RMSNorm,
+    SiLU,
+    quantize_linears,
+)
 from .container import LayerDict, LayerList, ModuleDict, ModuleList, Sequential
 from .layer import HookHandle, IncompatibleKeys, Layer, Module, StateDictError
 
@@ -20,6 +31,7 @@ __all__ = [
     "Module",
     "ModuleDict",
     "ModuleList",
+    "QuantizedEmbedding",
     "QuantizedLinear",
     "RMSNorm",
     "ReLU",

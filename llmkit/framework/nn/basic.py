@@ -60,8 +60,12 @@ class QuantizedLinear(Layer):
     of ``group_size`` input columns (-1: one per output channel). ``weight`` is the dequantized
     matrix, computed by the ``dequantize`` op where it is read; traced programs hold
     ``linear(x, dequantize(...))``, which the ``quantize-linear`` pass turns into ``quant_linear``.
+
+    ``act_bits=8`` quantizes the input too, to int8 per row and weight group, on the fly, and
+    multiplies integers: the forward is ``quant_linear(x, ..., act_bits=8)`` (``ops/quant.py`` has
+    the arithmetic), in eager mode and in traced programs alike. 0 (the default): x stays float.
     Where a gradient must reach ``x`` (frozen quantized layers above trained ones: QLoRA), the
-    forward is ``quant_linear`` itself, whose rule recomputes the weight in the backward.
+    forward is ``quant_linear`` too, whose rule recomputes the weight in the backward.
     """
 
     def __init__(
@@ -73,12 +77,15 @@ class QuantizedLinear(Layer):
         sym: bool = True,
         bias: bool = False,
         dtype: Any = None,
+        act_bits: int = 0,
     ) -> None:
         super().__init__()
+        if act_bits not in ops.quant.ACT_BITS:
+            raise ValueError(f"QuantizedLinear: act_bits must be 0 (float) or 8, got {act_bits!r}")
         if bits == 4 and in_features % 2:
             raise ValueError(f"QuantizedLinear: 4-bit weights need an even in_features, got {in_features}")
         self.in_features, self.out_features = in_features, out_features
-        self.bits, self.group_size, self.sym = bits, group_size, sym
+        self.bits, self.group_size, self.sym, self.act_bits = bits, group_size, sym, act_bits
         groups = 1 if group_size == -1 else -(-in_features // group_size)
         codes = (out_features, in_features) if bits == 8 else (out_features, in_features // 2)
         self.register_buffer("qweight", zeros(*codes, dtype="int8" if bits == 8 else "uint8"))
@@ -96,39 +103,95 @@ class QuantizedLinear(Layer):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        if is_grad_enabled() and getattr(x, "requires_grad", False):
-            # A gradient flows through to x (QLoRA: adapters below): quant_linear's rule dequantizes
-            # again in the backward, so the float weight is never held from forward to backward.
-            y = ops.quant_linear(
-                x, self.qweight, self.scales, self.zeros, bits=self.bits, group_size=self.group_size
-            )
-            return y if self.bias is None else y + self.bias
-        return ops.linear(x, self.weight, self.bias)
+        if not self.act_bits and not (is_grad_enabled() and getattr(x, "requires_grad", False)):
+            return ops.linear(x, self.weight, self.bias)
+        # int8 activations; or a gradient flows through to x (QLoRA: adapters below), and
+        # quant_linear's rule dequantizes again in the backward: no float weight held in between
+        q = (self.qweight, self.scales, self.zeros)
+        y = ops.quant_linear(x, *q, bits=self.bits, group_size=self.group_size, act_bits=self.act_bits)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
             f"group_size={self.group_size}, sym={self.sym}, bias={self.bias is not None}"
+            + (f", act_bits={self.act_bits}" if self.act_bits else "")
+        )
+
+
+class QuantizedEmbedding(Layer):
+    """An Embedding whose table is stored quantized as a QuantizedLinear's weight (row ``i`` of the
+    table is output feature ``i``): out[..., :] = dequantize(qweight[ids], scales[ids], zeros[ids]).
+
+    Only the looked-up rows are read and dequantized (``index_select`` of the codes, then
+    ``dequantize``), so a token costs its row's bytes. No gradient (the codes are integers).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bits: int = 4,
+        group_size: int = 128,
+        sym: bool = True,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__()
+        # the same buffers as a [num_embeddings -> embedding_dim] quantized weight
+        table = QuantizedLinear(embedding_dim, num_embeddings, bits, group_size, sym, False, dtype)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.bits, self.group_size, self.sym = bits, group_size, sym
+        for name in ("qweight", "scales", "zeros"):
+            self.register_buffer(name, getattr(table, name))
+
+    @property
+    def in_features(self) -> int:
+        """The input features of the table as a quantized weight (its groups run along a row)."""
+        return self.embedding_dim
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized table [num_embeddings, embedding_dim]."""
+        q = (self.qweight, self.scales, self.zeros)
+        return ops.dequantize(*q, bits=self.bits, group_size=self.group_size)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ops.reshape(ids, [-1])  # (T,)
+        q = (self.qweight, self.scales, self.zeros)
+        rows = [None if t is None else ops.index_select(t, flat) for t in q]
+        out = ops.dequantize(*rows, bits=self.bits, group_size=self.group_size)  # (T, dim)
+        return ops.reshape(out, [*ids.shape, self.embedding_dim])
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group_size={self.group_size}, "
+            f"sym={self.sym}"
         )
 
 
 def quantize_linears(
-    root: Layer, paths: list[str], bits: int, group_size: int, sym: bool
-) -> dict[str, QuantizedLinear]:
+    root: Layer, paths: list[str], bits: int, group_size: int, sym: bool, act_bits: int = 0
+) -> dict[str, QuantizedLinear | QuantizedEmbedding]:
     """Replace the ``Linear`` sublayers at ``paths`` (dotted, as ``named_sublayers`` gives them) by
-    ``QuantizedLinear`` layers of the same shape, in place; their codes start at zero (fill them
-    with ``load_state_dict``); a bias stays the same Parameter. Returns the new layers by path."""
+    ``QuantizedLinear`` layers of the same shape (and ``act_bits``), and ``Embedding`` ones by
+    ``QuantizedEmbedding``, in place; their codes start at zero (fill them with
+    ``load_state_dict``); a bias stays the same Parameter. Returns the new layers by path."""
     layers = dict(root.named_sublayers())
-    out = {}
+    out: dict[str, QuantizedLinear | QuantizedEmbedding] = {}
     for path in paths:
         old = layers.get(path)
-        if not isinstance(old, Linear):
+        if isinstance(old, Embedding) and old.padding_idx is None:
+            new = QuantizedEmbedding(
+                old.num_embeddings, old.embedding_dim, bits, group_size, sym, old.weight.dtype
+            )
+        elif isinstance(old, Linear):
+            new = QuantizedLinear(
+                old.in_features, old.out_features, bits, group_size, sym, False, old.weight.dtype, act_bits
+            )
+            new.bias = old.bias
+        else:
             what = type(old).__name__ if old is not None else "no sublayer"
-            raise ValueError(f"quantize_linears: {path!r} is {what}, not a Linear")
-        new = QuantizedLinear(
-            old.in_features, old.out_features, bits, group_size, sym, False, old.weight.dtype
-        )
-        new.bias = old.bias
+            raise ValueError(f"quantize_linears: {path!r} is {what}, not a Linear or an Embedding")
         parent, _, name = path.rpartition(".")
         (layers[parent] if parent else root)._sublayers[name] = new  # in its place: containers keep order
         out[path] = new

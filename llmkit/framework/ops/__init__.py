@@ -12,7 +12,7 @@ from typing import Any
 
 from ..dispatch import public
 from ..opspec import REQUIRED, A, Kind, Meta, OpError, OpSpec, attr, defop, get, table
-from . import collective, contraction, elementwise, movement, neural, paged, quant, reduce  # noqa: F401  (they register ops)
+from . import collective, contraction, elementwise, indexed, neural, paged, quant, reduce, views  # noqa: F401  (they register ops)
 
 
 def __getattr__(name: str) -> Callable[..., Any]:

@@ -45,7 +45,7 @@ from ..dispatch import O
 from ..opspec import A, Kind, Meta, OpError, attr, defop, describe, get, optional, same_dtype
 from . import spmd as P
 from .contraction import _linear_meta, _linear_vjp, mm
-from .movement import _add_at
+from .indexed import _add_at
 
 
 def _known_differ(a: sym.Dim, b: sym.Dim) -> bool:

@@ -1,4 +1,4 @@
-"""Weight-only quantized linears: ``dequantize`` and ``quant_linear`` (docs/quantize.md has the format).
+"""Quantized linears: ``dequantize`` and ``quant_linear`` (docs/quantize.md has the format).
 
 A weight ``W [out, in]`` is stored as integer codes and float scales, in groups of ``group_size``
 consecutive input columns (column c is in group ``c // group_size``, the last group may be shorter;
@@ -15,12 +15,15 @@ consecutive input columns (column c is in group ``c // group_size``, the last gr
 ``linear(x, W)`` without storing ``W``: the program form of a linear whose weight is quantized
 (the ``quantize-linear`` pass makes it from ``linear(x, dequantize(...))``). With ``rows`` it keeps
 ``tiled_linear``'s contract: products of exactly ``rows`` rows, so a row's result does not depend
-on the other rows (the engine's batch invariance).
+on the other rows (the engine's batch invariance). With ``act_bits=8`` x is quantized too, to int8
+per row and weight group (:func:`quantize_activations`), and the product is the integer one scaled
+(``compiler/native/quant_int.py`` runs it with integer dot products).
 
 Neither differentiates the codes or scales (codes are integers, and nothing trains scales);
-``quant_linear`` differentiates ``x``: dx = g @ dequantize(qweight, scales, zeros), the transposed
-product through the same dequantized weight, so a frozen quantized base passes gradients on to the
-adapters and layers below it (QLoRA). Both are ``internal``
+``quant_linear`` with float activations differentiates ``x``: dx = g @ dequantize(qweight, scales,
+zeros), the transposed product through the same dequantized weight, so a frozen quantized base
+passes gradients on to the adapters and layers below it (QLoRA); with ``act_bits=8`` (x rounded)
+nothing reaches x. Both are ``internal``
 (no Tensor methods); ``quant_linear`` is an engine op (``engine_op``) whose compiled programs run
 its hand-written kernel (``compiler/native/quant.py``). SPMD: rows of x and output features (a
 weight's rows, with their scales and zeros) shard; the inner dim stays whole, since a group must
@@ -139,20 +142,49 @@ defop(
 )
 
 
-def _ql_meta(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
+ACT_BITS = (0, 8)  # quant_linear's activations: float (weight-only), or int8 per weight group
+
+
+def quantize_activations(xp, x, group_size: int):
+    """int8 activation codes and scales of x [M, K] (float32), per column, as ``quant_linear`` with
+    ``act_bits=8`` makes them: per row and weight group (the whole row with ``group_size=-1``),
+    ``d = max|x| / 127`` and codes ``rint(x / d)`` (0 where ``d = 0``), float32 arithmetic.
+    Returns (codes, d), both [M, K] float32."""
+    m, k = x.shape
+    g = k if group_size == -1 else group_size
+    groups = -(-k // g) if k else 0
+    padded = xp.zeros((m, groups * g), xp.float32)
+    padded[:, :k] = x
+    blocks = padded.reshape(m, groups, g)
+    d = xp.abs(blocks).max(axis=-1, keepdims=True) / xp.float32(127)
+    q = xp.where(d > 0, xp.clip(xp.rint(blocks / xp.where(d > 0, d, xp.float32(1))), -127, 127), 0)
+    return q.reshape(m, -1)[:, :k], xp.broadcast_to(d, blocks.shape).reshape(m, -1)[:, :k]
+
+
+def _ql_meta(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0):
     w = _weight_meta("quant_linear", qweight, scales, zeros, bits, group_size)
     if x.dtype != scales.dtype:
         raise OpError("quant_linear: x and scales must have one dtype", x, scales)
     return _linear_meta(x, w)
 
 
-def _ql_vjp(g, out, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
-    # dx [..., in] = g [..., out] @ W [out, in]; W dequantized on the fly, never kept (QLoRA)
-    dx = lambda: O.matmul(g, O.dequantize(qweight, scales, zeros, bits=bits, group_size=group_size))
+def _ql_vjp(g, out, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0):
+    # dx [..., in] = g [..., out] @ W [out, in]; W dequantized on the fly, never kept (QLoRA).
+    # act_bits=8 rounds x itself: no gradient reaches x (LoRA refuses such bases).
+    dx = None
+    if not act_bits:
+        dx = lambda: O.matmul(g, O.dequantize(qweight, scales, zeros, bits=bits, group_size=group_size))
     return (dx, None, None) + (() if zeros is None else (None,))
 
 
-def _ql_kernel(xp, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
+def _ql_kernel(xp, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0):
+    if act_bits == 8:  # exact in float64 (codes times scales), then one rounding to x's dtype
+        x2 = x.reshape(-1, x.shape[-1]).astype(xp.float32)
+        q, d = quantize_activations(xp, x2, group_size)
+        xd = (q.astype(xp.float64) * d.astype(xp.float64)).reshape(x.shape)
+        w64 = _dequantize_kernel(xp, qweight, scales.astype(xp.float64), zeros, bits, group_size)
+        y = _tiled_kernel(xp, xd, w64, None, rows) if rows else _linear_kernel(xp, xd, w64)
+        return y.astype(x.dtype)
     w = _dequantize_kernel(xp, qweight, scales, zeros, bits, group_size)
     if rows:
         return _tiled_kernel(xp, x, w, None, rows)
@@ -162,7 +194,11 @@ def _ql_kernel(xp, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=
 engine_op(
     "quant_linear",
     ("x", "qweight", "scales", "zeros?"),
-    [*_quant_attrs(), attr("rows", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0")],
+    [
+        *_quant_attrs(),
+        attr("rows", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0"),
+        attr("act_bits", A.INT, 0, lambda v: None if v in ACT_BITS else "must be 0 (float) or 8"),
+    ],
     _ql_meta,
     _ql_kernel,
     spmd=_weight_spmd(1),
@@ -170,6 +206,8 @@ engine_op(
     nondiff={1, 2, 3},
     doc="linear(x, dequantize(qweight, scales, zeros)) with the weight never stored in float: "
     "x [..., in] -> [..., out]. rows >= 1 computes in products of exactly `rows` rows, as "
-    "tiled_linear (each row's result independent of the others); 0: one product. Gradient: x only "
-    "(g @ dequantize(...)).",
+    "tiled_linear (each row's result independent of the others); 0: one product. act_bits=8: x "
+    "quantized on the fly to int8 per block of 32 columns of a group (quantize_activations), "
+    "y = sum over blocks of (d * scale) * the integer product; 0: x stays float. Gradient: x only, "
+    "g @ dequantize(...), with act_bits=0.",
 )

@@ -1,6 +1,6 @@
 """Llama: config, model, Hugging Face checkpoint io and sentencepiece tokenizer."""
 
-from . import parallel  # noqa: F401  (registers the built-in plan "llama")
+from . import sharding  # noqa: F401  (registers the built-in plan "llama")
 from .config import PRESETS, LlamaConfig
 from .model import CausalLMOutput, KVCache, LlamaForCausalLM, LlamaModel
 from .tokenizer import LlamaTokenizer

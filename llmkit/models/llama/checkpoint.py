@@ -23,11 +23,14 @@ import llmkit.framework as lf
 from llmkit.framework import backend as B
 from llmkit.framework.distributed.shard_files import RANK_FILES, ShardError, ShardReader
 from llmkit.framework.files import atomic_dir, recover
+from llmkit.framework.ops.quant import ACT_BITS as QUANT_ACT_BITS
 from llmkit.framework.ops.quant import BITS as QUANT_BITS
 from llmkit.tokenizer import write_generation_config
 
 from .config import LlamaConfig
 
+# quantization_config.version: 1 (no key; weight-only products), 2 (adds act_bits), the newest here
+QUANT_VERSION = 2
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # Keys some checkpoints carry that follow from the config (older transformers saved RoPE buffers).
@@ -162,6 +165,14 @@ def _quantized_layers(path: Path, model: Any, names: set[str]) -> None:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
         raise CheckpointError(f"{where}: quant_method {method!r} is not supported (llmkit reads 'llmkit')")
     bits, group, sym = qc.get("bits"), qc.get("group_size"), qc.get("sym")
+    version, act_bits = qc.get("version", 1), qc.get("act_bits", 0)
+    if version not in (1, QUANT_VERSION):
+        raise CheckpointError(
+            f"{where}: version {version!r} is not one this llmkit reads (1 .. {QUANT_VERSION}): "
+            "upgrade llmkit"
+        )
+    if act_bits not in QUANT_ACT_BITS:
+        raise CheckpointError(f"{where}: act_bits must be one of {list(QUANT_ACT_BITS)}, got {act_bits!r}")
     if bits not in QUANT_BITS:
         raise CheckpointError(f"{where}: bits must be one of {list(QUANT_BITS)}, got {bits!r}")
     if isinstance(group, bool) or not isinstance(group, int) or not (group == -1 or group >= 1):
@@ -169,10 +180,12 @@ def _quantized_layers(path: Path, model: Any, names: set[str]) -> None:
     if not isinstance(sym, bool) or (bits == 8 and not sym):
         raise CheckpointError(f"{where}: sym must be true or false (true for 8 bits), got {sym!r}")
     paths = sorted(n.removesuffix(".qweight") for n in names if n.endswith(".qweight"))
+    if model.config.tie_word_embeddings and "model.embed_tokens" in paths:
+        raise CheckpointError(f"{path}: model.embed_tokens.qweight in a model whose embeddings are tied")
     if model.config.tie_word_embeddings and "lm_head" in paths:
         raise CheckpointError(f"{path}: lm_head.qweight in a model whose lm_head is tied to the embeddings")
     try:
-        lf.nn.quantize_linears(model, paths, bits, group, sym)
+        lf.nn.quantize_linears(model, paths, bits, group, sym, act_bits)
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
 
@@ -212,16 +225,10 @@ def save_pretrained(
                 ):
                     (tmp / f.name).write_bytes(f.read_bytes())
         arch = getattr(model, "architecture", "LlamaForCausalLM")
-        write_config(model.config, next(iter(state.values())).dtype, tmp, arch)
+        floats = [a.dtype for a in state.values() if B.is_floating(a.dtype)]  # codes come first if quantized
+        write_config(model.config, floats[0] if floats else next(iter(state.values())).dtype, tmp, arch)
         c = model.config
-        eos = (
-            c.eos_token_id
-            if isinstance(c.eos_token_id, list)
-            else []
-            if c.eos_token_id is None
-            else [c.eos_token_id]
-        )
-        write_generation_config(tmp, c.bos_token_id, eos, c.pad_token_id)
+        write_generation_config(tmp, c.bos_token_id, c.eos_ids, c.pad_token_id)
         total = sum(a.nbytes for a in state.values())
         if max_shard_size is None or total <= max_shard_size:
             lf.save(state, tmp / WEIGHTS, metadata={"format": "pt"})

@@ -132,6 +132,12 @@ class LlamaConfig:
         object.__setattr__(self, "rope_scaling", _normalize_rope_scaling(self.rope_scaling))
         object.__setattr__(self, "extra", dict(self.extra))
 
+    @property
+    def eos_ids(self) -> list[int]:
+        """``eos_token_id`` as a list: none, one, or several stop ids (Llama 3.1 Instruct's)."""
+        eos = self.eos_token_id
+        return list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
+
     # ---- presets and HF config.json -------------------------------------------------------------
 
     @classmethod

@@ -169,6 +169,13 @@ def check_targets(model: nn.Layer, targets: tuple[str, ...]) -> list[str]:
 def check_base(layer: nn.Layer, path: str) -> None:
     """A quantized base must be one the backward can run through (``linear(x, dequantize(..))``)."""
     if isinstance(layer, nn.QuantizedLinear):
+        if layer.act_bits:
+            raise LoraError(
+                "targets",
+                f"{path} quantizes its activations too (act_bits={layer.act_bits}): rounding x has no "
+                "gradient, so no adapter below it could train; LoRA takes weight-only bases "
+                "(llmkit quantize without --act-bits)",
+            )
         if not B.is_floating(layer.scales.dtype):
             raise LoraError("targets", f"{path}: quantized scales must be floating, got {layer.scales.dtype}")
         return
@@ -192,6 +199,9 @@ def apply_lora(model: nn.Layer, cfg: LoraConfig, seed: int | None = None) -> lis
         if isinstance(layers[path], LoraLinear):
             raise LoraError("targets", f"{path} already has an adapter")
         check_base(layers[path], path)
+    for path, layer in layers.items():  # any layer the gradient must pass: none may round x
+        if isinstance(layer, nn.QuantizedLinear):
+            check_base(layer, path)
     for p in model.parameters():
         p.requires_grad = False
     state = B.get_rng_state() if seed is not None else None

@@ -20,8 +20,8 @@ import pytest
 import llmkit.framework as lf
 from llmkit.framework import compiler, ir, jit
 from llmkit.framework.compiler.cuda import render_cuda
+from llmkit.framework.compiler.loop_schedule import build
 from llmkit.framework.compiler.lower import lower
-from llmkit.framework.compiler.schedule import build
 
 from .harness import assert_same
 

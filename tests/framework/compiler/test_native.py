@@ -619,6 +619,25 @@ def test_topk_last_axis_equals_a_stable_sort_with_ties_infinities_and_nans(dtype
     assert not applies("topk", np.zeros((4, 2)), k=2, axis=0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_topk_last_axis_on_score_sized_rows_equals_a_stable_sort(dtype):
+    # [64, 4096]: the threaded path over rows and the skipped blocks of 16 (the K-th rising late,
+    # ties of the K-th inside and across blocks, a NaN in an otherwise skippable block, a short tail)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((64, 4099)).astype(dtype)
+    x[1] = np.arange(4099)  # ascending: every block beats the K-th
+    x[2] = rng.integers(-3, 4, 4099)  # ties everywhere
+    x[3, 4000] = np.nan
+    x[4, :] = -np.inf
+    x[4, 4098] = 0.0
+    for k in (1, 5):
+        assert applies("topk", x, k=k)
+        vals, idx = native("topk")(np, x, k=k)
+        want = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(idx, want)
+        np.testing.assert_array_equal(vals, np.take_along_axis(x, want, -1))
+
+
 def test_gather_last_axis_any_dtype_and_negative_indices():
     rng = np.random.default_rng(5)
     for x in (rng.standard_normal((4, 9)), rng.integers(0, 9, (2, 3, 5)), rng.random((3, 6)) > 0.5):

@@ -20,8 +20,8 @@ import numpy as np
 import llmkit.framework as lf
 import llmkit.framework.distributed as dist
 from llmkit.framework import nn
+from llmkit.framework.distributed.parallel_plan import ParallelPlan
 from llmkit.framework.distributed.parallelize import Parallelized
-from llmkit.framework.distributed.plan import ParallelPlan
 from llmkit.framework.jit import to_static
 from llmkit.models.llama.config import LlamaConfig
 from llmkit.models.llama.model import LlamaDecoderLayer

@@ -17,7 +17,7 @@ from llmkit.framework import optim
 from llmkit.framework.distributed.pipeline import Pipeline, mesh_value
 from llmkit.framework.nn.layer import replace_payload
 from llmkit.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
-from llmkit.models.llama.pipeline import pipeline_parts
+from llmkit.models.llama.pipeline_parts import pipeline_parts
 
 V, B, S, STEPS = 97, 8, 16, 20
 CONFIG = dict(

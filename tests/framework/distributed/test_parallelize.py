@@ -12,8 +12,8 @@ import pytest
 import llmkit.framework as lf
 import llmkit.framework.distributed as dist
 from llmkit.framework import optim
+from llmkit.framework.distributed.parallel_plan import ParallelPlan
 from llmkit.framework.distributed.parallelize import Parallelized
-from llmkit.framework.distributed.plan import ParallelPlan
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 
 B, S, V, H = 4, 8, 96, 16
@@ -134,7 +134,7 @@ def test_the_bytes_moved_are_the_plans_prediction(monkeypatch, kw):
     gradients (all-reduced over tp, which the prediction leaves out): within 2% for tp (a few
     per-row statistics); with dp 3-4% under, since the embedding's gradient over dp is computed
     sharded on the hidden dim and gathered, cheaper than the all-reduce the prediction counts."""
-    from llmkit.models.llama.parallel import predict_traffic
+    from llmkit.models.llama.sharding import predict_traffic
 
     plan = ParallelPlan.make("llama", **kw)
     *_, (_, _, sent) = run(plan, monkeypatch)

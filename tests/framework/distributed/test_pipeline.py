@@ -18,7 +18,7 @@ import llmkit.framework as lf
 import llmkit.framework.distributed as dist
 from llmkit.framework.autograd import accumulate_deferred, run_backward
 from llmkit.framework.distributed.pipeline import Pipeline, PipelineError, balance, parse_stages
-from llmkit.models.llama.pipeline import pipeline_parts
+from llmkit.models.llama.pipeline_parts import pipeline_parts
 
 REL = 1e-5
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from llmkit.framework import ir
-from llmkit.framework.ops.movement import END
+from llmkit.framework.ops.views import END
 from llmkit.framework.opspec import OpError, OpSpec, table
 from llmkit.framework.placement import ProcessMesh
 

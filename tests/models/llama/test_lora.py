@@ -265,3 +265,17 @@ def test_adapter_files_errors_name_the_file(tmp_path):
         L.load_adapter(tiny(), tmp_path / "a")
     with pytest.raises(L.LoraError, match="no such file"):
         L.load_adapter(tiny(), tmp_path / "missing")
+
+
+def test_a_base_with_int8_activations_is_refused():
+    """act_bits=8 rounds each layer's input: no gradient passes, so LoRA refuses the base."""
+    from llmkit.quant.quantize import set_act_bits
+
+    model = tiny()
+    quantize_model(model, QuantConfig(bits=4, group_size=8, method="rtn"), progress=False)
+    set_act_bits(model, 8)
+    with pytest.raises(
+        L.LoraError, match=r"q_proj quantizes its activations too \(act_bits=8\).*without --act-bits"
+    ):
+        L.apply_lora(model, L.LoraConfig(targets=("q_proj",)))
+    assert not L.lora_layers(model)  # nothing changed

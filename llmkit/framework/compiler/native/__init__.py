@@ -1,18 +1,20 @@
 """Hand-written C kernels: the one home of every kernel the compiler does not generate.
 
 Each family module holds the C source of some ops and attaches it to their specs with
-:func:`native_kernel` (``OpSpec.native``: source, size arguments, when it applies). ``run`` builds them
-(``build.py``: the system C compiler, the kernel cache) and runs them in place of the reference
-kernels in compiled programs, where a function made only of C kernels is replayed in one C call;
-their threads come from the pool in ``par.py``.
+:func:`native_kernel` (``attach.py``; ``OpSpec.native``: source, size arguments, when it
+applies). ``run`` builds them (``build.py``: the system C compiler, the kernel cache) and runs
+them in place of the reference kernels in compiled programs, where a function made only of C
+kernels is replayed in one C call; their threads come from the pool in ``par.py``.
 
 ==============  ==============================================================================
+``attach``      ``native_kernel``: a family module attaches its kernel to an op's spec
 ``run``         NativeOp (one op's kernel, called like its reference kernel), Replay(s); both
                 registered with the executor
 ``simd``        vector helpers the kernels share (AVX2 + FMA, else GCC vectors)
 ``linear``      ``tiled_linear``, ``tiled_linear_swiglu``: the engine's batch-invariant products
 ``paged``       ``paged_attention``, ``paged_kv_write``: the engine's KV cache
 ``quant``       ``quant_linear``: products with int8 / int4 weights, dequantized in the loop
+``quant_int``   ``quant_linear`` with int8 activations: integer dot products, the ISA picked at run time
 ``gather``      ``index_select``, ``index_add``: embedding rows and their gradient
 ``attention``   flash attention forward and backward (``scaled_dot_product_attention*``)
 ==============  ==============================================================================
@@ -25,28 +27,8 @@ formula in ``tests/framework/compiler/test_native.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
-from ...opspec import Native, get
-
-
-def native_kernel(
-    op: str,
-    source: str | Callable[..., str],
-    *,
-    sizes: Callable[..., Sequence[int]],
-    applies: Callable[..., bool],
-    strided: bool = False,
-) -> Native:
-    """Attach a hand-written kernel to op ``op``'s spec (see :class:`opspec.Native`)."""
-    spec = get(op)
-    if spec.native is not None:
-        raise ValueError(f"op {op!r} has a native kernel already")
-    spec.native = Native(source, sizes, applies, strided)
-    return spec.native
-
-
-from . import attention, gather, linear, paged, quant  # noqa: E402, F401  (they attach their kernels)
-from .run import NativeOp, Replays, build_c, native_of  # noqa: E402
+from . import attention, gather, linear, paged, quant  # noqa: F401  (they attach their kernels)
+from .attach import native_kernel
+from .run import NativeOp, Replays, build_c, native_of
 
 __all__ = ["NativeOp", "Replays", "build_c", "native_kernel", "native_of"]

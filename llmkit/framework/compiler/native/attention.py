@@ -34,7 +34,7 @@ import math
 
 import numpy as np
 
-from . import native_kernel
+from .attach import native_kernel
 
 BR, BC = 32, 64  # query rows and keys per tile: the score tile (8 KiB in float32) stays in L1
 VECTOR_BYTES = 32  # AVX2 / NEON x2; wider machines still vectorize each half

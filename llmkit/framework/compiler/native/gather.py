@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import native_kernel
+from .attach import native_kernel
 
 INDEX_SELECT = r"""
 #include <string.h>
@@ -112,35 +112,53 @@ TOPK_LAST = r"""
 /* topk (largest) along the last axis, float32 (itemsize 4) or float64 (8): each row's K largest
    values, largest first, the lower index first among equal values (the order of a stable sort of
    -x); NaNs, which a sort of -x puts last, fill what is left in index order. One pass per row
-   keeps the K best in order (an insertion after every kept value >= the new one).
+   keeps the K best in order (an insertion after every kept value >= the new one); once K are
+   kept, a block of 16 values none of which beats the K-th (nor is NaN) is passed over by one
+   vectorized test. Rows are independent: threads take whole rows (the same result on any count).
    bufs: x [R, V], values [R, K], indices [R, K] (int64), status. sizes: R, V, K, itemsize. */
+#define KERNEL_FN_BLOCK 16
 #define KERNEL_FN_ROW(T)                                                                         \
   static void KERNEL_FN_row_##T(const T *x, int64_t V, int64_t K, T *val, int64_t *idx) {       \
-    int64_t n = 0;                                                                               \
-    for (int64_t v = 0; v < V; v++) {                                                            \
-      const T a = x[v];                                                                          \
-      if (a != a || (n == K && !(a > val[K - 1]))) continue;                                     \
-      int64_t p = n < K ? n : K - 1;                                                             \
-      while (p > 0 && val[p - 1] < a) { val[p] = val[p - 1]; idx[p] = idx[p - 1]; p--; }         \
-      val[p] = a; idx[p] = v;                                                                    \
-      if (n < K) n++;                                                                            \
+    int64_t n = 0, v = 0;                                                                        \
+    while (v < V) {                                                                              \
+      if (n == K && v + KERNEL_FN_BLOCK <= V) {                                                  \
+        const T kth = val[K - 1];                                                                \
+        int any = 0;                                                                             \
+        _Pragma("omp simd reduction(|:any)")                                                     \
+        for (int64_t u = 0; u < KERNEL_FN_BLOCK; u++) any |= (x[v + u] > kth) | (x[v + u] != x[v + u]); \
+        if (!any) { v += KERNEL_FN_BLOCK; continue; }                                            \
+      }                                                                                          \
+      const int64_t end = v + KERNEL_FN_BLOCK < V ? v + KERNEL_FN_BLOCK : V;                     \
+      for (; v < end; v++) {                                                                     \
+        const T a = x[v];                                                                        \
+        if (a != a || (n == K && !(a > val[K - 1]))) continue;                                   \
+        int64_t p = n < K ? n : K - 1;                                                           \
+        while (p > 0 && val[p - 1] < a) { val[p] = val[p - 1]; idx[p] = idx[p - 1]; p--; }       \
+        val[p] = a; idx[p] = v;                                                                  \
+        if (n < K) n++;                                                                          \
+      }                                                                                          \
     }                                                                                            \
-    for (int64_t v = 0; v < V && n < K; v++)                                                     \
-      if (x[v] != x[v]) { val[n] = x[v]; idx[n] = v; n++; }                                      \
+    for (int64_t u = 0; u < V && n < K; u++)                                                     \
+      if (x[u] != x[u]) { val[n] = x[u]; idx[n] = u; n++; }                                      \
   }
 KERNEL_FN_ROW(float)
 KERNEL_FN_ROW(double)
+typedef struct { void *x, *val; int64_t *idx; int64_t V, K, item; } KERNEL_FN_job;
+static void KERNEL_FN_one(void *arg, int64_t r, int64_t worker) { /* one claim: row r */
+  (void)worker;
+  const KERNEL_FN_job *j = (const KERNEL_FN_job *)arg;
+  const int64_t V = j->V, K = j->K;
+  if (j->item == 4)
+    KERNEL_FN_row_float((const float *)j->x + r * V, V, K, (float *)j->val + r * K, j->idx + r * K);
+  else
+    KERNEL_FN_row_double((const double *)j->x + r * V, V, K, (double *)j->val + r * K, j->idx + r * K);
+}
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
-  (void)nthreads;
   const int64_t R = sizes[0], V = sizes[1], K = sizes[2], item = sizes[3];
-  int64_t *idx = (int64_t *)bufs[2];
-  for (int64_t r = 0; r < R; r++) {
-    if (item == 4)
-      KERNEL_FN_row_float((const float *)bufs[0] + r * V, V, K, (float *)bufs[1] + r * K, idx + r * K);
-    else
-      KERNEL_FN_row_double((const double *)bufs[0] + r * V, V, K, (double *)bufs[1] + r * K,
-                           idx + r * K);
-  }
+  KERNEL_FN_job job = {bufs[0], bufs[1], (int64_t *)bufs[2], V, K, item};
+  int64_t nt = R * V < 65536 ? 1 : nthreads < R ? nthreads : R; /* small inputs: no hand-off */
+  if (nt < 1) nt = 1;
+  llmkit_par_run(R, nt, KERNEL_FN_one, &job);
 }
 """
 TOPK_MAX_K = 64  # the insertion keeps K values in order: small K (scoring's 5), not a sort

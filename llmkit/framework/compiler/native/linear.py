@@ -16,7 +16,7 @@ import numpy as np
 
 from ...ops.paged import PANEL
 from ...opspec import get
-from . import native_kernel
+from .attach import native_kernel
 from .simd import VEC
 
 _F32 = np.dtype(np.float32)

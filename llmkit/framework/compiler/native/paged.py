@@ -11,7 +11,7 @@ import struct
 
 import numpy as np
 
-from . import native_kernel
+from .attach import native_kernel
 from .simd import VEC
 
 _F32 = np.dtype(np.float32)

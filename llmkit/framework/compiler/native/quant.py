@@ -15,7 +15,8 @@ import math
 
 import numpy as np
 
-from . import native_kernel
+from .attach import native_kernel
+from .quant_int import QUANT_INT, int_isa_code
 from .simd import VEC
 
 _F32 = np.dtype(np.float32)
@@ -211,7 +212,7 @@ static void KERNEL_FN_outputs(void *arg, int64_t c, int64_t worker) {
   }
 }
 
-void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+static void KERNEL_FN_float(void **bufs, const int64_t *sizes, int64_t nthreads) {
   const int64_t M = sizes[0], K = sizes[1], N = sizes[2], bits = sizes[3], g = sizes[4], has_z = sizes[5];
   int64_t *status = (int64_t *)bufs[4 + has_z];
   KERNEL_FN_job j = {(const float *)bufs[0], NULL, (const float *)bufs[2], (const uint8_t *)bufs[1],
@@ -238,10 +239,20 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   free(xd);
 }
 """
+    + QUANT_INT
+    + r"""
+/* sizes: M, K, N, bits, group, has_zeros, act_bits (0: float x, 8: int8 blocks), isa (-1: auto) */
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  if (sizes[6] == 8)
+    KERNEL_FN_int8(bufs, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[7], nthreads);
+  else
+    KERNEL_FN_float(bufs, sizes, nthreads);
+}
+"""
 )
 
 
-def _sizes(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
+def _sizes(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0):
     k = x.shape[-1]
     return [
         math.prod(x.shape[:-1]),
@@ -250,10 +261,12 @@ def _sizes(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
         bits,
         k if group_size == -1 else group_size,
         zeros is not None,
+        act_bits,
+        int_isa_code(),
     ]
 
 
-def _applies(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
+def _applies(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0):
     # any rows (the kernel computes every row alone); 4-bit groups of an even width (no byte
     # straddles two groups); the width known when the program is planned
     even = bits == 8 or group_size == -1 or group_size % 2 == 0
@@ -261,3 +274,39 @@ def _applies(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0):
 
 
 native_kernel("quant_linear", QUANT_LINEAR, sizes=_sizes, applies=_applies)
+
+DEQUANTIZE = r"""
+#include <stdint.h>
+/* dequantize: out[n, k] = (float)(q[n, k] - zero[n, k / g]) * scale[n, k / g], the difference exact
+   and one rounding (the reference kernel's arithmetic); a quantized embedding's looked-up rows.
+   bufs: qweight ([N, K] int8 | [N, K / 2] uint8), scales [N, G], zeros [N, G] uint8?, out [N, K],
+   status.  sizes: N, K, bits, group (columns), has_zeros. */
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  (void)nthreads;
+  const int64_t N = sizes[0], K = sizes[1], bits = sizes[2], g = sizes[3], has_z = sizes[4];
+  const int64_t G = K > 0 ? (K + g - 1) / g : 1;
+  const uint8_t *q = (const uint8_t *)bufs[0], *z = has_z ? (const uint8_t *)bufs[2] : 0;
+  const float *s = (const float *)bufs[1];
+  float *out = (float *)bufs[2 + has_z];
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t k = 0; k < K; k++) {
+      const int64_t gi = k / g;
+      int32_t c;
+      if (bits == 8) c = (int8_t)q[n * K + k];
+      else c = (k % 2 ? q[n * (K / 2) + k / 2] >> 4 : q[n * (K / 2) + k / 2] & 15) - (z ? z[n * G + gi] : 8);
+      out[n * K + k] = (float)c * s[n * G + gi];
+    }
+}
+"""
+
+
+def _dq_sizes(qweight, scales, zeros=None, bits=4, group_size=128):
+    k = qweight.shape[1] * (2 if bits == 4 else 1)
+    return [qweight.shape[0], k, bits, k if group_size == -1 else group_size, zeros is not None]
+
+
+def _dq_applies(qweight, scales, zeros=None, bits=4, group_size=128):
+    return scales.dtype == _F32 and all(isinstance(d, int) for d in qweight.shape[1:])
+
+
+native_kernel("dequantize", DEQUANTIZE, sizes=_dq_sizes, applies=_dq_applies)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from framework.distributed.dist_helpers import ROOT, run_mpi
 
-from llmkit.framework.distributed.plan import PLAN_FILE, ParallelPlan
+from llmkit.framework.distributed.parallel_plan import PLAN_FILE, ParallelPlan
 from llmkit.framework.placement import Shard
 from llmkit.models.llama import LlamaForCausalLM
 from llmkit.quant.cli import eval_main, quantize_main

@@ -17,7 +17,7 @@ from .runs import losses, raw_config
 def test_parallel_auto_plans_prints_and_runs_the_choice(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LLMKIT_CACHE_DIR", str(tmp_path / "cache"))  # probes land here, not in ~
     raw = raw_config(tmp_path / "run", steps=2, save_every=0, eval_every=0)
-    raw["schedule"]["warmup_steps"] = 1
+    raw["lr_schedule"]["warmup_steps"] = 1
     raw["parallel"] = "auto"
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -46,8 +46,8 @@ def test_the_cost_model_against_measured_step_times(tmp_path, monkeypatch):
     printed; on a shared machine they swing, so the bound is a sanity one (within 5x either way),
     not the 25% the model aims at: what fails is a model off by an order of magnitude, or one that
     only agrees with itself."""
-    from llmkit.framework.distributed import planner as P
-    from llmkit.train.planning import machine_for, model_cost, precision_of, step_probe
+    from llmkit.framework.distributed import plan_search
+    from llmkit.train.auto_plan import machine_for, model_cost, precision_of, step_probe
     from llmkit.train.trainer import Trainer
 
     monkeypatch.setenv("LLMKIT_CACHE_DIR", str(tmp_path / "cache"))
@@ -63,7 +63,7 @@ def test_the_cost_model_against_measured_step_times(tmp_path, monkeypatch):
         measured = float(np.median([tokens / r["tokens_per_s"] for r in rows[2:]]))
         llama, cost = model_cost(cfg)
         host = machine_for(None, "sim", 1, step_probe(llama, cfg))
-        predicted = P.estimate(
+        predicted = plan_search.estimate(
             cost, host, batch * accum, 1, 1, 1, 0, par.get("recompute", "none"), accum,
             precision=precision_of(cfg),
         ).step  # fmt: skip

@@ -22,8 +22,8 @@ import math
 from typing import Any
 
 from llmkit.framework import nn
-from llmkit.framework.distributed.plan import ParallelPlan, PlanError, register_plan
-from llmkit.framework.distributed.planner import ModelCost
+from llmkit.framework.distributed.parallel_plan import ParallelPlan, PlanError, register_plan
+from llmkit.framework.distributed.plan_search import ModelCost
 from llmkit.framework.placement import Shard, local_shape
 
 from .model import LlamaForCausalLM
@@ -131,7 +131,7 @@ def llama_cost(config: Any, seq_len: int, act_itemsize: int = 4) -> ModelCost:
     attention block drops its 4 Q + 3 KV; recomputing the whole layer keeps its input only. The
     embedding keeps its H-wide output; the head its norm's output and the V-wide logits (vocab
     parallel: cut by tp)."""
-    from .pipeline import piece_flops
+    from .pipeline_parts import piece_flops
 
     c = config
     h, d, i = c.hidden_size, c.head_dim, c.intermediate_size

@@ -69,7 +69,7 @@ class PipelinePlan:
     """How the model is cut into pipeline stages and run (the config's ``parallel.pp*`` keys)."""
 
     pp: int  # pipeline ranks: the outermost mesh dim
-    schedule: str = "1f1b"  # fthenb | 1f1b | interleaved | zero_bubble (distributed/schedule.py)
+    schedule: str = "1f1b"  # fthenb | 1f1b | interleaved | zero_bubble (distributed/pipeline_schedule.py)
     micro_batches: int = 1  # a step's batch cut into this many
     virtual_stages: int = 1  # stages per pipeline rank (interleaved)
     stages: tuple[str, ...] | None = None  # layer ranges, one per stage ("0-11"); None: balanced

@@ -1,5 +1,5 @@
 """``llmkit plan CONFIG --world N --mem-gb M [--gpu NAME]`` and ``parallel: auto`` in ``llmkit train``:
-the planner (``framework/distributed/planner.py``) on a run config's model, batch and precision.
+the planner (``framework/distributed/plan_search.py``) on a run config's model, batch and precision.
 
 Without ``--gpu`` the machine is this host: its matmul and memory speeds and the backend's
 collectives, probed once and cached (``framework/distributed/probe.py``), shared out among the
@@ -13,23 +13,23 @@ import os
 import shlex
 from typing import Any
 
-from llmkit.framework.distributed import planner as P
-from llmkit.framework.distributed.plan import PlanError
+from llmkit.framework.distributed import plan_search
+from llmkit.framework.distributed.parallel_plan import PlanError
 
 from .args import ArgumentParser
 from .config import ConfigError, TrainConfig, load_config, resolve_model_config
 
-GB = P.GB
+GB = plan_search.GB
 
 
-def precision_of(cfg: TrainConfig) -> P.Precision:
+def precision_of(cfg: TrainConfig) -> plan_search.Precision:
     """llmkit keeps AdamW's moments in float32 whatever the weights' dtype."""
     w = 2 if cfg.train.dtype == "bfloat16" else 4
-    return P.Precision(w, w, 8)
+    return plan_search.Precision(w, w, 8)
 
 
-def model_cost(cfg: TrainConfig) -> tuple[Any, P.ModelCost]:
-    from llmkit.models.llama.parallel import llama_cost
+def model_cost(cfg: TrainConfig) -> tuple[Any, plan_search.ModelCost]:
+    from llmkit.models.llama.sharding import llama_cost
 
     if cfg.tokenizer.path == "builtin":
         vocab = cfg.tokenizer.vocab_size
@@ -59,7 +59,7 @@ def step_probe(llama: Any, cfg: TrainConfig) -> tuple[str, Any] | None:
     import llmkit.framework as lf
     from llmkit.framework import optim
     from llmkit.models.llama import LlamaForCausalLM
-    from llmkit.models.llama.parallel import llama_cost
+    from llmkit.models.llama.sharding import llama_cost
 
     from .loop import build_optimizer
 
@@ -98,9 +98,11 @@ def step_probe(llama: Any, cfg: TrainConfig) -> tuple[str, Any] | None:
     return key, probe
 
 
-def machine_for(gpu: str | None, backend: str, world: int, speed: tuple[str, Any] | None = None) -> P.Machine:
+def machine_for(
+    gpu: str | None, backend: str, world: int, speed: tuple[str, Any] | None = None
+) -> plan_search.Machine:
     if gpu is not None:
-        return P.gpu_machine(gpu)
+        return plan_search.gpu_machine(gpu)
     from llmkit.framework.distributed.probe import local_machine
 
     return local_machine(backend, world, speed)
@@ -114,7 +116,7 @@ def run_planner(
     backend: str | None = None,
     schedules: tuple[str, ...] = ("1f1b", "zero_bubble"),
     top: int = 10,
-) -> tuple[P.Choice, str]:
+) -> tuple[plan_search.Choice, str]:
     """The choice for ``cfg`` on ``world`` ranks of ``mem`` bytes, and its report (table + reasons)."""
     if world < 1:
         raise ConfigError(f"--world must be at least 1, got {world}")
@@ -124,14 +126,16 @@ def run_planner(
     llama, cost = model_cost(cfg)
     machine = machine_for(gpu, backend, world, None if gpu else step_probe(llama, cfg))
     batch = cfg.train.batch_size * cfg.train.grad_accum
-    choice = P.plan(cost, machine, world, batch, mem, precision=precision_of(cfg), schedules=schedules)
-    flops = f"{P.EFFICIENCY:.0%} of the published peak" if gpu else "measured matmul"
+    choice = plan_search.plan(
+        cost, machine, world, batch, mem, precision=precision_of(cfg), schedules=schedules
+    )
+    flops = f"{plan_search.EFFICIENCY:.0%} of the published peak" if gpu else "measured matmul"
     flops = "measured training step" if machine.whole_step else flops
     lines = [
         f"plan: {llama.num_parameters() / 1e9:.3g}B parameters, {batch} x {cfg.train.seq_len} tokens a step, "
         f"{world} ranks of {mem / GB:.3g} GB on {machine.name} ({machine.flops / 1e9:.4g} GFLOP/s per rank, "
         f"{flops})",
-        P.table(choice, cost, machine, batch, top),
+        plan_search.table(choice, cost, machine, batch, top),
         mfu_note(gpu is not None),
         *choice.reasons(),
     ]
@@ -142,13 +146,14 @@ def mfu_note(gpu: bool) -> str:
     """What the MFU column is: a prediction whose ceiling is the model's own efficiency."""
     if gpu:
         return (
-            f"MFU is predicted, not measured: the model runs matmuls at {P.EFFICIENCY:.0%} of the "
-            f"published peak, so no plan can show more than {P.EFFICIENCY:.0%} (published runs: 40-58%)"
+            f"MFU is predicted, not measured: the model runs matmuls at {plan_search.EFFICIENCY:.0%} of "
+            f"the published peak, so no plan can show more than {plan_search.EFFICIENCY:.0%} "
+            "(published runs: 40-58%)"
         )
     return "MFU is predicted: model FLOPs over this host's measured bare-matmul speed, not a published peak"
 
 
-def overrides(c: P.Candidate, cfg: TrainConfig) -> list[str]:
+def overrides(c: plan_search.Candidate, cfg: TrainConfig) -> list[str]:
     """Config overrides that run candidate ``c`` (the whole ``parallel`` section, and the batch cut
     into micro-batches: gradient accumulation without a pipeline, the pipeline's own with one)."""
     batch = cfg.train.batch_size * cfg.train.grad_accum
@@ -172,7 +177,7 @@ def plan_main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     p.add_argument("--world", type=int, required=True, metavar="N", help="ranks (processes or GPUs)")
     p.add_argument("--mem-gb", type=float, required=True, metavar="M", help="memory per rank, GB (1e9 B)")
-    p.add_argument("--gpu", help=f"plan for GPUs ({', '.join(P.GPUS)}) instead of this host")
+    p.add_argument("--gpu", help=f"plan for GPUs ({', '.join(plan_search.GPUS)}) instead of this host")
     p.add_argument("--backend", choices=["sim", "mpi"], help="this host's backend (default: mpi over 1 rank)")
     p.add_argument("--top", type=int, default=10, help="candidates shown")
     a = p.parse_intermixed_args(argv)

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 import llmkit.framework.distributed as dist
-from llmkit.framework.distributed.plan import PLAN_FILE, ParallelPlan
+from llmkit.framework.distributed.parallel_plan import PLAN_FILE, ParallelPlan
 from llmkit.framework.placement import Placement, Replicate, Shard
 
 from .format import QuantConfig, QuantError, QuantizedWeight

@@ -12,7 +12,7 @@ of ``b`` sequences of ``S`` tokens on one rank holding ``L/pp`` layers cut ``tp`
     backward t_B = 2 t_F + (recompute: the recomputed part's forward again)
     step     = clock(schedule, pp, m; t_F, t_B) + 2 (pp - 1) t_p2p + t_dp(ZeRO) + t_update
 
-``clock`` is :func:`schedule.simulate` on the schedule's job lists (the bubble), ``t_dp`` the data
+``clock`` is :func:`pipeline_schedule.simulate` on the schedule's job lists (the bubble), ``t_dp`` the data
 parallel gradient reduction and ZeRO's gathers (no overlap with compute: llmkit's runtime has none),
 ``t_update`` the optimizer's pass over the rank's state (at memory bandwidth, or a measured rate).
 Peak memory per rank is
@@ -31,8 +31,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from .plan import RECOMPUTE, ZERO_STAGES, PlanError
-from .schedule import SCHEDULES, Schedule, simulate
+from .parallel_plan import RECOMPUTE, ZERO_STAGES, PlanError
+from .pipeline_schedule import SCHEDULES, Schedule, simulate
 
 GB = 1e9
 

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from llmkit.framework.distributed.plan import ParallelPlan, PlanError
+from llmkit.framework.distributed.parallel_plan import ParallelPlan, PlanError
 from llmkit.framework.placement import Replicate, Shard
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
-from llmkit.models.llama.parallel import check_plan
+from llmkit.models.llama.sharding import check_plan
 
 R = Replicate()
 
@@ -208,7 +208,7 @@ def test_a_damaged_plan_file_is_refused_by_name(tmp_path, edit, message):
     ],
 )
 def test_predicted_traffic_follows_zero_and_megatron(model, kw):
-    from llmkit.models.llama.parallel import predict_traffic
+    from llmkit.models.llama.sharding import predict_traffic
 
     plan = ParallelPlan.make("llama", **kw)
     dp, tp, zero = plan.size("dp"), plan.size("tp"), plan.zero
@@ -248,7 +248,7 @@ def test_recompute_policy_per_layer_round_trips(tmp_path):
 
 
 def test_apply_recompute_marks_the_policy_parts(model):
-    from llmkit.models.llama.parallel import apply_recompute
+    from llmkit.models.llama.sharding import apply_recompute
 
     apply_recompute(ParallelPlan.make("llama", recompute="attention", recompute_every=2), model)
     layers = model.model.layers

@@ -1,4 +1,4 @@
-"""``schedule``: turn a lowered group into loops.
+"""``loop_schedule``: turn a lowered group into loops.
 
 Two steps, both readable on the printed loop IR:
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmkit.framework.distributed.schedule import (
+from llmkit.framework.distributed.pipeline_schedule import (
     SCHEDULES,
     Job,
     Schedule,

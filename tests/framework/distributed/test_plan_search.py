@@ -14,17 +14,17 @@ from hypothesis import strategies as st
 
 import llmkit.framework as lf
 from llmkit.framework.autograd import saved_bytes
-from llmkit.framework.distributed import planner as P
-from llmkit.framework.distributed.plan import ParallelPlan, PlanError
+from llmkit.framework.distributed import plan_search
+from llmkit.framework.distributed.parallel_plan import ParallelPlan, PlanError
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
-from llmkit.models.llama.parallel import apply_recompute, llama_cost
+from llmkit.models.llama.sharding import apply_recompute, llama_cost
 
-FAST = P.Link(1e-6, 1e-10)
-MACHINE = P.Machine("test", 1e12, 1e11, FAST, P.Link(1e-5, 1e-9), node=8)
+FAST = plan_search.Link(1e-6, 1e-10)
+MACHINE = plan_search.Machine("test", 1e12, 1e11, FAST, plan_search.Link(1e-5, 1e-9), node=8)
 
 
-def toy(params: float = 1e6, layers: int = 4, act: float = 100.0) -> P.ModelCost:
-    return P.ModelCost(
+def toy(params: float = 1e6, layers: int = 4, act: float = 100.0) -> plan_search.ModelCost:
+    return plan_search.ModelCost(
         name="toy",
         layers=layers,
         hidden=64,
@@ -51,11 +51,20 @@ def test_state_memory_is_zeros_published_figure(zero, published_gb):
         layers=1,
         layer_params=int(psi),
         edge_params=(0, 0),
-        layer_act=dict.fromkeys(P.RECOMPUTE, (0.0, 0.0)),
+        layer_act=dict.fromkeys(plan_search.RECOMPUTE, (0.0, 0.0)),
     )
     cost = dataclasses.replace(cost, edge_act=((0.0, 0.0), (0.0, 0.0)))
-    c = P.estimate(
-        cost, MACHINE, 64, dp=64, tp=1, pp=1, zero=zero, recompute="none", micro_batches=1, precision=P.MIXED
+    c = plan_search.estimate(
+        cost,
+        MACHINE,
+        64,
+        dp=64,
+        tp=1,
+        pp=1,
+        zero=zero,
+        recompute="none",
+        micro_batches=1,
+        precision=plan_search.MIXED,
     )
     assert c.memory / 1e9 == pytest.approx(published_gb, abs=0.05)
 
@@ -68,7 +77,10 @@ def test_activation_memory_is_what_the_tape_keeps(policy):
     )  # fmt: skip
     b, s = 2, 32
     cost = llama_cost(config, s)
-    predicted = P.estimate(cost, MACHINE, b, 1, 1, 1, 0, policy, 1).memory - cost.params * P.FP32.total
+    predicted = (
+        plan_search.estimate(cost, MACHINE, b, 1, 1, 1, 0, policy, 1).memory
+        - cost.params * plan_search.FP32.total
+    )
     lf.seed(0)
     model = LlamaForCausalLM(config)
     apply_recompute(ParallelPlan.make("llama", recompute=policy), model)
@@ -79,9 +91,9 @@ def test_activation_memory_is_what_the_tape_keeps(policy):
 
 def test_a_pipeline_holds_the_schedules_in_flight_micro_batches():
     cost = toy()  # 4 layers on 4 stages: the fullest stage holds a layer and the head
-    state = (cost.layer_params + max(cost.edge_params)) * P.FP32.total
-    one = P.estimate(cost, MACHINE, 32, 1, 1, 4, 0, "none", 8, "1f1b")
-    fthenb = P.estimate(cost, MACHINE, 32, 1, 1, 4, 0, "none", 8, "fthenb")
+    state = (cost.layer_params + max(cost.edge_params)) * plan_search.FP32.total
+    one = plan_search.estimate(cost, MACHINE, 32, 1, 1, 4, 0, "none", 8, "1f1b")
+    fthenb = plan_search.estimate(cost, MACHINE, 32, 1, 1, 4, 0, "none", 8, "fthenb")
     # the textbook counts: 1F1B's first stage holds pp = 4 micro-batches, FThenB all 8
     micro = (one.memory - state) / 4
     assert micro > 0 and fthenb.memory - state == pytest.approx(8 * micro)
@@ -89,7 +101,7 @@ def test_a_pipeline_holds_the_schedules_in_flight_micro_batches():
 
 
 def test_one_rank_gets_the_plain_single_process_plan():
-    choice = P.plan(toy(), MACHINE, 1, 8, mem=1e12)
+    choice = plan_search.plan(toy(), MACHINE, 1, 8, mem=1e12)
     best = choice.best
     assert (best.dp, best.tp, best.pp, best.zero, best.recompute, best.micro_batches) == (
         1,
@@ -110,35 +122,40 @@ def test_one_rank_gets_the_plain_single_process_plan():
 )
 def test_the_choice_fits_and_nothing_that_fits_is_faster(world, params, act, mem_fraction):
     cost = toy(params, layers=8, act=act)
-    pool = P.candidates(cost, MACHINE, world, 16, schedules=("1f1b", "zero_bubble"))
+    pool = plan_search.candidates(cost, MACHINE, world, 16, schedules=("1f1b", "zero_bubble"))
     assert pool and all(c.dp * c.tp * c.pp == world for c in pool)
     mem = mem_fraction * max(c.memory for c in pool)
     if min(c.memory for c in pool) > mem:
         with pytest.raises(PlanError, match="no plan fits"):
-            P.choose(pool, mem)
+            plan_search.choose(pool, mem)
         return
-    choice = P.choose(pool, mem)
+    choice = plan_search.choose(pool, mem)
     assert choice.best.memory <= mem
     assert all(c.step >= choice.best.step * (1 - 1e-9) for c in pool if c.memory <= mem)
 
 
 def test_nothing_fits_names_the_smallest_memory_needed():
-    pool = P.candidates(toy(1e8), MACHINE, 4, 16)
+    pool = plan_search.candidates(toy(1e8), MACHINE, 4, 16)
     small = min(pool, key=lambda c: c.memory)
     with pytest.raises(PlanError) as info:
-        P.choose(pool, small.memory * 0.99)
+        plan_search.choose(pool, small.memory * 0.99)
     assert f"the smallest, {small.label}, needs {small.memory / 1e9:.3g} GB per rank" in str(info.value)
 
 
 def test_64_ranks_enumerate_every_layout():
     cost = llama_cost(LlamaConfig.from_preset("7B"), 4096, 2)
-    pool = P.candidates(
-        cost, P.gpu_machine("H100"), 64, 512, precision=P.MIXED, schedules=("1f1b", "zero_bubble")
+    pool = plan_search.candidates(
+        cost,
+        plan_search.gpu_machine("H100"),
+        64,
+        512,
+        precision=plan_search.MIXED,
+        schedules=("1f1b", "zero_bubble"),
     )
     layouts = {(c.dp, c.tp, c.pp) for c in pool}
     assert all(dp * tp * pp == 64 and tp <= 8 for dp, tp, pp in layouts)
     assert {(64, 1, 1), (8, 8, 1), (8, 1, 8), (2, 4, 8)} <= layouts
-    choice = P.choose(pool, 80e9)
+    choice = plan_search.choose(pool, 80e9)
     assert choice.best.memory <= 80e9 and "chose" in choice.reasons()[0]
 
 
@@ -168,7 +185,7 @@ def test_predicted_mfu_never_exceeds_the_assumed_matmul_efficiency():
     """The GPU model runs matmuls at EFFICIENCY of the peak and adds only costs on top, so its MFU
     is bounded by it (what ``llmkit plan`` says under its table)."""
     cost = llama_cost(LlamaConfig.from_preset("7B"), 4096, 2)
-    gpu = P.gpu_machine("A100")
-    choice = P.plan(cost, gpu, 64, 1024, 80e9, precision=P.MIXED)
-    values = [P.mfu(c, cost, gpu, 1024) for c in choice.ranked]
-    assert 0.3 < max(values) <= P.EFFICIENCY
+    gpu = plan_search.gpu_machine("A100")
+    choice = plan_search.plan(cost, gpu, 64, 1024, 80e9, precision=plan_search.MIXED)
+    values = [plan_search.mfu(c, cost, gpu, 1024) for c in choice.ranked]
+    assert 0.3 < max(values) <= plan_search.EFFICIENCY

@@ -1,4 +1,4 @@
-"""Quantization with a training run's parallel plan (llmkit/quant/parallel.py), on sim ranks: the
+"""Quantization with a training run's parallel plan (llmkit/quant/multirank.py), on sim ranks: the
 same bits on 1, 2 and 4 ranks; scales and zeros placed as their weights, and a served rank's shards
 dequantize to its slice of the weight; a group straddling two shards is an error; a tp=2 training
 checkpoint quantizes with its plan kept."""
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import llmkit.framework as lf
-from llmkit.framework.distributed.plan import ParallelPlan
+from llmkit.framework.distributed.parallel_plan import ParallelPlan
 from llmkit.framework.placement import Replicate, Shard, local_region
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.quant import QuantConfig, QuantError, quantize_model
-from llmkit.quant.parallel import Ranks, derive, placements
+from llmkit.quant.multirank import Ranks, derive, placements
 
 from .test_format import read_weight
 

@@ -31,12 +31,12 @@ import llmkit.framework as lf
 import llmkit.framework.distributed as dist
 from llmkit.framework import nn, optim
 from llmkit.framework.distributed.dist_array import DistArray
+from llmkit.framework.distributed.parallel_plan import ParallelPlan
 from llmkit.framework.distributed.parallelize import Parallelized
 from llmkit.framework.distributed.pipeline import Pipeline, RankPipeline, all_reduce, mesh_value
-from llmkit.framework.distributed.plan import ParallelPlan
 from llmkit.framework.distributed.shard_files import ShardReader, save_shards
 from llmkit.framework.placement import Replicate
-from llmkit.models.llama.pipeline import pipeline_parts
+from llmkit.models.llama.pipeline_parts import pipeline_parts
 
 
 class PlanLayout(Parallelized):

@@ -32,7 +32,7 @@ import llmkit.framework.distributed as dist
 from llmkit.cli import main as cli_main
 from llmkit.rlhf.config import load_rlhf_config
 from llmkit.rlhf.data import load_prompts, step_rows
-from llmkit.rlhf.parallel import DataParallel
+from llmkit.rlhf.data_parallel import DataParallel
 from llmkit.rlhf.run import TIMINGS
 from llmkit.rlhf.tasks import make_task, preference_pairs
 from llmkit.train.config import ConfigError

@@ -1,0 +1,200 @@
+"""``quant_linear`` with int8 activations (``act_bits=8``): every instruction-set path of its C kernel
+and the op's reference kernel against a float64 formula written here from docs/quantize.md.
+
+The formula: per row of x and weight group, ``d = max|x| / 127`` and codes ``rint(x / d)`` in float32
+(as the format says), the integer product of the codes with ``q - zero`` exactly in int64, and the
+output the sum over groups of ``d * scale * idot`` in float64. Paths are forced with ``set_int_isa``
+(the kernel never runs one the CPU lacks, so each is tested where this CPU has it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmkit.framework.compiler import available
+from llmkit.framework.compiler.native import NativeOp, build_c
+from llmkit.framework.compiler.native.quant_int import (
+    INT_ISAS,
+    IsaError,
+    cpu_int_isas,
+    int_isa_code,
+    set_int_isa,
+)
+from llmkit.framework.opspec import table
+
+pytestmark = pytest.mark.skipif(not available(), reason="no working C compiler")
+
+# (bits, out, in, group, asym): inputs not a multiple of 32, groups of 6 / 48 (not a multiple of 32),
+# 32 (two at a time on AVX-512), 64 / 128 / 160 (wide; 4 bits: units of 128 columns), -1 (one group,
+# per output channel)
+CASES = [
+    (8, 33, 100, -1, False),
+    (8, 17, 256, 64, False),
+    (8, 5, 70, 32, False),
+    (4, 17, 96, 32, True),
+    (4, 9, 70, 6, False),
+    (4, 40, 256, 128, False),
+    (4, 5, 144, 48, True),
+    (4, 3, 98, -1, True),
+    (4, 16, 64, 32, False),
+    (4, 7, 200, -1, True),  # a 128-column unit, then 64, then 8 columns in C
+    (4, 5, 320, 160, False),  # per group: a unit of 128, then 32
+]
+
+
+@pytest.fixture(scope="module")
+def op() -> NativeOp:
+    spec = table()["quant_linear"]
+    return NativeOp(spec, build_c(spec.native.source))
+
+
+@pytest.fixture(params=[i for i in INT_ISAS if i in cpu_int_isas()])
+def isa(request):
+    set_int_isa(request.param)
+    yield request.param
+    set_int_isa(None)
+
+
+def weights(rng, bits, out, n_in, group, asym):
+    """Codes [out, in] (int64), the stored tensors, and per-column scale and zero."""
+    groups = 1 if group == -1 else -(-n_in // group)
+    if bits == 8:
+        q = rng.integers(-127, 128, (out, n_in))
+        stored = [q.astype(np.int8)]
+    else:
+        q = rng.integers(0, 16, (out, n_in))
+        stored = [(q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)]
+    scales = rng.uniform(0.01, 0.1, (out, groups)).astype(np.float32)
+    zeros = rng.integers(0, 16, (out, groups)).astype(np.uint8) if asym else None
+    stored += [scales] + ([zeros] if asym else [])
+    col = np.arange(n_in) // (n_in if group == -1 else group)
+    zero = 0 if bits == 8 else (8 if zeros is None else zeros.astype(np.int64)[:, col])
+    return q - zero, stored, col
+
+
+def reference(x, qz, scales, col):
+    """float64 output, the tolerance its float32 evaluation may differ by, and the integer products."""
+    m = x.shape[0]
+    groups = col.max() + 1
+    y = np.zeros((m, qz.shape[0]))
+    bound = np.zeros_like(y)
+    for gi in range(groups):
+        cols = col == gi
+        xg = x[:, cols].astype(np.float32)
+        d = (np.abs(xg).max(axis=1) / np.float32(127)).astype(np.float32)  # float32, as the format
+        codes = np.where(d[:, None] > 0, np.rint(xg / np.where(d > 0, d, 1)[:, None]), 0).astype(np.int64)
+        idot = codes @ qz[:, cols].T  # exact
+        c = d.astype(np.float64)[:, None] * scales[:, gi].astype(np.float64)[None, :]
+        y += c * idot
+        bound += np.abs(c) * (np.abs(codes) @ np.abs(qz[:, cols]).T)
+    return y, (groups + 12) * 2.0**-24 * bound
+
+
+@pytest.mark.parametrize("m", [1, 13, 33])
+@pytest.mark.parametrize("bits,out,n_in,group,asym", CASES)
+def test_every_path_matches_float64_and_rows_are_independent_bitwise(
+    op, isa, m, bits, out, n_in, group, asym
+):
+    rng = np.random.default_rng(out * 7 + n_in + m)
+    qz, w, col = weights(rng, bits, out, n_in, group, asym)
+    x = rng.standard_normal((m, n_in)).astype(np.float32)
+    x[0, : min(5, n_in)] = 0.0
+    if m > 1:
+        x[1] = 0.0  # a zero row: d = 0, codes 0
+    attrs = {"bits": bits, "group_size": group, "act_bits": 8}
+    y = op(np, x, *w, **attrs)
+    want, tol = reference(x, qz, w[1], col)
+    assert y.dtype == np.float32 and y.shape == (m, out)
+    assert np.all(np.abs(y - want) <= tol + 1e-30), np.abs(y - want).max()
+    for rows in (slice(0, 1), slice(m - 1, m), slice(0, m // 2 + 1)):  # any batch: the same bits
+        assert np.array_equal(op(np, np.ascontiguousarray(x[rows]), *w, **attrs), y[rows])
+
+
+@pytest.mark.parametrize("bits,out,n_in,group,asym", CASES)
+def test_the_integer_product_is_exact(op, isa, bits, out, n_in, group, asym):
+    """Integer x whose every group reaches 127 (so d = 1 and the codes are x) and unit scales: the
+    output is the integer product itself, on every path."""
+    rng = np.random.default_rng(n_in)
+    qz, w, col = weights(rng, bits, out, n_in, group, asym)
+    w[1][:] = 1.0
+    x = rng.integers(-127, 128, (33, n_in)).astype(np.float32)
+    for gi in range(col.max() + 1):
+        x[:, np.flatnonzero(col == gi)[0]] = 127.0
+    y = op(np, x, *w, bits=bits, group_size=group, act_bits=8)
+    assert np.array_equal(y.astype(np.int64), x.astype(np.int64) @ qz.T)
+
+
+@pytest.mark.parametrize("bits,out,n_in,group,asym", CASES[:6])
+def test_the_reference_kernel_is_the_same_arithmetic(bits, out, n_in, group, asym):
+    """The op's numpy kernel (eager mode, programs without a compiler) against the formula."""
+    rng = np.random.default_rng(3 + n_in)
+    qz, w, col = weights(rng, bits, out, n_in, group, asym)
+    x = rng.standard_normal((7, n_in)).astype(np.float32)
+    y = table()["quant_linear"].kernel(np, x, *w, bits=bits, group_size=group, act_bits=8)
+    want, tol = reference(x, qz, w[1], col)
+    assert np.all(np.abs(y - want) <= tol + 1e-30)
+
+
+def test_activation_error_is_within_half_a_step_of_the_float_product():
+    """Against the float32 dequantized product: each activation moves by at most d / 2, so an
+    output by at most sum over groups of d / 2 * sum |W| over the group (docs/quantize.md)."""
+    rng = np.random.default_rng(11)
+    for bits, group in ((8, -1), (4, 32), (4, 128)):
+        qz, w, col = weights(rng, bits, 64, 256, group, False)
+        wf = qz * w[1].astype(np.float64)[:, col]
+        x = rng.standard_normal((9, 256)).astype(np.float32) * rng.uniform(0.1, 10, 256).astype(np.float32)
+        y = table()["quant_linear"].kernel(np, x, *w, bits=bits, group_size=group, act_bits=8)
+        err = np.abs(y - x.astype(np.float64) @ wf.T)
+        bound = np.zeros_like(err)
+        for gi in range(col.max() + 1):
+            d = np.abs(x[:, col == gi]).max(axis=1).astype(np.float64) / 127
+            bound += d[:, None] / 2 * np.abs(wf[:, col == gi]).sum(axis=1)[None, :]
+        assert np.all(err <= bound * (1 + 1e-5) + 1e-6)
+
+
+def test_paths_are_chosen_by_name_and_bad_names_are_errors(monkeypatch):
+    assert cpu_int_isas()[0] == "c"
+    monkeypatch.setenv("LLMKIT_INT_ISA", "avx2")
+    assert int_isa_code() == INT_ISAS.index("avx2")
+    set_int_isa("c")
+    assert int_isa_code() == 0  # the function wins over the variable
+    set_int_isa(None)
+    monkeypatch.setenv("LLMKIT_INT_ISA", "auto")
+    assert int_isa_code() == -1
+    monkeypatch.setenv("LLMKIT_INT_ISA", "sse9")
+    with pytest.raises(IsaError, match="LLMKIT_INT_ISA must be auto or one of c, avx2"):
+        int_isa_code()
+    with pytest.raises(IsaError, match="got 'amx'"):
+        set_int_isa("amx")
+
+
+def test_the_environment_variable_forces_the_portable_path(op, monkeypatch):
+    """The C path under LLMKIT_INT_ISA=c gives what set_int_isa('c') gives, and differs in its last
+    bits from the widest path here (a different order of float additions), which shows it ran."""
+    rng = np.random.default_rng(2)
+    _, w, _ = weights(rng, 4, 64, 512, 128, False)
+    x = rng.standard_normal((4, 512)).astype(np.float32)
+    monkeypatch.setenv("LLMKIT_INT_ISA", "c")
+    c_env = op(np, x, *w, bits=4, group_size=128, act_bits=8)
+    set_int_isa("c")
+    c_fn = op(np, x, *w, bits=4, group_size=128, act_bits=8)
+    set_int_isa(None)
+    monkeypatch.setenv("LLMKIT_INT_ISA", cpu_int_isas()[-1])
+    widest = op(np, x, *w, bits=4, group_size=128, act_bits=8)
+    assert np.array_equal(c_env, c_fn)
+    if len(cpu_int_isas()) > 1:
+        assert not np.array_equal(c_env, widest)
+
+
+@pytest.mark.parametrize("bits,out,n_in,group,asym", CASES)
+def test_the_dequantize_kernel_is_the_format_exactly(bits, out, n_in, group, asym):
+    """``dequantize``'s C kernel (a quantized embedding's rows in replayed programs): (q - zero) *
+    scale, one float32 rounding of an exact float64 product, so equal to it rounded."""
+    spec = table()["dequantize"]
+    dq = NativeOp(spec, build_c(spec.native.source))
+    rng = np.random.default_rng(n_in + 1)
+    qz, w, col = weights(rng, bits, out, n_in, group, asym)
+    got = dq(np, *w, bits=bits, group_size=group)
+    want = (qz * w[1].astype(np.float64)[:, col]).astype(np.float32)
+    assert got.dtype == np.float32 and np.array_equal(got, want)

@@ -1,0 +1,164 @@
+"""int8 activations (``act_bits=8``) and a quantized token embedding, from ``llmkit quantize`` through
+the checkpoint, the engine (batch invariance, compiled and reference kernels) and the static file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import llmkit.framework as lf
+from llmkit.cli import main as cli_main
+from llmkit.framework import nn
+from llmkit.generate import generate
+from llmkit.infer import Engine, EngineConfig, SamplingParams
+from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
+from llmkit.models.llama.checkpoint import CheckpointError
+from llmkit.quant import QuantConfig, QuantError, quantize_model, set_act_bits
+
+from .test_format import read_weight  # the format, read independently
+
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True, logprobs=2)
+
+
+def tiny(tied: bool = False) -> LlamaForCausalLM:
+    lf.seed(0)
+    cfg = LlamaConfig.from_preset("tiny", vocab_size=4096, num_hidden_layers=2, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(cfg)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory, tok) -> Path:
+    d = tmp_path_factory.mktemp("float") / "model"
+    tiny().save_pretrained(str(d))
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def quantized(src, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("q") / "int4-act8"
+    args = ["--bits", "4", "--group", "32", "--method", "rtn", "--act-bits", "8", "--lm-head", "--embed"]
+    assert cli_main(["quantize", "--model", str(src), *args, "--eval-tokens", "512", "--out", str(out)]) == 0
+    return out
+
+
+def test_quantize_reports_both_variants_and_writes_the_chosen_one(quantized, capsys):
+    qc = json.loads((quantized / "config.json").read_text())["quantization_config"]
+    assert qc["act_bits"] == 8 and qc["version"] == 2
+    report = json.loads((quantized / "quant_report.json").read_text())
+    assert set(report["variants"]) == {"weight-only", "int8 act"} and report["embed"]
+    assert report["perplexity"]["quant"] == report["variants"]["int8 act"]["quant"]
+    # the same codes, run two ways: near each other, not equal
+    wo, a8 = report["variants"]["weight-only"], report["variants"]["int8 act"]
+    assert wo["quant"] != a8["quant"] and abs(a8["quant"] / wo["quant"] - 1) < 0.01
+    model = LlamaForCausalLM.from_pretrained(str(quantized))
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
+    linears = [m for m in model.sublayers() if isinstance(m, nn.QuantizedLinear)]
+    assert len(linears) == 15 and all(m.act_bits == 8 for m in linears)
+
+
+def test_the_table_has_a_column_per_variant(src, tmp_path, capsys):
+    args = [
+        "--bits",
+        "8",
+        "--method",
+        "rtn",
+        "--eval-tokens",
+        "256",
+        "--out",
+        str(tmp_path / "q8"),
+        "--quiet",
+    ]
+    assert cli_main(["quantize", "--model", str(src), *args]) == 0
+    out = capsys.readouterr().out
+    assert "int8 per-channel rtn, weight-only *" in out and "int8 per-channel rtn, int8 act" in out
+    assert "(* the written model: --act-bits 0)" in out
+    assert json.loads((tmp_path / "q8" / "config.json").read_text())["quantization_config"]["act_bits"] == 0
+
+
+def test_the_quantized_embedding_reads_the_format(quantized):
+    from safetensors.numpy import load_file
+
+    t = load_file(str(quantized / "model.safetensors"))
+    table = read_weight(t["model.embed_tokens.qweight"], t["model.embed_tokens.scales"], None, 4, 32)
+    model = LlamaForCausalLM.from_pretrained(str(quantized))
+    ids = np.array([[0, 5, 4095], [17, 17, 3]])
+    got = model.model.embed_tokens(lf.tensor(ids)).numpy()
+    np.testing.assert_allclose(got, table[ids], rtol=1e-6, atol=1e-7)
+    assert model.model.embed_tokens.qweight.numpy().nbytes == 4096 * 128 // 2
+
+
+@pytest.mark.parametrize("compiler", ["cinn", "none"])
+def test_engine_is_batch_invariant_and_matches_eager(quantized, compiler):
+    model = LlamaForCausalLM.from_pretrained(str(quantized))
+    model.eval()
+    eng = Engine.from_model(model, config=EngineConfig(max_batch=8, compiler=compiler))
+    rng = np.random.default_rng(3)
+    target, *others = [rng.integers(3, 4096, n).tolist() for n in (37, 5, 18, 29, 50, 9, 33, 64)]
+    alone = eng.generate([target], SEEDED)[0]
+    eng.reset_prefix_cache()
+    batch = eng.generate([target, *others], [SEEDED] + [SEEDED.replace(seed=k) for k in range(7)])
+    assert batch[0].token_ids == alone.token_ids
+    assert [(x.token_id, x.logprob) for x in batch[0].logprobs] == [
+        (x.token_id, x.logprob) for x in alone.logprobs
+    ]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    assert eng.generate([target], greedy)[0].token_ids == generate(model, [target], max_new_tokens=10)[0]
+
+
+def test_the_static_file_holds_int8_activation_products(quantized, tmp_path):
+    out = tmp_path / "q.llmkit"
+    assert cli_main(["export", "--model", str(quantized), "--out", str(out), "--name", "q"]) == 0
+    decode = (out / "decode.pir").read_text()
+    assert decode.count("act_bits = 8") == 15  # 14 decoder linears and the lm_head
+    assert "model_embed_tokens_qweight" in decode
+
+
+def test_old_files_load_as_weight_only_and_newer_ones_are_clear_errors(quantized, tmp_path):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(quantized, d)
+    cfg = json.loads((d / "config.json").read_text())
+    for key in ("act_bits", "version"):  # as version 1 wrote it
+        del cfg["quantization_config"][key]
+    (d / "config.json").write_text(json.dumps(cfg))
+    model = LlamaForCausalLM.from_pretrained(str(d))
+    assert all(m.act_bits == 0 for m in model.sublayers() if isinstance(m, nn.QuantizedLinear))
+    assert QuantConfig.from_hf(cfg["quantization_config"]).act_bits == 0
+    for bad, message in (
+        ({"version": 3}, "version 3 is not one this llmkit reads"),
+        ({"act_bits": 4}, "act_bits"),
+    ):
+        (d / "config.json").write_text(
+            json.dumps({**cfg, "quantization_config": {**cfg["quantization_config"], **bad}})
+        )
+        with pytest.raises(CheckpointError, match=message):
+            LlamaForCausalLM.from_pretrained(str(d))
+    with pytest.raises(QuantError, match="version 3 is newer"):
+        QuantConfig.from_hf({**cfg["quantization_config"], "version": 3})
+
+
+def test_settings_that_cannot_work_are_errors():
+    with pytest.raises(QuantError, match="act_bits must be 0"):
+        QuantConfig(4, 32, act_bits=4)
+    with pytest.raises(QuantError, match="embeddings are tied"):
+        quantize_model(tiny(tied=True), QuantConfig(4, 32, method="rtn"), embed=True, progress=False)
+
+
+def test_set_act_bits_switches_the_layers_and_the_config():
+    model = tiny()
+    quantize_model(model, QuantConfig(8, -1, method="rtn"), progress=False)
+    x = lf.tensor(np.array([[1, 2, 3, 4]]))
+    with lf.no_grad():
+        float_act = model(x).logits.numpy()
+        set_act_bits(model, 8)
+        int_act = model(x).logits.numpy()
+    assert model.config.extra["quantization_config"]["act_bits"] == 8
+    assert not np.array_equal(float_act, int_act)
+    np.testing.assert_allclose(int_act, float_act, atol=0.05 * np.abs(float_act).max())
