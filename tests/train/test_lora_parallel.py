@@ -62,7 +62,7 @@ def test_a_user_plan_needs_no_rule_for_the_adapters():
     plan = ParallelPlan.make(
         {"params": {"*.q_proj.weight": "S(0)", "*.o_proj.weight": "S(1)", "*": "R"}}, tp=2
     )
-    at = lambda n: plan.tp_placement(f"model.layers.0.self_attn.{n}")  # noqa: E731
+    at = lambda n: plan.tp_placement(f"model.layers.0.self_attn.{n}")
     assert (at("q_proj.lora_A"), at("q_proj.lora_B")) == (R, Shard(0))
     assert (at("o_proj.lora_A"), at("o_proj.lora_B")) == (Shard(1), R)
     assert (at("v_proj.lora_A"), at("v_proj.lora_B")) == (R, R)
