@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,8 @@ import llmkit.framework as lf
 from llmkit.framework import jit, nn, optim
 from llmkit.framework.distributed.parallelize import all_reduce_grads
 from llmkit.infer.programs import PREFILL_TILE, TileLinear
+from llmkit.models.llama import LlamaForCausalLM
+from llmkit.models.llama.lora import adapters_disabled, lora_layers
 from llmkit.train.trainer import state_names
 
 O = lf.ops
@@ -113,7 +116,7 @@ def compile_function(
     def run(*arrays: np.ndarray) -> Any:
         return _to_host(cp.run([lf.Tensor(np.asarray(a)) for a in arrays]))
 
-    run.program = cp.program
+    run.program, run.captures = cp.program, cp.captures  # captures: the tensors it reads (weights)
     return run
 
 
@@ -143,6 +146,17 @@ def scorer(model: Any, exact: bool, temperature: float, value_head: ValueHead | 
 
     extra = {"value_head": value_head} if value_head is not None else None
     return fwd.compile(score, _specs(_SEQ + _SEG), state_names(model, extra=extra))
+
+
+def reference_scorer(model: Any, src: Path, exact: bool, temperature: float) -> Callable:
+    """The frozen reference's compiled log-probs: the policy as it starts. With adapters, the policy
+    itself with them off (traced under ``adapters_disabled``: the program reads the policy's own
+    frozen base and no adapter, so there is no second copy of the weights); without, the checkpoint
+    at ``src`` loaded again (the policy's own weights move)."""
+    if lora_layers(model):
+        with adapters_disabled(model):
+            return scorer(model, exact, temperature)
+    return scorer(LlamaForCausalLM.from_pretrained(src), exact, temperature)
 
 
 # Inputs of a train step besides ids, targets and segments: name -> (shape, dtype); float64 where
@@ -180,7 +194,8 @@ def train_step(
     the optimizer step. Returns ``step(ids, targets, *segments, *inputs) -> {"loss", "logp", "grad_norm",
     **stats}`` (logp: the trainer's log-probs before this update)."""
     fwd = PolicyForward(model, exact)
-    params = model.parameters() + (value_head.parameters() if value_head is not None else [])
+    layers = [model] + ([value_head] if value_head is not None else [])
+    params = [p for layer in layers for p in layer.parameters() if p.requires_grad]  # LoRA: adapters
     clip = grad_clip if grad_clip is not None else math.inf
 
     def step(ids, targets, tables, kv_len, q_start, q_len, *extra):
