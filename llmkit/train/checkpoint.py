@@ -6,6 +6,11 @@ plus each job's extras.
         model/                  config.json, tokenizer.model and the weights: model.safetensors
                                 (Hugging Face layout) from one process, rank-NNNNN.safetensors
                                 pieces from several (``llmkit checkpoint merge`` joins them)
+        adapter/, base_model.json   instead of model/ in a LoRA run: the adapters in PEFT's format
+                                (adapter_config.json, adapter_model.safetensors; the tokenizer) and
+                                a pointer to the frozen base (its directory and the sha256 of its
+                                files, checked on resume); ``llmkit checkpoint merge-lora`` writes the
+                                merged model
         <name>.safetensors      a job's other trained layers (PPO's value head)
         optimizer.safetensors   the optimizer's state tensors (moments); optimizer/rank-NNNNN... from
                                 several processes
@@ -34,6 +39,7 @@ from the checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -48,7 +54,7 @@ from llmkit.framework import nn, optim
 from llmkit.framework.distributed.plan import PLAN_FILE
 from llmkit.framework.distributed.shard_files import RANK_FILES, ShardReader, save_shards
 from llmkit.framework.files import atomic_dir, atomic_write, install_dir, recover
-from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
+from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer, lora
 from llmkit.models.llama.checkpoint import CheckpointError, check_weights, write_config
 from llmkit.models.llama.checkpoint import weights as llama_weights
 
@@ -60,6 +66,8 @@ TRAINER_STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.safetensors"  # one process
 OPTIMIZER_DIR = "optimizer"  # several: rank-NNNNN.safetensors pieces
 COMPLETE = "COMPLETE"  # the commit marker, written last
+ADAPTER = "adapter"  # a LoRA run's adapters (PEFT's files), in place of model/
+BASE_POINTER = "base_model.json"  # and the frozen base they apply to
 
 
 class ResumeError(ValueError):
@@ -132,6 +140,8 @@ class RunState:
     sharded: bool = False  # several ranks, each writing (and reading) the pieces it holds
     par: Any = None  # the ranks' layout (Parallelized) that pieces are read into
     pipe: Any = None  # a pipeline (PipelineRun): its stages write and read their own pieces
+    base: dict[str, Any] | None = None  # a LoRA run: its base's pointer (base_pointer), saved beside
+    # the adapters instead of the whole model
 
     @property
     def keep_last(self) -> int:
@@ -181,6 +191,12 @@ def model_dir(path: str | Path, key: str = "model.init_from") -> Path:
     found = [c / "model" for c in checkpoints(p) if (c / "model" / "config.json").is_file()]
     if found:
         return found[-1]
+    adapters = [c for c in checkpoints(p) if (c / ADAPTER).is_dir()]
+    if adapters:
+        raise ConfigError(
+            f"{key}: {str(path)!r} is a LoRA run: its checkpoints hold adapters, not a model; "
+            f"write the merged model with `llmkit checkpoint merge-lora {adapters[-1]} --out DIR`"
+        )
     if not p.exists():
         raise ConfigError(
             f"{key}: {str(path)!r} does not exist; train the model first "
@@ -214,9 +230,24 @@ def read_state(path: Path, one_update_per_step: bool = True, required: tuple[str
     return state
 
 
+def base_pointer(directory: Path) -> dict[str, Any]:
+    """What a LoRA checkpoint records of its frozen base: the directory and the sha256 of each of
+    its files (config and weights), so that a resume on another base fails instead of drifting."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors"))
+    return {"path": str(directory.resolve()), "sha256": {p.name: _sha256(p) for p in files}}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _write_rest(s: RunState, tmp: Path, meta: dict[str, Any]) -> None:
     """What rank 0 writes once every rank's tensors are in: tokenizer, plan, state, marker (last)."""
-    s.tokenizer.save_pretrained(tmp / "model")
+    s.tokenizer.save_pretrained(tmp / ("model" if s.base is None else ADAPTER))
     if s.plan is not None:
         s.plan.save(tmp / PLAN_FILE)
     state = {
@@ -237,7 +268,12 @@ def save(s: RunState) -> Path:
         _save_sharded(s, path)
     elif s.writer:
         with atomic_dir(path) as tmp:
-            s.model.save_pretrained(tmp / "model")
+            if s.base is None:
+                s.model.save_pretrained(tmp / "model")
+            else:  # the adapters alone, beside a pointer to the base
+                (tmp / ADAPTER).mkdir()
+                lora.write_adapter(s.model, tmp / ADAPTER, s.base["path"])
+                (tmp / BASE_POINTER).write_text(json.dumps(s.base, indent=1) + "\n")
             for name, layer in s.layers.items():
                 lf.save({k: v.numpy() for k, v in layer.state_dict().items()}, tmp / f"{name}.safetensors")
             tensors, meta = optim.flatten_state_dict(s.optimizer.state_dict())
@@ -276,7 +312,9 @@ def load(s: RunState, path: Path, state: TrainerState) -> tuple[int, int, int]:
     keeping the hyperparameters of its config (optimizer groups and schedule settings), each rank
     reading only the slices it holds; ResumeError names the first bad file. Returns (bytes the
     fullest rank read, bytes of the whole checkpoint, peak host memory)."""
-    config_json = path / "model" / "config.json"
+    if s.base is not None:
+        _check_base(s.base, path)
+    config_json = (path / "model" if s.base is None else Path(s.base["path"])) / "config.json"
     try:
         saved = LlamaConfig.from_json_file(config_json).to_dict()
     except (OSError, ValueError) as e:
@@ -288,10 +326,15 @@ def load(s: RunState, path: Path, state: TrainerState) -> tuple[int, int, int]:
                 f"{config_json}: {key} is {saved.get(key)!r}, this run's model has {own[key]!r}"
             )
     try:
-        weights, names = _model_weights(s.model, path / "model")
+        if s.base is None:
+            weights, names = _model_weights(s.model, path / "model")
+        else:
+            lora.load_adapter(s.model, path / ADAPTER)  # checked whole before it sets anything
         layers = {n: _layer_weights(layer, path / f"{n}.safetensors") for n, layer in s.layers.items()}
     except (OSError, ValueError) as e:
-        raise ResumeError(f"cannot load the checkpoint's model: {e}") from None
+        raise ResumeError(
+            f"cannot load the checkpoint's {'model' if s.base is None else 'adapters'}: {e}"
+        ) from None
     opt = s.optimizer
     try:
         moments = _optimizer_reader(path)
@@ -313,7 +356,10 @@ def load(s: RunState, path: Path, state: TrainerState) -> tuple[int, int, int]:
             lf.backend.set_rng_state(state.rng)
         except (KeyError, TypeError, ValueError) as e:
             raise ResumeError(f"{path / TRAINER_STATE}: rng: {e!r}") from None
-    if s.pipe is None:
+    if s.base is not None:
+        total = sum(f.stat().st_size for f in (path / ADAPTER).iterdir()) + moments.total_bytes
+        read = total
+    elif s.pipe is None:
         _set_weights(s, weights, names)
         per_rank = [weights.rank_bytes.get(r, 0) + moments.rank_bytes.get(r, 0) for r in weights.rank_bytes]
         read = max(per_rank) if per_rank else weights.bytes_read + moments.bytes_read
@@ -321,7 +367,28 @@ def load(s: RunState, path: Path, state: TrainerState) -> tuple[int, int, int]:
         layer.load_state_dict(layers[name])
     # The schedule is a closed form of the step: this run's settings, the checkpoint's step.
     s.schedule.load_state_dict({**s.schedule.state_dict(), "last_step": state.step})
+    if s.base is not None:
+        return read, total, peak_rss_bytes()
     return read, weights.total_bytes + moments.total_bytes, peak_rss_bytes()
+
+
+def _check_base(base: dict[str, Any], path: Path) -> None:
+    """The run's frozen base is the one the checkpoint's adapters were trained on."""
+    file = path / BASE_POINTER
+    try:
+        saved = json.loads(file.read_text())
+    except FileNotFoundError:
+        what = "a full model (model/)" if (path / "model").is_dir() else "no base pointer"
+        raise ResumeError(
+            f"{file}: missing; the checkpoint holds {what}, this run trains adapters (lora)"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ResumeError(f"{file}: not valid JSON ({e})") from None
+    if saved.get("sha256") != base["sha256"]:
+        raise ResumeError(
+            f"{file}: the adapters were trained on the base at {saved.get('path')!r}, whose files differ "
+            f"from this run's base ({base['path']!r}); resume on the same base"
+        )
 
 
 def _model_weights(model: Any, model_dir: Path) -> tuple[ShardReader, list[str]]:

@@ -41,6 +41,7 @@ from llmkit.framework.distributed.plan import ParallelPlan, PipelinePlan, PlanEr
 from llmkit.framework.distributed.schedule import SCHEDULES, ScheduleError, make_schedule
 from llmkit.framework.files import atomic_write
 from llmkit.models.llama.config import PRESETS, LlamaConfig
+from llmkit.models.llama.lora import ALL_LINEAR, LoraConfig, LoraError, apply_lora
 from llmkit.models.llama.tokenizer import KINDS as TOKENIZER_KINDS
 
 
@@ -283,6 +284,36 @@ class ParallelSection(_Section):
             ) from None
 
 
+class LoraSection(_Section):
+    """Low-rank adapters on the frozen model (models/llama/lora.py): only they train, and
+    checkpoints hold them in PEFT's format. ``model.init_from`` may be a quantized model (QLoRA)."""
+
+    r: int = Field(8, gt=0)  # rank of each update B @ A
+    alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / r
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapters' input
+    targets: list[str] | Literal["all-linear"] = ["q_proj", "v_proj"]  # HF module names (PEFT's default)
+    init: Literal["kaiming", "gaussian"] = "kaiming"  # kaiming: PEFT's default, B = 0 (step 0 = base)
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _one_target_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) and value != ALL_LINEAR else value
+
+    def build(self) -> LoraConfig:
+        targets = (ALL_LINEAR,) if self.targets == ALL_LINEAR else tuple(self.targets)
+        return LoraConfig(self.r, self.alpha, self.dropout, targets, self.init)
+
+
+def apply_lora_section(model: Any, section: LoraSection, seed: int) -> list[str]:
+    """Freeze ``model`` and add the section's adapters; ConfigError names the ``lora.*`` key at
+    fault (an unknown target with a did-you-mean over the model's module names, a base layer the
+    backward cannot run through)."""
+    try:
+        return apply_lora(model, section.build(), seed)
+    except LoraError as e:
+        raise ConfigError(f"lora.{e.key}: {e}") from None
+
+
 def check_warmup(schedule: ScheduleSection, steps: int) -> None:
     """The warm-up fits in the run (``train.steps``); the error says which key to set."""
     if schedule.warmup_steps > steps:
@@ -302,6 +333,7 @@ class TrainConfig(_Section):
     schedule: ScheduleSection = ScheduleSection()
     train: TrainSection = TrainSection()
     parallel: ParallelSection = ParallelSection()
+    lora: LoraSection | None = None  # low-rank adapters; null: full fine-tuning
     out_dir: str  # checkpoints, logs and the resolved config go here
 
     @model_validator(mode="after")
@@ -464,6 +496,7 @@ FIXED_ON_RESUME: dict[str, str] = {
     "model": "the checkpoint's weights are that model",
     "tokenizer": "the checkpoint's embeddings are indexed by that tokenizer's pieces",
     "optim.name": "the checkpoint holds that optimizer's state",
+    "lora": "the checkpoint's adapters and optimizer state have those shapes",
     "train.seed": "it chose the initial weights and the batches of the steps already taken",
 }
 
@@ -589,8 +622,16 @@ def _dotted(loc: tuple[str | int, ...], root: type[BaseModel]) -> tuple[str, typ
             path += f".{part}" if path else part
             owner = cls
             annotation = cls.model_fields[part].annotation if part in cls.model_fields else None
-            cls = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+            cls = _section_class(annotation)
     return path, owner, cls is not None and bool(loc)
+
+
+def _section_class(annotation: Any) -> type[BaseModel] | None:
+    """The section class of a field's annotation: ``S`` or an optional ``S | None``."""
+    for t in (annotation, *typing.get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+    return None
 
 
 def _suggest(name: str, candidates: list[str]) -> str | None:

@@ -91,8 +91,9 @@ class StopSignals:
 # ---- the optimizer and its schedule, as every job builds them --------------------------------------
 def decay_groups(*layers: nn.Layer) -> list[tuple[list[tuple[str, lf.Tensor]], bool]]:
     """The optimizer's groups in its order, as ((name, parameter) pairs, decayed): weight matrices
-    (decayed), then norms, biases and gains; empty groups left out."""
-    named = [(n, p) for layer in layers for n, p in layer.named_parameters()]
+    (decayed), then norms, biases and gains; empty groups and frozen parameters (a LoRA run's base)
+    left out."""
+    named = [(n, p) for layer in layers for n, p in layer.named_parameters() if p.requires_grad]
     groups = [[(n, p) for n, p in named if p.ndim >= 2], [(n, p) for n, p in named if p.ndim < 2]]
     return [(g, decayed) for g, decayed in zip(groups, (True, False)) if g]
 

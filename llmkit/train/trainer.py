@@ -35,6 +35,7 @@ from . import checkpoint
 from .config import (
     ConfigError,
     TrainConfig,
+    apply_lora_section,
     check_world,
     resolve_model_config,
     validate_against_model,
@@ -47,6 +48,7 @@ from .pipelined import PipelineRun
 from .ranks import DataParallel
 
 __all__ = ["Interrupted", "StopSignals", "Trainer", "state_names"]  # Interrupted: the loop's, re-exported
+BASE_DIR = "base"  # a LoRA run from a preset: its random frozen base, under out_dir
 
 
 def build_tokenizer(cfg: TrainConfig) -> LlamaTokenizer:
@@ -122,7 +124,14 @@ class Trainer(Loop):
         # Weights about to be loaded (a checkpoint; a pretrained model over several ranks, each
         # reading its slices) are not initialized first: building the model keeps its memory untouched.
         load_init = cfg.model.init_from is not None and self.backend is not None and self.plan.pp == 1
-        if cfg.model.init_from is not None and not load_init:
+        base_dir = self._lora_base_dir(saved is not None)
+        if (
+            base_dir is not None
+            and base_dir.is_dir()
+            and (cfg.model.init_from is not None or saved is not None)
+        ):
+            self.model = LlamaForCausalLM.from_pretrained(base_dir)  # a LoRA run's frozen base
+        elif cfg.model.init_from is not None and not load_init:
             self.model = LlamaForCausalLM.from_pretrained(cfg.model.init_from)
         else:
             with nn.init.skip_init() if saved is not None or load_init else contextlib.nullcontext():
@@ -133,6 +142,9 @@ class Trainer(Loop):
             raise ConfigError(f"parallel.plan: {e}") from None
         if t.dtype != "float32":
             self.model.to(t.dtype)
+        self.base_pointer: dict[str, Any] | None = None
+        if base_dir is not None:
+            self._add_adapters(base_dir)
         apply_recompute(self.plan, self.model)  # before a pipeline takes the layers into its stages
         # The plan's layout: parameters placed (each from the full initial value every process made
         # alike, so every mesh starts from the single-process weights), then the optimizer's state.
@@ -172,6 +184,35 @@ class Trainer(Loop):
         else:
             self.step_fn = self._static_step() if t.mode == "static" else self._eager_step
         self.start(saved)
+
+    def _lora_base_dir(self, resuming: bool) -> Path | None:
+        """A LoRA run's frozen base: ``model.init_from``, or (a preset) the run's ``base/``, written
+        once when the run starts and read back on resume. None without ``lora``."""
+        cfg = self.cfg
+        if cfg.lora is None:
+            return None
+        if self.backend is not None or self.plan.pp > 1:
+            raise ConfigError(
+                "lora: adapters train in one process for now; set parallel.dp, tp and pp to 1 "
+                "(data/tensor parallel adapters: issue 28, item 5)"
+            )
+        if cfg.model.init_from is not None:
+            return Path(cfg.model.init_from)
+        base = self.out / BASE_DIR
+        if resuming and not (base / "config.json").is_file():
+            raise checkpoint.ResumeError(f"--resume: {base} (the LoRA run's base model) is missing")
+        return base
+
+    def _add_adapters(self, base_dir: Path) -> None:
+        """Freeze the model, add the ``lora`` section's adapters, and record the base they apply to
+        (a preset's random base is written to ``base_dir`` first)."""
+        cfg = self.cfg
+        assert cfg.lora is not None
+        if not (base_dir / "config.json").is_file():  # a fresh preset run
+            self.model.save_pretrained(base_dir)
+            self.tokenizer.save_pretrained(base_dir)
+        apply_lora_section(self.model, cfg.lora, cfg.train.seed)
+        self.base_pointer = checkpoint.base_pointer(base_dir)
 
     def _join_world(self) -> tuple[int, str | None]:
         """This process's rank and the backend (None: one process, no mesh). A plan of several ranks
@@ -215,13 +256,14 @@ class Trainer(Loop):
             loss.backward()
             total += self.value(loss)
         params = self.model.parameters()
+        trained = [p for p in params if p.requires_grad]  # a LoRA run: its adapters
         if self.par is not None:
             self.par.reduce_grads()  # all-reduce, or reduce-scatter under ZeRO 2 and 3
             self.state_bytes = self.par.state_bytes()
         else:
             self.state_bytes = _nbytes([*params, *(p.grad for p in params), *self._optimizer_state()])
         clip = self.cfg.optim.grad_clip
-        norm = optim.clip_grad_norm_(params, clip if clip is not None else math.inf)
+        norm = optim.clip_grad_norm_(trained, clip if clip is not None else math.inf)
         self.optimizer.step()
         if self.par is not None:
             self.par.settle()  # updated shards gathered back where the plan keeps them
@@ -249,7 +291,7 @@ class Trainer(Loop):
 
         t, par = self.cfg.train, self.par
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip is not None else math.inf
-        params = self.model.parameters()
+        params = [p for p in self.model.parameters() if p.requires_grad]  # a LoRA run: its adapters
 
         def step(*batch):  # x0, y0, x1, y1, ...: the micro-batches
             total = None
@@ -272,10 +314,14 @@ class Trainer(Loop):
         compiled = jit.to_static(step, input_spec=spec, compiler=t.compiler, names=self.state_names())
         self.static_step = compiled
         # gradients live inside the program: count them in the layout they are reduced to
-        shapes = {n: p.shape for n, p in self.model.named_parameters()}
-        state = self.optimizer.states[0]  # every parameter's state alike: its kind and dtype
-        moments, itemsize = len(state), next(iter(state.values())).dtype.itemsize if state else 4
-        self.state_bytes = self.plan.state_bytes(shapes, params[0].dtype.itemsize, moments, itemsize)
+        if self.base_pointer is not None:  # LoRA, one process: the frozen base, adapters' grads, state
+            frozen = [p for p in self.model.parameters() if not p.requires_grad]
+            self.state_bytes = _nbytes([*frozen, *params, *params, *self._optimizer_state()])
+        else:
+            shapes = {n: p.shape for n, p in self.model.named_parameters()}
+            state = self.optimizer.states[0]  # every parameter's state alike: its kind and dtype
+            moments, itemsize = len(state), next(iter(state.values())).dtype.itemsize if state else 4
+            self.state_bytes = self.plan.state_bytes(shapes, params[0].dtype.itemsize, moments, itemsize)
 
         def run(batches: list[tuple[Any, Any]]) -> tuple[float, float]:
             self.optimizer.sync_lr()
@@ -394,6 +440,7 @@ class Trainer(Loop):
         state = super().run_state()
         state.plan, state.par, state.pipe = self.plan, self.par, self.pipe
         state.sharded = self.backend is not None
+        state.base = self.base_pointer
         return state
 
     def checkpoint_extras(self) -> dict[str, Any]:
