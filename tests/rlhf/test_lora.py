@@ -12,9 +12,11 @@ import pytest
 
 from llmkit.framework import optim
 from llmkit.models.llama.lora import LoraConfig, adapters_disabled, apply_lora, lora_layers
-from llmkit.rlhf import policy
-from llmkit.rlhf.config import RLHFConfig, load_rlhf_config
+from llmkit.rlhf import policy, tasks
+from llmkit.rlhf.config import RLHFConfig, load_reward_config, load_rlhf_config
 from llmkit.rlhf.data import TokenBatch
+from llmkit.rlhf.dpo import DPOTrainer
+from llmkit.rlhf.reward_model import RewardModelTrainer
 from llmkit.rlhf.run import TIMINGS
 from llmkit.rlhf.trainer import PolicyTrainer
 from llmkit.train.checkpoint import read_state
@@ -178,3 +180,81 @@ def test_grpo_with_adapters_raises_the_reward_checkpoints_the_adapter_and_resume
     PolicyTrainer(run_config(tmp_path, sharp_policy, "half", train__steps=5), quiet=True).fit()
     PolicyTrainer(run_config(tmp_path, sharp_policy, "half"), resume=True, quiet=True).fit()
     assert strip(read_metrics(half / "metrics.jsonl")) == strip(rows)
+
+
+def checkpoint_files(run: Path, step: int) -> set[str]:
+    ckpt = run / "checkpoints" / f"step-{step:08d}"
+    return {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
+
+
+@pytest.mark.slow
+def test_ppo_with_adapters_checkpoints_adapter_and_value_head_and_resumes_exactly(tmp_path, policy_dir):
+    """PPO (a KL to the reference, two epochs of two minibatches): the reference program reads only
+    the policy's frozen base, log-probs exact at every step, the checkpoint is the adapter and the
+    value head, and a resumed run's metrics are the whole run's."""
+    over = {"algorithm": "ppo", "rlhf__epochs": 2, "rlhf__minibatches": 2, "rlhf__kl_coef": 0.04}
+    over |= {"optim__lr": 1e-2, "train__steps": 4, "train__save_every": 2}
+    trainer = PolicyTrainer(run_config(tmp_path, policy_dir, "whole", **over), quiet=True)
+    frozen = {id(p) for p in trainer.model.parameters() if not p.requires_grad}
+    frozen |= {id(b) for b in trainer.model.buffers()}
+    assert all(id(t) in frozen for t in trainer.ref_score.captures)
+    trainer.fit()
+    rows = read_metrics(tmp_path / "whole" / "metrics.jsonl")
+    assert len(rows) == 4 and all(r["logprob_diff_max"] == 0.0 for r in rows)
+    assert any(r["kl"] > 0 for r in rows)  # the policy left its base, which the reference is
+    files = checkpoint_files(tmp_path / "whole", 4)
+    assert {"adapter/adapter_model.safetensors", "value_head.safetensors", "base_model.json"} <= files
+    assert not any(f.startswith("model/") for f in files)
+
+    PolicyTrainer(run_config(tmp_path, policy_dir, "half", **over | {"train__steps": 2}), quiet=True).fit()
+    PolicyTrainer(run_config(tmp_path, policy_dir, "half", **over), resume=True, quiet=True).fit()
+    assert strip(read_metrics(tmp_path / "half" / "metrics.jsonl")) == strip(rows)
+
+
+def pairs(tmp_path: Path) -> str:
+    rows = tasks.preference_pairs(tasks.make_task("avoid_letter"), 40, seed=0)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["dpo", "reward"])
+def test_offline_jobs_with_adapters_train_only_the_adapters(tmp_path, policy_dir, job):
+    """DPO (its reference: the base with the adapters off) and the reward model (adapters on the
+    backbone, the scalar head whole): the loss moves, only adapters (and the head) are trained and
+    saved, the base's weights are untouched."""
+    raw = {
+        "model": {"init_from": str(policy_dir)},
+        "data": {"pairs": pairs(tmp_path), "val_fraction": 0.25},
+        "optim": {"lr": 1e-2},
+        "train": {"steps": 3, "batch_size": 6, "max_length": 48, "eval_every": 0},
+        "lora": LORA_SECTION,
+        "out_dir": str(tmp_path / job),
+    }
+    path = tmp_path / f"{job}.yaml"
+    if job == "dpo":
+        path.write_text(json.dumps({**raw, "algorithm": "dpo"}))
+        trainer = DPOTrainer(load_rlhf_config(path), quiet=True)
+    else:
+        path.write_text(json.dumps(raw))
+        trainer = RewardModelTrainer(load_reward_config(path), quiet=True)
+    base = {n: p.numpy().copy() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n for n in trained - {"score.weight"})
+    assert ("score.weight" in trained) == (job == "reward")
+    trainer.fit()
+    rows = read_metrics(tmp_path / job / "metrics.jsonl")
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 3 and losses[0] != losses[-1]
+    for n, p in trainer.model.named_parameters():
+        if n in base:
+            np.testing.assert_array_equal(p.numpy(), base[n], err_msg=n)
+    files = checkpoint_files(tmp_path / job, 3)
+    assert "adapter/adapter_model.safetensors" in files and not any(f.startswith("model/") for f in files)
+    assert ("score.safetensors" in files) == (job == "reward")
+
+
+def test_adapter_dropout_is_refused_by_name(tmp_path, policy_dir):
+    with pytest.raises(ValueError, match=r"lora\.dropout \(0\.05\).*use lora\.dropout: 0"):
+        run_config(tmp_path, policy_dir, "drop", lora={**LORA_SECTION, "dropout": 0.05})
