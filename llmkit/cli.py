@@ -30,7 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "plot runs to PNG (training loss, RLHF reward and KL, quantization's perplexity)",
         "llmkit.train.cli:plot_main",
     ),
-    "checkpoint": ("merge a checkpoint written by several processes", "llmkit.train.cli:checkpoint_main"),
+    "checkpoint": (
+        "merge a checkpoint written by several processes, or a LoRA run's adapters into its base",
+        "llmkit.train.cli:checkpoint_main",
+    ),
     "quantize": (
         "quantize a model's weights to int8 or int4 (GPTQ or RTN)",
         "llmkit.quant.cli:quantize_main",
@@ -55,6 +58,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ("llmkit.rlhf.rewards", "RewardError"),
         ("llmkit.models.llama.config", "LlamaConfigError"),
         ("llmkit.models.llama.checkpoint", "CheckpointError"),
+        ("llmkit.models.llama.lora", "LoraError"),
         ("llmkit.tokenizer", "TokenizerError"),
         ("llmkit.framework.jit", "FormatError"),
         ("llmkit.serve.export", "ExportError"),

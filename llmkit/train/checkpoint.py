@@ -449,3 +449,41 @@ def merge(path: Path, out: Path) -> Path:
     model.save_pretrained(out)
     LlamaTokenizer.from_pretrained(path / "model").save_pretrained(out)
     return out
+
+
+def merge_lora(path: Path, out: Path, base: Path | None = None) -> Path:
+    """Write base + adapters as one complete model directory (``lora.merge_lora``: W + (B @ A) *
+    alpha / r; a quantized layer with an adapter becomes a float one, the others stay quantized).
+    ``path``: a LoRA checkpoint (adapter/ and base_model.json) or a PEFT adapter directory;
+    ``base``: the base model directory (default: the checkpoint's pointer, whose hashes must still
+    hold, or the adapter's ``base_model_name_or_path``)."""
+    adapter = path / ADAPTER if (path / ADAPTER).is_dir() else path
+    if not (adapter / lora.CONFIG_FILE).is_file():
+        raise ResumeError(
+            f"{path}: neither a LoRA checkpoint ({ADAPTER}/) nor an adapter ({lora.CONFIG_FILE})"
+        )
+    if base is None and (path / BASE_POINTER).is_file():
+        pointer = json.loads((path / BASE_POINTER).read_text())
+        base = Path(pointer["path"])
+        if not (base / "config.json").is_file():
+            raise ResumeError(f"{path / BASE_POINTER}: the base model {str(base)!r} is gone; pass --base DIR")
+        _check_base(base_pointer(base), path)
+    if base is None:
+        named = json.loads((adapter / lora.CONFIG_FILE).read_text()).get("base_model_name_or_path")
+        if not named or not (Path(named) / "config.json").is_file():
+            raise ResumeError(
+                f"{adapter / lora.CONFIG_FILE}: base_model_name_or_path {named!r} is not a model directory; "
+                "pass --base DIR"
+            )
+        base = Path(named)
+    model = LlamaForCausalLM.from_pretrained(base)
+    lora.load_adapter(model, adapter)
+    lora.merge_lora(model)
+    if not any(isinstance(m, nn.QuantizedLinear) for m in model.sublayers()):
+        model.config.extra.pop("quantization_config", None)
+    # else: the layers without adapters stay quantized, the merged ones are float (W dequantized)
+    source = adapter if (adapter / "tokenizer_config.json").is_file() else base
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        LlamaTokenizer.from_pretrained(source).save_pretrained(tmp)
+    return out

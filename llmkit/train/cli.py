@@ -220,7 +220,8 @@ def plot_main(argv: list[str]) -> int:
 
 
 def checkpoint_main(argv: list[str]) -> int:
-    """``llmkit checkpoint merge CHECKPOINT --out DIR``."""
+    """``llmkit checkpoint merge CHECKPOINT --out DIR``; ``llmkit checkpoint merge-lora ADAPTER --out
+    DIR [--base DIR]``."""
     p = ArgumentParser(prog="llmkit checkpoint", description="Training checkpoint tools.")
     sub = p.add_subparsers(dest="action", required=True)
     m = sub.add_parser(
@@ -230,11 +231,25 @@ def checkpoint_main(argv: list[str]) -> int:
     m.add_argument(
         "--out", required=True, help="directory to write config.json, model.safetensors, tokenizer.model"
     )
+    ml = sub.add_parser(
+        "merge-lora",
+        help="write base + adapters (W + B A alpha/r) as a complete model directory that export, "
+        "quantize and serve take",
+    )
+    ml.add_argument(
+        "adapter", help="a LoRA run's checkpoint (out_dir/checkpoints/step-N) or a PEFT adapter directory"
+    )
+    ml.add_argument("--base", help="the base model directory (default: the checkpoint's base_model.json, "
+                    "or the adapter's base_model_name_or_path)")  # fmt: skip
+    ml.add_argument("--out", required=True, help="directory to write the merged model and tokenizer to")
     a = p.parse_args(argv)
     from pathlib import Path
 
-    from .checkpoint import merge
+    from .checkpoint import merge, merge_lora
 
-    out = merge(Path(a.checkpoint), Path(a.out))
+    if a.action == "merge-lora":
+        out = merge_lora(Path(a.adapter), Path(a.out), None if a.base is None else Path(a.base))
+    else:
+        out = merge(Path(a.checkpoint), Path(a.out))
     print(f"wrote {out}")
     return 0
