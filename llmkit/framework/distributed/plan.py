@@ -324,18 +324,20 @@ class ParallelPlan:
         itemsize: int = 4,
         moments: int = 2,
         state_itemsize: int = 4,
+        frozen: Mapping[str, Sequence[int]] | None = None,
     ) -> int:
         """Parameter + gradient (``itemsize`` each) + optimizer-state bytes of the fullest rank
         (``moments`` tensors per parameter of ``state_itemsize``: AdamW's two float32 moments), from
-        the placements alone."""
+        the placements alone; ``frozen`` parameters (a LoRA run's base) count their own bytes only."""
         mesh = [s for _, s in self.mesh]
         coords = [(i, j) for i in range(mesh[0]) for j in range(mesh[1])]
         per_rank = dict.fromkeys(coords, 0)
-        for name, shape in shapes.items():
+        for name, shape in [*shapes.items(), *(frozen or {}).items()]:
+            trained = name in shapes
             for placements, nbytes in (
                 (self.param_placements(name, shape), itemsize),
-                (self.grad_placements(name, shape), itemsize),
-                (self.state_placements(name, shape), moments * state_itemsize),
+                (self.grad_placements(name, shape), itemsize * trained),
+                (self.state_placements(name, shape), moments * state_itemsize * trained),
             ):
                 for c in coords:
                     per_rank[c] += nbytes * math.prod(local_shape(shape, mesh, placements, c))
