@@ -4,6 +4,8 @@ plan's rule, against Megatron's layout written out here), and dp, ZeRO and tp Lo
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -109,3 +111,21 @@ def test_lora_losses_equal_the_single_process_run(single, tmp_path, parallel, mo
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_allclose(got[k].numpy(), want[k].numpy(), rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+RESUMES = [({"tp": 2}, {}), ({"dp": 2, "zero": 3}, {"tp": 2}), ({}, {"dp": 2, "zero": 1})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first,then", RESUMES, ids=["tp2-to-one", "zero3-to-tp2", "one-to-zero1"])
+def test_a_lora_checkpoint_resumes_on_any_layout(single, tmp_path, first, then):
+    """Half a run on one layout, the rest resumed on another: the adapters (whole, in PEFT's files)
+    and their optimizer state (pieces) are laid out as the new plan says; the losses are the
+    one-process run's."""
+    out = tmp_path / "run"
+    Trainer(config(out, *LORA, **first), quiet=True).fit()
+    shutil.rmtree(out / "checkpoints" / f"step-{STEPS:08d}")  # resume from the middle one
+    resumed = Trainer(config(out, *LORA, **then), resume=True, quiet=True)
+    assert resumed.step == STEPS // 2
+    resumed.fit()
+    assert_same_losses(losses(out), losses(single), range(1, STEPS + 1))
