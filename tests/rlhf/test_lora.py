@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import llmkit.framework as lf
+from llmkit.cli import main as cli_main
 from llmkit.framework import optim
 from llmkit.models.llama.lora import LoraConfig, adapters_disabled, apply_lora, lora_layers
 from llmkit.rlhf import policy, tasks
@@ -258,3 +260,28 @@ def test_offline_jobs_with_adapters_train_only_the_adapters(tmp_path, policy_dir
 def test_adapter_dropout_is_refused_by_name(tmp_path, policy_dir):
     with pytest.raises(ValueError, match=r"lora\.dropout \(0\.05\).*use lora\.dropout: 0"):
         run_config(tmp_path, policy_dir, "drop", lora={**LORA_SECTION, "dropout": 0.05})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_adapters_on_two_data_parallel_ranks_are_the_one_process_run(tmp_path, policy_dir, algorithm):
+    """parallel.dp=2 (one thread per rank): the adapters' gradients summed over the ranks give the
+    one-process run's metrics and adapters (tolerances and SGD as in test_parallel.py)."""
+    over = {"algorithm": algorithm, "rollout__prompts_per_step": 4, "rollout__n": 4, "rlhf__kl_coef": 0.05}
+    over |= {"optim": {"name": "sgd", "lr": 0.1}, "train__steps": 3, "train__save_every": 0}
+    one = run_config(tmp_path, policy_dir, "one", **over)
+    two = run_config(tmp_path, policy_dir, "two", **over)
+    assert cli_main(["rlhf", str(tmp_path / "one.yaml"), "--quiet"]) == 0
+    assert cli_main(["rlhf", str(tmp_path / "two.yaml"), "parallel.dp=2", "--quiet"]) == 0
+    a, b = (read_metrics(Path(c.out_dir) / "metrics.jsonl") for c in (two, one))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+    for x, y in zip(a, b):
+        assert x["logprob_diff_max"] == 0.0 == y["logprob_diff_max"]
+        for k in set(x) - set(TIMINGS):
+            assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-8), (x["step"], k)
+    last = "checkpoints/step-00000003/adapter/adapter_model.safetensors"
+    wa, wb = (lf.load(Path(c.out_dir) / last) for c in (two, one))
+    assert sorted(wa) == sorted(wb)
+    for k in wa:
+        np.testing.assert_allclose(wa[k].numpy(), wb[k].numpy(), rtol=0, atol=1e-6, err_msg=k)
+    assert any(np.abs(v.numpy()).max() > 0 for k, v in wb.items() if "lora_B" in k)  # B left zero
