@@ -73,6 +73,12 @@ class Run(Loop):
         state.base = self.base_pointer
         return state
 
+    def written(self) -> str:
+        if self.base_pointer is None:
+            return super().written()
+        final = checkpoint.checkpoint_dir(self.out, self.step)
+        return f"adapter in {final / checkpoint.ADAPTER} (llmkit checkpoint merge-lora {final} --out DIR)"
+
     def setup(self) -> None:
         """After the subclass built its parts: the schedule, resume, config and metrics."""
         self.schedule = build_schedule(self.cfg, self.optimizer)
