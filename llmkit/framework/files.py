@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import os
 import secrets
 import shutil
@@ -175,3 +176,12 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
     with atomic_open(path) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def sha256(path: str | os.PathLike[str]) -> str:
+    """The hex sha256 of a file's bytes, read in 1 MiB blocks (manifests, LoRA base pointers)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -39,7 +39,6 @@ from the checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ import llmkit.framework.distributed as dist
 from llmkit.framework import nn, optim
 from llmkit.framework.distributed.plan import PLAN_FILE
 from llmkit.framework.distributed.shard_files import RANK_FILES, ShardReader, save_shards
-from llmkit.framework.files import atomic_dir, atomic_write, install_dir, recover
+from llmkit.framework.files import atomic_dir, atomic_write, install_dir, recover, sha256
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer, lora
 from llmkit.models.llama.checkpoint import CheckpointError, check_weights, write_config
 from llmkit.models.llama.checkpoint import weights as llama_weights
@@ -234,15 +233,7 @@ def base_pointer(directory: Path) -> dict[str, Any]:
     """What a LoRA checkpoint records of its frozen base: the directory and the sha256 of each of
     its files (config and weights), so that a resume on another base fails instead of drifting."""
     files = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors"))
-    return {"path": str(directory.resolve()), "sha256": {p.name: _sha256(p) for p in files}}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+    return {"path": str(directory.resolve()), "sha256": {p.name: sha256(p) for p in files}}
 
 
 def _write_rest(s: RunState, tmp: Path, meta: dict[str, Any]) -> None:

@@ -212,3 +212,15 @@ def test_lora_in_a_run_dir_points_to_merge_lora(tmp_path):
     Trainer(lora_run(tmp_path / "run", steps=3), quiet=True).fit()
     with pytest.raises(ConfigError, match="is a LoRA run.*llmkit checkpoint merge-lora"):
         checkpoint.model_dir(tmp_path / "run")
+
+
+def test_lora_tiny_yaml_adapts_the_tiny_model():
+    from pathlib import Path
+
+    from llmkit.train.config import apply_lora_section, load_config
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "lora-tiny.yaml")
+    assert cfg.lora is not None and cfg.model.init_from is not None
+    model = LlamaForCausalLM(LlamaConfig.from_preset("tiny", vocab_size=cfg.tokenizer.vocab_size))
+    paths = apply_lora_section(model, cfg.lora, cfg.train.seed)
+    assert len(paths) == 7 * model.config.num_hidden_layers

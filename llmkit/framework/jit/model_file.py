@@ -29,7 +29,7 @@ from typing import Any, TypedDict
 import numpy as np
 
 from .. import backend as B
-from ..files import atomic_dir, recover
+from ..files import atomic_dir, recover, sha256
 from ..ir import Program, parse
 from ..ir.errors import IRError
 from ..serialization import SafetensorsError, load, save
@@ -143,14 +143,6 @@ def _check_file_name(path: Path, name: str, where: str) -> None:
         raise FormatError(f"{where}: {name!r} links outside the model directory")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _spec(t: Any) -> dict[str, Any]:
     return {"shape": list(t.shape), "dtype": B.dtype_name(t.dtype)}
 
@@ -208,7 +200,7 @@ def save_programs(
                 raise ValueError(f"jit.save: bad extra file name {name!r}")
             (tmp / name).write_bytes(data)
         for f in sorted(tmp.iterdir()):
-            files[f.name] = _sha256(f)
+            files[f.name] = sha256(f)
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -341,7 +333,7 @@ def load_model(path: str | os.PathLike[str], compiler: str | None = None, device
         if name not in files:
             raise FormatError(f"{mpath}: {field}: {name!r} is not listed (with its sha256) in files")
     for name, digest in files.items():
-        if _sha256(path / name) != digest:
+        if sha256(path / name) != digest:
             raise FormatError(f"{path}: {name} is corrupted (sha256 does not match the manifest)")
     try:
         weights = {k: t._data for k, t in load(path / wfile, device=device).items()}

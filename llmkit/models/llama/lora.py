@@ -241,7 +241,8 @@ def merge_lora(model: nn.Layer) -> list[str]:
     for path, m in lora_layers(model).items():
         base = m.base
         w = base.weight.detach()
-        new = nn.Linear(m.in_features, m.out_features, bias=base.bias is not None, dtype=w.dtype)
+        with nn.init.skip_init():  # the weight is set right below
+            new = nn.Linear(m.in_features, m.out_features, bias=base.bias is not None, dtype=w.dtype)
         new.weight.set_value((w + m.delta().detach().astype(w.dtype))._data)
         if base.bias is not None:
             new.bias = base.bias

@@ -10,31 +10,22 @@ import pytest
 
 import llmkit.framework as lf
 from llmkit.framework import jit
-from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
+from llmkit.models.llama import LlamaForCausalLM
 from llmkit.models.llama import lora as L
 from llmkit.quant import QuantConfig, quantize_model
+
+from .test_hf_parity import config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-CFG = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-5,
-    initializer_range=0.1,
-)
 IDS = np.random.default_rng(0).integers(0, 64, (2, 12))
 
 
 def tiny(seed=0) -> LlamaForCausalLM:
     lf.seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**CFG))
+    return LlamaForCausalLM(config())  # test_hf_parity's: 2 layers of width 32, GQA
 
 
 def randomize_adapters(model, seed=1, std=0.2):
