@@ -263,10 +263,11 @@ def test_adapter_dropout_is_refused_by_name(tmp_path, policy_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "ppo"])
 def test_adapters_on_two_data_parallel_ranks_are_the_one_process_run(tmp_path, policy_dir, algorithm):
-    """parallel.dp=2 (one thread per rank): the adapters' gradients summed over the ranks give the
-    one-process run's metrics and adapters (tolerances and SGD as in test_parallel.py)."""
+    """parallel.dp=2 (one thread per rank; every algorithm with the KL to the base): the adapters'
+    gradients summed over the ranks give the one-process run's metrics and adapters (tolerances and
+    SGD as in test_parallel.py)."""
     over = {"algorithm": algorithm, "rollout__prompts_per_step": 4, "rollout__n": 4, "rlhf__kl_coef": 0.05}
     over |= {"optim": {"name": "sgd", "lr": 0.1}, "train__steps": 3, "train__save_every": 0}
     one = run_config(tmp_path, policy_dir, "one", **over)
