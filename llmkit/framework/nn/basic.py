@@ -60,6 +60,8 @@ class QuantizedLinear(Layer):
     of ``group_size`` input columns (-1: one per output channel). ``weight`` is the dequantized
     matrix, computed by the ``dequantize`` op where it is read; traced programs hold
     ``linear(x, dequantize(...))``, which the ``quantize-linear`` pass turns into ``quant_linear``.
+    Where a gradient must reach ``x`` (frozen quantized layers above trained ones: QLoRA), the
+    forward is ``quant_linear`` itself, whose rule recomputes the weight in the backward.
     """
 
     def __init__(
@@ -94,6 +96,13 @@ class QuantizedLinear(Layer):
         )
 
     def forward(self, x: Tensor) -> Tensor:
+        if is_grad_enabled() and getattr(x, "requires_grad", False):
+            # A gradient flows through to x (QLoRA: adapters below): quant_linear's rule dequantizes
+            # again in the backward, so the float weight is never held from forward to backward.
+            y = ops.quant_linear(
+                x, self.qweight, self.scales, self.zeros, bits=self.bits, group_size=self.group_size
+            )
+            return y if self.bias is None else y + self.bias
         return ops.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
