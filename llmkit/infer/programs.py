@@ -119,19 +119,26 @@ class PagedKVCache:
 
 
 class _TileLinear(RewritePattern):
-    roots = ("llm.linear",)
+    roots = ("llm.linear", "llm.quant_linear")
 
     def __init__(self, rows: int) -> None:
         self.rows = rows
 
     def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
-        rewriter.replace_op(op, rewriter.create("llm.tiled_linear", list(op.operands), {"rows": self.rows}))
+        if op.name == "llm.linear":
+            rewriter.replace_op(
+                op, rewriter.create("llm.tiled_linear", list(op.operands), {"rows": self.rows})
+            )
+        elif getattr(op.attributes.get("rows"), "value", 0) == 0:  # traced so (QLoRA's training forward)
+            attrs = {**{k: a.value for k, a in op.attributes.items()}, "rows": self.rows}
+            rewriter.replace_op(op, rewriter.create("llm.quant_linear", list(op.operands), attrs))
 
 
 @register_pass
 @dataclass
 class TileLinear(Pass):
-    """``linear`` -> ``tiled_linear{rows}``: each row's result independent of the batch size."""
+    """``linear`` -> ``tiled_linear{rows}`` (and a ``quant_linear`` without rows gets them): each
+    row's result independent of the batch size."""
 
     name = "tile-linear"
     rows: int = PREFILL_TILE

@@ -30,6 +30,7 @@ import numpy as np
 import llmkit.framework as lf
 from llmkit.framework import jit, nn, optim
 from llmkit.framework.distributed.parallelize import all_reduce_grads
+from llmkit.framework.ir.passes import QuantizeLinear
 from llmkit.infer.programs import PREFILL_TILE, TileLinear
 from llmkit.models.llama import LlamaForCausalLM
 from llmkit.models.llama.lora import adapters_disabled, lora_layers
@@ -104,13 +105,15 @@ class PolicyForward:
 def compile_function(
     fn: Callable, specs: list[jit.InputSpec], names: dict[int, str], tile: bool = False
 ) -> Callable:
-    """``fn`` traced once (symbolic dims) and compiled; ``tile``: the engine's ``tile-linear`` pass
-    (exact forwards). Returns a function of numpy arrays -> the outputs as numpy arrays / floats."""
+    """``fn`` traced once (symbolic dims) and compiled; ``tile``: the engine's ``tile-linear`` and
+    ``quantize-linear`` passes (exact forwards). Returns a function of numpy arrays -> the outputs
+    as numpy arrays / floats."""
     sf = jit.to_static(fn, input_spec=specs, names=names)
     dummies = [np.zeros([d if isinstance(d, int) else 1 for d in s.shape], s.dtype) for s in specs]
     cp = sf.get_concrete_program(*dummies)
     if tile:
         TileLinear(PREFILL_TILE).apply(cp.program)
+        QuantizeLinear().apply(cp.program)  # a quantized base (QLoRA): the engine's quant_linear
         cp.program.verify()
 
     def run(*arrays: np.ndarray) -> Any:

@@ -14,6 +14,7 @@ import llmkit.framework as lf
 from llmkit.cli import main as cli_main
 from llmkit.framework import optim
 from llmkit.models.llama.lora import LoraConfig, adapters_disabled, apply_lora, lora_layers
+from llmkit.quant import QuantConfig, quantize_model
 from llmkit.rlhf import policy, tasks
 from llmkit.rlhf.config import RLHFConfig, load_reward_config, load_rlhf_config
 from llmkit.rlhf.data import TokenBatch
@@ -286,3 +287,21 @@ def test_adapters_on_two_data_parallel_ranks_are_the_one_process_run(tmp_path, p
     for k in wa:
         np.testing.assert_allclose(wa[k].numpy(), wb[k].numpy(), rtol=0, atol=1e-6, err_msg=k)
     assert any(np.abs(v.numpy()).max() > 0 for k, v in wb.items() if "lora_B" in k)  # B left zero
+
+
+def test_adapters_over_an_int4_base_keep_the_logprobs_exact(tok):
+    """QLoRA: the engine runs the frozen int4 base as quant_linear; the train step's forward runs
+    the same op with the same tiles (the layers whose input needs a gradient trace quant_linear
+    itself, the others are rewritten by quantize-linear), so the log-probs stay bit-equal."""
+    model = small_model()
+    quantize_model(model, QuantConfig(bits=4, group_size=16, method="rtn"), progress=False)
+    apply_lora(model, LORA, 0)
+    rng = np.random.default_rng(0)
+    for m in lora_layers(model).values():
+        m.lora_B.set_value((0.05 * rng.standard_normal(m.lora_B.shape)).astype(np.float32))
+    step = lora_step(model, 1.0)
+    ops = [op.name for op in step.program.walk()]
+    assert ops.count("llm.quant_linear") == 14  # 7 projections x 2 layers, none left as linear
+    batch = rollouts(model, tok, 1.0).generate(PROMPTS, 2, seed=0, step=0)
+    logp, roll, on, _ = trainer_logp(step, batch)
+    np.testing.assert_array_equal(logp[on], roll[on])
