@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="training steps per variant (the first is warm-up)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--variants", default=",".join(VARIANTS), help="some of full,lora,qlora")
     p.add_argument("--rounds", type=int, default=2, help="full/LoRA processes alternated this many times")
     p.add_argument(
         "--full-1b", action="store_true", help="also run full fine-tuning of the 1B config (~18 GB)"
@@ -147,9 +148,8 @@ def main() -> None:
             step_s: dict[str, list[float]] = {v: [] for v in VARIANTS}
             for rnd in range(a.rounds):  # full and LoRA alternate: both see the same stretches
                 for variant in VARIANTS:
-                    if (model == "1B" and variant == "full" and not a.full_1b) or (
-                        rnd and variant == "qlora"
-                    ):
+                    skip = variant not in a.variants.split(",") or (rnd and variant == "qlora")
+                    if skip or (model == "1B" and variant == "full" and not a.full_1b):
                         continue
                     r = run_child(model, variant, int4, a)
                     step_s[variant].append(r["step_s"])
@@ -164,14 +164,14 @@ def main() -> None:
                 emit("lora", "step_time", r["step_s"], "s", **tags)
                 emit("lora", "trainable_params", r["trainable_params"], "params", params=r["params"], **tags)
                 emit("lora", "checkpoint_bytes", r["checkpoint_bytes"] / 2**20, "MiB", **tags)
-            if "full" in got:
+            if "full" in got and "lora" in got:
                 emit_paired_ratio(
                     "lora", "lora_step_time_vs_full", step_s["lora"], step_s["full"], model=model, **extra
                 )
-            else:  # the full run's state, computed: fp32 weights + gradients + two AdamW moments
+            elif "lora" in got:  # full's state, computed: fp32 weights, gradients, two AdamW moments
                 params = got["lora"]["params"] - got["lora"]["trainable_params"]
                 emit("lora", "full_state_bytes_computed", 16 * params / 2**30, "GiB", model=model, **extra)
-            if model == "1B":
+            if model == "1B" and "qlora" in got:
                 fits = got["qlora"]["peak_rss_bytes"] <= FITS_BYTES
                 emit("lora", "qlora_fits_6GB", float(fits), "bool", model=model, **extra)
 

@@ -136,7 +136,8 @@ def load_pretrained(cls: type, path: str | os.PathLike[str], dtype: Any = None) 
     config = LlamaConfig.from_json_file(path / "config.json")
     reader = weights(path)
     target = B.dtype(dtype or "float32")
-    model = cls(config)
+    with lf.nn.init.skip_init():  # every weight is loaded below: drawing them would touch their memory
+        model = cls(config)  # (a quantized model's float linears would be resident before quantize_linears)
     _quantized_layers(path, model, set(reader.names()))
     state = model.state_dict()
     expected = {k: tuple(v.shape) for k, v in state.items()}
