@@ -41,7 +41,7 @@ from quant import MODELS as QUANT_MODELS
 import llmkit.framework as lf
 from llmkit.framework import optim
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
-from llmkit.models.llama import lora as L
+from llmkit.models.llama import lora
 from llmkit.train.config import OptimSection
 from llmkit.train.loop import build_optimizer
 from llmkit.train.metrics import peak_rss_bytes
@@ -59,7 +59,7 @@ MODELS = {
     ),
 }
 VARIANTS = ("full", "lora", "qlora")
-LORA = L.LoraConfig(r=16, alpha=32, targets=(L.ALL_LINEAR,))
+LORA = lora.LoraConfig(r=16, alpha=32, targets=(lora.ALL_LINEAR,))
 FITS_BYTES = 6 * 2**30  # QLoRA of the 1B model must fit in 6 GB
 
 
@@ -81,7 +81,7 @@ def child(model: str, variant: str, int4_dir: str, steps: int, batch: int, seq: 
     else:
         m = LlamaForCausalLM(MODELS[model]())
     if variant != "full":
-        L.apply_lora(m, LORA, seed=0)
+        lora.apply_lora(m, LORA, seed=0)
     total = m.num_parameters()
     trainable = [p for p in m.parameters() if p.requires_grad]
     opt = build_optimizer(OptimSection(), m)
@@ -101,7 +101,7 @@ def child(model: str, variant: str, int4_dir: str, steps: int, batch: int, seq: 
         ckpt = sum(p._data.nbytes for p in m.parameters()) + moments
     else:
         with tempfile.TemporaryDirectory() as d:
-            ckpt = L.write_adapter(m, d) + moments
+            ckpt = lora.write_adapter(m, d) + moments
     return {
         "peak_rss_bytes": peak_rss_bytes(),
         "step_s": statistics.median(times[1:] or times),

@@ -120,17 +120,24 @@ class PagedKVCache:
 
 
 class _TileLinear(RewritePattern):
-    roots = ("llm.linear",)
+    roots = ("llm.linear", "llm.quant_linear")
 
     def __init__(self, rows: int) -> None:
         self.rows = rows
 
     def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
-        rewriter.replace_op(op, rewriter.create("llm.tiled_linear", list(op.operands), {"rows": self.rows}))
+        if op.name == "llm.linear":
+            rewriter.replace_op(
+                op, rewriter.create("llm.tiled_linear", list(op.operands), {"rows": self.rows})
+            )
+        elif getattr(op.attributes.get("rows"), "value", 0) == 0:  # traced so (QLoRA's training forward)
+            attrs = {**{k: a.value for k, a in op.attributes.items()}, "rows": self.rows}
+            rewriter.replace_op(op, rewriter.create("llm.quant_linear", list(op.operands), attrs))
 
 
 class _TileQuantLinear(RewritePattern):
-    """A ``quant_linear`` traced as it is (int8 activations, ``act_bits=8``) takes the tiles too."""
+    """A ``quant_linear`` traced as it is (int8 activations, or a QLoRA base whose input needs a
+    gradient) takes the tiles too."""
 
     roots = ("llm.quant_linear",)
 

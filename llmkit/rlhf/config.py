@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from llmkit.train.config import (
+    LoraSection,
     OptimSection,
     ParallelSection,
     RunConfig,
@@ -138,6 +139,17 @@ def check_data_parallel(par: ParallelSection, rows: int, key: str) -> None:
         )
 
 
+def check_lora(lora: LoraSection | None) -> None:
+    """Adapters without dropout: a job's policy is traced into compiled programs (the engine's, the
+    train step), where a dropout mask would be drawn once, at tracing, and the engine's log-probs
+    could no longer be the trainer's."""
+    if lora is not None and lora.dropout:
+        raise ValueError(
+            f"lora.dropout ({lora.dropout}): llmkit rlhf runs the policy as compiled programs, where a "
+            "dropout mask would be fixed when traced; use lora.dropout: 0"
+        )
+
+
 class RLHFConfig(RunConfig):
     """A whole RLHF run."""
 
@@ -151,6 +163,7 @@ class RLHFConfig(RunConfig):
     lr_schedule: ScheduleSection = ScheduleSection(name="constant")
     train: LoopSection = LoopSection()
     parallel: ParallelSection = ParallelSection()  # dp: data-parallel ranks (--nproc N: processes)
+    lora: LoraSection | None = None  # adapters on the frozen policy; null: the whole policy trains
     out_dir: str = "runs/rlhf"
 
     _data_parallel_only = model_validator(mode="before")(refuse_model_parallel)
@@ -169,6 +182,7 @@ class RLHFConfig(RunConfig):
         else:  # whole prompts per rank: a prompt's n samples (its group) stay together
             check_data_parallel(self.parallel, self.rollout.prompts_per_step, "rollout.prompts_per_step")
         check_warmup(self.lr_schedule, self.train.steps)
+        check_lora(self.lora)
         return self
 
 
@@ -181,6 +195,7 @@ class RewardModelConfig(RunConfig):
     lr_schedule: ScheduleSection = ScheduleSection(name="constant")
     train: LoopSection = LoopSection(steps=200)
     parallel: ParallelSection = ParallelSection()
+    lora: LoraSection | None = None  # adapters on the frozen backbone (the scalar head trains whole)
     out_dir: str = "runs/reward"
 
     _data_parallel_only = model_validator(mode="before")(refuse_model_parallel)
@@ -190,6 +205,7 @@ class RewardModelConfig(RunConfig):
         if self.data.pairs is None:
             raise ValueError("data.pairs: a reward model trains on preference pairs")
         check_data_parallel(self.parallel, self.train.batch_size, "train.batch_size")
+        check_lora(self.lora)
         return self
 
 

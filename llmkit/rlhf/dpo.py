@@ -42,11 +42,12 @@ class DPOTrainer(Run):
         src = model_dir(cfg.model.init_from)
         self.tokenizer = LlamaTokenizer.from_pretrained(src)
         self.model = LlamaForCausalLM.from_pretrained(src)
+        self.add_adapters(self.model, src)
         self.exact, self.temperature = cfg.rlhf.exact_logprobs, 1.0
         t = cfg.train
         rows = load_pairs(cfg.data.pairs, t.seed)
         train, held = split_heldout(rows, cfg.data.val_fraction, t.seed)
-        reference = policy.scorer(LlamaForCausalLM.from_pretrained(src), self.exact, self.temperature)
+        reference = policy.reference_scorer(self.model, src, self.exact, self.temperature)
         self.train_pairs = self._with_reference(
             [encode_pair(self.tokenizer, r, t.max_length) for r in train], reference
         )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,10 @@ import numpy as np
 import llmkit.framework as lf
 from llmkit.framework import jit, nn, optim
 from llmkit.framework.distributed.parallelize import all_reduce_grads
+from llmkit.framework.ir.passes import QuantizeLinear
 from llmkit.infer.programs import PREFILL_TILE, TileLinear
+from llmkit.models.llama import LlamaForCausalLM
+from llmkit.models.llama.lora import adapters_disabled, lora_layers
 from llmkit.train.trainer import state_names
 
 O = lf.ops
@@ -101,19 +105,21 @@ class PolicyForward:
 def compile_function(
     fn: Callable, specs: list[jit.InputSpec], names: dict[int, str], tile: bool = False
 ) -> Callable:
-    """``fn`` traced once (symbolic dims) and compiled; ``tile``: the engine's ``tile-linear`` pass
-    (exact forwards). Returns a function of numpy arrays -> the outputs as numpy arrays / floats."""
+    """``fn`` traced once (symbolic dims) and compiled; ``tile``: the engine's ``tile-linear`` and
+    ``quantize-linear`` passes (exact forwards). Returns a function of numpy arrays -> the outputs
+    as numpy arrays / floats."""
     sf = jit.to_static(fn, input_spec=specs, names=names)
     dummies = [np.zeros([d if isinstance(d, int) else 1 for d in s.shape], s.dtype) for s in specs]
     cp = sf.get_concrete_program(*dummies)
     if tile:
         TileLinear(PREFILL_TILE).apply(cp.program)
+        QuantizeLinear().apply(cp.program)  # a quantized base (QLoRA): the engine's quant_linear
         cp.program.verify()
 
     def run(*arrays: np.ndarray) -> Any:
         return _to_host(cp.run([lf.Tensor(np.asarray(a)) for a in arrays]))
 
-    run.program = cp.program
+    run.program, run.captures = cp.program, cp.captures  # captures: the tensors it reads (weights)
     return run
 
 
@@ -143,6 +149,17 @@ def scorer(model: Any, exact: bool, temperature: float, value_head: ValueHead | 
 
     extra = {"value_head": value_head} if value_head is not None else None
     return fwd.compile(score, _specs(_SEQ + _SEG), state_names(model, extra=extra))
+
+
+def reference_scorer(model: Any, src: Path, exact: bool, temperature: float) -> Callable:
+    """The frozen reference's compiled log-probs: the policy as it starts. With adapters, the policy
+    itself with them off (traced under ``adapters_disabled``: the program reads the policy's own
+    frozen base and no adapter, so there is no second copy of the weights); without, the checkpoint
+    at ``src`` loaded again (the policy's own weights move)."""
+    if lora_layers(model):
+        with adapters_disabled(model):
+            return scorer(model, exact, temperature)
+    return scorer(LlamaForCausalLM.from_pretrained(src), exact, temperature)
 
 
 # Inputs of a train step besides ids, targets and segments: name -> (shape, dtype); float64 where
@@ -180,7 +197,8 @@ def train_step(
     the optimizer step. Returns ``step(ids, targets, *segments, *inputs) -> {"loss", "logp", "grad_norm",
     **stats}`` (logp: the trainer's log-probs before this update)."""
     fwd = PolicyForward(model, exact)
-    params = model.parameters() + (value_head.parameters() if value_head is not None else [])
+    layers = [model] + ([value_head] if value_head is not None else [])
+    params = [p for layer in layers for p in layer.parameters() if p.requires_grad]  # LoRA: adapters
     clip = grad_clip if grad_clip is not None else math.inf
 
     def step(ids, targets, tables, kv_len, q_start, q_len, *extra):

@@ -144,6 +144,10 @@ class RewardModelTrainer(Run):
         src = model_dir(cfg.model.init_from)
         self.tokenizer = LlamaTokenizer.from_pretrained(src)
         self.model = LlamaRewardModel.from_pretrained(src, cfg.train.seed)
+        if cfg.lora is not None:  # adapters on the backbone; the scalar head trains whole, saved beside
+            self.add_adapters(self.model, src)
+            self.model.score.weight.requires_grad = True
+            self.extra_layers["score"] = self.model.score
         t = cfg.train
         rows = load_pairs(cfg.data.pairs, t.seed)
         train, held = split_heldout(rows, cfg.data.val_fraction, t.seed)
@@ -161,7 +165,7 @@ class RewardModelTrainer(Run):
     def _compile_step(self):
         model, opt = self.model, self.optimizer
         clip = self.cfg.optim.grad_clip or float("inf")
-        params = model.parameters()
+        params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters and the head
         count, group = float(self.cfg.train.batch_size), self.dp.group  # the whole step's pairs
 
         def step(ids, rows, chosen, rejected):

@@ -1,7 +1,8 @@
 """What every RLHF job shares with ``llmkit train``: the step loop (``llmkit.train.loop``: the
 resolved config in ``out_dir``, ``metrics.jsonl``, a progress bar, stopping on SIGINT / SIGTERM,
 all-or-nothing steps) and the checkpoints that ``--resume`` continues exactly (the one writer of
-``llmkit.train.checkpoint``; PPO's value head beside the model as ``value_head.safetensors``).
+``llmkit.train.checkpoint``; PPO's value head beside the model as ``value_head.safetensors``; with
+``lora``, the adapters in place of the model, beside a pointer to the frozen base).
 
 A job's step is a function of its step number (its prompts or pairs and its sampling seeds are), so
 a checkpoint needs no data position, and a run killed at any moment (even with ``kill -9``) resumes
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from llmkit.train import checkpoint
+from llmkit.train.config import apply_lora_section
 from llmkit.train.loop import Loop, build_schedule
 from llmkit.train.ranks import DataParallel
 
@@ -34,6 +36,7 @@ FIXED_ON_RESUME: dict[str, str] = {
     "algorithm": "the checkpoint holds that algorithm's trained layers and optimizer state",
     "model": "the checkpoint's weights are that model's, and the reference is its start",
     "optim.name": "the checkpoint holds that optimizer's state",
+    "lora": "the checkpoint's adapters and optimizer state have those shapes",
     "train.seed": "it chose the prompts, pairs and samples of the steps already taken",
 }
 
@@ -55,6 +58,26 @@ class Run(Loop):
         self.extra_layers = {}
         self.resumed_from = checkpoint.latest(self.out) if resume else None
         self.resume_changes: list[str] = []
+        self.base_pointer: dict[str, Any] | None = None  # a LoRA run's frozen base (checkpoint.base_pointer)
+
+    def add_adapters(self, model: Any, base: Path) -> None:
+        """With a ``lora`` section: freeze ``model`` (loaded from the directory ``base``) and add the
+        section's adapters; the checkpoints then hold them alone (PEFT's files) beside a pointer to
+        ``base``, and the rollouts' engine, traced from the model, runs them in its programs."""
+        if self.cfg.lora is not None:
+            apply_lora_section(model, self.cfg.lora, self.cfg.train.seed)
+            self.base_pointer = checkpoint.base_pointer(base)
+
+    def run_state(self) -> checkpoint.RunState:
+        state = super().run_state()
+        state.base = self.base_pointer
+        return state
+
+    def written(self) -> str:
+        if self.base_pointer is None:
+            return super().written()
+        final = checkpoint.checkpoint_dir(self.out, self.step)
+        return f"adapter in {final / checkpoint.ADAPTER} (llmkit checkpoint merge-lora {final} --out DIR)"
 
     def setup(self) -> None:
         """After the subclass built its parts: the schedule, resume, config and metrics."""

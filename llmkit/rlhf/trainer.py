@@ -160,9 +160,9 @@ class PolicyTrainer(Run):
         src = model_dir(cfg.model.init_from)
         self.tokenizer = LlamaTokenizer.from_pretrained(src)
         self.model = LlamaForCausalLM.from_pretrained(src)
+        self.add_adapters(self.model, src)
         r, ro = cfg.rlhf, cfg.rollout
         self.exact = r.exact_logprobs
-        self.reference = LlamaForCausalLM.from_pretrained(src) if r.kl_coef > 0 else None
         self.value_head = policy.ValueHead(self.model.config.hidden_size) if self.algo.value_head else None
         if self.value_head is not None:
             self.extra_layers["value_head"] = self.value_head
@@ -182,7 +182,7 @@ class PolicyTrainer(Run):
         layers = [self.model] + ([self.value_head] if self.value_head is not None else [])
         self.optimizer = build_optimizer(cfg.optim, *layers)
         self.inputs = ("mask", "old_logp", "advantages")  # per row; then the minibatch's counts
-        if self.algo.kl_in_loss and self.reference is not None:
+        if self.algo.kl_in_loss and r.kl_coef > 0:
             self.inputs += ("ref_logp",)
         if self.value_head is not None:
             self.inputs += ("old_values", "returns")
@@ -198,7 +198,7 @@ class PolicyTrainer(Run):
             self.dp.group if self.dp.size > 1 else None,
         )
         self.ref_score = (
-            policy.scorer(self.reference, self.exact, ro.temperature) if self.reference is not None else None
+            policy.reference_scorer(self.model, src, self.exact, ro.temperature) if r.kl_coef > 0 else None
         )
         self.pre_score = (
             policy.scorer(self.model, self.exact, ro.temperature, self.value_head)

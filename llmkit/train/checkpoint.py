@@ -287,12 +287,20 @@ def _save_sharded(s: RunState, path: Path) -> None:
         s.pipe.save(stage / "model", stage / OPTIMIZER_DIR)
         meta = s.pipe.optimizer_meta()
     else:
-        save_shards(dict(model.named_parameters()), stage / "model")
+        if s.base is None:
+            save_shards(dict(model.named_parameters()), stage / "model")
+        else:  # a LoRA run: the adapters whole (they are small), in PEFT's files as from one process
+            adapters = {k: dist.unshard(t) for k, t in lora.adapter_state(model).items()}
         tensors, meta = optim.flatten_state_dict(s.optimizer.state_dict())
         save_shards(tensors, stage / OPTIMIZER_DIR)
     comm.barrier()  # every rank's pieces are on disk
     if s.writer:
-        write_config(model.config, model.model.norm.weight.dtype, stage / "model")
+        if s.base is None:
+            write_config(model.config, model.model.norm.weight.dtype, stage / "model")
+        else:
+            (stage / ADAPTER).mkdir()
+            lora.write_adapter(model, stage / ADAPTER, s.base["path"], adapters)
+            (stage / BASE_POINTER).write_text(json.dumps(s.base, indent=1) + "\n")
         _write_rest(s, stage, meta)
         install_dir(stage, path)
     comm.barrier()  # the checkpoint is in place before any rank goes on (and may prune or resume)
@@ -321,6 +329,8 @@ def load(s: RunState, path: Path, state: TrainerState) -> tuple[int, int, int]:
             weights, names = _model_weights(s.model, path / "model")
         else:
             lora.load_adapter(s.model, path / ADAPTER)  # checked whole before it sets anything
+            if s.par is not None:  # the whole values just set, laid out as the plan places them
+                s.par.place(list(lora.adapter_state(s.model)))
         layers = {n: _layer_weights(layer, path / f"{n}.safetensors") for n, layer in s.layers.items()}
     except (OSError, ValueError) as e:
         raise ResumeError(

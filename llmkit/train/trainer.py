@@ -29,6 +29,7 @@ from llmkit.framework.distributed.parallelize import Parallelized
 from llmkit.generate import generate
 from llmkit.infer.sampling import SamplingParams
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
+from llmkit.models.llama.lora import load_adapter
 from llmkit.models.llama.sharding import apply_recompute, check_plan
 
 from . import checkpoint
@@ -123,7 +124,12 @@ class Trainer(Loop):
         self.sampler = BatchSampler(self.data.train, t.batch_size, t.seq_len, t.seed, self.data.train_mask)
         # Weights about to be loaded (a checkpoint; a pretrained model over several ranks, each
         # reading its slices) are not initialized first: building the model keeps its memory untouched.
-        load_init = cfg.model.init_from is not None and self.backend is not None and self.plan.pp == 1
+        load_init = (
+            cfg.model.init_from is not None
+            and self.backend is not None
+            and self.plan.pp == 1
+            and cfg.lora is None  # a LoRA run's base is read whole, then laid out with its adapters
+        )
         base_dir = self._lora_base_dir(saved is not None)
         if (
             base_dir is not None
@@ -191,10 +197,10 @@ class Trainer(Loop):
         cfg = self.cfg
         if cfg.lora is None:
             return None
-        if self.backend is not None or self.plan.pp > 1:
+        if self.plan.pp > 1:
             raise ConfigError(
-                "lora: adapters train in one process for now; set parallel.dp, tp and pp to 1 "
-                "(data/tensor parallel adapters: issue 28, item 5)"
+                "lora: adapters train with data and tensor parallelism and ZeRO, not yet in a "
+                "pipeline; set parallel.pp to 1"
             )
         if cfg.model.init_from is not None:
             return Path(cfg.model.init_from)
@@ -208,9 +214,12 @@ class Trainer(Loop):
         (a preset's random base is written to ``base_dir`` first)."""
         cfg = self.cfg
         assert cfg.lora is not None
-        if not (base_dir / "config.json").is_file():  # a fresh preset run
-            self.model.save_pretrained(base_dir)
-            self.tokenizer.save_pretrained(base_dir)
+        if not (base_dir / "config.json").is_file():  # a fresh preset run (every rank made it alike)
+            if self.ranks.is_rank0:
+                self.model.save_pretrained(base_dir)
+                self.tokenizer.save_pretrained(base_dir)
+            if self.backend == "mpi":
+                dist.get_backend().barrier()  # written before the other ranks hash it
         apply_lora_section(self.model, cfg.lora, cfg.train.seed)
         self.base_pointer = checkpoint.base_pointer(base_dir)
 
@@ -314,14 +323,12 @@ class Trainer(Loop):
         compiled = jit.to_static(step, input_spec=spec, compiler=t.compiler, names=self.state_names())
         self.static_step = compiled
         # gradients live inside the program: count them in the layout they are reduced to
-        if self.base_pointer is not None:  # LoRA, one process: the frozen base, adapters' grads, state
-            frozen = [p for p in self.model.parameters() if not p.requires_grad]
-            self.state_bytes = _nbytes([*frozen, *params, *params, *self._optimizer_state()])
-        else:
-            shapes = {n: p.shape for n, p in self.model.named_parameters()}
-            state = self.optimizer.states[0]  # every parameter's state alike: its kind and dtype
-            moments, itemsize = len(state), next(iter(state.values())).dtype.itemsize if state else 4
-            self.state_bytes = self.plan.state_bytes(shapes, params[0].dtype.itemsize, moments, itemsize)
+        named = self.model.named_parameters()
+        shapes = {n: p.shape for n, p in named if p.requires_grad}  # a LoRA run: its adapters
+        frozen = {n: p.shape for n, p in named if not p.requires_grad}  # and its base, weights only
+        state = self.optimizer.states[0]  # every parameter's state alike: its kind and dtype
+        moments, itemsize = len(state), next(iter(state.values())).dtype.itemsize if state else 4
+        self.state_bytes = self.plan.state_bytes(shapes, params[0].dtype.itemsize, moments, itemsize, frozen)
 
         def run(batches: list[tuple[Any, Any]]) -> tuple[float, float]:
             self.optimizer.sync_lr()
@@ -416,8 +423,13 @@ class Trainer(Loop):
     def finish(self) -> None:
         if self.is_rank0:
             # Several ranks: rank 0 samples from the final checkpoint's model, joined from its pieces.
-            joined = self.backend is not None
-            model = LlamaForCausalLM.from_pretrained(self.final_model_dir()) if joined else self.model
+            if self.backend is None:
+                model = self.model
+            elif self.base_pointer is not None:  # a LoRA run: its base, with the final adapters
+                model = LlamaForCausalLM.from_pretrained(self.base_pointer["path"])
+                load_adapter(model, checkpoint.checkpoint_dir(self.out, self.step) / checkpoint.ADAPTER)
+            else:
+                model = LlamaForCausalLM.from_pretrained(self.final_model_dir())
             sample = self.sample_text(model)
             (self.out / "sample.txt").write_text(sample + "\n")
             if not self.quiet:

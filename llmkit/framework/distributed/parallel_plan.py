@@ -34,6 +34,7 @@ import fnmatch
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,6 +158,26 @@ def _match(rules: Rules, name: str) -> tuple[str, Placement] | None:
     return None
 
 
+# Low-rank adapters (LoRA): ``<layer>.lora_A`` [r, in] and ``<layer>.lora_B`` [out, r] beside the
+# frozen ``<layer>.weight`` W [out, in], y = W x + s B (A x). A factor takes its layout from W's, so
+# a plan needs no rule of its own for them: A shares W's dim 1 (in), B its dim 0 (out).
+ADAPTER = re.compile(r"(?P<layer>.+)\.(?P<factor>lora_[AB])(\.weight)?")
+ADAPTER_SHARED_DIM = {"lora_A": 1, "lora_B": 0}
+
+
+def adapter_placement(factor: str, base: Placement) -> Placement:
+    """The tp placement of adapter ``factor`` (lora_A, lora_B) of a weight placed ``base``:
+
+    - column-parallel W (S(0), each rank a slice of the outputs): B S(0), A replicated, so each
+      rank's B (A x) is its slice of the update's outputs, as W x is;
+    - row-parallel W (S(1), each rank a slice of the inputs, partial sums): A S(1), B replicated, so
+      A x is a partial sum over the ranks' inputs and B (A x) is reduced with W x's partial sums;
+    - replicated W: both replicated.
+    """
+    shared = ADAPTER_SHARED_DIM[factor]
+    return Shard(shared) if isinstance(base, Shard) and base.dim == shared else Replicate()
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """Mesh, parameter and output rules, ZeRO stage, sequence parallelism (see the module docstring)."""
@@ -259,7 +280,12 @@ class ParallelPlan:
 
     # ---- placements ------------------------------------------------------------------------------
     def tp_placement(self, name: str) -> Placement:
-        """The tp placement of parameter ``name`` (first matching glob)."""
+        """The tp placement of parameter ``name`` (first matching glob; a low-rank adapter's factor
+        from its base weight's placement: :func:`adapter_placement`)."""
+        adapter = ADAPTER.fullmatch(name)
+        if adapter is not None:
+            layer, factor = adapter.group("layer", "factor")
+            return adapter_placement(factor, self.tp_placement(f"{layer}.weight"))
         hit = _match(self.params, name)
         if hit is None:
             globs = ", ".join(repr(g) for g, _ in self.params)
@@ -298,18 +324,20 @@ class ParallelPlan:
         itemsize: int = 4,
         moments: int = 2,
         state_itemsize: int = 4,
+        frozen: Mapping[str, Sequence[int]] | None = None,
     ) -> int:
         """Parameter + gradient (``itemsize`` each) + optimizer-state bytes of the fullest rank
         (``moments`` tensors per parameter of ``state_itemsize``: AdamW's two float32 moments), from
-        the placements alone."""
+        the placements alone; ``frozen`` parameters (a LoRA run's base) count their own bytes only."""
         mesh = [s for _, s in self.mesh]
         coords = [(i, j) for i in range(mesh[0]) for j in range(mesh[1])]
         per_rank = dict.fromkeys(coords, 0)
-        for name, shape in shapes.items():
+        for name, shape in [*shapes.items(), *(frozen or {}).items()]:
+            trained = name in shapes
             for placements, nbytes in (
                 (self.param_placements(name, shape), itemsize),
-                (self.grad_placements(name, shape), itemsize),
-                (self.state_placements(name, shape), moments * state_itemsize),
+                (self.grad_placements(name, shape), itemsize * trained),
+                (self.state_placements(name, shape), moments * state_itemsize * trained),
             ):
                 for c in coords:
                     per_rank[c] += nbytes * math.prod(local_shape(shape, mesh, placements, c))

@@ -43,9 +43,7 @@ class Parallelized:
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.shapes = {n: p.shape for n, p in model.named_parameters()}
         self.optimizer: Any = None
-        for name, p in model.named_parameters():
-            if not isinstance(p._data, DistArray):
-                replace_payload(p, shard_tensor(p, self.mesh, self.placements(name))._data)
+        self.place([n for n, p in model.named_parameters() if not isinstance(p._data, DistArray)])
         for name, layer in model.named_sublayers():
             out = plan.output_placement(name)
             if out is not None:
@@ -53,6 +51,14 @@ class Parallelized:
             if plan.zero >= 3 and layer._parameters:
                 layer.register_forward_pre_hook(self._gather_own)
                 layer.register_forward_hook(self._release_own)
+
+    def place(self, names: Sequence[str]) -> None:
+        """Lay out parameters ``names``, each holding its whole value (every rank the same), as the
+        plan places them (a checkpoint's values set after the layout: a LoRA run's adapters)."""
+        params = dict(self.model.named_parameters())
+        for name in names:
+            p = params[name]
+            replace_payload(p, shard_tensor(p, self.mesh, self.placements(name))._data)
 
     # ---- placements --------------------------------------------------------------------------
     def placements(self, name: str, kind: str = "param") -> tuple[Placement, ...]:

@@ -342,15 +342,22 @@ def read_config(directory: str | os.PathLike[str]) -> LoraConfig:
         raise LoraError("adapter", f"{path}: missing field {e}") from None
 
 
-def write_adapter(model: nn.Layer, directory: str | os.PathLike[str], base_model: str | None = None) -> int:
+def write_adapter(
+    model: nn.Layer,
+    directory: str | os.PathLike[str],
+    base_model: str | None = None,
+    values: dict[str, lf.Tensor] | None = None,
+) -> int:
     """Write the adapter files into the existing ``directory`` (a checkpoint writer's temporary
-    one); returns the bytes written. ``save_adapter`` is the atomic form."""
+    one); returns the bytes written. ``save_adapter`` is the atomic form. ``values``: the adapters'
+    whole values by path, where the model's own are laid out over ranks (``dist.unshard``)."""
     cfg = getattr(model, "lora_config", None)
     if cfg is None:
         raise LoraError("adapter", "the model has no adapters (apply_lora or load_adapter first)")
     d = Path(directory)
     tensors = {
-        peft_name(k): np.ascontiguousarray(B.to_numpy(t._data)) for k, t in adapter_state(model).items()
+        peft_name(k): np.ascontiguousarray(B.to_numpy(t._data))
+        for k, t in (adapter_state(model) if values is None else values).items()
     }
     st.save(tensors, d / WEIGHTS_FILE, metadata={"format": "pt"})
     (d / CONFIG_FILE).write_text(json.dumps(peft_config(cfg, base_model), indent=2) + "\n")

@@ -11,7 +11,7 @@ import pytest
 import llmkit.framework as lf
 from llmkit.framework import jit
 from llmkit.models.llama import LlamaForCausalLM
-from llmkit.models.llama import lora as L
+from llmkit.models.llama import lora
 from llmkit.quant import QuantConfig, quantize_model
 
 from .test_hf_parity import config
@@ -31,7 +31,7 @@ def tiny(seed=0) -> LlamaForCausalLM:
 def randomize_adapters(model, seed=1, std=0.2):
     """Adapters with nonzero B (PEFT's init makes B = 0, which would hide any mistake in B's use)."""
     rng = np.random.default_rng(seed)
-    for t in L.adapter_state(model).values():
+    for t in lora.adapter_state(model).values():
         t.set_value(rng.normal(0.0, std, t.shape).astype(t.dtype))
 
 
@@ -52,23 +52,23 @@ def logits(model, ids=IDS):
 @pytest.mark.parametrize(
     "cfg",
     [
-        L.LoraConfig(r=4, alpha=8),  # PEFT's default targets: q_proj, v_proj
-        L.LoraConfig(r=3, alpha=5, dropout=0.1, targets=("all-linear",)),
-        L.LoraConfig(r=2, alpha=2, targets=("k_proj", "o_proj", "down_proj")),
+        lora.LoraConfig(r=4, alpha=8),  # PEFT's default targets: q_proj, v_proj
+        lora.LoraConfig(r=3, alpha=5, dropout=0.1, targets=("all-linear",)),
+        lora.LoraConfig(r=2, alpha=2, targets=("k_proj", "o_proj", "down_proj")),
     ],
 )
 def test_ours_saved_loads_in_peft_with_equal_logits(tmp_path, cfg):
     model = tiny()
     model.save_pretrained(tmp_path / "base")
-    L.apply_lora(model, cfg, seed=3)
+    lora.apply_lora(model, cfg, seed=3)
     randomize_adapters(model)
     model.eval()
-    L.save_adapter(model, tmp_path / "adapter")
+    lora.save_adapter(model, tmp_path / "adapter")
     pm = peft.PeftModel.from_pretrained(hf_model(tmp_path / "base"), tmp_path / "adapter").eval()
     np.testing.assert_allclose(logits(model), torch_logits(pm), rtol=0, atol=1e-5)
     # the adapted layers are the ones PEFT found from the same target names
     wrapped = {n.removeprefix("base_model.model.") for n, m in pm.named_modules() if hasattr(m, "lora_A")}
-    assert wrapped == set(L.lora_layers(model))
+    assert wrapped == set(lora.lora_layers(model))
 
 
 def test_peft_adapter_loads_into_llmkit(tmp_path):
@@ -85,7 +85,7 @@ def test_peft_adapter_loads_into_llmkit(tmp_path):
     pm.eval()
     pm.save_pretrained(tmp_path / "adapter")
     ours = LlamaForCausalLM.from_pretrained(tmp_path / "base")
-    got = L.load_adapter(ours, tmp_path / "adapter")
+    got = lora.load_adapter(ours, tmp_path / "adapter")
     assert (got.r, got.alpha, got.dropout, set(got.targets)) == (
         4,
         12.0,
@@ -99,15 +99,15 @@ def test_peft_adapter_loads_into_llmkit(tmp_path):
 def test_merged_equals_base_plus_adapter_and_disabled_is_the_base(tmp_path):
     model = tiny()
     base = logits(model)
-    L.apply_lora(model, L.LoraConfig(r=4, alpha=8, targets=("all-linear",)), seed=0)
+    lora.apply_lora(model, lora.LoraConfig(r=4, alpha=8, targets=("all-linear",)), seed=0)
     np.testing.assert_array_equal(logits(model), base)  # B = 0: step 0 is the base exactly
     randomize_adapters(model)
     adapted = logits(model)
     assert np.abs(adapted - base).max() > 1e-2
-    with L.adapters_disabled(model):
+    with lora.adapters_disabled(model):
         np.testing.assert_array_equal(logits(model), base)
-    merged = L.merge_lora(model)
-    assert len(merged) == 14 and not L.lora_layers(model)
+    merged = lora.merge_lora(model)
+    assert len(merged) == 14 and not lora.lora_layers(model)
     np.testing.assert_allclose(logits(model), adapted, rtol=0, atol=1e-5)
     model.save_pretrained(tmp_path / "merged")  # a plain model directory: transformers reads it
     np.testing.assert_allclose(torch_logits(hf_model(tmp_path / "merged")), adapted, rtol=0, atol=1e-5)
@@ -116,21 +116,21 @@ def test_merged_equals_base_plus_adapter_and_disabled_is_the_base(tmp_path):
 def test_state_names_stay_and_only_adapters_train():
     model = tiny()
     before = set(model.state_dict())
-    paths = L.apply_lora(model, L.LoraConfig(r=2, targets=("q_proj", "gate_proj")), seed=0)
+    paths = lora.apply_lora(model, lora.LoraConfig(r=2, targets=("q_proj", "gate_proj")), seed=0)
     assert paths == [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "mlp.gate_proj")]
     after = set(model.state_dict())
     assert after - before == {f"{p}.{k}" for p in paths for k in ("lora_A", "lora_B")}
     assert before <= after
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained == after - before
-    a = L.lora_layers(model)[paths[0]].lora_A.numpy()
+    a = lora.lora_layers(model)[paths[0]].lora_A.numpy()
     bound = 1 / np.sqrt(32)  # Kaiming-uniform(a=sqrt(5)) over fan_in = 32: U(-1/sqrt(in), 1/sqrt(in))
     assert a.shape == (2, 32) and np.abs(a).max() <= bound and np.abs(a).max() > 0.5 * bound
 
 
 def test_to_static_traces_the_adapters_exactly():
     model = tiny()
-    L.apply_lora(model, L.LoraConfig(r=4, targets=("all-linear",)), seed=0)
+    lora.apply_lora(model, lora.LoraConfig(r=4, targets=("all-linear",)), seed=0)
     randomize_adapters(model)
 
     class Logits(lf.nn.Layer):
@@ -154,7 +154,7 @@ def _fd_check(model, ids, labels, entries=4, seed=0):
     loss.backward()
     rng = np.random.default_rng(seed)
     eps = 1e-6
-    for name, t in L.adapter_state(model).items():
+    for name, t in lora.adapter_state(model).items():
         g = t.grad.numpy()
         base = t.numpy().copy()
         for _ in range(entries):
@@ -178,7 +178,7 @@ def _labels(ids):
 def test_adapter_gradients_match_finite_differences_float64():
     model = tiny()
     model.to("float64")
-    L.apply_lora(model, L.LoraConfig(r=2, alpha=4, targets=("all-linear",)), seed=0)
+    lora.apply_lora(model, lora.LoraConfig(r=2, alpha=4, targets=("all-linear",)), seed=0)
     randomize_adapters(model)
     ids = IDS[:, :6]
     _fd_check(model, ids, _labels(ids))
@@ -210,17 +210,17 @@ def test_adapter_gradients_through_a_quantized_base(qc):
         elif not k.endswith((".qweight", ".zeros")):
             state[k] = v.numpy()
     ref.load_state_dict(state)
-    cfg = L.LoraConfig(r=2, alpha=4, targets=("q_proj", "v_proj", "down_proj"))
+    cfg = lora.LoraConfig(r=2, alpha=4, targets=("q_proj", "v_proj", "down_proj"))
     for m in (qmodel, ref):
-        L.apply_lora(m, cfg, seed=0)
+        lora.apply_lora(m, cfg, seed=0)
         randomize_adapters(m)
-    assert isinstance(L.lora_layers(qmodel)["model.layers.0.self_attn.q_proj"].base, lf.nn.QuantizedLinear)
+    assert isinstance(lora.lora_layers(qmodel)["model.layers.0.self_attn.q_proj"].base, lf.nn.QuantizedLinear)
     ids = IDS[:, :6]
     grads = {}
     for m in (qmodel, ref):
         loss = m.loss(lf.tensor(ids), lf.tensor(_labels(ids)))
         loss.backward()
-        grads[id(m)] = (float(loss.item()), {k: t.grad.numpy() for k, t in L.adapter_state(m).items()})
+        grads[id(m)] = (float(loss.item()), {k: t.grad.numpy() for k, t in lora.adapter_state(m).items()})
     (lq, gq), (lr, gr) = grads[id(qmodel)], grads[id(ref)]
     assert lq == pytest.approx(lr, rel=1e-12)
     for k in gr:
@@ -230,41 +230,41 @@ def test_adapter_gradients_through_a_quantized_base(qc):
 
 # ---- bad input ------------------------------------------------------------------------------------
 def test_unknown_target_says_did_you_mean():
-    with pytest.raises(L.LoraError, match=r"unknown target module 'q_prj' \(did you mean 'q_proj'\?"):
-        L.apply_lora(tiny(), L.LoraConfig(targets=("q_prj",)))
-    with pytest.raises(L.LoraError, match="'lm_head'.*the model's projections: down_proj"):
-        L.apply_lora(tiny(), L.LoraConfig(targets=("lm_head",)))
+    with pytest.raises(lora.LoraError, match=r"unknown target module 'q_prj' \(did you mean 'q_proj'\?"):
+        lora.apply_lora(tiny(), lora.LoraConfig(targets=("q_prj",)))
+    with pytest.raises(lora.LoraError, match="'lm_head'.*the model's projections: down_proj"):
+        lora.apply_lora(tiny(), lora.LoraConfig(targets=("lm_head",)))
 
 
 @pytest.mark.parametrize("r", [0, -2])
 def test_rank_must_be_positive(r):
-    with pytest.raises(L.LoraError, match=f"r must be a positive integer .*got {r}"):
-        L.LoraConfig(r=r)
+    with pytest.raises(lora.LoraError, match=f"r must be a positive integer .*got {r}"):
+        lora.LoraConfig(r=r)
 
 
 def test_twice_is_an_error():
     model = tiny()
-    L.apply_lora(model, L.LoraConfig())
-    with pytest.raises(L.LoraError, match="already has an adapter"):
-        L.apply_lora(model, L.LoraConfig())
+    lora.apply_lora(model, lora.LoraConfig())
+    with pytest.raises(lora.LoraError, match="already has an adapter"):
+        lora.apply_lora(model, lora.LoraConfig())
 
 
 def test_adapter_files_errors_name_the_file(tmp_path):
     model = tiny()
-    L.apply_lora(model, L.LoraConfig(r=2))
-    L.save_adapter(model, tmp_path / "a")
-    cfg = json.loads((tmp_path / "a" / L.CONFIG_FILE).read_text())
-    (tmp_path / "a" / L.CONFIG_FILE).write_text(json.dumps({**cfg, "use_dora": True}))
-    with pytest.raises(L.LoraError, match=r"adapter_config.json: use_dora=True is not supported"):
-        L.load_adapter(tiny(), tmp_path / "a")
-    (tmp_path / "a" / L.CONFIG_FILE).write_text(json.dumps({**cfg, "r": 3}))
+    lora.apply_lora(model, lora.LoraConfig(r=2))
+    lora.save_adapter(model, tmp_path / "a")
+    cfg = json.loads((tmp_path / "a" / lora.CONFIG_FILE).read_text())
+    (tmp_path / "a" / lora.CONFIG_FILE).write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(lora.LoraError, match=r"adapter_config.json: use_dora=True is not supported"):
+        lora.load_adapter(tiny(), tmp_path / "a")
+    (tmp_path / "a" / lora.CONFIG_FILE).write_text(json.dumps({**cfg, "r": 3}))
     with pytest.raises(
-        L.LoraError,
+        lora.LoraError,
         match=r"adapter_model.safetensors: .*lora_A.weight is \[2, 32\], the model's is \[3, 32\]",
     ):
-        L.load_adapter(tiny(), tmp_path / "a")
-    with pytest.raises(L.LoraError, match="no such file"):
-        L.load_adapter(tiny(), tmp_path / "missing")
+        lora.load_adapter(tiny(), tmp_path / "a")
+    with pytest.raises(lora.LoraError, match="no such file"):
+        lora.load_adapter(tiny(), tmp_path / "missing")
 
 
 def test_a_base_with_int8_activations_is_refused():
@@ -275,7 +275,7 @@ def test_a_base_with_int8_activations_is_refused():
     quantize_model(model, QuantConfig(bits=4, group_size=8, method="rtn"), progress=False)
     set_act_bits(model, 8)
     with pytest.raises(
-        L.LoraError, match=r"q_proj quantizes its activations too \(act_bits=8\).*without --act-bits"
+        lora.LoraError, match=r"q_proj quantizes its activations too \(act_bits=8\).*without --act-bits"
     ):
-        L.apply_lora(model, L.LoraConfig(targets=("q_proj",)))
-    assert not L.lora_layers(model)  # nothing changed
+        lora.apply_lora(model, lora.LoraConfig(targets=("q_proj",)))
+    assert not lora.lora_layers(model)  # nothing changed
