@@ -40,8 +40,7 @@ from quant import MODELS as QUANT_MODELS
 
 import llmkit.framework as lf
 from llmkit.framework import optim
-from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
-from llmkit.models.llama import lora
+from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, lora
 from llmkit.train.config import OptimSection
 from llmkit.train.loop import build_optimizer
 from llmkit.train.metrics import peak_rss_bytes

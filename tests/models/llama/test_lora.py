@@ -10,8 +10,7 @@ import pytest
 
 import llmkit.framework as lf
 from llmkit.framework import jit
-from llmkit.models.llama import LlamaForCausalLM
-from llmkit.models.llama import lora
+from llmkit.models.llama import LlamaForCausalLM, lora
 from llmkit.quant import QuantConfig, quantize_model
 
 from .test_hf_parity import config
