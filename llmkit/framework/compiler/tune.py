@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 
+from ..files import atomic_write
 from .build import cache_dir
 
 _memory: dict[str, tuple[int, int]] = {}
@@ -42,6 +44,9 @@ def _load() -> None:
         pass
 
 
+_saving = threading.Lock()
+
+
 def forget() -> None:
     """Drop remembered decisions (the next lookup reads the disk again)."""
     global _loaded
@@ -50,15 +55,16 @@ def forget() -> None:
 
 
 def _save(key: str, choice: tuple[int, int]) -> None:
+    """Add one decision to the file. Threads of one process (sim ranks) take turns; every writer,
+    of this process or another, writes its own temporary file and swaps it in whole."""
     path = _path()
-    try:
-        data = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        data = {}
-    data[key] = list(choice)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
-    os.replace(tmp, path)
+    with _saving:
+        try:
+            data = json.loads(path.read_text()) if path.exists() else {}
+        except (OSError, ValueError):
+            data = {}
+        data[key] = list(choice)
+        atomic_write(path, json.dumps(data, indent=0, sort_keys=True))
 
 
 def enabled() -> bool:
