@@ -62,7 +62,7 @@ MODELS = {
 
 
 def _q(bits: int, group: int, act_bits: int = 0) -> QuantConfig:
-    return QuantConfig(bits, group, True, "rtn", act_bits)
+    return QuantConfig(bits, group, True, "rtn", act_bits=act_bits)
 
 
 SPEED = {  # variant -> (QuantConfig, lm_head and embedding quantized) or None for float32
