@@ -52,6 +52,14 @@ class ConfigError(ValueError):
         super().__init__(f"config error: {message}")
 
 
+def _moved_key(raw: Any, key: str, message: str) -> Any:
+    """A section's raw input, refused with ``message`` when it still holds ``key`` (a key that moved
+    or was renamed: old configs get one line naming the new place)."""
+    if isinstance(raw, dict) and key in raw:
+        raise ValueError(message)
+    return raw
+
+
 class _Section(BaseModel):
     # strict: no silent coercions (true -> 1, "10" -> 10); YAML already gives ints, floats and bools.
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -172,12 +180,12 @@ class TrainSection(_Section):
     @model_validator(mode="before")
     @classmethod
     def _recompute_moved(cls, raw: Any) -> Any:
-        if isinstance(raw, dict) and "recompute" in raw:
-            raise ValueError(
-                "train.recompute moved to parallel.recompute (none | attention | full, with "
-                "parallel.recompute_every: k); train.recompute: true is parallel.recompute: full"
-            )
-        return raw
+        return _moved_key(
+            raw,
+            "recompute",
+            "train.recompute moved to parallel.recompute (none | attention | full, with "
+            "parallel.recompute_every: k); train.recompute: true is parallel.recompute: full",
+        )
 
     @model_validator(mode="after")
     def _cinn_needs_static(self) -> TrainSection:
@@ -329,12 +337,12 @@ class RunConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _lr_schedule_renamed(cls, raw: Any) -> Any:
-        if isinstance(raw, dict) and "schedule" in raw:
-            raise ValueError(
-                "schedule was renamed lr_schedule (the learning-rate schedule; "
-                "parallel.schedule is the pipeline's)"
-            )
-        return raw
+        return _moved_key(
+            raw,
+            "schedule",
+            "schedule was renamed lr_schedule (the learning-rate schedule; "
+            "parallel.schedule is the pipeline's)",
+        )
 
 
 class TrainConfig(RunConfig):
