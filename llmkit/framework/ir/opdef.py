@@ -16,7 +16,7 @@ from ..types import Type
 from .attributes import Attribute
 
 if TYPE_CHECKING:
-    from .core import Operation, Value
+    from .core import Block, Operation, Value
 
 
 class Interface:
@@ -83,6 +83,11 @@ class OpView:
         if op.name != self.OP_NAME:
             raise TypeError(f"{type(self).__name__} views {self.OP_NAME} ops, not {op.name}")
         self.op = op
+
+    @property
+    def body(self) -> Block:
+        """The entry block of the op's first region (a function's, a module's, a fusion's body)."""
+        return self.op.regions[0].blocks[0]
 
     @classmethod
     def match(cls, op: Operation | None) -> Any:
