@@ -69,6 +69,14 @@ class OpDef:
     def dialect(self) -> str:
         return self.name.split(".", 1)[0]
 
+    def operand_problem(self, n: int) -> str | None:
+        """What is wrong with ``n`` operands for this op ("expects 2 operands, got 3"), or None."""
+        lo, hi = self.min_operands, self.max_operands
+        if lo <= n and (hi is None or n <= hi):
+            return None
+        want = f"at least {lo}" if hi is None else str(lo) if lo == hi else f"{lo}-{hi}"
+        return f"expects {want} operands, got {n}"
+
     def __repr__(self) -> str:
         return f"<OpDef {self.name}>"
 
