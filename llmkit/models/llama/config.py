@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,16 +115,8 @@ class LlamaConfig:
         for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise _invalid(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            raise _invalid(
-                f"hidden_act {self.hidden_act!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
-            )
-        if self.torch_dtype not in SUPPORTED_DTYPES:
-            raise _invalid(
-                f"torch_dtype {self.torch_dtype!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_DTYPES)})"
-            )
+        _check_supported("hidden_act", self.hidden_act, SUPPORTED_ACTIVATIONS)
+        _check_supported("torch_dtype", self.torch_dtype, SUPPORTED_DTYPES)
         for name in ("bos_token_id", "pad_token_id"):
             _check_token_id(name, getattr(self, name))
         eos = self.eos_token_id
@@ -255,6 +248,11 @@ class LlamaConfig:
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise _invalid(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_supported(name: str, value: Any, supported: Sequence[str]) -> None:
+    if value not in supported:
+        raise _invalid(f"{name} {value!r} is not supported (supported: {', '.join(supported)})")
 
 
 def _check_token_id(name: str, value: Any) -> None:
