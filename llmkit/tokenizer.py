@@ -62,6 +62,10 @@ class TokenizerError(ValueError):
     """A tokenizer file that cannot be used (the message names the file)."""
 
 
+def _unloadable(message: str) -> TokenizerError:
+    return TokenizerError(f"cannot load tokenizer: {message}")
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -86,11 +90,9 @@ def _json(files: Mapping[str, bytes], name: str, where: str) -> dict[str, Any]:
     try:
         value = json.loads(files[name].decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"cannot load tokenizer: {where}: not valid JSON text ({e})") from None
+        raise _unloadable(f"{where}: not valid JSON text ({e})") from None
     if not isinstance(value, dict):
-        raise TokenizerError(
-            f"cannot load tokenizer: {where}: expected a JSON object, got {type(value).__name__}"
-        )
+        raise _unloadable(f"{where}: expected a JSON object, got {type(value).__name__}")
     return value
 
 
@@ -100,9 +102,8 @@ def _token_string(value: Any, where: str) -> str | None:
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
-    raise TokenizerError(
-        f"cannot load tokenizer: {where}: expected a token string or an AddedToken object with "
-        f'"content", got {value!r}'
+    raise _unloadable(
+        f'{where}: expected a token string or an AddedToken object with "content", got {value!r}'
     )
 
 
@@ -110,9 +111,7 @@ def _token_ids(value: Any, where: str) -> list[int]:
     """A token id field of generation_config.json: an int, a list of ints, or null."""
     ids = [] if value is None else value if isinstance(value, list) else [value]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise TokenizerError(
-            f"cannot load tokenizer: {where}: expected a token id or a list of them, got {value!r}"
-        )
+        raise _unloadable(f"{where}: expected a token id or a list of them, got {value!r}")
     return ids
 
 
@@ -193,18 +192,14 @@ class _Tokenizers:
         spec = _json({JSON_FILE: data}, JSON_FILE, where)
         model = spec.get("model")
         if not isinstance(model, dict) or "vocab" not in model:
-            raise TokenizerError(
-                f'cannot load tokenizer: {where}: no "model" with a "vocab" (not a tokenizer.json)'
-            )
+            raise _unloadable(f'{where}: no "model" with a "vocab" (not a tokenizer.json)')
         kind = model.get("type", "BPE")
         if kind not in MODEL_TYPES:
-            raise TokenizerError(
-                f"cannot load tokenizer: {where}: model.type {kind!r} is not one of {', '.join(MODEL_TYPES)}"
-            )
+            raise _unloadable(f"{where}: model.type {kind!r} is not one of {', '.join(MODEL_TYPES)}")
         try:
             self.tk = HFTokenizer.from_str(data.decode("utf-8"))
         except Exception as e:  # tokenizers raises a plain Exception naming the bad field
-            raise TokenizerError(f"cannot load tokenizer: {where}: {e} (tokenizers)") from None
+            raise _unloadable(f"{where}: {e} (tokenizers)") from None
         self.spec = spec
         self.model_type = kind
         vocab = self.tk.get_vocab(with_added_tokens=True)
@@ -286,25 +281,19 @@ class Tokenizer:
             added.update((i, t) for i, t in json_backend.added().items() if i >= b.n)
         decoder = config.get("added_tokens_decoder", {})
         if not isinstance(decoder, dict):
-            raise TokenizerError(
-                f"cannot load tokenizer: {where[CONFIG_FILE]}: added_tokens_decoder: expected an object"
-            )
+            raise _unloadable(f"{where[CONFIG_FILE]}: added_tokens_decoder: expected an object")
         for key, tok in decoder.items():
             at = f"{where[CONFIG_FILE]}: added_tokens_decoder.{key}"
             content = _token_string(tok, at)
             if not key.isdigit() or content is None:
-                raise TokenizerError(
-                    f"cannot load tokenizer: {at}: expected a token id key and an AddedToken object"
-                )
+                raise _unloadable(f"{at}: expected a token id key and an AddedToken object")
             i = int(key)
             known = b.pieces[i] if i < b.n else added.get(i, (None,))[0]
             if known is not None and known != content:
-                raise TokenizerError(
-                    f"cannot load tokenizer: {at}: {content!r}, but id {i} is {known!r} in the vocabulary"
-                )
+                raise _unloadable(f"{at}: {content!r}, but id {i} is {known!r} in the vocabulary")
             if known is None:
                 if not isinstance(b, _SentencePiece):
-                    raise TokenizerError(f"cannot load tokenizer: {at}: {content!r} is not in {JSON_FILE}")
+                    raise _unloadable(f"{at}: {content!r} is not in {JSON_FILE}")
                 added[i] = (content, bool(tok.get("special", True)) if isinstance(tok, dict) else True)
         self._added = added
         self._special = {i for i, (_, special) in added.items() if special}
@@ -334,16 +323,14 @@ class Tokenizer:
             i = None if token is None else self.token_to_id(token)
             if token is not None and i is None:
                 src = CONFIG_FILE if f"{name}_token" in config else SPECIAL_MAP_FILE
-                raise TokenizerError(
-                    f"cannot load tokenizer: {where[src]}: {name}_token {token!r} is not in the vocabulary"
-                )
+                raise _unloadable(f"{where[src]}: {name}_token {token!r} is not in the vocabulary")
             self._token_ids[name] = i
         self._tokens = tokens
         gen_eos = _token_ids(generation.get("eos_token_id"), f"{where[GENERATION_FILE]}: eos_token_id")
         bad = [i for i in gen_eos if i >= self._vocab_size]
         if bad:
-            raise TokenizerError(
-                f"cannot load tokenizer: {where[GENERATION_FILE]}: eos_token_id {bad[0]} is out of range "
+            raise _unloadable(
+                f"{where[GENERATION_FILE]}: eos_token_id {bad[0]} is out of range "
                 f"for a vocabulary of {self._vocab_size}"
             )
         self.eos_ids: list[int] = list(
@@ -357,9 +344,7 @@ class Tokenizer:
         def flag(key: str, default: bool) -> bool:
             v = config.get(key, default)
             if v is not None and not isinstance(v, bool):
-                raise TokenizerError(
-                    f"cannot load tokenizer: {where[CONFIG_FILE]}: {key}: expected true or false, got {v!r}"
-                )
+                raise _unloadable(f"{where[CONFIG_FILE]}: {key}: expected true or false, got {v!r}")
             return default if v is None else v
 
         default_bos = isinstance(b, _SentencePiece) or b.default_token("bos") is not None
@@ -385,18 +370,14 @@ class Tokenizer:
             try:
                 sp = _SentencePiece(files[MODEL_FILE])
             except RuntimeError:  # sentencepiece: "could not parse ModelProto"
-                raise TokenizerError(
-                    f"cannot load tokenizer: {where[MODEL_FILE]} is not a sentencepiece model"
-                ) from None
+                raise _unloadable(f"{where[MODEL_FILE]} is not a sentencepiece model") from None
         if JSON_FILE in files:
             tk = _Tokenizers(files[JSON_FILE], where[JSON_FILE])
             if sp is not None and tk.pieces[: sp.n] == sp.pieces:
                 return sp, tk  # the same vocabulary: sentencepiece is the reference (see the docstring)
             return tk, tk
         if sp is None:
-            raise TokenizerError(
-                f"cannot load tokenizer: no {JSON_FILE} or {MODEL_FILE} in {origin or 'the files'}"
-            )
+            raise _unloadable(f"no {JSON_FILE} or {MODEL_FILE} in {origin or 'the files'}")
         return sp, None
 
     @staticmethod
@@ -415,23 +396,17 @@ class Tokenizer:
                     and isinstance(t.get("name"), str)
                     and isinstance(t.get("template"), str)
                 ):
-                    raise TokenizerError(
-                        f'cannot load tokenizer: {at}[{k}]: expected {{"name": ..., "template": ...}}'
-                    )
+                    raise _unloadable(f'{at}[{k}]: expected {{"name": ..., "template": ...}}')
                 templates[t["name"]] = t["template"]
         elif value is not None:
-            raise TokenizerError(
-                f"cannot load tokenizer: {at}: expected a string or a list of named templates"
-            )
+            raise _unloadable(f"{at}: expected a string or a list of named templates")
         for name, data in files.items():
             if name == TEMPLATE_FILE or (name.startswith(f"{TEMPLATE_DIR}/") and name.endswith(".jinja")):
                 key = "default" if name == TEMPLATE_FILE else name[len(TEMPLATE_DIR) + 1 : -len(".jinja")]
                 try:
                     templates[key] = data.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    raise TokenizerError(
-                        f"cannot load tokenizer: {where.get(name, name)}: not UTF-8 text ({e})"
-                    ) from None
+                    raise _unloadable(f"{where.get(name, name)}: not UTF-8 text ({e})") from None
         return templates
 
     @classmethod

@@ -178,6 +178,11 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 
+def cache_root() -> Path:
+    """Where llmkit's caches live: ``$LLMKIT_CACHE_DIR`` if set, else ``~/.cache/llmkit``."""
+    return Path(os.environ.get("LLMKIT_CACHE_DIR") or Path.home() / ".cache" / "llmkit")
+
+
 def sha256(path: str | os.PathLike[str]) -> str:
     """The hex sha256 of a file's bytes, read in 1 MiB blocks (manifests, LoRA base pointers)."""
     h = hashlib.sha256()

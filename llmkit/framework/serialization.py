@@ -13,11 +13,9 @@ touched and shares the page cache between processes serving the same weights.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import secrets
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
@@ -26,6 +24,7 @@ import numpy as np
 import safetensors.numpy
 
 from . import backend as B
+from .files import atomic_path
 from .tensor import Tensor
 
 __all__ = ["SafetensorsError", "SafetensorsFile", "load", "load_metadata", "safe_open", "save"]
@@ -83,7 +82,8 @@ def save(
     """Write tensors (Tensors or arrays, any device) to a safetensors file, atomically.
 
     Every value is converted before anything touches the disk; the bytes go to a temporary file in
-    the same directory, are fsynced, and replace ``path`` in one ``os.replace``. A failure at any
+    the same directory (``files.atomic_path``: parents created), are fsynced, and replace ``path``
+    in one ``os.replace``. A failure at any
     point leaves the previous file at ``path`` as it was, and no temporary file behind.
     """
     arrays: dict[str, np.ndarray] = {}
@@ -96,35 +96,13 @@ def save(
         if bad:
             raise TypeError(f"save: metadata must map str to str (json.dumps other values); bad keys: {bad}")
         metadata = dict(metadata)
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-    try:
+    with atomic_path(path) as tmp:
         # The library writes files as 0600; give ours the permissions any new file gets (umask),
         # read off a file we create first ("x": never clobber anything).
         with open(tmp, "xb") as f:
             mode = os.fstat(f.fileno()).st_mode & 0o777
-        safetensors.numpy.save_file(arrays, tmp, metadata=metadata)
+        safetensors.numpy.save_file(arrays, os.fspath(tmp), metadata=metadata)
         os.chmod(tmp, mode)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-    """Make the rename itself durable (POSIX); directories cannot be opened this way on Windows."""
-    if os.name != "posix":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------- reading

@@ -4,7 +4,7 @@
 
 Sections: ``algorithm`` (grpo | ppo | rloo | dpo), ``model`` (the policy's checkpoint), ``reward``
 (one source), ``rollout`` (sampling), ``data`` (prompts or preference pairs), ``rlhf`` (the
-algorithm's hyperparameters), ``optim``, ``schedule`` and ``parallel`` (as ``llmkit train``'s; data
+algorithm's hyperparameters), ``optim``, ``lr_schedule`` and ``parallel`` (as ``llmkit train``'s; data
 parallel only: see data_parallel.py), ``train`` (the loop), ``out_dir``. Errors name the dotted key, as
 ``llmkit train``'s do; the reward model job (``llmkit rlhf reward``) has its own schema built from
 the same sections.

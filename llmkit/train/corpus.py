@@ -26,6 +26,7 @@ from pathlib import Path
 import sentencepiece as spm
 import tokenizers
 
+from llmkit.framework.files import cache_root as default_cache_dir
 from llmkit.models.llama.tokenizer import TRAINER_SETTINGS, LlamaTokenizer, train_tokenizer
 from llmkit.tokenizer import SPECIAL_MAP_FILE
 
@@ -64,11 +65,6 @@ _TOKENIZER_KEY_SETTINGS = {
     "tokenizers": tokenizers.__version__,
     "trainer": TRAINER_SETTINGS,
 }
-
-
-def default_cache_dir() -> Path:
-    """`$LLMKIT_CACHE_DIR` if set, else `~/.cache/llmkit`."""
-    return Path(os.environ.get("LLMKIT_CACHE_DIR") or Path.home() / ".cache" / "llmkit")
 
 
 @functools.lru_cache(maxsize=2)

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from llmkit.framework.files import atomic_write
+
 # the file in a job's directory that describes its run (what ``llmkit plot`` reads)
 METRICS = "metrics.jsonl"  # llmkit train, llmkit rlhf: one JSON object per logged step
 QUANT_REPORT = "quant_report.json"  # llmkit quantize: perplexities, KL, top-1 agreement, bytes
@@ -26,9 +28,7 @@ class MetricsLog:
             rows = read_metrics(self.path)
             if truncate_after is not None:
                 rows = [r for r in rows if r.get("step", 0) <= truncate_after]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            os.replace(tmp, self.path)
+            atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def write(self, row: dict[str, Any]) -> None:
         with open(self.path, "a") as f:

@@ -136,7 +136,7 @@ class PipelineRun:
             s.rp.reduce_grads()
             norm = float(mesh_value(s.rp.clip_grad_norm(clip)))
             params = s.rp.parameters()
-            held = _nbytes(r, [*params, *(p.grad for p in params), *_moments(s.optimizer)])
+            held = state_bytes(r, params, s.optimizer)
             fullest = all_reduce(tuple(self.mesh.ranks), r, np.array(held, np.int64), "max", "state bytes")
             s.optimizer.step()
             s.rp.settle()
@@ -208,8 +208,9 @@ class PipelineRun:
         return max(self.each(body).values())
 
 
-def _moments(opt: optim.Optimizer) -> list[lf.Tensor]:
-    return [t for state in opt.states for t in state.values()]
+def state_bytes(rank: int, params: list[lf.Tensor], opt: optim.Optimizer) -> int:
+    """The bytes of ``params``, their gradients and ``opt``'s state that ``rank`` holds."""
+    return _nbytes(rank, [*params, *(p.grad for p in params), *(t for s in opt.states for t in s.values())])
 
 
 def _nbytes(rank: int, tensors: Iterable[lf.Tensor | None]) -> int:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmkit.framework.files import atomic_path
+
 from .metrics import METRICS, QUANT_REPORT, read_metrics
 
 # (panel title, y label, [(metric, label, style)]) of metrics.jsonl; the first panel with data names the file
@@ -158,8 +160,7 @@ def plot_runs(run_dirs: list[str | os.PathLike[str]], out: str | os.PathLike[str
     if out is None:
         out = runs[0] / f"{rows[0][0].name}.png" if len(runs) == 1 else runs[0].parent / "pipeline.png"
     path = Path(out)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
     return path

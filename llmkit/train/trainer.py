@@ -45,7 +45,7 @@ from .corpus import builtin_tokenizer
 from .data import BatchSampler, eval_batches, load_token_data
 from .loop import Interrupted, Loop, StopSignals, build_optimizer, build_schedule, decay_groups
 from .metrics import matmul_peak_flops, peak_rss_bytes
-from .pipeline_run import PipelineRun
+from .pipeline_run import PipelineRun, state_bytes
 from .ranks import DataParallel
 
 __all__ = ["Interrupted", "StopSignals", "Trainer", "state_names"]  # Interrupted: the loop's, re-exported
@@ -270,7 +270,7 @@ class Trainer(Loop):
             self.par.reduce_grads()  # all-reduce, or reduce-scatter under ZeRO 2 and 3
             self.state_bytes = self.par.state_bytes()
         else:
-            self.state_bytes = _nbytes([*params, *(p.grad for p in params), *self._optimizer_state()])
+            self.state_bytes = state_bytes(0, params, self.optimizer)
         clip = self.cfg.optim.grad_clip
         norm = optim.clip_grad_norm_(trained, clip if clip is not None else math.inf)
         self.optimizer.step()
@@ -285,9 +285,6 @@ class Trainer(Loop):
         clip = self.cfg.optim.grad_clip
         loss, norm, self.state_bytes = self.pipe.step(*batches[0], clip if clip is not None else math.inf)
         return loss, norm
-
-    def _optimizer_state(self) -> list[lf.Tensor]:
-        return [v for state in self.optimizer.states for v in state.values()]
 
     def state_names(self) -> dict[int, str]:
         """Readable names of every tensor a traced step captures (for programs and errors)."""
@@ -476,10 +473,6 @@ def _program_peak(cp: Any, args: list[Any]) -> int:
         return ex.peak_bytes(ex.bind([getattr(a, "_data", a) for a in args] + [t._data for t in cp.captures]))
     hosted = dist.get_backend().hosted(ex.mesh.ranks)
     return max(ex.executor(r).peak_bytes() for r in hosted)
-
-
-def _nbytes(tensors: list[Any]) -> int:
-    return sum(t._data.nbytes for t in tensors if t is not None)
 
 
 def cpu_count() -> int:

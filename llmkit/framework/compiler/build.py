@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ..executor import FallbackWarning
+from ..files import cache_root
 from . import par
 from .codegen_c import PRELUDE
 
@@ -97,8 +98,7 @@ def cache_dir() -> Path:
     elif os.environ.get("LLMKIT_KERNEL_CACHE"):
         d = Path(os.environ["LLMKIT_KERNEL_CACHE"])
     else:
-        base = os.environ.get("LLMKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "llmkit")
-        d = Path(base) / "kernels"
+        d = cache_root() / "kernels"
     d.mkdir(parents=True, exist_ok=True)
     return d
 

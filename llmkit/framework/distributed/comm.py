@@ -18,6 +18,7 @@ exception ends the process with exit status 1 at once (MPI_Finalize would wait f
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -107,6 +108,29 @@ def _reduce_scatter(xs: Shards, group, axis: int, sizes, op: str) -> Shards:
 def _all_to_all(xs: Shards, group, split_axis: int, split_sizes, concat_axis: int) -> Shards:
     parts = {r: split(xs[r], split_axis, split_sizes) for r in group}
     return {r: concat([parts[s][i] for s in group], concat_axis) for i, r in enumerate(group)}
+
+
+def _resized(shape: Sequence[int], *changes: tuple[int, int]) -> tuple[int, ...]:
+    """``shape`` with ``(axis, size)`` changes."""
+    out = list(shape)
+    for axis, size in changes:
+        out[axis] = size
+    return tuple(out)
+
+
+def _own_rank(collective: Callable[..., Any]) -> Callable[..., Shards]:
+    """A collective of a process hosting one rank of the group (mpi, nccl), written for that rank's
+    array: ``collective(self, group, rank, x, ...) -> array``. A process hosting none gets ``{}``; a
+    group of one, a copy."""
+
+    @functools.wraps(collective)
+    def run(self: Any, group: tuple, xs: Shards, *args: Any, **kwargs: Any) -> Shards:
+        if not xs:
+            return {}
+        ((r, x),) = xs.items()
+        return {r: x.copy() if len(group) == 1 else collective(self, group, r, x, *args, **kwargs)}
+
+    return run
 
 
 class Backend:
@@ -445,76 +469,54 @@ class MpiBackend(Backend):
         return np.ascontiguousarray(np.moveaxis(x, axis, 0))
 
     # ---- collectives -------------------------------------------------------------------------
-    def all_reduce(self, group, xs, op="sum", what="all_reduce"):
-        if not xs:
-            return {}
-        ((r, x),) = xs.items()
-        if len(group) == 1:
-            return {r: x.copy()}
+    def _reduced(self, group, out, op, what, start) -> Any:
+        """Run the reduction ``start(mpi_op)`` into ``out``; ``avg`` is the sum divided here."""
         MPI = self.MPI
-        send = np.ascontiguousarray(x)
-        out = np.empty_like(send)
-        mop = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
-        req = self._comm(group, what).Iallreduce(send, out, op=mop)
+        req = start({"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
         self.wait([req], what, group)
         if op == "avg":
             out /= out.dtype.type(len(group))
-        return {r: out}
+        return out
 
-    def all_gather(self, group, xs, axis, sizes, what="all_gather"):
-        if not xs:
-            return {}
-        ((r, x),) = xs.items()
-        if len(group) == 1:
-            return {r: x.copy()}
+    @_own_rank
+    def all_reduce(self, group, r, x, op="sum", what="all_reduce"):
+        send = np.ascontiguousarray(x)
+        out = np.empty_like(send)
+        comm = self._comm(group, what)
+        return self._reduced(group, out, op, what, lambda mop: comm.Iallreduce(send, out, op=mop))
+
+    @_own_rank
+    def all_gather(self, group, r, x, axis, sizes, what="all_gather"):
         front = self._front(x, axis)
         inner = int(np.prod(front.shape[1:]))
         counts = [s * inner for s in sizes]
         out = np.empty((sum(sizes),) + front.shape[1:], x.dtype)
         req = self._comm(group, what).Iallgatherv(front, [out, counts])
         self.wait([req], what, group)
-        return {r: np.moveaxis(out, 0, axis)}
+        return np.moveaxis(out, 0, axis)
 
-    def reduce_scatter(self, group, xs, axis, sizes, op="sum", what="reduce_scatter"):
-        if not xs:
-            return {}
-        ((r, x),) = xs.items()
-        if len(group) == 1:
-            return {r: x.copy()}
-        MPI = self.MPI
+    @_own_rank
+    def reduce_scatter(self, group, r, x, axis, sizes, op="sum", what="reduce_scatter"):
         front = self._front(x, axis)
-        inner = int(np.prod(front.shape[1:]))
-        me = group.index(r)
-        out = np.empty((sizes[me],) + front.shape[1:], x.dtype)
-        mop = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
-        req = self._comm(group, what).Ireduce_scatter(front, out, [s * inner for s in sizes], op=mop)
-        self.wait([req], what, group)
-        if op == "avg":
-            out /= out.dtype.type(len(group))
-        return {r: np.moveaxis(out, 0, axis)}
+        counts = [s * int(np.prod(front.shape[1:])) for s in sizes]
+        out = np.empty((sizes[group.index(r)],) + front.shape[1:], x.dtype)
+        comm = self._comm(group, what)
+        self._reduced(group, out, op, what, lambda mop: comm.Ireduce_scatter(front, out, counts, op=mop))
+        return np.moveaxis(out, 0, axis)
 
-    def all_to_all(self, group, xs, split_axis, split_sizes, concat_axis, concat_sizes, what="all_to_all"):
-        if not xs:
-            return {}
-        ((r, x),) = xs.items()
-        if len(group) == 1:
-            return {r: x.copy()}
+    @_own_rank
+    def all_to_all(self, group, r, x, split_axis, split_sizes, concat_axis, concat_sizes, what="all_to_all"):
         me = group.index(r)
         pieces = [np.ascontiguousarray(p) for p in split(x, split_axis, split_sizes)]
         send = np.concatenate([p.reshape(-1) for p in pieces]) if pieces else np.empty(0, x.dtype)
-        shapes = []
-        for j in range(len(group)):
-            s = list(x.shape)
-            s[split_axis] = split_sizes[me]
-            s[concat_axis] = concat_sizes[j]
-            shapes.append(tuple(s))
+        shapes = [_resized(x.shape, (split_axis, split_sizes[me]), (concat_axis, c)) for c in concat_sizes]
         rcounts = [int(np.prod(s)) for s in shapes]
         recv = np.empty(sum(rcounts), x.dtype)
         scounts = [p.size for p in pieces]
         req = self._comm(group, what).Ialltoallv([send, scounts], [recv, rcounts])
         self.wait([req], what, group)
         parts = split(recv, 0, rcounts)
-        return {r: concat([p.reshape(s) for p, s in zip(parts, shapes)], concat_axis)}
+        return concat([p.reshape(s) for p, s in zip(parts, shapes)], concat_axis)
 
     # ---- point to point ----------------------------------------------------------------------
     @staticmethod
@@ -651,12 +653,10 @@ class NcclBackend(MpiBackend):
             "int32": n.NCCL_INT32,
         }[x.dtype.name]
 
-    def all_reduce(self, group, xs, op="sum", what="all_reduce"):
+    @_own_rank
+    def all_reduce(self, group, r, x, op="sum", what="all_reduce"):
         import cupy
 
-        if not xs:
-            return {}
-        ((r, x),) = xs.items()
         x = cupy.ascontiguousarray(x)
         out = cupy.empty_like(x)
         n = self.nccl
@@ -666,7 +666,7 @@ class NcclBackend(MpiBackend):
         self._sync(what, group)
         if op == "avg":
             out /= len(group)
-        return {r: out}
+        return out
 
     def _exchange(self, group, what, sends: dict[int, Any], recv_shapes: dict[int, tuple], dtype) -> dict:
         import cupy
@@ -683,50 +683,35 @@ class NcclBackend(MpiBackend):
         self._sync(what, group)
         return out
 
-    def all_gather(self, group, xs, axis, sizes, what="all_gather"):
+    @_own_rank
+    def all_gather(self, group, r, x, axis, sizes, what="all_gather"):
         import cupy
 
-        if not xs:
-            return {}
-        ((r, x),) = xs.items()
         me = group.index(r)
-        shapes = {}
-        for j, s in enumerate(sizes):
-            if j != me:
-                shp = list(x.shape)
-                shp[axis] = s
-                shapes[j] = tuple(shp)
+        shapes = {j: _resized(x.shape, (axis, s)) for j, s in enumerate(sizes) if j != me}
         x = cupy.ascontiguousarray(x)
         got = self._exchange(group, what, {j: x for j in shapes}, shapes, x.dtype)
-        return {r: concat([x if j == me else got[j] for j in range(len(group))], axis)}
+        return concat([x if j == me else got[j] for j in range(len(group))], axis)
 
-    def all_to_all(self, group, xs, split_axis, split_sizes, concat_axis, concat_sizes, what="all_to_all"):
+    @_own_rank
+    def all_to_all(self, group, r, x, split_axis, split_sizes, concat_axis, concat_sizes, what="all_to_all"):
         import cupy
 
-        if not xs:
-            return {}
-        ((r, x),) = xs.items()
         me = group.index(r)
         pieces = [cupy.ascontiguousarray(p) for p in split(x, split_axis, split_sizes)]
-        shapes = {}
-        for j in range(len(group)):
-            if j != me:
-                s = list(x.shape)
-                s[split_axis] = split_sizes[me]
-                s[concat_axis] = concat_sizes[j]
-                shapes[j] = tuple(s)
+        shapes = {
+            j: _resized(x.shape, (split_axis, split_sizes[me]), (concat_axis, c))
+            for j, c in enumerate(concat_sizes)
+            if j != me
+        }
         got = self._exchange(group, what, {j: pieces[j] for j in shapes}, shapes, x.dtype)
-        return {r: concat([pieces[me] if j == me else got[j] for j in range(len(group))], concat_axis)}
+        return concat([pieces[me] if j == me else got[j] for j in range(len(group))], concat_axis)
 
-    def reduce_scatter(self, group, xs, axis, sizes, op="sum", what="reduce_scatter"):
-        if not xs:
-            return {}
-        ((r, x),) = xs.items()
+    @_own_rank
+    def reduce_scatter(self, group, r, x, axis, sizes, op="sum", what="reduce_scatter"):
         me = group.index(r)
-        shape = list(x.shape)
-        shape[axis] = sizes[me]
-        got = self.all_to_all(group, xs, axis, sizes, axis, [sizes[me]] * len(group), what)[r]
-        return {r: fold(op, split(got, axis, [sizes[me]] * len(group)))}
+        got = self.all_to_all(group, {r: x}, axis, sizes, axis, [sizes[me]] * len(group), what)[r]
+        return fold(op, split(got, axis, [sizes[me]] * len(group)))
 
 
 # ---- the process's backend ----------------------------------------------------------------------

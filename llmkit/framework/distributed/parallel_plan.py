@@ -30,6 +30,7 @@ the framework knows no model; a user plan is a mapping ``{params: {glob: placeme
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import math
@@ -80,27 +81,15 @@ class PipelinePlan:
         return self.pp * self.virtual_stages
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "pp": self.pp,
-            "schedule": self.schedule,
-            "micro_batches": self.micro_batches,
-            "virtual_stages": self.virtual_stages,
-            "stages": None if self.stages is None else list(self.stages),
-        }
+        return {**dataclasses.asdict(self), "stages": None if self.stages is None else list(self.stages)}
 
     @classmethod
     def from_json(cls, raw: Any) -> PipelinePlan:
-        keys = {"pp", "schedule", "micro_batches", "virtual_stages", "stages"}
+        keys = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(raw, Mapping) or set(raw) != keys:
             raise PlanError("pipeline", f"expected a mapping with keys {sorted(keys)}, got {raw!r}")
         stages = raw["stages"]
-        return cls(
-            raw["pp"],
-            raw["schedule"],
-            raw["micro_batches"],
-            raw["virtual_stages"],
-            None if stages is None else tuple(map(str, stages)),
-        )
+        return cls(**{**raw, "stages": None if stages is None else tuple(map(str, stages))})
 
 
 # Built-in plans: name -> fn(sp) -> (params rules, outputs rules), registered by model packages.

@@ -63,12 +63,7 @@ class Parallelized:
     # ---- placements --------------------------------------------------------------------------
     def placements(self, name: str, kind: str = "param") -> tuple[Placement, ...]:
         """The plan's placements of parameter ``name``'s ``param``, ``grad`` or ``state``."""
-        policy = {
-            "param": self.plan.param_placements,
-            "grad": self.plan.grad_placements,
-            "state": self.plan.state_placements,
-        }[kind]
-        return policy(name, self.shapes[name])
+        return getattr(self.plan, f"{kind}_placements")(name, self.shapes[name])
 
     def _with(self, placements: Sequence[Placement], dim: str, p: Placement) -> list[Placement]:
         out = list(placements)

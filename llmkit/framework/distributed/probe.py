@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..files import atomic_write
+from ..files import atomic_write, cache_root
 from .parallel_plan import PlanError
 from .plan_search import Link, Machine
 
@@ -31,8 +31,7 @@ SIZES = (8, 4 << 20)
 
 
 def cache_file() -> Path:
-    root = os.environ.get("LLMKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "llmkit")
-    return Path(root) / "planner-probe.json"
+    return cache_root() / "planner-probe.json"
 
 
 def _best(fn, repeat: int = 5) -> float:

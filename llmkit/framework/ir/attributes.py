@@ -90,103 +90,80 @@ def _init(obj: Attribute, **fields: Any) -> None:
         object.__setattr__(obj, k, v)
 
 
-class IntAttr(Attribute):
+class _Plain(Attribute):
+    """An attribute holding one plain value ``_v``, which is also its key."""
+
     __slots__ = ("_v",)
+
+    @property
+    def value(self) -> Any:
+        return self._v
+
+    def key(self) -> Any:
+        return self._v
+
+
+class IntAttr(_Plain):
+    __slots__ = ()
 
     def __init__(self, v: int) -> None:
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
             raise TypeError(f"IntAttr needs an int, got {v!r}")
         _init(self, _v=int(v))
 
-    @property
-    def value(self) -> int:
-        return self._v
 
-    def key(self) -> Any:
-        return self._v
-
-
-class FloatAttr(Attribute):
+class FloatAttr(_Plain):
     """A float; equality is bitwise-structural (nan equals nan, 0.0 differs from -0.0)."""
 
-    __slots__ = ("_v",)
+    __slots__ = ()
 
     def __init__(self, v: float) -> None:
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
             raise TypeError(f"FloatAttr needs a number, got {v!r}")
         _init(self, _v=float(v))
 
-    @property
-    def value(self) -> float:
-        return self._v
-
     def key(self) -> Any:
         return "nan" if math.isnan(self._v) else self._v.hex()
 
 
-class BoolAttr(Attribute):
-    __slots__ = ("_v",)
+class BoolAttr(_Plain):
+    __slots__ = ()
 
     def __init__(self, v: bool) -> None:
         if not isinstance(v, (bool, np.bool_)):
             raise TypeError(f"BoolAttr needs a bool, got {v!r}")
         _init(self, _v=bool(v))
 
-    @property
-    def value(self) -> bool:
-        return self._v
 
-    def key(self) -> Any:
-        return self._v
-
-
-class StrAttr(Attribute):
-    __slots__ = ("_v",)
+class StrAttr(_Plain):
+    __slots__ = ()
 
     def __init__(self, v: str) -> None:
         if not isinstance(v, str):
             raise TypeError(f"StrAttr needs a str, got {v!r}")
         _init(self, _v=v)
 
-    @property
-    def value(self) -> str:
-        return self._v
 
-    def key(self) -> Any:
-        return self._v
-
-
-class DTypeAttr(Attribute):
-    __slots__ = ("_v",)
+class DTypeAttr(_Plain):
+    __slots__ = ()
 
     def __init__(self, v: Any) -> None:
         _init(self, _v=B.dtype(v))
-
-    @property
-    def value(self) -> np.dtype:
-        return self._v
 
     def key(self) -> Any:
         return dtype_short(self._v)
 
 
-class DimAttr(Attribute):
+class DimAttr(_Plain):
     """A symbolic dim (``"S"``, ``"B*S"``); constant dims are IntAttr."""
 
-    __slots__ = ("_v",)
+    __slots__ = ()
 
     def __init__(self, v: str) -> None:
         d = check_dim(v)
         if not isinstance(d, str):
             raise TypeError(f"DimAttr needs a symbolic dim; {v!r} is the constant {d} (use IntAttr)")
         _init(self, _v=d)
-
-    @property
-    def value(self) -> str:
-        return self._v
-
-    def key(self) -> Any:
-        return self._v
 
     @property
     def symbolic(self) -> bool:
@@ -196,10 +173,10 @@ class DimAttr(Attribute):
         return sym.evaluate(self._v, env)
 
 
-class ShapeAttr(Attribute):
+class ShapeAttr(_Plain):
     """A tuple of dims: ints (negative allowed: ``-1`` in a reshape) or canonical symbols."""
 
-    __slots__ = ("_sym", "_v")
+    __slots__ = ("_sym",)
 
     def __init__(self, dims: Any) -> None:
         out = []
@@ -212,13 +189,6 @@ class ShapeAttr(Attribute):
                 raise TypeError(f"ShapeAttr needs ints or symbolic dims, got {d!r}")
         v = tuple(out)
         _init(self, _v=v, _sym=any(type(d) is str for d in v))
-
-    @property
-    def value(self) -> tuple:
-        return self._v
-
-    def key(self) -> Any:
-        return self._v
 
     @property
     def symbolic(self) -> bool:

@@ -103,9 +103,9 @@ class Builder:
                 result_types = llm.metas_to_types(spec, spec.infer_meta(*operands, **plain))
         else:
             typed = {k: to_attr(v) for k, v in (attrs or {}).items()}
-            n = len(operands)
-            if n < opdef.min_operands or (opdef.max_operands is not None and n > opdef.max_operands):
-                raise IRError(f"{name}: expects {_count(opdef)} operands, got {n}")
+            problem = opdef.operand_problem(len(operands))
+            if problem:
+                raise IRError(f"{name}: {problem}")
             if result_types is None and opdef.num_results == 0:
                 result_types = ()
             elif result_types is None:
@@ -134,12 +134,6 @@ class Builder:
 
     def ret(self, *values: Value) -> Operation:
         return self.create("builtin.return", values)
-
-
-def _count(d: OpDef) -> str:
-    if d.max_operands is None:
-        return f"at least {d.min_operands}"
-    return str(d.min_operands) if d.min_operands == d.max_operands else f"{d.min_operands}-{d.max_operands}"
 
 
 class _LlmProxy:

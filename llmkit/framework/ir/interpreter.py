@@ -122,7 +122,7 @@ class _Run:
             handler = _HANDLERS.get(op.name)
             if handler is None:
                 if op.opdef.spec is None:
-                    raise InterpretError(_where(op, f"{op.name} has no reference implementation"))
+                    raise _failed(op, f"{op.name} has no reference implementation")
                 outs = self.llm(op)
             else:
                 outs = handler(self, op)
@@ -145,34 +145,28 @@ class _Run:
         try:
             out = self.kernels.get(op, spec.kernel)(xp, *arrays, **kw)
         except Exception as e:
-            raise InterpretError(_where(op, f"kernel failed: {type(e).__name__}: {e}")) from e
+            raise _failed(op, f"kernel failed: {type(e).__name__}: {e}") from e
         outs = [xp.asarray(o) for o in out] if spec.multi_output else [xp.asarray(out)]
         if len(outs) != len(op.results):
-            raise InterpretError(
-                _where(op, f"kernel returned {len(outs)} arrays for {len(op.results)} results")
-            )
+            raise _failed(op, f"kernel returned {len(outs)} arrays for {len(op.results)} results")
         for r, arr in zip(op.results, outs, strict=False):
             self.check(op, r.type, arr, r.index)
         return outs
 
     def check(self, op: Operation, t: Type, arr: np.ndarray, index: int) -> None:
         if arr.dtype != t.dtype:
-            raise InterpretError(
-                _where(op, f"result #{index}: kernel gave dtype {arr.dtype}, the type says {t}")
-            )
+            raise _failed(op, f"result #{index}: kernel gave dtype {arr.dtype}, the type says {t}")
         if isinstance(t, TensorType):
             if arr.ndim != len(t.shape):
-                raise InterpretError(
-                    _where(op, f"result #{index}: kernel gave shape {arr.shape}, the type says {t}")
-                )
+                raise _failed(op, f"result #{index}: kernel gave shape {arr.shape}, the type says {t}")
             for d, n in zip(t.shape, arr.shape, strict=False):
                 if not sym.bind(d, n, self.env) or (type(d) is str and sym.evaluate(d, self.env) != n):
                     msg = f"result #{index}: kernel gave shape {arr.shape}, the type says {t}"
-                    raise InterpretError(_where(op, f"{msg} ({self._env_text()})"))
+                    raise _failed(op, f"{msg} ({self._env_text()})")
 
 
-def _where(op: Operation, msg: str) -> str:
-    return f"{op.name}: {msg}\n    {format_op(op)}"
+def _failed(op: Operation, msg: str) -> InterpretError:
+    return InterpretError(f"{op.name}: {msg}\n    {format_op(op)}")
 
 
 def _constant(run: _Run, op: Operation) -> list[np.ndarray]:
@@ -183,7 +177,7 @@ def _constant(run: _Run, op: Operation) -> list[np.ndarray]:
 def _parameter(run: _Run, op: Operation) -> list[np.ndarray]:
     name = op.attributes["name"].value
     if name not in run.params:
-        raise InterpretError(_where(op, f"no value for parameter {name!r}: pass params={{{name!r}: array}}"))
+        raise _failed(op, f"no value for parameter {name!r}: pass params={{{name!r}: array}}")
     arr = np.asarray(run.params[name])
     run.bind(op.results[0].type, arr, f"parameter {name!r}")
     return [arr]

@@ -16,7 +16,7 @@ from ..types import Type
 from .attributes import Attribute
 
 if TYPE_CHECKING:
-    from .core import Operation, Value
+    from .core import Block, Operation, Value
 
 
 class Interface:
@@ -69,6 +69,14 @@ class OpDef:
     def dialect(self) -> str:
         return self.name.split(".", 1)[0]
 
+    def operand_problem(self, n: int) -> str | None:
+        """What is wrong with ``n`` operands for this op ("expects 2 operands, got 3"), or None."""
+        lo, hi = self.min_operands, self.max_operands
+        if lo <= n and (hi is None or n <= hi):
+            return None
+        want = f"at least {lo}" if hi is None else str(lo) if lo == hi else f"{lo}-{hi}"
+        return f"expects {want} operands, got {n}"
+
     def __repr__(self) -> str:
         return f"<OpDef {self.name}>"
 
@@ -83,6 +91,11 @@ class OpView:
         if op.name != self.OP_NAME:
             raise TypeError(f"{type(self).__name__} views {self.OP_NAME} ops, not {op.name}")
         self.op = op
+
+    @property
+    def body(self) -> Block:
+        """The entry block of the op's first region (a function's, a module's, a fusion's body)."""
+        return self.op.regions[0].blocks[0]
 
     @classmethod
     def match(cls, op: Operation | None) -> Any:

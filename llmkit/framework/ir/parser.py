@@ -120,17 +120,10 @@ class _Parser(TextParser):
         self.scope, self.def_at = {}, {}
         self.expect("(", f"after @{name}")
         block = Block()
-        while not self.accept(")"):
-            if block.args:
-                self.expect(",", "between function arguments")
-            self.block_arg(block)
+        self.items(")", lambda: self.block_arg(block), "between function arguments")
         arrow = self.expect("->", "after the function's arguments")
         self.expect("(", "to open the result types")
-        results: list[Type] = []
-        while not self.accept(")"):
-            if results:
-                self.expect(",", "between result types")
-            results.append(self.type())
+        results = self.items(")", self.type, "between result types")
         attrs = self.attr_dict() if self.accept("attributes") else {}
         if "sym_name" in attrs:
             self.fail("a function's name is given by @name, not a sym_name attribute", start)
@@ -211,10 +204,7 @@ class _Parser(TextParser):
             return self.return_op()
         names: list[tuple[str, int]] = []
         if self.kind() == "value":
-            while True:
-                names.append((self.take("value", "a result name")[1:], self.i - 1))
-                if not self.accept(","):
-                    break
+            names = self.comma_list(lambda: (self.take("value", "a result name")[1:], self.i - 1))
             self.expect("=", "after the result names")
         name_at = self.i
         opname = self.take("ident", "an op name like llm.add")
@@ -223,7 +213,7 @@ class _Parser(TextParser):
             hint = difflib.get_close_matches(opname, known_names(), 1)
             self.fail(f"unknown op {opname!r}" + (f" (did you mean {hint[0]!r}?)" if hint else ""), name_at)
         self.expect("(", f"after {opname}")
-        operands = self.value_list(")")
+        operands = self.items(")", self.use, "or ')' after an operand")
         raw: dict[str, Attribute] = {}
         where: dict[str, tuple[int, int]] = {}
         if self.peek() == "{" and self.kind() == "punct":
@@ -238,16 +228,12 @@ class _Parser(TextParser):
             if self.accept("("):
                 self.expect(")", "(': ()' means no results)")
             else:
-                types.append(self.type())
-                while self.accept(","):
-                    types.append(self.type())
+                types = self.comma_list(self.type)
         if len(types) != len(names):
             self.fail(f"{opname} names {len(names)} results but gives {len(types)} types", name_at)
         regions: list[tuple[Region, int]] = []
         if self.peek() == "{" and self.kind() == "punct":
-            regions.append(self.region())
-            while self.accept(","):
-                regions.append(self.region())
+            regions = self.comma_list(self.region)
         try:
             op = Operation(
                 opname,
@@ -274,20 +260,10 @@ class _Parser(TextParser):
         self.i += 1
         values: list[Value] = []
         if self.kind() == "value" and self.toks.position(self.offsets[self.i])[0] == line:
-            values.append(self.use())
-            while self.accept(","):
-                values.append(self.use())
+            values = self.comma_list(self.use)
         op = Operation("builtin.return", values)
         self.locations[op] = self.toks.position(self.offsets[start])
         return op
-
-    def value_list(self, close: str) -> list[Value]:
-        out: list[Value] = []
-        while not self.accept(close):
-            if out:
-                self.expect(",", f"or {close!r} after an operand")
-            out.append(self.use())
-        return out
 
     def use(self) -> Value:
         at = self.i
@@ -356,8 +332,5 @@ class _Parser(TextParser):
     def block_header(self, block: Block) -> None:
         self.take("label", "a block label like ^bb0")
         if self.accept("("):
-            while not self.accept(")"):
-                if block.args:
-                    self.expect(",", "between block arguments")
-                self.block_arg(block)
+            self.items(")", lambda: self.block_arg(block), "between block arguments")
         self.expect(":", "after the block label")

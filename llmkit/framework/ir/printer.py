@@ -97,10 +97,7 @@ class Printer:
         self.lines.append(f"module{attrs} {{")
         for block in op.regions[0].blocks:
             for f in block:
-                if f.name == "builtin.func":
-                    self.func(f, 1)
-                else:
-                    self.op(f, 1)
+                self.op(f, 1)  # a function too: op() hands it to func()
         self.lines.append("}")
 
     def func(self, op: Operation, depth: int) -> None:

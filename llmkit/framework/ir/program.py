@@ -78,16 +78,10 @@ class Program:
         bare types; fill its body with ``Builder.at_end(f.body)``."""
         if name in self.functions:
             raise IRError(f"function @{name} already exists")
-        types, names = [], []
-        for x in inputs:
-            if isinstance(x, tuple):
-                names.append(x[0])
-                types.append(x[1])
-            else:
-                names.append(None)
-                types.append(x)
+        pairs = [x if isinstance(x, tuple) else (None, x) for x in inputs]  # (name, type)
+        block = Block([t for _, t in pairs], [n for n, _ in pairs])
         attrs = {"sym_name": StrAttr(name), **(attributes or {})}
-        op = Operation("builtin.func", attributes=attrs, regions=[Region([Block(types, names)])], opdef=FUNC)
+        op = Operation("builtin.func", attributes=attrs, regions=[Region([block])], opdef=FUNC)
         self.body.append(op)
         return FuncOp(op)
 

@@ -7,6 +7,7 @@ line); :mod:`.parser` builds programs on top of it, and the PassManager reads pa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -95,6 +96,23 @@ class TextParser:
         self.i += 1
         return self.texts[self.i - 1]
 
+    def items(self, close: str, item: Callable[[], Any], between: str) -> list[Any]:
+        """``item()``s separated by ',' up to ``close`` (taken); ``between``: what a ',' is
+        expected before, for the error."""
+        out: list[Any] = []
+        while not self.accept(close):
+            if out:
+                self.expect(",", between)
+            out.append(item())
+        return out
+
+    def comma_list(self, item: Callable[[], Any]) -> list[Any]:
+        """``item()``, then one more after each ','."""
+        out = [item()]
+        while self.accept(","):
+            out.append(item())
+        return out
+
     def nest(self) -> None:
         self.depth += 1
         if self.depth > MAX_DEPTH:
@@ -110,17 +128,11 @@ class TextParser:
         if self.texts[self.i] != "[":
             return ScalarType(dt)
         self.i += 1
-        dims: list[Any] = []
-        starts: list[int] = []
-        while not self.accept("]"):
-            if dims:
-                self.expect(",", "or ']' after a dim")
-            starts.append(self.i)
-            dims.append(self.dim_expr())
+        dims = self.items("]", lambda: (self.i, self.dim_expr()), "or ']' after a dim")
         try:
-            return TensorType(tuple(dims), dt)  # interned: a known type skips validation
+            return TensorType(tuple(d for _, d in dims), dt)  # interned: a known type skips validation
         except TypeError:
-            for d, d_at in zip(dims, starts, strict=True):
+            for d_at, d in dims:
                 try:
                     check_dim(d)
                 except TypeError as e:
@@ -234,11 +246,7 @@ class TextParser:
     def array(self) -> Attribute:
         self.nest()
         self.expect("[")
-        items: list[Attribute] = []
-        while not self.accept("]"):
-            if items:
-                self.expect(",", "or ']' in a list")
-            items.append(self.attr())
+        items = self.items("]", self.attr, "or ']' in a list")
         self.depth -= 1
         if all(type(a) is IntAttr or type(a) is DimAttr for a in items):
             return ShapeAttr(a.value for a in items)
@@ -248,11 +256,7 @@ class TextParser:
         kind = self.take("hash", "an attribute like #shard<0>")[1:]
         self.nest()
         self.expect("<", f"after #{kind}")
-        params: list[Attribute] = []
-        while not self.accept(">"):
-            if params:
-                self.expect(",", "or '>' in an attribute's parameters")
-            params.append(self.attr())
+        params = self.items(">", self.attr, "or '>' in an attribute's parameters")
         self.depth -= 1
         try:
             return opaque_attr(kind, params)
@@ -291,11 +295,7 @@ class TextParser:
         else:
             at = self.i
             self.expect("[", "or hex data after the constant's type")
-            vals: list[Any] = []
-            while not self.accept("]"):
-                if vals:
-                    self.expect(",", "or ']' between elements")
-                vals.append(self.element(dt))
+            vals = self.items("]", lambda: self.element(dt), "or ']' between elements")
             if len(vals) != n:
                 self.fail(f"{t} needs {n} elements, got {len(vals)}", at)
             try:

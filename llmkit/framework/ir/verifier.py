@@ -63,18 +63,9 @@ class _Verifier:
             if (op, i) not in v._uses:
                 raise self.fail(op, f"operand #{i}: the value's use list does not record this use")
         # ---- counts
-        n = len(op._operands)
-        if n < d.min_operands or (d.max_operands is not None and n > d.max_operands):
-            want = (
-                d.min_operands
-                if d.max_operands == d.min_operands
-                else (
-                    f"at least {d.min_operands}"
-                    if d.max_operands is None
-                    else f"{d.min_operands}-{d.max_operands}"
-                )
-            )
-            raise self.fail(op, f"expects {want} operands, got {n}")
+        problem = d.operand_problem(len(op._operands))
+        if problem:
+            raise self.fail(op, problem)
         if d.num_results is not None and len(op.results) != d.num_results:
             raise self.fail(op, f"expects {d.num_results} results, got {len(op.results)}")
         if len(op.regions) != d.num_regions:

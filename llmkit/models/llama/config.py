@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,10 @@ _HF_CONSUMED_KEYS = ("architectures", "model_type", "rope_parameters", "dtype")
 
 class LlamaConfigError(ValueError):
     """A Llama config that cannot be used: the message names the field (and the file, when read from one)."""
+
+
+def _invalid(message: str) -> LlamaConfigError:
+    return LlamaConfigError(f"LlamaConfig: {message}")
 
 
 @dataclass(frozen=True)
@@ -88,42 +93,30 @@ class LlamaConfig:
             object.__setattr__(self, "num_key_value_heads", heads)
         _check_positive_int("num_key_value_heads", self.num_key_value_heads)
         if heads % self.num_key_value_heads:
-            raise LlamaConfigError(
-                f"LlamaConfig: num_key_value_heads ({self.num_key_value_heads}) must divide "
+            raise _invalid(
+                f"num_key_value_heads ({self.num_key_value_heads}) must divide "
                 f"num_attention_heads ({heads}): each K/V head serves a whole group of query heads"
             )
         if self.head_dim is None:
             if self.hidden_size % heads:
-                raise LlamaConfigError(
-                    f"LlamaConfig: num_attention_heads ({heads}) must divide hidden_size "
+                raise _invalid(
+                    f"num_attention_heads ({heads}) must divide hidden_size "
                     f"({self.hidden_size}), or set head_dim explicitly"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // heads)
         _check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
-            raise LlamaConfigError(
-                f"LlamaConfig: head_dim ({self.head_dim}) must be even: RoPE rotates pairs"
-            )
+            raise _invalid(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs")
         for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise LlamaConfigError(f"LlamaConfig: {name} must be a positive number, got {value!r}")
+                raise _invalid(f"{name} must be a positive number, got {value!r}")
             object.__setattr__(self, name, float(value))
         for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
             if not isinstance(getattr(self, name), bool):
-                raise LlamaConfigError(
-                    f"LlamaConfig: {name} must be true or false, got {getattr(self, name)!r}"
-                )
-        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            raise LlamaConfigError(
-                f"LlamaConfig: hidden_act {self.hidden_act!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
-            )
-        if self.torch_dtype not in SUPPORTED_DTYPES:
-            raise LlamaConfigError(
-                f"LlamaConfig: torch_dtype {self.torch_dtype!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_DTYPES)})"
-            )
+                raise _invalid(f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check_supported("hidden_act", self.hidden_act, SUPPORTED_ACTIVATIONS)
+        _check_supported("torch_dtype", self.torch_dtype, SUPPORTED_DTYPES)
         for name in ("bos_token_id", "pad_token_id"):
             _check_token_id(name, getattr(self, name))
         eos = self.eos_token_id
@@ -158,7 +151,7 @@ class LlamaConfig:
         d = dict(d)
         model_type = d.get("model_type", "llama")
         if model_type != "llama":
-            raise LlamaConfigError(f"LlamaConfig: model_type is {model_type!r}, expected 'llama'")
+            raise _invalid(f"model_type is {model_type!r}, expected 'llama'")
         if d.get("torch_dtype") is None and d.get("dtype") is not None:
             d["torch_dtype"] = d["dtype"]
         if d.get("rope_parameters") is not None:
@@ -254,12 +247,17 @@ class LlamaConfig:
 
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise LlamaConfigError(f"LlamaConfig: {name} must be a positive integer, got {value!r}")
+        raise _invalid(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_supported(name: str, value: Any, supported: Sequence[str]) -> None:
+    if value not in supported:
+        raise _invalid(f"{name} {value!r} is not supported (supported: {', '.join(supported)})")
 
 
 def _check_token_id(name: str, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise LlamaConfigError(f"LlamaConfig: {name} must be a non-negative integer or null, got {value!r}")
+        raise _invalid(f"{name} must be a non-negative integer or null, got {value!r}")
 
 
 def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -270,45 +268,38 @@ def _normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | 
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
-        raise LlamaConfigError(f"LlamaConfig: rope_scaling must be null or a mapping, got {scaling!r}")
+        raise _invalid(f"rope_scaling must be null or a mapping, got {scaling!r}")
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type == "default":
         return None
     if rope_type not in ROPE_SCALING_FIELDS:
-        raise LlamaConfigError(
-            f"LlamaConfig: rope_scaling.rope_type {rope_type!r} is not supported "
+        raise _invalid(
+            f"rope_scaling.rope_type {rope_type!r} is not supported "
             f"(supported: default, {', '.join(ROPE_SCALING_FIELDS)})"
         )
     for key in ROPE_SCALING_FIELDS[rope_type]:
         value = scaling.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise LlamaConfigError(
-                f"LlamaConfig: rope_scaling[{key!r}] must be a positive number for "
-                f"rope_type {rope_type!r}, got {value!r}"
+            raise _invalid(
+                f"rope_scaling[{key!r}] must be a positive number for rope_type {rope_type!r}, got {value!r}"
             )
     if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
-        raise LlamaConfigError("LlamaConfig: rope_scaling high_freq_factor must exceed low_freq_factor")
+        raise _invalid("rope_scaling high_freq_factor must exceed low_freq_factor")
     return {"rope_type": rope_type, **{k: v for k, v in scaling.items() if k not in ("type", "rope_type")}}
 
 
 def _merge_rope_parameters(d: dict[str, Any], params: Any) -> None:
     """Fold a newer-style `rope_parameters` dict into `rope_theta` / `rope_scaling` of `d`."""
     if not isinstance(params, dict) or "rope_theta" not in params:
-        raise LlamaConfigError(
-            f"LlamaConfig: rope_parameters must be a mapping with rope_theta, got {params!r}"
-        )
+        raise _invalid(f"rope_parameters must be a mapping with rope_theta, got {params!r}")
     theta = params["rope_theta"]
     if d.get("rope_theta", theta) != theta:
-        raise LlamaConfigError(
-            f"LlamaConfig: rope_theta ({d['rope_theta']}) disagrees with rope_parameters.rope_theta ({theta})"
-        )
+        raise _invalid(f"rope_theta ({d['rope_theta']}) disagrees with rope_parameters.rope_theta ({theta})")
     d["rope_theta"] = theta
     scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     if scaling.get("rope_type", scaling.get("type", "default")) != "default":
         if d.get("rope_scaling") not in (None, scaling):
-            raise LlamaConfigError(
-                f"LlamaConfig: rope_scaling ({d['rope_scaling']}) disagrees with rope_parameters ({params})"
-            )
+            raise _invalid(f"rope_scaling ({d['rope_scaling']}) disagrees with rope_parameters ({params})")
         d["rope_scaling"] = scaling
 
 

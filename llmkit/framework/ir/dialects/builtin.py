@@ -14,7 +14,7 @@ from ...opspec import Trait
 from ...placement import check
 from ...types import TensorType, Type
 from ..attributes import DenseAttr, MeshAttr, StrAttr
-from ..core import Block, BlockArgument, Operation, Value
+from ..core import BlockArgument, Operation, Value
 from ..opdef import Dialect, OpDef, OpView, any_attr, is_a
 
 T = Trait
@@ -127,10 +127,6 @@ class FuncOp(OpView):
         return self.op.attributes["sym_name"].value
 
     @property
-    def body(self) -> Block:
-        return self.op.regions[0].blocks[0]
-
-    @property
     def args(self) -> list[BlockArgument]:
         return self.body.args
 
@@ -164,10 +160,6 @@ class FuncOp(OpView):
 class ModuleOp(OpView):
     __slots__ = ()
     OP_NAME = "builtin.module"
-
-    @property
-    def body(self) -> Block:
-        return self.op.regions[0].blocks[0]
 
 
 class ConstantOp(OpView):

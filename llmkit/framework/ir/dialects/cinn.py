@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ...opspec import Trait
 from ..attributes import StrAttr
-from ..core import Block, Operation
+from ..core import Operation
 from ..opdef import Dialect, OpDef, OpView, any_attr, is_a
 
 T = Trait
@@ -74,10 +74,6 @@ DIALECT = Dialect("cinn", [FUSION, YIELD, KERNEL], doc=__doc__ or "")
 class FusionOp(OpView):
     __slots__ = ()
     OP_NAME = "cinn.fusion"
-
-    @property
-    def body(self) -> Block:
-        return self.op.regions[0].blocks[0]
 
     @property
     def yield_op(self) -> Operation | None:
