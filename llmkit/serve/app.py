@@ -39,7 +39,7 @@ from .protocol import (
     error_body,
     new_id,
 )
-from .serving import ClientGone, Serving
+from .serving import ClientGone, JSONText, Serving
 
 log = logging.getLogger("llmkit.serve")
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/models": "models"}
@@ -231,6 +231,8 @@ def build_app(
     async def respond(result: Any) -> Response:
         if isinstance(result, dict):
             return JSONResponse(result)
+        if isinstance(result, JSONText):
+            return Response(result.encode(), media_type="application/json")
         return StreamingResponse(
             result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )

@@ -9,11 +9,18 @@ accepted as vLLM-style extensions). Responses are plain dicts built here, in Ope
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
+from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llmkit.infer.sampling import PromptLogprobs
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -186,24 +193,65 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def completion_logprobs(tokens: list[Any], text_of: Any, offset: int) -> dict[str, Any]:
-    """Legacy completions ``logprobs`` for TokenChoices; ``offset`` is where their text starts. A
-    choice without a logprob (an echoed prompt's first token) has ``null`` logprob and top."""
-    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+class TokenJSON(dict):
+    """Token id -> (its text as completions logprobs show it, as JSON; that text's length), made
+    from ``text_of`` (``Tokenizer.token_text``) the first time the id is met."""
+
+    def __init__(self, text_of: Callable[[int], str]) -> None:
+        super().__init__()
+        self.text_of = text_of
+
+    def __missing__(self, t: int) -> tuple[str, int]:
+        text = self.text_of(t)
+        v = self[t] = (json.dumps(text, ensure_ascii=False), len(text))
+        return v
+
+
+def completion_logprobs_json(
+    texts: TokenJSON, tokens: Sequence[Any] = (), prompt: PromptLogprobs | None = None, offset: int = 0
+) -> str:
+    """Legacy completions ``logprobs`` as JSON text: an echoed ``prompt``'s tokens (its first one
+    with ``null`` logprob and top: nothing predicts it), then the TokenChoices ``tokens``; ``offset``
+    is where their text starts. Each top lists the k most likely tokens, most likely first (a text
+    two tokens share keeps the likelier), and the chosen token. Built from columns (the prompt's as
+    the score program's arrays) with no dict per token: the echo response's bulk. Numbers are written
+    as ``json.dumps`` writes them."""
+    ids, lps, top_ids, top_lps = [], [], [], []
+    finite = True
+    if prompt is not None:
+        ids, lps = list(prompt.ids), [None, *prompt.logprobs.tolist()]
+        top_ids, top_lps = [[], *prompt.top_ids.tolist()], [[], *prompt.top_logprobs.tolist()]
+        finite = bool(np.isfinite(prompt.logprobs).all() and np.isfinite(prompt.top_logprobs).all())
     for c in tokens:
-        text = text_of(c.token_id)
-        out["tokens"].append(text)
-        out["token_logprobs"].append(c.logprob)
-        top = None
-        if c.logprob is not None:
-            top = {}
-            for t, lp in c.top:  # most likely first: a text two tokens share keeps the likelier
-                top.setdefault(text_of(t), lp)
-            top.setdefault(text, c.logprob)  # the chosen token is always listed
-        out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(text)
-    return out
+        ids.append(c.token_id)
+        lps.append(c.logprob)
+        top_ids.append([t for t, _ in c.top])
+        top_lps.append([lp for _, lp in c.top])
+        finite = finite and all(math.isfinite(v) for v in (c.logprob or 0.0, *top_lps[-1]))
+    num = float.__repr__ if finite else json.dumps  # the same text for finite floats
+    tj = [texts[t] for t in ids]
+    out_lps, tops = [], []
+    for (chosen, _), lp, tids, tlps in zip(tj, lps, top_ids, top_lps):
+        if lp is None:
+            out_lps.append("null")
+            tops.append("null")
+            continue
+        out_lps.append(num(lp))
+        top: dict[str, float] = {}
+        for t, tl in zip(tids, tlps):
+            top.setdefault(texts[t][0], tl)
+        top.setdefault(chosen, lp)
+        tops.append("{" + ",".join([f"{k}:{num(v)}" for k, v in top.items()]) + "}")
+    offsets = list(accumulate((n for _, n in tj), initial=offset))[:-1]
+    return (
+        f'{{"tokens":[{",".join([j for j, _ in tj])}],"token_logprobs":[{",".join(out_lps)}],'
+        f'"top_logprobs":[{",".join(tops)}],"text_offset":{json.dumps(offsets)}}}'
+    )
+
+
+def completion_logprobs(tokens: list[Any], texts: TokenJSON, offset: int) -> dict[str, Any]:
+    """:func:`completion_logprobs_json`'s object for TokenChoices, as a dict (a streamed chunk's)."""
+    return json.loads(completion_logprobs_json(texts, tokens, offset=offset))
 
 
 def chat_logprobs(tokens: list[Any], text_of: Any, bytes_of: Any) -> dict[str, Any]:
