@@ -237,17 +237,24 @@ def build_app(
             result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
+    def gone(request: Request) -> Any:
+        async def wait() -> None:  # ASGI: receive() after the body returns http.disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        return wait
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         try:
-            return await respond(await serving.completions(body, request.is_disconnected))
+            return await respond(await serving.completions(body, gone(request)))
         except ClientGone:
             return Response(status_code=499)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         try:
-            return await respond(await serving.chat(body, request.is_disconnected))
+            return await respond(await serving.chat(body, gone(request)))
         except ClientGone:
             return Response(status_code=499)
 
