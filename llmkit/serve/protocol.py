@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Any, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmkit.infer.sampling import PromptLogprobs
@@ -213,39 +212,43 @@ def completion_logprobs_json(
     """Legacy completions ``logprobs`` as JSON text: an echoed ``prompt``'s tokens (its first one
     with ``null`` logprob and top: nothing predicts it), then the TokenChoices ``tokens``; ``offset``
     is where their text starts. Each top lists the k most likely tokens, most likely first (a text
-    two tokens share keeps the likelier), and the chosen token. Built from columns (the prompt's as
-    the score program's arrays) with no dict per token: the echo response's bulk. Numbers are written
-    as ``json.dumps`` writes them."""
+    two tokens share keeps the likelier), and the chosen token. Written from columns (the prompt's
+    as the score program's arrays), each number formatted once as ``json.dumps`` writes it: the echo
+    response's bulk, where a dict per token to serialize cost most of a request's time."""
     ids, lps, top_ids, top_lps = [], [], [], []
-    finite = True
     if prompt is not None:
-        ids, lps = list(prompt.ids), [None, *prompt.logprobs.tolist()]
-        top_ids, top_lps = [[], *prompt.top_ids.tolist()], [[], *prompt.top_logprobs.tolist()]
-        finite = bool(np.isfinite(prompt.logprobs).all() and np.isfinite(prompt.top_logprobs).all())
+        ids, lps = list(prompt.ids), prompt.logprobs.tolist()
+        top_ids, top_lps = prompt.top_ids.tolist(), prompt.top_logprobs.tolist()
     for c in tokens:
         ids.append(c.token_id)
         lps.append(c.logprob)
         top_ids.append([t for t, _ in c.top])
         top_lps.append([lp for _, lp in c.top])
-        finite = finite and all(math.isfinite(v) for v in (c.logprob or 0.0, *top_lps[-1]))
+    first = int(prompt is not None)  # positions before ``first`` have no logprob
+    flat = [v for row in top_lps for v in row]
+    finite = all(map(math.isfinite, lps)) and all(map(math.isfinite, flat))
     num = float.__repr__ if finite else json.dumps  # the same text for finite floats
     tj = [texts[t] for t in ids]
-    out_lps, tops = [], []
-    for (chosen, _), lp, tids, tlps in zip(tj, lps, top_ids, top_lps):
-        if lp is None:
-            out_lps.append("null")
-            tops.append("null")
-            continue
-        out_lps.append(num(lp))
-        top: dict[str, float] = {}
-        for t, tl in zip(tids, tlps):
-            top.setdefault(texts[t][0], tl)
-        top.setdefault(chosen, lp)
-        tops.append("{" + ",".join([f"{k}:{num(v)}" for k, v in top.items()]) + "}")
+    chosen, lp_s = [j for j, _ in tj[first:]], list(map(num, lps))
+    if all(len(row) == 1 for row in top_ids):  # k = 1, lm-eval's request: no dict per position
+        top_j, top_s = [texts[row[0]][0] for row in top_ids], list(map(num, flat))
+        tops = [
+            f"{{{j}:{v}}}" if j == c else f"{{{j}:{v},{c}:{w}}}"
+            for j, v, c, w in zip(top_j, top_s, chosen, lp_s)
+        ]
+    else:
+        tops = []
+        for c, w, row, vals in zip(chosen, lp_s, top_ids, top_lps):
+            top: dict[str, str] = {}
+            for t, v in zip(row, vals):
+                top.setdefault(texts[t][0], num(v))
+            top.setdefault(c, w)
+            tops.append("{" + ",".join([f"{k}:{v}" for k, v in top.items()]) + "}")
     offsets = list(accumulate((n for _, n in tj), initial=offset))[:-1]
+    nulls = ["null"] * first
     return (
-        f'{{"tokens":[{",".join([j for j, _ in tj])}],"token_logprobs":[{",".join(out_lps)}],'
-        f'"top_logprobs":[{",".join(tops)}],"text_offset":{json.dumps(offsets)}}}'
+        f'{{"tokens":[{",".join([j for j, _ in tj])}],"token_logprobs":[{",".join(nulls + lp_s)}],'
+        f'"top_logprobs":[{",".join(nulls + tops)}],"text_offset":{json.dumps(offsets)}}}'
     )
 
 
