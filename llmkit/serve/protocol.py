@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmkit.infer.sampling import PromptLogprobs
@@ -216,17 +217,19 @@ def completion_logprobs_json(
     as the score program's arrays), each number formatted once as ``json.dumps`` writes it: the echo
     response's bulk, where a dict per token to serialize cost most of a request's time."""
     ids, lps, top_ids, top_lps = [], [], [], []
+    finite = True
     if prompt is not None:
         ids, lps = list(prompt.ids), prompt.logprobs.tolist()
         top_ids, top_lps = prompt.top_ids.tolist(), prompt.top_logprobs.tolist()
+        finite = bool(np.isfinite(prompt.logprobs).all() and np.isfinite(prompt.top_logprobs).all())
     for c in tokens:
         ids.append(c.token_id)
         lps.append(c.logprob)
         top_ids.append([t for t, _ in c.top])
         top_lps.append([lp for _, lp in c.top])
+        finite = finite and all(map(math.isfinite, (c.logprob, *top_lps[-1])))
     first = int(prompt is not None)  # positions before ``first`` have no logprob
     flat = [v for row in top_lps for v in row]
-    finite = all(map(math.isfinite, lps)) and all(map(math.isfinite, flat))
     num = float.__repr__ if finite else json.dumps  # the same text for finite floats
     tj = [texts[t] for t in ids]
     chosen, lp_s = [j for j, _ in tj[first:]], list(map(num, lps))
