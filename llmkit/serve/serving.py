@@ -503,8 +503,8 @@ class Serving:
 
     # ---- collecting and streaming --------------------------------------------------------------
     async def _collect(self, sub: _Submission, disconnected: Disconnected | None) -> None:
-        # one watcher of the client per request (polling it cost the event loop a third of its time
-        # per echo request with 64 waiting)
+        # one watcher of the client per request (polling it 4 times a second cost the event loop
+        # about a tenth of its time with 64 echo requests waiting)
         gone = None if disconnected is None else asyncio.ensure_future(disconnected())
         try:
             while not sub.done:
