@@ -40,7 +40,7 @@ from .detokenize import Detokenizer
 from .programs import BLOCK_SIZE, DECODE_TILE, PREFILL_TILE, ModelSpec, runs_native, unpack_panel_weights
 from .request import Completion, FinishReason, Request, RequestOutput
 from .runner import DecodeBatch, ModelRunner, PrefillBatch
-from .sampling import Sampler, SamplingParams, TokenChoice, merge_stop_ids
+from .sampling import Sampler, SamplingParams, merge_stop_ids
 from .scheduler import Scheduler
 
 
@@ -290,16 +290,10 @@ class Engine:
         s = self.runner.score(batch, targets)
         row = 0
         for r, start, n in chunks:
-            if r.scores_prompt:
+            if r.scores_prompt:  # kept as arrays (PromptLogprobs): no Python object per position
                 k, end = r.params.prompt_logprobs, row + min(n, r.prompt_len - 1 - start)
-                # whole arrays to Python numbers at once (per-element int()/float() was a third of
-                # this thread's Python time when scoring)
-                lps = s.target_logprobs[row:end].tolist()
-                ids, tops = s.top_ids[row:end, :k].tolist(), s.top_logprobs[row:end, :k].tolist()
-                r.prompt_logprobs.extend(
-                    TokenChoice(t, lp, list(zip(ti, tl)))
-                    for t, lp, ti, tl in zip(targets[row:end], lps, ids, tops)
-                )
+                at = slice(row, end)
+                r.prompt_scores.append((s.target_logprobs[at], s.top_ids[at, :k], s.top_logprobs[at, :k]))
             row += n
         return s.logits
 

@@ -11,8 +11,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .detokenize import Detokenizer
-from .sampling import Sampler, SamplingParams, TokenChoice
+from .sampling import PromptLogprobs, Sampler, SamplingParams, TokenChoice
 
 
 class FinishReason:
@@ -37,7 +39,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     # with params.prompt_logprobs: every prompt token's (None for the first), in the output of the
     # step that finished the prompt; None otherwise
-    prompt_logprobs: list[TokenChoice | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -51,7 +53,7 @@ class Completion:
     finish_reason: str
     logprobs: list[TokenChoice] | None
     num_cached_tokens: int
-    prompt_logprobs: list[TokenChoice | None] | None = None  # with params.prompt_logprobs
+    prompt_logprobs: PromptLogprobs | None = None  # with params.prompt_logprobs
 
 
 @dataclass(eq=False)
@@ -74,8 +76,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenChoice] = field(default_factory=list)
     finish_reason: str | None = None
-    # params.prompt_logprobs: the prompt's token choices, [None] then one per scored position
-    prompt_logprobs: list[TokenChoice | None] = field(default_factory=lambda: [None])
+    # params.prompt_logprobs: the score program's rows of each prompt chunk scored so far
+    # (target logprobs [n], top ids [n, k], top logprobs [n, k])
+    prompt_scores: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
     prompt_reported: bool = False  # prompt_logprobs went out in a RequestOutput
     # this step's news, flushed into a RequestOutput after the step
     pending_ids: list[int] = field(default_factory=list)
@@ -102,6 +105,11 @@ class Request:
     def scores_prompt(self) -> bool:
         return self.params.prompt_logprobs is not None
 
+    def prompt_logprobs(self) -> PromptLogprobs:
+        k = self.params.prompt_logprobs or 0
+        parts = self.prompt_scores or [(np.zeros(0), np.zeros((0, k), np.int64), np.zeros((0, k)))]
+        return PromptLogprobs(self.prompt_ids, *(np.concatenate(p) for p in zip(*parts)))
+
     def take_output(self) -> RequestOutput:
         out = RequestOutput(
             request_id=self.request_id,
@@ -115,7 +123,7 @@ class Request:
             num_cached_tokens=self.cached_tokens,
         )
         if self.scores_prompt and self.prefilled and not self.prompt_reported:
-            out.prompt_logprobs, self.prompt_reported = list(self.prompt_logprobs), True
+            out.prompt_logprobs, self.prompt_reported = self.prompt_logprobs(), True
         self.pending_ids, self.pending_text, self.pending_logprobs = [], "", []
         return out
 
@@ -128,5 +136,5 @@ class Request:
             finish_reason=self.finish_reason or FinishReason.ABORT,
             logprobs=self.logprobs if self.params.logprobs is not None else None,
             num_cached_tokens=self.cached_tokens,
-            prompt_logprobs=list(self.prompt_logprobs) if self.scores_prompt else None,
+            prompt_logprobs=self.prompt_logprobs() if self.scores_prompt else None,
         )

@@ -63,11 +63,14 @@ class PrefillBatch:
         self.q_len.append(len(tokens))
         self.kv_len.append(start + len(tokens))
         self.tables.append(list(table))
-        for i, t in enumerate(tokens):
-            p = start + i
-            self.input_ids.append(int(t))
-            self.positions.append(p)
-            self.slots.append(table[p // block_size] * block_size + p % block_size)
+        end = start + len(tokens)
+        self.input_ids.extend(map(int, tokens))
+        self.positions.extend(range(start, end))
+        for b in range(start // block_size, -(-end // block_size)):  # whole runs of a block's slots
+            base = table[b] * block_size
+            self.slots.extend(
+                range(base + max(start - b * block_size, 0), base + min(end - b * block_size, block_size))
+            )
         return len(self.input_ids) - 1
 
 

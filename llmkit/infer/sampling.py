@@ -145,6 +145,30 @@ class TokenChoice:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
+class PromptLogprobs(Sequence):
+    """A scored prompt's log-probs as the score program's arrays, read as a list of TokenChoice
+    (``None`` for the first token, which nothing predicts): ``logprobs[i]`` is token ``ids[i + 1]``'s,
+    ``top_ids[i]``/``top_logprobs[i]`` the k most likely there. The server writes them out as
+    arrays; nothing builds a TokenChoice per position unless it is read as one."""
+
+    __slots__ = ("ids", "logprobs", "top_ids", "top_logprobs")
+
+    def __init__(self, ids: Sequence[int], logprobs: Any, top_ids: Any, top_logprobs: Any) -> None:
+        self.ids, self.logprobs, self.top_ids, self.top_logprobs = ids, logprobs, top_ids, top_logprobs
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]
+        if i == 0:
+            return None
+        top = list(zip(self.top_ids[i - 1].tolist(), self.top_logprobs[i - 1].tolist()))
+        return TokenChoice(int(self.ids[i]), float(self.logprobs[i - 1]), top)
+
+
 class Sampler:
     """One request's sampler: ``sampler(logits_row) -> TokenChoice``, then ``accept(token)``.
 

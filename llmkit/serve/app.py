@@ -39,7 +39,7 @@ from .protocol import (
     error_body,
     new_id,
 )
-from .serving import ClientGone, Serving
+from .serving import ClientGone, JSONText, Serving
 
 log = logging.getLogger("llmkit.serve")
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/models": "models"}
@@ -231,21 +231,30 @@ def build_app(
     async def respond(result: Any) -> Response:
         if isinstance(result, dict):
             return JSONResponse(result)
+        if isinstance(result, JSONText):
+            return Response(result.encode(), media_type="application/json")
         return StreamingResponse(
             result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
+    def gone(request: Request) -> Any:
+        async def wait() -> None:  # ASGI: receive() after the body returns http.disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        return wait
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         try:
-            return await respond(await serving.completions(body, request.is_disconnected))
+            return await respond(await serving.completions(body, gone(request)))
         except ClientGone:
             return Response(status_code=499)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         try:
-            return await respond(await serving.chat(body, request.is_disconnected))
+            return await respond(await serving.chat(body, gone(request)))
         except ClientGone:
             return Response(status_code=499)
 

@@ -9,11 +9,18 @@ accepted as vLLM-style extensions). Responses are plain dicts built here, in Ope
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
+from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llmkit.infer.sampling import PromptLogprobs
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -186,24 +193,71 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def completion_logprobs(tokens: list[Any], text_of: Any, offset: int) -> dict[str, Any]:
-    """Legacy completions ``logprobs`` for TokenChoices; ``offset`` is where their text starts. A
-    choice without a logprob (an echoed prompt's first token) has ``null`` logprob and top."""
-    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+class TokenJSON(dict):
+    """Token id -> (its text as completions logprobs show it, as JSON; that text's length), made
+    from ``text_of`` (``Tokenizer.token_text``) the first time the id is met."""
+
+    def __init__(self, text_of: Callable[[int], str]) -> None:
+        super().__init__()
+        self.text_of = text_of
+
+    def __missing__(self, t: int) -> tuple[str, int]:
+        text = self.text_of(t)
+        v = self[t] = (json.dumps(text, ensure_ascii=False), len(text))
+        return v
+
+
+def completion_logprobs_json(
+    texts: TokenJSON, tokens: Sequence[Any] = (), prompt: PromptLogprobs | None = None, offset: int = 0
+) -> str:
+    """Legacy completions ``logprobs`` as JSON text: an echoed ``prompt``'s tokens (its first one
+    with ``null`` logprob and top: nothing predicts it), then the TokenChoices ``tokens``; ``offset``
+    is where their text starts. Each top lists the k most likely tokens, most likely first (a text
+    two tokens share keeps the likelier), and the chosen token. Written from columns (the prompt's
+    as the score program's arrays), each number formatted once as ``json.dumps`` writes it: the echo
+    response's bulk, where a dict per token to serialize cost most of a request's time."""
+    ids, lps, top_ids, top_lps = [], [], [], []
+    finite = True
+    if prompt is not None:
+        ids, lps = list(prompt.ids), prompt.logprobs.tolist()
+        top_ids, top_lps = prompt.top_ids.tolist(), prompt.top_logprobs.tolist()
+        finite = bool(np.isfinite(prompt.logprobs).all() and np.isfinite(prompt.top_logprobs).all())
     for c in tokens:
-        text = text_of(c.token_id)
-        out["tokens"].append(text)
-        out["token_logprobs"].append(c.logprob)
-        top = None
-        if c.logprob is not None:
-            top = {}
-            for t, lp in c.top:  # most likely first: a text two tokens share keeps the likelier
-                top.setdefault(text_of(t), lp)
-            top.setdefault(text, c.logprob)  # the chosen token is always listed
-        out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(text)
-    return out
+        ids.append(c.token_id)
+        lps.append(c.logprob)
+        top_ids.append([t for t, _ in c.top])
+        top_lps.append([lp for _, lp in c.top])
+        finite = finite and all(map(math.isfinite, (c.logprob, *top_lps[-1])))
+    first = int(prompt is not None)  # positions before ``first`` have no logprob
+    flat = [v for row in top_lps for v in row]
+    num = float.__repr__ if finite else json.dumps  # the same text for finite floats
+    tj = [texts[t] for t in ids]
+    chosen, lp_s = [j for j, _ in tj[first:]], list(map(num, lps))
+    if all(len(row) == 1 for row in top_ids):  # k = 1, lm-eval's request: no dict per position
+        top_j, top_s = [texts[row[0]][0] for row in top_ids], list(map(num, flat))
+        tops = [
+            f"{{{j}:{v}}}" if j == c else f"{{{j}:{v},{c}:{w}}}"
+            for j, v, c, w in zip(top_j, top_s, chosen, lp_s)
+        ]
+    else:
+        tops = []
+        for c, w, row, vals in zip(chosen, lp_s, top_ids, top_lps):
+            top: dict[str, str] = {}
+            for t, v in zip(row, vals):
+                top.setdefault(texts[t][0], num(v))
+            top.setdefault(c, w)
+            tops.append("{" + ",".join([f"{k}:{v}" for k, v in top.items()]) + "}")
+    offsets = list(accumulate((n for _, n in tj), initial=offset))[:-1]
+    nulls = ["null"] * first
+    return (
+        f'{{"tokens":[{",".join([j for j, _ in tj])}],"token_logprobs":[{",".join(nulls + lp_s)}],'
+        f'"top_logprobs":[{",".join(nulls + tops)}],"text_offset":{json.dumps(offsets)}}}'
+    )
+
+
+def completion_logprobs(tokens: list[Any], texts: TokenJSON, offset: int) -> dict[str, Any]:
+    """:func:`completion_logprobs_json`'s object for TokenChoices, as a dict (a streamed chunk's)."""
+    return json.loads(completion_logprobs_json(texts, tokens, offset=offset))
 
 
 def chat_logprobs(tokens: list[Any], text_of: Any, bytes_of: Any) -> dict[str, Any]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from llmkit.serve.serving import _Mailbox
 
 
@@ -140,3 +142,58 @@ def test_token_events_from_templates_are_the_whole_events_bytes():
                     whole = {**event(i, text), **extra}
                     assert got == f"data: {json.dumps(whole, separators=(',', ':'))}\n\n"
                     assert json.loads(got[6:]) == whole and got.endswith("}\n\n")
+
+
+def _logprobs_reference(tokens, text_of, offset):
+    """OpenAI's legacy completions logprobs, one dict per token (the shape the server answers)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for c in tokens:
+        text = text_of(c.token_id)
+        top = None
+        if c.logprob is not None:
+            top = {}
+            for t, lp in c.top:  # most likely first: a text two tokens share keeps the likelier
+                top.setdefault(text_of(t), lp)
+            top.setdefault(text, c.logprob)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(c.logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_completion_logprobs_json_is_the_dict_per_token_answer(k):
+    """The echo body's logprobs, written from the score program's arrays and the generated
+    TokenChoices, parse to the per-token dicts: texts two ids share (the likelier kept), the chosen
+    token in its top, offsets, numbers to the last bit, a prompt's first token null, -inf."""
+    import json
+
+    import numpy as np
+
+    from llmkit.infer.sampling import PromptLogprobs, TokenChoice
+    from llmkit.serve.protocol import TokenJSON, completion_logprobs_json
+
+    rng = np.random.default_rng(k)
+    words = ["a", " b", "é", '"q"', "\\", "\n", "😀", ""]
+    text_of = lambda t: words[t % len(words)]  # ids 0 and 8 share a text
+    n, g = 40, 3
+    ids = rng.integers(0, 16, n).tolist()
+    lps = rng.normal(-5, 3, n - 1)
+    top_ids = rng.integers(0, 16, (n - 1, k))
+    top_lps = -np.sort(-rng.normal(-3, 2, (n - 1, k)), axis=1)
+    if k:
+        top_ids[::7, 0] = ids[1::7]  # sometimes the chosen token is the most likely
+    gen = [
+        TokenChoice(int(t), float(v), [(int(a), float(b)) for a, b in zip(ti, tv)])
+        for t, v, ti, tv in zip(rng.integers(0, 16, g), rng.normal(-2, 1, g), top_ids[:g], top_lps[:g])
+    ]
+    if k:
+        gen[-1].top[-1] = (gen[-1].top[-1][0], -np.inf)
+    prompt = PromptLogprobs(ids, lps, top_ids, top_lps)
+    got = json.loads(completion_logprobs_json(TokenJSON(text_of), gen, prompt, offset=0))
+    want = _logprobs_reference([TokenChoice(ids[0]), *prompt[1:], *gen], text_of, 0)
+    assert got == want
+    got = json.loads(completion_logprobs_json(TokenJSON(text_of), gen, offset=7))
+    assert got == _logprobs_reference(gen, text_of, 7)
