@@ -264,12 +264,6 @@ def test_adapter_dropout_is_refused_by_name(tmp_path, policy_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug, not fixed yet: under the sim backend (two rank threads in one process) a LoRA "
-    "run's grad_norm differs from one process's in some runs (seen for grpo and ppo at step 1, 5%), "
-    "so dp with adapters in llmkit rlhf is not yet shown to equal one process",
-)
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo", "ppo"])
 def test_adapters_on_two_data_parallel_ranks_are_the_one_process_run(tmp_path, policy_dir, algorithm):
     """parallel.dp=2 (one thread per rank; every algorithm with the KL to the base): the adapters'
