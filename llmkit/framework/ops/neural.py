@@ -707,7 +707,9 @@ defop(
 def _dropout_kernel(xp, x, step=None, p=0.5, seed=0):
     if p == 0.0:
         return x.copy()
-    keep = xp.random.default_rng(seed if step is None else [seed, int(step)]).random(x.shape) >= p
+    if step is not None:  # one int seed of (seed, step): cupy's generators take an int only
+        seed = int(np.random.SeedSequence([seed, int(step)]).generate_state(1, np.uint64)[0] >> 1)
+    keep = xp.random.default_rng(seed).random(x.shape) >= p
     return (x * keep / (1.0 - p)).astype(x.dtype, copy=False)
 
 
