@@ -174,36 +174,60 @@ def to_device(array: Any, device: str) -> Any:
 
 # ------------------------------------------------------------------------------------ randomness
 
-_generators: dict[str, Any] = {}
-_seed_value = 0
+
+class _Rng:
+    """A seed and the generators drawn from it, one per device (made on first use)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed, self.generators = int(seed), {}
+
+
+_shared_rng = _Rng()  # every thread's, but for one that took its own (``adopt``: a sim rank)
+
+
+def _rng() -> _Rng:
+    return getattr(_state, "rng", None) or _shared_rng
 
 
 def seed(n: int) -> None:
     """Seed every device's generator; runs with the same seed draw the same numbers."""
-    global _seed_value
-    _seed_value = int(n)
-    _generators.clear()
+    r = _rng()
+    r.seed = int(n)
+    r.generators.clear()
 
 
 def generator(device: str | None = None) -> Any:
     """The seeded random generator of a device (numpy ``Generator`` or cupy's)."""
     device = device or get_device()
-    g = _generators.get(device)
+    r = _rng()
+    g = r.generators.get(device)
     if g is None:
         xp = xp_for(device)
-        g = xp.random.default_rng(_seed_value if device == "cpu" else _seed_value + 1)
-        _generators[device] = g
+        g = r.generators[device] = xp.random.default_rng(r.seed if device == "cpu" else r.seed + 1)
     return g
 
 
 def get_rng_state() -> dict:
     """JSON-serializable state of the CPU generator (for checkpoints)."""
-    return {"seed": _seed_value, "cpu": generator("cpu").bit_generator.state}
+    return {"seed": _rng().seed, "cpu": generator("cpu").bit_generator.state}
 
 
 def set_rng_state(state: dict) -> None:
     seed(state["seed"])
     generator("cpu").bit_generator.state = state["cpu"]
+
+
+def snapshot() -> dict:
+    """This thread's settings: the default dtype, the device and the random state (``adopt``)."""
+    return {"dtype": get_default_dtype(), "device": get_device(), "rng": get_rng_state()}
+
+
+def adopt(snap: dict) -> None:
+    """Make ``snapshot()``'s settings this thread's own, its generators too, drawing from then on as
+    the snapshot's thread would have: a thread that stands for a process (a sim rank of
+    ``dist.run_ranks``) starts as a process forked from the caller and draws apart from the others."""
+    _state.default_dtype, _state.device, _state.rng = snap["dtype"], snap["device"], _Rng()
+    set_rng_state(snap["rng"])
 
 
 def random_seed() -> int:

@@ -55,6 +55,12 @@ class World:
         """The error for reading a value (``.numpy()``, ``if t:``) of a tensor of this world."""
         return TypeError(f"{what} needs a tensor with concrete values, not a {self.name} tensor")
 
+    def run_seed(self) -> tuple[Tensor, int] | None:
+        """For a random op (``dropout``): an int64 scalar that this world's programs read as an input
+        set afresh at every run, and the op's index among the program's random ops; None where ops
+        run at once and draw their seeds at the call."""
+        return None
+
 
 class EagerWorld(World):
     """Runs reference kernels on numpy/cupy arrays right away."""

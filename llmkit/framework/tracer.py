@@ -56,6 +56,8 @@ class Trace:
         self.captures: list[tuple[Tensor, Any, Value]] = []  # (tensor, payload before, input value)
         self._captured: set[int] = set()
         self._used_names: set[str] = set()
+        self.run_seed: Tensor | None = None  # random ops' per-run input (TracerWorld.run_seed)
+        self.random_ops = 0
 
     def _unique(self, name: str) -> str:
         base, i = name, 1
@@ -129,6 +131,18 @@ class TracerWorld(World):
 
     def constant(self, value: Any, dtype: np.dtype, like: Any = None) -> Any:
         return current_trace().builder.constant(np.asarray(value, dtype=dtype))
+
+    def run_seed(self) -> tuple[Tensor, int]:
+        """The trace's ``run_seed``, captured as a program input that ``ConcreteProgram.run`` sets to a
+        fresh draw of the generator before every run, and the op's index: a traced dropout draws a
+        new mask at each call, as eager code does (a seed drawn at tracing repeated one mask at every
+        step), and tracing draws nothing (a run resumed from a checkpoint draws what it would have)."""
+        trace = current_trace()
+        if trace.run_seed is None:
+            trace.run_seed = Tensor(B.to_device(np.zeros((), np.int64), B.get_device()))
+            trace.names[id(trace.run_seed)] = "run_seed"
+        trace.random_ops += 1
+        return trace.run_seed, trace.random_ops - 1
 
     def concrete_error(self, what: str, tensor: Any) -> Exception:
         return TraceError(

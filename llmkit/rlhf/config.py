@@ -139,15 +139,18 @@ def check_data_parallel(par: ParallelSection, rows: int, key: str) -> None:
         )
 
 
-def check_lora(lora: LoraSection | None) -> None:
-    """Adapters without dropout: a job's policy is traced into compiled programs (the engine's, the
-    train step), where a dropout mask would be drawn once, at tracing, and the engine's log-probs
-    could no longer be the trainer's."""
+_NO_DROPOUT = {  # why each kind of job refuses lora.dropout
+    "online": "the trainer's log-probs must equal the rollout engine's (exact_logprobs: the first "
+    "ratio 1, logprob_diff_max 0), and a dropout mask makes its forward another function than the engine's",
+    "offline": "rlhf checkpoints do not hold the random state that draws the masks, so a resumed run "
+    "would draw other masks than the whole run",
+}
+
+
+def check_lora(lora: LoraSection | None, job: str) -> None:
+    """Adapters without dropout, for ``_NO_DROPOUT[job]``'s reason (``job``: online or offline)."""
     if lora is not None and lora.dropout:
-        raise ValueError(
-            f"lora.dropout ({lora.dropout}): llmkit rlhf runs the policy as compiled programs, where a "
-            "dropout mask would be fixed when traced; use lora.dropout: 0"
-        )
+        raise ValueError(f"lora.dropout ({lora.dropout}): {_NO_DROPOUT[job]}; use lora.dropout: 0")
 
 
 class RLHFConfig(RunConfig):
@@ -182,7 +185,7 @@ class RLHFConfig(RunConfig):
         else:  # whole prompts per rank: a prompt's n samples (its group) stay together
             check_data_parallel(self.parallel, self.rollout.prompts_per_step, "rollout.prompts_per_step")
         check_warmup(self.lr_schedule, self.train.steps)
-        check_lora(self.lora)
+        check_lora(self.lora, "offline" if self.algorithm == "dpo" else "online")
         return self
 
 
@@ -205,7 +208,7 @@ class RewardModelConfig(RunConfig):
         if self.data.pairs is None:
             raise ValueError("data.pairs: a reward model trains on preference pairs")
         check_data_parallel(self.parallel, self.train.batch_size, "train.batch_size")
-        check_lora(self.lora)
+        check_lora(self.lora, "offline")
         return self
 
 

@@ -127,6 +127,32 @@ def test_captured_state_is_read_at_every_call():
     assert f.trace_count == 1
 
 
+@pytest.mark.parametrize("compiler", ["none", None])
+def test_a_traced_dropout_draws_a_new_mask_at_every_call(compiler):
+    """The program's ``run_seed`` input is drawn from the generator before each run, so a traced
+    dropout draws a new mask at every call (its seed alone, fixed at tracing, repeated one mask),
+    each call's gradient uses that call's mask, and ``lf.seed`` repeats the whole sequence (tracing,
+    at the first call, draws nothing: a resumed run draws what it would have)."""
+    w = lf.Parameter(np.ones((8, 16), np.float32))
+
+    def step():
+        y = lf.nn.functional.dropout(w, 0.5)
+        (g,) = lf.grad((y * y).sum(), [w])  # 2 * mask² / (1 - p)² = 2 * y * mask / (1 - p)
+        return y, g
+
+    f = jit.to_static(step, compiler=compiler)
+    lf.seed(3)
+    runs = [tuple(t.numpy() for t in f()) for _ in range(3)]
+    for y, g in runs:
+        assert set(np.unique(y)) == {0.0, 2.0}
+        np.testing.assert_array_equal(g, 2 * y * y)
+    assert not np.array_equal(runs[0][0], runs[1][0]) and not np.array_equal(runs[1][0], runs[2][0])
+    lf.seed(3)
+    for y, _ in runs:
+        np.testing.assert_array_equal(f()[0].numpy(), y)
+    assert f.trace_count == 1
+
+
 def _train_pair(steps, static, recompute=False):
     lf.seed(0)
     model = LlamaForCausalLM(tiny())

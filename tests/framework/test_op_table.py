@@ -763,14 +763,18 @@ def test_attention_lse_grad_names_a_wrong_lse():
         lf.ops.scaled_dot_product_attention_lse_grad(out, out, lse.astype("float64"), q, k, v)
 
 
-def _dropout_ref(x, p=0.5, seed=0):
+def _dropout_ref(x, step=None, p=0.5, seed=0):
     # Independent check: every output is either 0 or x / (1 - p); compared value-wise below.
     return None
 
 
 case(
     "dropout",
-    lambda rng: [S([r(rng, 4, 5)], {"p": 0.3, "seed": 7}), S([r(rng, 3)], {"p": 0.0, "seed": 1})],
+    lambda rng: [
+        S([r(rng, 4, 5)], {"p": 0.3, "seed": 7}),
+        S([r(rng, 3)], {"p": 0.0, "seed": 1}),
+        S([r(rng, 4, 5), np.array(3, np.int64)], {"p": 0.3, "seed": 7}),  # a static program's run_seed
+    ],
     _dropout_ref,
 )
 

@@ -40,6 +40,12 @@ def test_defaults_and_overrides(tmp_path):
         (["algorithm=dpo"], "data.pairs: DPO needs preference pairs"),
         (["lr_schedule.warmup_steps=500"], "lr_schedule.warmup_steps (500) exceeds train.steps (100)"),
         (["schedule.warmup=2"], "schedule was renamed lr_schedule (the learning-rate schedule;"),
+        # adapter dropout: the online algorithms' log-probs are exact; the offline jobs' resume is
+        (["lora.dropout=0.05"], "lora.dropout (0.05): the trainer's log-probs must equal the rollout engine"),
+        (
+            ["algorithm=dpo", "data.pairs=builtin:avoid_letter", "lora.dropout=0.1"],
+            "lora.dropout (0.1): rlhf checkpoints do not hold the random state that draws the masks",
+        ),
         # data parallel only: every other parallel key is refused by name, never ignored
         *(
             ([f"parallel.{key}={value}"], f"parallel.{key}: llmkit rlhf runs data parallel only")
@@ -74,6 +80,8 @@ def test_reward_model_config(tmp_path):
         load_reward_config(write(tmp_path, {"rollout": {"n": 2}}))
     with pytest.raises(ConfigError, match="parallel.recompute: llmkit rlhf runs data parallel only"):
         load_reward_config(write(tmp_path, {"parallel": {"dp": 1, "recompute": "full"}}))
+    with pytest.raises(ConfigError, match=r"lora.dropout \(0.05\): rlhf checkpoints do not hold the random"):
+        load_reward_config(write(tmp_path, {"lora": {"dropout": 0.05}}))
 
 
 def test_model_dir_finds_a_runs_newest_checkpoint(tmp_path):

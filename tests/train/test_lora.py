@@ -73,19 +73,40 @@ def test_step0_is_the_base_and_only_adapters_train(tmp_path):
     assert pointer["path"] == str((tmp_path / "lora" / "base").resolve())
 
 
-def test_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_resume_is_exact(tmp_path, dropout):
+    """Static steps; with dropout, each step's masks come from the run's checkpointed generator
+    (the program's run_seed) and the resumed run's tracing draws nothing, so they repeat exactly."""
+    lora = {**LORA, "dropout": dropout}
     straight = tmp_path / "straight"
-    Trainer(lora_run(straight, steps=6, mode="static", compiler="none"), quiet=True).fit()
+    Trainer(lora_run(straight, lora, steps=6, mode="static", compiler="none"), quiet=True).fit()
     # a run stopped at step 3: its checkpoint and base, resumed to 6
     cut = tmp_path / "cut"
     (cut / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "base", cut / "base")
     shutil.copytree(checkpoint.checkpoint_dir(straight, 3), checkpoint.checkpoint_dir(cut, 3))
-    resumed = Trainer(lora_run(cut, steps=6, mode="static", compiler="none"), resume=True, quiet=True)
+    resumed = Trainer(lora_run(cut, lora, steps=6, mode="static", compiler="none"), resume=True, quiet=True)
     assert resumed.step == 3
     resumed.fit()
     want, got = losses(straight), losses(cut)
     assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]
+
+
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_adapter_dropout_draws_new_masks_at_every_step(tmp_path, mode):
+    """The same batch at the same weights, twice: the losses differ, so each step drew its own masks
+    (a static step once drew them when traced and repeated them at every step)."""
+    tr = Trainer(lora_run(tmp_path, {**LORA, "dropout": 0.5}, mode=mode, compiler="none"), quiet=True)
+    rng = np.random.default_rng(0)
+    for m in L.lora_layers(tr.model).values():  # B = 0 would hide the adapters' input (and its masks)
+        m.lora_B.set_value((0.1 * rng.standard_normal(m.lora_B.shape)).astype(np.float32))
+    start = {k: t.numpy().copy() for k, t in L.adapter_state(tr.model).items()}
+    batch = tr.draw(0)
+    first, _ = tr.step_fn([batch])
+    for k, t in L.adapter_state(tr.model).items():
+        t.set_value(start[k])
+    again, _ = tr.step_fn([batch])
+    assert first != again
 
 
 def test_resume_refuses_another_base(tmp_path):

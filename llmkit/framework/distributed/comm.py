@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import backend as B
 from ..ops.collective import register_communicator
 
 BACKENDS = ("sim", "mpi", "nccl")
@@ -73,8 +74,6 @@ def fold(op: str, arrays: Sequence[Any]) -> Any:
 
 
 def _xp(a: Any) -> Any:
-    from .. import backend as B
-
     return B.xp_of(a)
 
 
@@ -354,14 +353,19 @@ _sim_threads = threading.local()
 def run_ranks(ranks: Sequence[int], fn: Callable[[int], Any]) -> dict[int, Any]:
     """Under ``sim``, run ``fn(rank)`` on one thread per rank (each thread hosts only its rank, so
     collectives rendezvous between the threads); returns ``{rank: result}``. The first error of
-    any thread is raised (the others are stopped by their collectives' timeouts or finish)."""
+    any thread is raised (the others are stopped by their collectives' timeouts or finish). Each
+    thread starts with the caller's default dtype, device and random state and then draws from a
+    generator of its own, as a process would (one shared generator made every rank's draws depend
+    on how the threads interleaved: a rank's LoRA adapters took another's numbers)."""
     backend = get_backend()
     if not isinstance(backend, SimBackend):
         raise RuntimeError("run_ranks runs ranks on threads of one process: it needs the sim backend")
     results: dict[int, Any] = {}
     errors: dict[int, BaseException] = {}
+    caller = B.snapshot()
 
     def body(r: int) -> None:
+        B.adopt(caller)
         backend._local.rank = r
         backend._local.seq = {}
         try:

@@ -65,6 +65,7 @@ class ConcreteProgram:
         n_outputs: int,
         compiler: str | None,
         runner: Any = None,
+        run_seed: Tensor | None = None,
     ) -> None:
         self.program = program
         self.n_args = n_args
@@ -74,6 +75,7 @@ class ConcreteProgram:
         self.n_outputs = n_outputs
         self.compiler = compiler
         self._executor = runner
+        self.run_seed = run_seed
 
     @property
     def executor(self):
@@ -84,6 +86,8 @@ class ConcreteProgram:
         return self._executor
 
     def run(self, args: list[Tensor]) -> Any:
+        if self.run_seed is not None:  # random ops draw anew at every run (tracer.run_seed)
+            self.run_seed._data = B.to_device(np.asarray(B.random_seed(), np.int64), self.run_seed.device)
         inputs = [t._data for t in args] + [t._data for t in self.captures]
         outs = self.executor.run(inputs)
         for t, new in zip(self.updated, outs[self.n_outputs :]):
@@ -215,6 +219,7 @@ class StaticFunction:
             len(out_values),
             self.compiler,
             None if kind is None else kind.prepare(program, payloads, self.compiler, params),
+            trace.run_seed,
         )
 
     def _check_grads(self, trace: Trace) -> None:

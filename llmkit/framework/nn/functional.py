@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import backend as B
 from .. import ops
+from ..dispatch import current_world
 from ..tensor import Tensor
 
 __all__ = ["dropout", "pad"]
@@ -22,13 +23,18 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
     """Zero each element with probability p and scale the rest by 1/(1-p); identity when not training.
 
     Each call draws a fresh seed from the CPU generator (``lf.seed``), so runs are reproducible and
-    the backward pass reuses the forward's mask (the op regenerates it from the seed).
+    the backward pass reuses the forward's mask (the op regenerates it from the seed). Traced into a
+    static program, the mask is a function of the program's ``run_seed`` input, drawn from the same
+    generator at every run, and of the op's place in the program: each call draws new masks.
     """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout: p must be in [0, 1), got {p}")
     if not training or p == 0.0:
         return x
-    return ops.dropout(x, p=p, seed=B.random_seed())
+    traced = current_world().run_seed()
+    if traced is None:
+        return ops.dropout(x, p=p, seed=B.random_seed())
+    return ops.dropout(x, traced[0], p=p, seed=traced[1])
 
 
 def pad(x: Tensor, pad: Sequence[int], value: float = 0.0) -> Tensor:

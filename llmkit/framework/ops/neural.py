@@ -704,29 +704,40 @@ defop(
 # ---- dropout -----------------------------------------------------------------------------------
 
 
-def _dropout_kernel(xp, x, p=0.5, seed=0):
+def _dropout_kernel(xp, x, step=None, p=0.5, seed=0):
     if p == 0.0:
         return x.copy()
+    if step is not None:  # one int seed of (seed, step): cupy's generators take an int only
+        seed = int(np.random.SeedSequence([seed, int(step)]).generate_state(1, np.uint64)[0] >> 1)
     keep = xp.random.default_rng(seed).random(x.shape) >= p
     return (x * keep / (1.0 - p)).astype(x.dtype, copy=False)
 
 
-def _dropout_meta(x, p=0.5, seed=0):
+def _dropout_meta(x, step=None, p=0.5, seed=0):
     _floating("dropout", x)
+    if step is not None and (step.ndim != 0 or step.dtype != np.int64):
+        raise OpError("dropout: step must be an int64 scalar", x, step)
     return Meta(x.shape, x.dtype)
+
+
+def _dropout_vjp(g, out, x, step=None, p=0.5, seed=0):  # the same mask: dropout is linear in x
+    return (O.dropout(g, p=p, seed=seed) if step is None else O.dropout(g, step, p=p, seed=seed), None)
 
 
 defop(
     "dropout",
     Kind.OPAQUE,
+    inputs=("x", "step?"),
     attrs=[
         attr("p", A.FLOAT, 0.5, lambda v: None if 0 <= v < 1 else "must be in [0, 1)"),
         attr("seed", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0"),
     ],
     infer_meta=_dropout_meta,
     kernel=_dropout_kernel,
-    vjp=lambda g, out, x, p, seed: (O.dropout(g, p=p, seed=seed),),  # the same mask: linear in x
+    vjp=_dropout_vjp,
+    nondiff={1},
     spmd=P.replicate_only("its mask is drawn from the seed over the whole shape: a shard would draw another"),
     doc="Zero each element with probability p and scale the rest by 1/(1-p); the mask is a "
-    "function of (seed, shape), so the gradient reuses it exactly.",
+    "function of (seed, step, shape), so the gradient reuses it exactly. step (a static program's "
+    "input, drawn afresh for every run) makes a traced dropout draw a new mask at each call.",
 )

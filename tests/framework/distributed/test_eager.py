@@ -5,6 +5,8 @@ tensors (the op table's own tests check those against numpy formulas)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -185,3 +187,30 @@ def test_local_in_a_rank_thread():
     )
     assert got[0].tolist() == [0, 1, 2] and got[1].tolist() == [3, 4]
     assert comm.get_backend().name == "sim"
+
+
+def test_each_rank_thread_starts_from_the_callers_settings_and_draws_on_its_own():
+    """A rank thread is a process forked from the caller: the caller's default dtype and random
+    state, then a generator of its own. With one shared generator (the old code) the ranks took each
+    other's numbers: rank 1's first draw continued rank 0's, and the last seed reset both."""
+    both_seeded = threading.Barrier(2)
+
+    def rank(r: int):
+        start = lf.randn(3).numpy()
+        lf.seed(100 + r)
+        both_seeded.wait()
+        return start, lf.randn(3).numpy()
+
+    lf.set_default_dtype("float64")  # a rank thread's too (its draws are float64 ones)
+    try:
+        lf.seed(7)
+        first = lf.randn(3).numpy()
+        lf.seed(7)
+        got = dist.run_ranks([0, 1], rank)
+        np.testing.assert_array_equal(lf.randn(3).numpy(), first)  # the caller's draws stay its own
+        for r in (0, 1):
+            lf.seed(100 + r)
+            np.testing.assert_array_equal(got[r][0], first)
+            np.testing.assert_array_equal(got[r][1], lf.randn(3).numpy())
+    finally:
+        lf.set_default_dtype("float32")
