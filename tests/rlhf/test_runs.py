@@ -57,7 +57,8 @@ def values(rows, key):
 
 
 # A random policy writes words without an "e" in about 30% of its words; GRPO at lr 1e-2 with 32
-# samples a step takes it above 70% within 14 steps (measured: 0.29 -> 0.99 by step 13).
+# samples a step takes it above 70% within 14 steps (measured on an Intel Xeon: 0.29 -> 0.99 by step 13;
+# on an AMD EPYC: 0.25 -> 0.88 by step 14, margin 0.50).
 GRPO_MARGIN = 0.3
 
 
@@ -82,8 +83,12 @@ def test_grpo_raises_the_reward_of_a_builtin_task(tmp_path, policy_dir, capsys):
     assert "reward.png" in capsys.readouterr().out
 
 
-# RLOO and PPO at lr 3e-2 take the same task from about 0.25 to above 0.9 within 8 steps
-# (measured, kl_coef 0: RLOO 0.25 -> 0.99 by step 8, PPO with 2 epochs of 2 minibatches 0.25 -> 0.98).
+# RLOO and PPO at lr 3e-2 take the same task from about 0.25 to above 0.9 within 14 steps; the take-off
+# step depends on the host (BLAS and CPU change the samples), so the run goes well past it. Measured,
+# kl_coef 0, PPO with 2 epochs of 2 minibatches: on an Intel Xeon RLOO 0.25 -> 0.99 by step 8, PPO
+# 0.25 -> 0.98 by step 8; on an AMD EPYC RLOO 0.25 0.31 0.34 0.46 0.33 0.40 0.45 0.59 0.74 0.88 0.99
+# (its margin over 8 steps only 0.18), PPO 0.25 0.35 0.67 0.71 0.86 1.00 by step 6. There with train.seed
+# 1-4, the 14-step margins are RLOO 0.67-0.71 and PPO 0.53-0.61 (over 8 steps PPO's seed 3 gave 0.03).
 @pytest.mark.parametrize(
     "algorithm,extra", [("rloo", {}), ("ppo", {"rlhf__epochs": 2, "rlhf__minibatches": 2})]
 )
@@ -93,19 +98,19 @@ def test_rloo_and_ppo_raise_the_reward_of_a_builtin_task(tmp_path, policy_dir, a
         policy_dir,
         algorithm,
         algorithm=algorithm,
-        train__steps=8,
+        train__steps=14,
         optim__lr=3e-2,
         **extra,
     )
     assert cli_main(["rlhf", str(cfg), "--quiet"]) == 0
     rows = read_metrics(tmp_path / algorithm / "metrics.jsonl")
-    assert len(rows) == 8 and all(r["logprob_diff_max"] == 0.0 for r in rows)
+    assert len(rows) == 14 and all(r["logprob_diff_max"] == 0.0 for r in rows)
     reward = values(rows, "reward_mean")
     first, last = sum(reward[:3]) / 3, sum(reward[-3:]) / 3
     assert last - first > GRPO_MARGIN, reward
     if algorithm == "ppo":
         assert "value_loss" in rows[0] and rows[0]["clip_frac"] >= 0.0
-        assert (tmp_path / "ppo" / "checkpoints" / "step-00000008" / "value_head.safetensors").is_file()
+        assert (tmp_path / "ppo" / "checkpoints" / "step-00000014" / "value_head.safetensors").is_file()
         assert any(r["ratio_mean"] != 1.0 for r in rows)  # later minibatches see updated weights
 
 
