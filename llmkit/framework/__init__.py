@@ -29,11 +29,6 @@ from .tensor import Parameter, Tensor
 methods.install()
 
 
-def __getattr__(name: str) -> object:
-    if name == "bfloat16":  # imported at first use (backend._bfloat16)
-        return backend.bfloat16
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 from . import nn, optim  # noqa: E402  (they build on the names above)
 from .serialization import load, save  # noqa: E402
 
@@ -71,3 +66,9 @@ __all__ = [
     "zeros",
     "zeros_like",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "bfloat16":  # imported at first use (backend._bfloat16)
+        return backend.bfloat16
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
