@@ -29,7 +29,7 @@ from typing import Any, TypedDict
 import numpy as np
 
 from .. import backend as B
-from ..files import atomic_dir, recover, sha256
+from ..files import atomic_dir, has_sha256, recover, sha256
 from ..ir import Program, parse
 from ..ir.errors import IRError
 from ..serialization import SafetensorsError, load, save
@@ -285,12 +285,17 @@ class StaticModel:
         return f"<StaticModel {self.path} programs={list(self.programs)}>"
 
 
-def load_model(path: str | os.PathLike[str], compiler: str | None = None, device: str = "cpu") -> StaticModel:
+def load_model(
+    path: str | os.PathLike[str], compiler: str | None = None, device: str = "cpu", verify: bool = False
+) -> StaticModel:
     """Read a static model directory written by ``jit.save``, trusting nothing in it.
 
     The manifest must have the schema of :class:`Manifest` and a version this llmkit reads; every
     file the loader reads (programs, weights, extra files) must be listed in ``files`` under a plain
-    name inside the directory and match its sha256; each program's function must take exactly the
+    name inside the directory and match its sha256 (read in full at the first load of each file;
+    later loads of the file unchanged since, by its inode, size and times, trust the user's cache
+    record of that check: ``files.has_sha256``; ``verify=True`` reads every byte again); the
+    weights are memory-mapped, not read; each program's function must take exactly the
     listed inputs and weights, with the listed shapes and dtypes. Anything else is a
     :class:`FormatError` naming the file and the field.
     """
@@ -333,7 +338,7 @@ def load_model(path: str | os.PathLike[str], compiler: str | None = None, device
         if name not in files:
             raise FormatError(f"{mpath}: {field}: {name!r} is not listed (with its sha256) in files")
     for name, digest in files.items():
-        if sha256(path / name) != digest:
+        if not has_sha256(path / name, digest, full=verify):
             raise FormatError(f"{path}: {name} is corrupted (sha256 does not match the manifest)")
     try:
         weights = {k: t._data for k, t in load(path / wfile, device=device).items()}
