@@ -80,3 +80,21 @@ def test_a_stale_or_broken_entry_is_a_miss(saved, monkeypatch, spoil, kernel_cac
     again = jit.load(path, compiler="cinn")
     assert not again.programs["forward"]._compiled
     np.testing.assert_allclose(again(x), _reference(m, x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_probed_toolchain_is_recorded_for_the_next_process(monkeypatch):
+    from llmkit.framework.compiler import build
+
+    monkeypatch.setattr(build, "_toolchain", "unset")  # as a fresh process: probes, records
+    first = build.toolchain()
+    monkeypatch.setattr(build, "_toolchain", "unset")  # the next fresh process
+
+    def no_compiler_run(*a, **k):
+        raise AssertionError("ran the compiler again: the toolchain record was not used")
+
+    monkeypatch.setattr(build.subprocess, "run", no_compiler_run)
+    assert build.toolchain() == first
+    monkeypatch.setattr(build, "_toolchain", "unset")
+    monkeypatch.setattr(build, "_cpu_model", lambda: "another CPU")  # another machine: probed again
+    with pytest.raises(AssertionError, match="ran the compiler again"):
+        build.toolchain()
