@@ -6,7 +6,7 @@ per fusion group in program order, what running its kernel needs besides the loo
 work) and its candidates' kernel names; the kernels themselves are in the kernel cache. A hit parses
 the fused text and binds the groups to their shared objects: no fusion passes, lowering or C
 rendering (about a second for a 134M model's three programs). Any change to the framework's code
-changes every key; an unreadable entry, or a kernel missing from the cache, is a miss (compiled as
+changes every key (as do the toolchain and the kernels' compiled-in settings); an unreadable entry, or a kernel missing from the cache, is a miss (compiled as
 usual, then stored). The cache is trusted as the kernel cache is: it holds code that runs.
 """
 
@@ -16,6 +16,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from ..files import atomic_write
 from ..ir import Program, parse
 from ..ir.errors import IRError
 from . import build, runtime
+from .codegen_c import STREAM_BYTES
 from .lower import Axis, Input, Lowered, group_parts
 
 
@@ -39,7 +41,7 @@ def _code_digest() -> str:
 
 def _entry(key: str) -> Path:
     tc = build.toolchain()
-    ident = tc.ident if tc else ""
+    ident = f"{tc.ident if tc else ''}|{STREAM_BYTES}"  # the settings compiled into the kernels
     h = hashlib.sha256(f"{_code_digest()}\0{ident}\0{key}".encode()).hexdigest()
     return build.cache_dir() / "programs" / f"{h[:32]}.json"
 
@@ -49,7 +51,10 @@ def _groups(program: Program) -> list[Any]:
 
 
 def load(key: str) -> Program | None:
-    """The compiled program stored under ``key``, its groups bound to their kernels; None on a miss."""
+    """The compiled program stored under ``key``, its groups bound to their kernels; None on a miss
+    (always with ``LLMKIT_CINN_DUMP`` set: the kernels' sources are written as they are compiled)."""
+    if os.environ.get("LLMKIT_CINN_DUMP"):
+        return None
     try:
         entry = json.loads(_entry(key).read_text())
         program = parse(entry["program"], verify=False)
