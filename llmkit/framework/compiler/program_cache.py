@@ -5,9 +5,10 @@ the framework's source) in ``<kernel cache>/programs/``. An entry holds the fuse
 per fusion group in program order, what running its kernel needs besides the loop IR (sizes, outputs,
 work) and its candidates' kernel names; the kernels themselves are in the kernel cache. A hit parses
 the fused text and binds the groups to their shared objects: no fusion passes, lowering or C
-rendering (about a second for a 134M model's three programs). Any change to the framework's code
-changes every key (as do the toolchain and the kernels' compiled-in settings); an unreadable entry, or a kernel missing from the cache, is a miss (compiled as
-usual, then stored). The cache is trusted as the kernel cache is: it holds code that runs.
+rendering (about a second for a 134M model's three programs). Any change to the framework's code,
+the toolchain or the settings compiled into the kernels changes every key; an unreadable entry, or
+a kernel missing from the cache, is a miss (compiled as usual, then stored). The cache is trusted
+as the kernel cache is: it holds code that runs.
 """
 
 from __future__ import annotations
