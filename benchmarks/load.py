@@ -157,6 +157,7 @@ def main() -> None:
                 for k, x in figures.items():
                     got.setdefault((v, k, name), []).append(x)
                 loads.append(load_average())
+                print(v, name, {k: round(x, 3) for k, x in figures.items()}, file=sys.stderr, flush=True)
     info = {**machine(), "rounds": a.rounds, "load_avg": statistics.median(loads)}
     for (v, k, name), xs in got.items():
         unit = "MiB" if k.endswith("MiB") else "s"
