@@ -43,6 +43,8 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 
 _LOAD = """
 import json, sys, time
+import llmkit
+assert llmkit.__file__.startswith(sys.argv[2]), (llmkit.__file__, sys.argv[2])
 t0 = time.perf_counter()
 from llmkit.infer import Engine, EngineConfig, SamplingParams
 t1 = time.perf_counter()
@@ -88,8 +90,9 @@ def env_for(tree: str) -> dict[str, str]:
 
 def load_times(tree: str, model: Path) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, "-c", _LOAD, str(model)],
+        [sys.executable, "-c", _LOAD, str(model), tree],
         env=env_for(tree),
+        cwd=tree,  # python -c and -m put the working directory first on the path
         capture_output=True,
         text=True,
         check=True,
@@ -111,7 +114,9 @@ def serve(tree: str, model: Path, streams: int, max_tokens: int) -> dict[str, fl
     args = [sys.executable, "-m", "llmkit.cli", "serve", str(model), "--port", str(port)]
     args += ["--max-batch", str(streams), "--served-model-name", "bench"]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(args, env=env_for(tree), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        args, env=env_for(tree), cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         body = {"model": "bench", "prompt": [1, 2, 3], "max_tokens": 1}
         while True:
