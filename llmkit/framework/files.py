@@ -196,11 +196,6 @@ def sha256(path: str | os.PathLike[str]) -> str:
 RACY_S = 2.0  # a file changed this recently may change again within its timestamps' granularity
 
 
-def cache_root() -> Path:
-    """llmkit's cache directory: ``$LLMKIT_CACHE_DIR``, else ``~/.cache/llmkit``."""
-    return Path(os.environ.get("LLMKIT_CACHE_DIR") or Path.home() / ".cache" / "llmkit")
-
-
 def has_sha256(path: str | os.PathLike[str], digest: str, full: bool = False) -> bool:
     """Whether the file's sha256 is ``digest``, reading every byte unless this user's cache records
     that the file, in its present state (device, inode, size, modification and change times, all in
