@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from . import backend, methods, ops
 from .autograd import grad
-from .backend import bfloat16, get_default_dtype, get_device, seed, set_default_dtype, set_device
+from .backend import get_default_dtype, get_device, seed, set_default_dtype, set_device
 from .creation import (
     arange,
     empty,
@@ -27,6 +27,7 @@ from .tape import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from .tensor import Parameter, Tensor
 
 methods.install()
+
 
 from . import nn, optim  # noqa: E402  (they build on the names above)
 from .serialization import load, save  # noqa: E402
@@ -65,3 +66,9 @@ __all__ = [
     "zeros",
     "zeros_like",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "bfloat16":  # imported at first use (backend._bfloat16)
+        return backend.bfloat16
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

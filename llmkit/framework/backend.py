@@ -2,26 +2,24 @@
 
 A device name picks an array module: ``"cpu"`` is numpy, ``"gpu"`` is cupy. Kernels receive that
 module as ``xp`` and are written once for both. Dtypes are numpy dtype objects everywhere
-(bfloat16 comes from ml_dtypes); :func:`dtype` turns names into them and rejects anything else.
+(bfloat16 comes from ml_dtypes, imported at its first use: the import takes most of a second);
+:func:`dtype` turns names into them and rejects anything else.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 # ---------------------------------------------------------------------------------------- dtypes
 
-bfloat16 = np.dtype(ml_dtypes.bfloat16)
-
-DTYPES: dict[str, np.dtype] = {
+DTYPES: dict[str, np.dtype] = {  # bfloat16 joins at its first use (_bfloat16)
     "float64": np.dtype(np.float64),
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
-    "bfloat16": bfloat16,
     "int8": np.dtype(np.int8),
     "uint8": np.dtype(np.uint8),
     "int16": np.dtype(np.int16),
@@ -30,8 +28,27 @@ DTYPES: dict[str, np.dtype] = {
     "bool": np.dtype(np.bool_),
 }
 _BY_DTYPE = {v: k for k, v in DTYPES.items()}
-FLOAT_DTYPES = frozenset(DTYPES[n] for n in ("float64", "float32", "float16", "bfloat16"))
+FLOAT_DTYPES = {DTYPES[n] for n in ("float64", "float32", "float16")}
 INT_DTYPES = frozenset(DTYPES[n] for n in ("int8", "uint8", "int16", "int32", "int64"))
+NAMES = (*DTYPES, "bfloat16")
+
+
+def _bfloat16() -> np.dtype:
+    d = DTYPES.get("bfloat16")
+    if d is None:
+        import ml_dtypes
+
+        d = np.dtype(ml_dtypes.bfloat16)
+        _BY_DTYPE[d] = "bfloat16"
+        FLOAT_DTYPES.add(d)
+        DTYPES["bfloat16"] = d
+    return d
+
+
+def __getattr__(name: str) -> Any:
+    if name == "bfloat16":
+        return _bfloat16()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype(x: Any) -> np.dtype:
@@ -40,8 +57,8 @@ def dtype(x: Any) -> np.dtype:
         return x
     if isinstance(x, str):
         d = DTYPES.get(x)
-        if d is not None:
-            return d
+        if d is not None or x == "bfloat16":
+            return d or _bfloat16()
     else:
         try:
             d = np.dtype(x)
@@ -49,7 +66,9 @@ def dtype(x: Any) -> np.dtype:
             d = None
         if d is not None and d in _BY_DTYPE:
             return d
-    raise TypeError(f"unsupported dtype {x!r}; expected one of {', '.join(DTYPES)}")
+        if d is not None and d.name == "bfloat16" and "ml_dtypes" in sys.modules:
+            return _bfloat16()  # an ml_dtypes bfloat16 met before any use of ours
+    raise TypeError(f"unsupported dtype {x!r}; expected one of {', '.join(NAMES)}")
 
 
 def dtype_name(d: Any) -> str:

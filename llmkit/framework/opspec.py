@@ -124,7 +124,7 @@ def _dtype(v: Any) -> np.dtype:
     try:
         return B.dtype(v)
     except TypeError:
-        raise TypeError(f"a dtype ({', '.join(B.DTYPES)})") from None
+        raise TypeError(f"a dtype ({', '.join(B.NAMES)})") from None
 
 
 def _dim(v: Any) -> Dim:

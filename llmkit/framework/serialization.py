@@ -29,20 +29,19 @@ from .tensor import Tensor
 
 __all__ = ["SafetensorsError", "SafetensorsFile", "load", "load_metadata", "safe_open", "save"]
 
-# safetensors dtype codes of the dtypes the framework supports.
-DTYPE_CODES: dict[str, np.dtype] = {
-    "F64": B.DTYPES["float64"],
-    "F32": B.DTYPES["float32"],
-    "F16": B.DTYPES["float16"],
-    "BF16": B.bfloat16,
-    "I64": B.DTYPES["int64"],
-    "I32": B.DTYPES["int32"],
-    "I16": B.DTYPES["int16"],
-    "I8": B.DTYPES["int8"],
-    "U8": B.DTYPES["uint8"],
-    "BOOL": B.DTYPES["bool"],
+# safetensors dtype codes of the dtypes the framework supports (by name: bfloat16 loads lazily).
+DTYPE_CODES: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
 }
-_CODE_OF = {dt: code for code, dt in DTYPE_CODES.items()}
 
 
 class SafetensorsError(ValueError):
@@ -66,11 +65,13 @@ def _host_array(name: str, value: Any) -> np.ndarray:
         value = B.to_numpy(value)
     else:
         raise TypeError(f"save: {name!r} must be a Tensor or an array, got {type(value).__name__}")
-    if value.dtype not in _CODE_OF:
+    try:
+        B.dtype_name(value.dtype)
+    except TypeError:
         raise TypeError(
             f"save: {name!r} has dtype {value.dtype}, which safetensors files here cannot hold; "
-            f"supported: {', '.join(B.dtype_name(d) for d in _CODE_OF)}"
-        )
+            f"supported: {', '.join(DTYPE_CODES.values())}"
+        ) from None
     # The library reads raw memory from the data pointer, so the array must be C-contiguous;
     # np.require (unlike ascontiguousarray) keeps 0-d arrays 0-d.
     return np.require(value, requirements="C")
@@ -136,6 +137,7 @@ def _parse_header(path: str, size: int, head: bytes) -> tuple[dict[str, _Entry],
             if field not in info:
                 raise fail(f"{where}: the entry has no {field!r}")
         dtype = DTYPE_CODES.get(info["dtype"])
+        dtype = dtype and B.dtype(dtype)
         if dtype is None:
             raise fail(f"{where}: unknown dtype {info['dtype']!r}; supported: {', '.join(DTYPE_CODES)}")
         shape, offsets = info["shape"], info["data_offsets"]

@@ -32,8 +32,7 @@ SHORT_NAMES: dict[str, str] = {
     "int64": "i64",
     "bool": "bool",
 }
-DTYPE_BY_SHORT: dict[str, np.dtype] = {s: B.DTYPES[n] for n, s in SHORT_NAMES.items()}
-_SHORT_BY_DTYPE: dict[np.dtype, str] = {B.DTYPES[n]: s for n, s in SHORT_NAMES.items()}
+DTYPE_BY_SHORT: dict[str, str] = {s: n for n, s in SHORT_NAMES.items()}  # B.dtype(name): the dtype
 
 # Words that mean something else in the text form, so they cannot be symbol names.
 RESERVED = frozenset(DTYPE_BY_SHORT) | {"true", "false", "none", "inf", "nan", "dense", "dense_resource"}
@@ -41,7 +40,7 @@ RESERVED = frozenset(DTYPE_BY_SHORT) | {"true", "false", "none", "inf", "nan", "
 
 def dtype_short(dtype: np.dtype) -> str:
     """``f32`` for float32 and so on (the text form's dtype names)."""
-    return _SHORT_BY_DTYPE[B.dtype(dtype)]
+    return SHORT_NAMES[B.dtype_name(dtype)]
 
 
 def check_dim(d: Any) -> Dim:

@@ -10,14 +10,21 @@ Prefix caching: a *full* prompt block is identified by a hash chained over every
 end (sha256, so equal hashes mean equal prefixes). Once computed it is registered; a later
 sequence whose prompt starts with the same blocks shares them (reference counted, read-only) and
 skips their prefill. At least one prompt token is always recomputed (its logits start decoding).
-A shared block whose last user finished stays cached and *evictable*: it is reused, least recently
-freed first, only when no free block is left.
+A shared block whose last user finished stays cached and *evictable*.
+
+Memory grows with the work: the pool is one lazily committed allocation (the OS gives a page memory
+at its first write), and blocks are handed out so that the set ever written stays as small as the
+work allows: a freed block first (lowest first), else the least recently freed evictable block,
+and only when neither is left a block never used before. Resident memory thus follows the most
+blocks in use at once, up to the pool's size (the cap: ``--num-blocks``); cached prefixes keep the
+blocks that work freed, and give them back before the pool grows.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,7 +48,8 @@ class BlockManager:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = []  # freed blocks (a heap: lowest first)
+        self._fresh = 0  # blocks _fresh.. were never handed out (their memory is not committed yet)
         self._ref = [0] * num_blocks
         self._cached: dict[bytes, int] = {}  # prefix hash -> block
         self._hash_of: dict[int, bytes] = {}  # block -> its prefix hash
@@ -53,12 +61,17 @@ class BlockManager:
     @property
     def num_free(self) -> int:
         """Blocks a new sequence can get (free, or cached but unused)."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._evictable) + self.num_blocks - self._fresh
 
     @property
     def num_used(self) -> int:
         """Blocks held by sequences."""
         return self.num_blocks - self.num_free
+
+    @property
+    def num_touched(self) -> int:
+        """Blocks ever handed out (the pool's memory in use: the rest was never written)."""
+        return self._fresh
 
     @property
     def num_cached(self) -> int:
@@ -117,10 +130,12 @@ class BlockManager:
 
     def _take(self) -> int:
         if self._free:
-            b = self._free.popleft()
-        else:  # evict the least recently freed cached block
+            b = heapq.heappop(self._free)
+        elif self._evictable:  # evict the least recently freed cached block
             b, _ = self._evictable.popitem(last=False)
             del self._cached[self._hash_of.pop(b)]
+        else:  # the pool grows
+            b, self._fresh = self._fresh, self._fresh + 1
         self._ref[b] = 1
         return b
 
@@ -141,12 +156,12 @@ class BlockManager:
                 if b in self._hash_of:
                     self._evictable[b] = None
                 else:
-                    self._free.append(b)
+                    heapq.heappush(self._free, b)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (call after changing the model's weights)."""
         for b in self._evictable:
-            self._free.append(b)
+            heapq.heappush(self._free, b)
         self._evictable.clear()
         self._cached.clear()
         self._hash_of.clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,35 @@ def test_an_empty_file_list_checks_nothing_and_is_refused(saved):
     m["files"] = {"weights.safetensors": sha(bytes(data))}  # the program file unlisted
     write(saved, m)
     with pytest.raises(jit.FormatError, match=r"programs.forward.file: 'forward.pir' is not listed"):
+        jit.load(saved)
+
+
+def test_a_verified_file_is_read_again_only_once_it_changed(saved, monkeypatch):
+    """The first load reads every byte; later loads trust the user cache's record of that check
+    while the file is as it was (inode, size, times), unless verify=True; a write is caught."""
+    from llmkit.framework import files
+
+    reads: list[str] = []
+    real = files.sha256
+    monkeypatch.setattr(files, "sha256", lambda p: reads.append(Path(p).name) or real(p))
+    w = saved / "weights.safetensors"
+    jit.load(saved)
+    jit.load(saved)  # written just now: no record yet (a write in the same clock tick would hide)
+    assert reads.count("weights.safetensors") == 2
+    monkeypatch.setattr(files, "RACY_S", 0.0)
+    jit.load(saved)
+    reads.clear()
+    jit.load(saved)
+    assert reads == []
+    jit.load(saved, verify=True)
+    assert reads.count("weights.safetensors") == 1
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 0xFF
+    with open(w, "r+b") as f:  # in place: the same inode and size
+        f.write(bytes(data))
+    st = w.stat()
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns - 10**9))  # and an older modification time
+    with pytest.raises(jit.FormatError, match="weights.safetensors is corrupted"):
         jit.load(saved)
 
 

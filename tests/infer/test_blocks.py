@@ -66,3 +66,24 @@ def test_reset_and_disabled_prefix_cache():
     b = off.admit([1, 2, 3], total_tokens=4)
     off.register(b.blocks[0], b"x")
     assert off.num_cached == 0 and b.hashes == []
+
+
+def test_the_pool_grows_with_the_most_blocks_in_use_at_once():
+    """Blocks never written cost no memory (the pool is committed lazily): the blocks handed out stay
+    those of the busiest moment, freed ones (lowest first) and then cached prefixes going first."""
+    bm = BlockManager(num_blocks=64, block_size=2)
+    assert bm.num_touched == 0 and bm.num_free == 64
+    for wave in range(10):  # 3 sequences of 3 blocks at once, each wave with new prompts
+        seqs = [bm.admit([wave, k, 7, 7, 7], total_tokens=6) for k in range(3)]
+        for s in seqs:
+            for b, h in zip(s.blocks, s.hashes):
+                bm.register(b, h)
+        assert bm.num_touched == 9 and sorted(b for s in seqs for b in s.blocks) == list(range(9))
+        for s in seqs:
+            bm.free(s.blocks)
+    assert bm.num_cached == 6  # the last wave's prefixes; older ones made way
+    big = bm.admit([1] * 21, total_tokens=22)  # 11 blocks: 3 freed, 6 cached evicted, 2 new
+    assert bm.num_touched == 11 and bm.num_cached == 0
+    assert bm.admit([2], total_tokens=2 * 53) is not None and bm.num_free == 0  # up to the cap
+    bm.free(big.blocks)
+    assert sorted(bm._free) == list(range(11)) and bm.num_free == 11

@@ -87,17 +87,25 @@ def fuse_program(program: Program) -> Program:
     return p
 
 
-def compile_program(program: Program) -> Program:
+def compile_program(program: Program, key: str | None = None) -> Program:
     """The program the executor should run: fused, with every group's kernel built.
 
-    Without a C compiler it returns ``program`` itself (the reference kernels run it), with one
-    warning per process.
+    ``key`` (the program's text, as a static model file holds it): the result is looked up in and
+    stored into the cache of compiled programs (``program_cache``). Without a C compiler it returns
+    ``program`` itself (the reference kernels run it), with one warning per process.
     """
     if not available():
         build.warn_once("no-cc", NO_CC)
         return program
+    from . import program_cache
+
+    cached = None if key is None else program_cache.load(key)
+    if cached is not None:
+        return cached
     p = fuse_program(program)
     compile_fusions(p)
+    if key is not None:
+        program_cache.store(key, p)
     return p
 
 

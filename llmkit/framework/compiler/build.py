@@ -19,8 +19,10 @@ default is ``$CC`` or ``cc``); the cache lives in ``$LLMKIT_KERNEL_CACHE``, else
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..executor import FallbackWarning
-from ..files import cache_root
+from ..files import atomic_write, cache_root
 from . import par
 from .codegen_c import PRELUDE
 
@@ -136,6 +138,18 @@ def toolchain() -> Toolchain | None:
     )
     if cc is None:
         return None
+    # the toolchain that passed the probe with this compiler binary on this CPU, from the cache
+    # (`cc --version` and the probe's build cost a fifth of a second at every process start)
+    st = os.stat(real := os.path.realpath(cc))
+    key = f"{real}|{st.st_size}|{st.st_mtime_ns}|{platform.machine()}|{_cpu_model()}|{' '.join(FLAGS)}"
+    record = cache_dir() / f"toolchain-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    try:
+        _toolchain = Toolchain(
+            cc, *(tuple(v) if isinstance(v, list) else v for v in json.loads(record.read_text()))
+        )
+        return _toolchain
+    except (OSError, ValueError, TypeError):
+        pass
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
@@ -145,6 +159,8 @@ def toolchain() -> Toolchain | None:
         tc = Toolchain(cc, flags, libs, f"{base}|{' '.join(flags)}|{' '.join(libs)}")
         if _probe(tc):
             _toolchain = tc
+            with contextlib.suppress(OSError):
+                atomic_write(record, json.dumps([tc.flags, tc.libs, tc.ident]))
             return tc
     return None
 

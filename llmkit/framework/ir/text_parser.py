@@ -125,6 +125,7 @@ class TextParser:
         dt = DTYPE_BY_SHORT.get(name)
         if dt is None:
             self.fail(f"unknown dtype {name!r} (expected one of {', '.join(DTYPE_BY_SHORT)})", at)
+        dt = B.dtype(dt)
         if self.texts[self.i] != "[":
             return ScalarType(dt)
         self.i += 1
@@ -227,7 +228,7 @@ class TextParser:
                 return _KEYWORD_ATTRS[t]
             if t in DTYPE_BY_SHORT:
                 self.i += 1
-                return DTypeAttr(DTYPE_BY_SHORT[t])
+                return DTypeAttr(B.dtype(DTYPE_BY_SHORT[t]))
             if t == "dense":
                 return self.dense()
             if t == "dense_resource":

@@ -29,7 +29,7 @@ from typing import Any, TypedDict
 import numpy as np
 
 from .. import backend as B
-from ..files import atomic_dir, recover, sha256
+from ..files import atomic_dir, has_sha256, recover, sha256
 from ..ir import Program, parse
 from ..ir.errors import IRError
 from ..serialization import SafetensorsError, load, save
@@ -217,11 +217,18 @@ class LoadedFunction:
     """One program of a static model file: call it with arrays or Tensors."""
 
     def __init__(
-        self, name: str, program: Program, entry: dict[str, Any], weights: list[Any], compiler: str | None
+        self,
+        name: str,
+        program: Program,
+        entry: dict[str, Any],
+        weights: list[Any],
+        compiler: str | None,
+        text: str | None = None,
+        compiled: bool = False,
     ) -> None:
         self.name, self.program, self.entry = name, program, entry
         self.weights = weights  # the arrays bound to the function arguments after the inputs
-        self._compiler = compiler
+        self._compiler, self._text, self._compiled = compiler, text, compiled
         self._executor = None
         self.input_specs = entry["inputs"]
         self.output_specs = entry["outputs"]
@@ -229,9 +236,15 @@ class LoadedFunction:
     @property
     def executor(self):
         if self._executor is None:
+            from ..executor import Executor
             from .compile import executor_for
 
-            self._executor = executor_for(self.program, self._compiler, self.entry["function"])
+            func = self.entry["function"]
+            self._executor = (  # compiled: from the cache of compiled programs, at load
+                Executor(self.program, func, native=True)
+                if self._compiled
+                else executor_for(self.program, self._compiler, func, key=self._text)
+            )
         return self._executor
 
     def __call__(self, *inputs: Any) -> Any:
@@ -285,12 +298,17 @@ class StaticModel:
         return f"<StaticModel {self.path} programs={list(self.programs)}>"
 
 
-def load_model(path: str | os.PathLike[str], compiler: str | None = None, device: str = "cpu") -> StaticModel:
+def load_model(
+    path: str | os.PathLike[str], compiler: str | None = None, device: str = "cpu", verify: bool = False
+) -> StaticModel:
     """Read a static model directory written by ``jit.save``, trusting nothing in it.
 
     The manifest must have the schema of :class:`Manifest` and a version this llmkit reads; every
     file the loader reads (programs, weights, extra files) must be listed in ``files`` under a plain
-    name inside the directory and match its sha256; each program's function must take exactly the
+    name inside the directory and match its sha256 (read in full at the first load of each file;
+    later loads of the file unchanged since, by its inode, size and times, trust the user's cache
+    record of that check: ``files.has_sha256``; ``verify=True`` reads every byte again); the
+    weights are memory-mapped, not read; each program's function must take exactly the
     listed inputs and weights, with the listed shapes and dtypes. Anything else is a
     :class:`FormatError` naming the file and the field.
     """
@@ -333,7 +351,7 @@ def load_model(path: str | os.PathLike[str], compiler: str | None = None, device
         if name not in files:
             raise FormatError(f"{mpath}: {field}: {name!r} is not listed (with its sha256) in files")
     for name, digest in files.items():
-        if sha256(path / name) != digest:
+        if not has_sha256(path / name, digest, full=verify):
             raise FormatError(f"{path}: {name} is corrupted (sha256 does not match the manifest)")
     try:
         weights = {k: t._data for k, t in load(path / wfile, device=device).items()}
@@ -351,7 +369,10 @@ def _load_program(
     """One program of the manifest, parsed and checked against its entry (arguments, outputs, weights)."""
     where = f"{path / MANIFEST}: programs.{pname}"
     try:
-        program = parse((path / entry["file"]).read_bytes().decode("utf-8"))
+        text = (path / entry["file"]).read_bytes().decode("utf-8")
+        program = _compiled(text, compiler)
+        compiled = program is not None
+        program = program or parse(text)
     except UnicodeDecodeError as e:
         raise FormatError(f"{path}: program {pname!r}: {entry['file']} is not UTF-8 text ({e})") from None
     except IRError as e:
@@ -384,7 +405,19 @@ def _load_program(
                 f"but {entry['file']} takes {want['dtype']}{want['shape']}"
             )
         bound.append(weights[w])
-    return LoadedFunction(pname, program, entry, bound, compiler)
+    return LoadedFunction(pname, program, entry, bound, compiler, text, compiled)
+
+
+def _compiled(text: str, compiler: str | None) -> Program | None:
+    """The program of ``text`` as the CINN compiler left it when it last compiled the same text
+    (the compiled-program cache), or None: the loader then parses and the first call compiles."""
+    from .compile import default_compiler
+
+    if (compiler or default_compiler()) != "cinn":
+        return None
+    from ..compiler import available, program_cache
+
+    return program_cache.load(text) if available() else None
 
 
 def save_static(

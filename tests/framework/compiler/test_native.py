@@ -508,8 +508,31 @@ def test_replay_equals_op_by_op_bitwise_across_calls():
         got = replayed.run(ins)
         for g, w in zip(got, want):
             assert g.shape == w.shape and np.array_equal(g, w)
+        if b == 8:
+            arena_at_8 = replayed._replays._arena.nbytes
     plans = replayed._replays.plans
     assert sum(v is not None for v in plans.values()) == 3  # one plan per batch size
+    # their intermediates share one arena, grown for the largest plan (batch 8) and no more
+    assert replayed._replays._arena.nbytes == arena_at_8 > 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_packed_intermediates_never_share_memory_while_both_live(seed):
+    from llmkit.framework.compiler.native.run import _pack
+
+    rng = np.random.default_rng(seed)
+    bufs = []
+    for b in range(60):
+        first = int(rng.integers(0, 40))
+        bufs.append((b, [first, first + int(rng.integers(0, 8))], int(rng.integers(1, 5000))))
+    off = _pack(bufs)
+    for b, (f, l_), n in bufs:
+        assert off[b] % 64 == 0
+        for c, (g, m), k in bufs:
+            if c != b and f <= m and g <= l_:  # both live at some step
+                assert off[b] + n <= off[c] or off[c] + k <= off[b], (b, c)
+    # reuse: far less than one buffer after another
+    assert max(off[b] + n for b, _, n in bufs) < sum(n for _, _, n in bufs) / 2
 
 
 def test_replay_copies_a_transpose_that_is_not_a_view_and_equals_numpy():

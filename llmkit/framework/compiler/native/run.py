@@ -200,7 +200,7 @@ class _Unplannable(Exception):
 class Replay:
     """One function, planned for one binding of its size symbols (see the module docstring)."""
 
-    def __init__(self, ex: Any, env: dict[str, int], inputs: Sequence[np.ndarray]) -> None:
+    def __init__(self, ex: Any, env: dict[str, int], inputs: Sequence[np.ndarray], replays: Replays) -> None:
         launch = build_c(LAUNCH)
         if launch is None:
             raise _Unplannable("no C compiler")
@@ -224,6 +224,7 @@ class Replay:
             c = np.ascontiguousarray(c)
             at[s], arrays[s] = new_base("const", c), c
         uses: list[tuple[int, Any, int, int]] = []  # (base, bufs array, position, byte offset)
+        life: dict[int, list[int]] = {}  # base -> [first, last] step using it
         calls: list[tuple[int, Any, Any, int]] = []  # (kernel address, bufs, sizes, threads)
         self.names: list[str] = []
         self.keep: list[Any] = []  # the ctypes arrays the C loop reads
@@ -261,6 +262,7 @@ class Replay:
             bufs = (_c_void_p * (len(args) + len(outs) + len(status)))()
             for pos, s in enumerate([*st.ins, *st.outs]):
                 uses.append((*at[s], bufs, pos))
+                life.setdefault(at[s][0], [len(calls), 0])[1] = len(calls)
             for pos, a in enumerate(status, len(args) + len(outs)):
                 bufs[pos] = a.ctypes.data
             sz = sizes if isinstance(sizes, ctypes.Array) else (_c_int64 * max(1, len(sizes)))(*sizes)
@@ -269,12 +271,20 @@ class Replay:
             self.names.append(st.name)
         self.outs = [self._output(s, at, arrays, bases, inputs) for s in ex.output_slots]
         fresh = {what for kind, what, _ in self.outs if kind == "fresh"}
+        # Intermediates live in the executor's arena, packed by lifetime (see Replays.arena).
+        inner = [(b, life[b], bases[b][1].nbytes) for b in life if bases[b][0] == "buffer" and b not in fresh]
+        offsets = _pack(inner)
+        arena = replays.arena(max((offsets[b] + n for b, _, n in inner), default=0))
+        self.in_arena: list[tuple[Any, int, int]] = []  # (bufs, position, byte offset in the arena)
         # Fixed addresses go in now; inputs and fresh buffers are pointed to at every call.
         patches: dict[int, list[tuple[Any, int, int]]] = {}
         for base, off, bufs, pos in uses:
             kind, what = bases[base]
             if kind == "input" or base in fresh:
                 patches.setdefault(base, []).append((bufs, pos, off))
+            elif base in offsets:
+                self.in_arena.append((bufs, pos, offsets[base] + off))
+                bufs[pos] = arena.ctypes.data + offsets[base] + off
             else:
                 bufs[pos] = what.ctypes.data + off
         self.inputs = [(bases[b][1], p, b in written) for b, p in patches.items() if bases[b][0] == "input"]
@@ -286,7 +296,9 @@ class Replay:
         sizev = (_c_void_p * n)(*[ctypes.addressof(c[2]) for c in calls])
         threads = (_c_int64 * n)(*[c[3] for c in calls])
         self.keep += [fns, argv, sizev, threads]
-        self.bases = bases  # the arrays the kernels point into: they live as long as the plan
+        # the arrays the kernels point into live as long as the plan (the planning copies of the
+        # intermediates go: the arena holds them)
+        self.bases = [(k, None if b in offsets else w) for b, (k, w) in enumerate(bases)]
         self.launch = launch
         self.launch_bufs = (_c_void_p * 5)(
             ctypes.addressof(fns), ctypes.addressof(argv), ctypes.addressof(sizev),
@@ -362,6 +374,25 @@ class Replay:
         return outs
 
 
+def _pack(buffers: list[tuple[int, list[int], int]]) -> dict[int, int]:
+    """Byte offsets for buffers ``(id, [first, last] step, bytes)`` so that two whose steps overlap
+    never overlap in memory: each takes the smallest gap between the live ones that fits (64-byte
+    aligned), else the end."""
+    offsets: dict[int, int] = {}
+    live: list[tuple[int, int, int]] = []  # (last step, offset, bytes)
+    for b, (first, last), n in sorted(buffers, key=lambda x: x[1][0]):
+        live = [x for x in live if x[0] >= first]
+        n = -(-n // 64) * 64
+        best, best_gap, end = None, 0, 0
+        for lo, hi in sorted((off, off + size) for _, off, size in live):
+            if lo - end >= n and (best is None or lo - end < best_gap):
+                best, best_gap = end, lo - end
+            end = max(end, hi)
+        offsets[b] = end if best is None else best
+        live.append((last, offsets[b], n))
+    return offsets
+
+
 class _Failed(Exception):
     """A kernel of a replay rejected its inputs; the op-by-op run raises the op's own error."""
 
@@ -375,6 +406,20 @@ class Replays:
         self.ex = ex
         self.plans: OrderedDict[tuple, Replay | None] = OrderedDict()
         self.lock = threading.Lock()
+        self._arena = np.zeros(0, np.uint8)
+
+    def arena(self, nbytes: int) -> np.ndarray:
+        """The memory every plan's intermediates live in: plans never run at once (the lock), so
+        they share it, and the executor holds its largest plan's intermediates, not the sum over
+        its bindings (a prefill of every chunk length). When a plan needs more, a larger one
+        replaces it and the other plans' kernels are pointed into that."""
+        if nbytes > self._arena.nbytes:
+            self._arena = np.zeros(0, np.uint8)  # the old one goes before the new one comes
+            self._arena = np.zeros(nbytes, np.uint8)
+            for plan in self.plans.values():
+                for bufs, pos, off in plan.in_arena if plan is not None else ():
+                    bufs[pos] = self._arena.ctypes.data + off
+        return self._arena
 
     def run(self, env: dict[str, int], inputs: Sequence[Any]) -> list[Any] | None:
         """The function's outputs by replay, or None: run it op by op."""
@@ -400,7 +445,7 @@ class Replays:
 
     def _plan(self, key: tuple, env: dict[str, int], inputs: Sequence[Any]) -> Replay | None:
         try:
-            plan = Replay(self.ex, env, inputs)
+            plan = Replay(self.ex, env, inputs, self)
         except _Unplannable as e:
             log.info("native: @%s %s runs op by op: %s", self.ex.name, dict(env), e)
             plan = None
