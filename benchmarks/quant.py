@@ -107,6 +107,20 @@ def load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def prefill_seconds(engine: Engine, n: int, seed: int) -> float:
+    """Seconds from a fresh ``n``-token prompt (new tokens each call: no prefix-cache hit) to its
+    first token, the engine's steps as it runs them (``max_tokens_per_step`` >= n: one step)."""
+    from llmkit.infer import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.add_request(rng.integers(3, engine.spec.vocab_size, n).tolist(), params)
+    t = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - t
+
+
 def speed(
     name: str,
     variants: list[str],
@@ -114,16 +128,33 @@ def speed(
     rounds: int,
     prompt_len: int,
     new_tokens: int,
+    prefill_len: int,
     info: dict,
 ) -> None:
     config = MODELS[name]()
     engines, weights = {}, {}
+    ecfg = EngineConfig(max_batch=max(batches), max_tokens_per_step=max(256, prefill_len))
     for v in ["float32", *(v for v in variants if v != "float32")]:
         t = time.perf_counter()
         model = model_of(config, SPEED[v])
         weights[v] = step_bytes(model)
-        engines[v] = Engine.from_model(model, None, EngineConfig(max_batch=max(batches)))
+        engines[v] = Engine.from_model(model, None, ecfg)
         emit("quant", f"{name}_{v}_setup_s", time.perf_counter() - t, "s", model=name, load_1min=load())
+    if prefill_len:  # one warm-up prefill each (kernels built), then interleaved rounds
+        for e in engines.values():
+            prefill_seconds(e, prefill_len, 0)
+        per_round = {v: [] for v in engines}
+        loads = []
+        for r in range(rounds):
+            for v, e in engines.items():
+                per_round[v].append(prefill_len / prefill_seconds(e, prefill_len, r + 1))
+            loads.append(load())
+        for v, tps in per_round.items():
+            emit("quant", f"{name}_{v}_prefill{prefill_len}_tokens_per_s", float(np.median(tps)), "tokens/s",
+                 per_round=[round(t, 1) for t in tps], load_1min=loads, **info)  # fmt: skip
+            if v != "float32":
+                emit_paired_ratio("quant", f"{name}_{v}_over_float32_prefill{prefill_len}", tps,
+                                  per_round["float32"], model=name, load_1min=loads)  # fmt: skip
     for batch in batches:
         per_round: dict[str, list[float]] = {v: [] for v in engines}
         loads = []
@@ -248,6 +279,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prefill-len", type=int, default=512, help="prefill figures: prompt tokens (0: none)")
     p.add_argument(
         "--model", default="runs/tiny", help="trained model (or run) directory for the accuracy table"
     )
@@ -264,7 +296,8 @@ def main() -> None:
         head(a.rounds, a.batches, info)
     if not a.skip_speed:
         for name in a.models:
-            speed(name, a.variants, a.batches, a.rounds, a.prompt_len, a.new_tokens, {"model": name, **info})
+            speed(name, a.variants, a.batches, a.rounds, a.prompt_len, a.new_tokens, a.prefill_len,
+                  {"model": name, **info})  # fmt: skip
     if Path(a.model).exists():
         accuracy(Path(a.model), a.calib_samples)
     else:

@@ -199,18 +199,38 @@ static void KERNEL_FN_panel_c(const KERNEL_FN_ijob *j, const uint8_t *pw, const 
 }
 
 #ifdef KERNEL_FN_X86
-/* the panel's codes by gathers when every group's codes are whole dwords (the row's dword p is the
-   panel's dword p); padding dwords of a short last group 0 */
+/* the panel's codes when every group's codes are whole dwords (the row's dword p is the panel's
+   dword p): 16 rows x 16 dwords at a time, transposed in registers (unpack 32, unpack 64, then the
+   128-bit lanes); rows past the last output repeat it (their lanes are never stored); padding
+   dwords of a short last group 0 */
 KERNEL_FN_T5 static void KERNEL_FN_pack_512(const KERNEL_FN_ijob *j, int64_t n0, int64_t nn, uint8_t *pw) {
-  const __mmask16 lanes = (__mmask16)((1u << nn) - 1);
-  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32((int32_t)j->RB));
   const __m512i fl = _mm512_set1_epi8(j->flip ? (char)0x80 : 0);
   const int64_t dw = j->RB / 4, all = j->G * j->GW;
-  const uint8_t *base = j->q + n0 * j->RB;
-  for (int64_t p = 0; p < dw; p++) {
-    const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, idx, base + 4 * p, 1);
-    _mm512_storeu_si512((void *)(pw + p * 64), _mm512_xor_si512(v, fl));
+  const uint8_t *row[16];
+  for (int l = 0; l < 16; l++) row[l] = j->q + (n0 + (l < nn ? l : nn - 1)) * j->RB;
+  for (int64_t p = 0; p < dw; p += 16) {
+    const __mmask16 k = dw - p >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dw - p)) - 1);
+    __m512i r[16], t[16], u[16];
+    for (int l = 0; l < 16; l++) r[l] = _mm512_maskz_loadu_epi32(k, (const void *)(row[l] + 4 * p));
+    for (int i = 0; i < 8; i++) {
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + c] lane L: rows 4i .. 4i + 3 at dword 4L + c */
+      u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+      u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+      const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+      const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+      const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+      const __m512i o[4] = {_mm512_shuffle_i32x4(v0, v2, 0x88), _mm512_shuffle_i32x4(v0, v2, 0xDD),
+                            _mm512_shuffle_i32x4(v1, v3, 0x88), _mm512_shuffle_i32x4(v1, v3, 0xDD)};
+      for (int L = 0; L < 4; L++)
+        if (p + 4 * L + c < dw) _mm512_storeu_si512((void *)(pw + (p + 4 * L + c) * 64), _mm512_xor_si512(o[L], fl));
+    }
   }
   for (int64_t p = dw; p < all; p++) _mm512_storeu_si512((void *)(pw + p * 64), fl);
 }
