@@ -52,6 +52,7 @@ from llmkit.framework.ir.passes import QuantizeLinear
 from llmkit.framework.ir.rewriter import PatternRewriter, RewritePattern, apply_patterns
 from llmkit.framework.jit.compile import default_compiler
 from llmkit.framework.ops.paged import PANEL, pack_panels
+from llmkit.framework.ops.quant import pack_qweight
 
 O = lf.ops
 
@@ -164,13 +165,18 @@ class TileLinear(Pass):
 
 
 class _Relayout(RewritePattern):
-    roots = ("llm.tiled_linear",)
+    roots = ("llm.tiled_linear", "llm.quant_linear")
 
     def __init__(self, layouts: dict) -> None:
-        self.layouts = layouts  # weight value -> "T" | "P16"
+        self.layouts = layouts  # weight value -> "T" | "P16" | "Q<bits>g<group>"
 
     def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
         layout = self.layouts.get(op.operands[1])
+        if op.name == "llm.quant_linear":
+            if layout is not None and not op.plain_attrs["packed"]:
+                attrs = {**op.plain_attrs, "packed": 1}
+                rewriter.replace_op(op, rewriter.create(op.name, list(op.operands), attrs))
+            return
         if layout is None or op.plain_attrs["transposed"] or op.plain_attrs["panel"]:
             return
         attrs = {**op.plain_attrs, **({"panel": PANEL} if layout == "P16" else {"transposed": True})}
@@ -187,6 +193,9 @@ class TransposeWeights(Pass):
     BLAS reads a contiguous ``[in, out]`` matrix faster than the transposed view of ``[out, in]``
     (a third less time for the engine's small matrices); the C kernel reads panels fastest (about
     1.8x ``[in, out]`` at 8 rows, 1.3x at one row: its register tile streams one contiguous panel).
+    With ``panels``, the codes of ``quant_linear`` weights with int8 activations become the panels
+    its C kernel reads (``Q<bits>g<group>``, ``ops.quant.pack_qweight``; ``packed=1``), which it
+    otherwise packs at every call.
     Whoever feeds the program passes those weights so: ``layouts`` maps their argument positions
     after ``apply`` to the layout (:func:`relayout` makes it).
     """
@@ -204,8 +213,18 @@ class TransposeWeights(Pass):
                 n, k = a.shape
                 packed = self.panels and isinstance(n, int) and n % PANEL == 0 and a.dtype == np.float32
                 chosen[a] = "P16" if packed else "T"
+            elif self.panels and uses and all(op.name == "llm.quant_linear" and i == 1 for op, i in uses):
+                kinds = {(op.plain_attrs["bits"], op.plain_attrs["group_size"], op.plain_attrs["act_bits"])
+                         for op, _ in uses}  # fmt: skip
+                (bits, group, act), *more = kinds
+                if not more and act == 8 and all(isinstance(d, int) for d in a.shape):
+                    chosen[a] = f"Q{bits}g{group}"
         for a, layout in chosen.items():
             n, k = a.shape
+            if layout[0] == "Q":
+                shape = pack_qweight(np.zeros((1, k), a.dtype), *map(int, layout[1:].split("g"))).shape
+                a.type = TensorType((-(-n // 16), shape[1]), np.dtype(np.uint8))
+                continue
             a.type = TensorType((n // PANEL, k, PANEL) if layout == "P16" else (k, n), a.dtype)
         apply_patterns(program, [_Relayout(chosen)], erase_dead=False)
         self.layouts = {a.index: layout for a, layout in sorted(chosen.items(), key=lambda kv: kv[0].index)}
@@ -217,6 +236,8 @@ def relayout(a: np.ndarray, layout: str) -> np.ndarray:
         return B.xp_of(a).ascontiguousarray(a.T)
     if layout == "P16":
         return pack_panels(a.T)
+    if layout[0] == "Q" and layout[1] in "48":
+        return pack_qweight(a, *map(int, layout[1:].split("g")))
     raise ValueError(f"unknown weight layout {layout!r}")
 
 

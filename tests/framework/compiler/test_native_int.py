@@ -21,6 +21,7 @@ from llmkit.framework.compiler.native.quant_int import (
     int_isa_code,
     set_int_isa,
 )
+from llmkit.framework.ops.quant import pack_qweight, unpack_qweight
 from llmkit.framework.opspec import table
 
 pytestmark = pytest.mark.skipif(not available(), reason="no working C compiler")
@@ -200,3 +201,25 @@ def test_the_dequantize_kernel_is_the_format_exactly(bits, out, n_in, group, asy
     got = dq(np, *w, bits=bits, group_size=group)
     want = (qz * w[1].astype(np.float64)[:, col]).astype(np.float32)
     assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("bits,out,n_in,group,asym", CASES)
+def test_packed_weights_give_the_same_bits_and_unpack_to_the_codes(op, isa, bits, out, n_in, group, asym):
+    """``pack_qweight``'s panels (what the engine hands the kernel) against the row-major codes: the
+    same output bits (the kernel packs those itself), the reference kernel the same, and unpacking
+    gives the codes back; 512 rows (a prefill) as well as one."""
+    rng = np.random.default_rng(out + 3 * n_in)
+    qz, w, col = weights(rng, bits, out, n_in, group, asym)
+    packed = pack_qweight(w[0], bits, group)
+    assert packed.shape[0] == -(-out // 16) and packed.dtype == np.uint8
+    assert np.array_equal(unpack_qweight(np, packed, out, n_in, bits, group), w[0])
+    for m in (1, 512):
+        x = rng.standard_normal((m, n_in)).astype(np.float32)
+        attrs = {"bits": bits, "group_size": group, "act_bits": 8}
+        y = op(np, x, *w, **attrs)
+        assert np.array_equal(op(np, x, packed, *w[1:], packed=1, **attrs), y)
+        if m == 1:
+            ref = table()["quant_linear"].kernel(np, x, packed, *w[1:], packed=1, **attrs)
+            assert np.array_equal(ref, table()["quant_linear"].kernel(np, x, *w, **attrs))
+        want, tol = reference(x, qz, w[1], col)
+        assert np.all(np.abs(y - want) <= tol + 1e-30)

@@ -101,7 +101,7 @@ typedef struct {
   float *xd;
   int32_t *xs;
   uint8_t *pbuf;
-  int64_t M, K, N, G, g, gb, GW, XB, KX, RB, bits, isa, off, flip, pstride, mr, nt;
+  int64_t M, K, N, G, g, gb, GW, XB, KX, RB, bits, isa, off, flip, pstride, mr, nt, packed;
 } KERNEL_FN_ijob;
 
 /* the byte of column c (of a group) among the group's activation codes */
@@ -145,8 +145,8 @@ static void KERNEL_FN_quantize_rows(void *arg, int64_t c, int64_t worker) {
   }
 }
 
-/* the panel of outputs n0 .. n0 + nn - 1: codes as above (8 bits xor 0x80 with flip: q + 128,
-   unsigned), the scales [G][NR], and with zeros their negatives [G][NR] (int32); lanes >= nn 0 */
+/* the panel of outputs n0 .. n0 + nn - 1: codes as above, the bytes as stored (so a weight packed
+   once, ``pack_qweight``, is this same layout); lanes >= nn 0 */
 static void KERNEL_FN_pack_c(const KERNEL_FN_ijob *j, int64_t n0, int64_t nn, uint8_t *pw) {
   const int64_t NR = KERNEL_FN_NR;
   for (int64_t gi = 0; gi < j->G; gi++) {
@@ -156,11 +156,12 @@ static void KERNEL_FN_pack_c(const KERNEL_FN_ijob *j, int64_t n0, int64_t nn, ui
         for (int64_t b = 0; b < 4; b++) {
           const int64_t at = 4 * t + b;
           uint8_t v = l < nn && at < bytes ? j->q[(n0 + l) * j->RB + gi * j->gb + at] : 0;
-          pw[((gi * j->GW + t) * NR + l) * 4 + b] = j->flip ? v ^ 0x80 : v;
+          pw[((gi * j->GW + t) * NR + l) * 4 + b] = v;
         }
   }
 }
 
+/* the panel's scales [G][NR] and, with zeros, their negatives [G][NR] (int32); lanes >= nn 0 */
 static void KERNEL_FN_pack_meta(const KERNEL_FN_ijob *j, int64_t n0, int64_t nn, float *ps, int32_t *pz) {
   for (int64_t gi = 0; gi < j->G; gi++)
     for (int64_t l = 0; l < KERNEL_FN_NR; l++) {
@@ -185,7 +186,7 @@ static void KERNEL_FN_panel_c(const KERNEL_FN_ijob *j, const uint8_t *pw, const 
           const uint8_t *w = pw + ((gi * j->GW + t) * KERNEL_FN_NR + l) * 4;
           for (int b = 0; b < 4; b++) {
             if (j->bits == 8) {
-              acc += (j->flip ? (int32_t)w[b] : (int32_t)(int8_t)w[b]) * xg[4 * t + b];
+              acc += (int32_t)(int8_t)w[b] * xg[4 * t + b];
             } else {
               acc += (int32_t)(w[b] & 15) * xg[8 * t + b] + (int32_t)(w[b] >> 4) * xg[8 * t + 4 + b];
             }
@@ -199,15 +200,13 @@ static void KERNEL_FN_panel_c(const KERNEL_FN_ijob *j, const uint8_t *pw, const 
 }
 
 #ifdef KERNEL_FN_X86
-/* the panel's codes when every group's codes are whole dwords (the row's dword p is the panel's
-   dword p): 16 rows x 16 dwords at a time, transposed in registers (unpack 32, unpack 64, then the
-   128-bit lanes); rows past the last output repeat it (their lanes are never stored); padding
-   dwords of a short last group 0 */
-KERNEL_FN_T5 static void KERNEL_FN_pack_512(const KERNEL_FN_ijob *j, int64_t n0, int64_t nn, uint8_t *pw) {
-  const __m512i fl = _mm512_set1_epi8(j->flip ? (char)0x80 : 0);
-  const int64_t dw = j->RB / 4, all = j->G * j->GW;
+/* dst[p * 64 + 4 * l ..] = dword p of row l (rows `stride` bytes apart from src; rows >= nn repeat
+   the last, their lanes never stored), p < dw: 16 rows x 16 dwords at a time, transposed in
+   registers (unpack 32, unpack 64, then the 128-bit lanes) */
+KERNEL_FN_T5 static void KERNEL_FN_t16(const uint8_t *src, int64_t stride, int64_t nn, int64_t dw,
+                                       uint8_t *dst) {
   const uint8_t *row[16];
-  for (int l = 0; l < 16; l++) row[l] = j->q + (n0 + (l < nn ? l : nn - 1)) * j->RB;
+  for (int l = 0; l < 16; l++) row[l] = src + (l < nn ? l : nn - 1) * stride;
   for (int64_t p = 0; p < dw; p += 16) {
     const __mmask16 k = dw - p >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dw - p)) - 1);
     __m512i r[16], t[16], u[16];
@@ -223,21 +222,28 @@ KERNEL_FN_T5 static void KERNEL_FN_pack_512(const KERNEL_FN_ijob *j, int64_t n0,
       u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
     }
     for (int c = 0; c < 4; c++) {
-      const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+      const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+      const __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
       const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
       const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
       const __m512i o[4] = {_mm512_shuffle_i32x4(v0, v2, 0x88), _mm512_shuffle_i32x4(v0, v2, 0xDD),
                             _mm512_shuffle_i32x4(v1, v3, 0x88), _mm512_shuffle_i32x4(v1, v3, 0xDD)};
       for (int L = 0; L < 4; L++)
-        if (p + 4 * L + c < dw) _mm512_storeu_si512((void *)(pw + (p + 4 * L + c) * 64), _mm512_xor_si512(o[L], fl));
+        if (p + 4 * L + c < dw) _mm512_storeu_si512((void *)(dst + (p + 4 * L + c) * 64), o[L]);
     }
   }
-  for (int64_t p = dw; p < all; p++) _mm512_storeu_si512((void *)(pw + p * 64), fl);
+}
+
+/* the panel's codes when every group's codes are whole dwords (the row's dword p is the panel's
+   dword p); padding dwords of a short last group 0 */
+KERNEL_FN_T5 static void KERNEL_FN_pack_512(const KERNEL_FN_ijob *j, int64_t n0, int64_t nn, uint8_t *pw) {
+  const int64_t dw = j->RB / 4, all = j->G * j->GW;
+  KERNEL_FN_t16(j->q + n0 * j->RB, j->RB, nn, dw, pw);
+  for (int64_t p = dw; p < all; p++) _mm512_storeu_si512((void *)(pw + p * 64), _mm512_setzero_si512());
 }
 
 KERNEL_FN_T2 static void KERNEL_FN_pack_256(const KERNEL_FN_ijob *j, int64_t n0, int64_t nn, uint8_t *pw) {
   const int64_t dw = j->RB / 4, all = j->G * j->GW;
-  const __m256i fl = _mm256_set1_epi8(j->flip ? (char)0x80 : 0);
   for (int h = 0; h < 2; h++) {
     int32_t ix[8];
     for (int l = 0; l < 8; l++) ix[l] = (int32_t)((8 * h + l < nn ? 8 * h + l : 0) * j->RB);
@@ -247,11 +253,12 @@ KERNEL_FN_T2 static void KERNEL_FN_pack_256(const KERNEL_FN_ijob *j, int64_t n0,
     const __m256i mask = _mm256_loadu_si256((const __m256i *)mk);
     const int *base = (const int *)(j->q + n0 * j->RB);
     for (int64_t p = 0; p < dw; p++) {
-      const __m256i v = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)((const uint8_t *)base + 4 * p),
-                                                    idx, mask, 1);
-      _mm256_storeu_si256((__m256i *)(pw + p * 64 + 32 * h), _mm256_xor_si256(v, fl));
+      const int *at = (const int *)((const uint8_t *)base + 4 * p);
+      const __m256i v = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), at, idx, mask, 1);
+      _mm256_storeu_si256((__m256i *)(pw + p * 64 + 32 * h), v);
     }
-    for (int64_t p = dw; p < all; p++) _mm256_storeu_si256((__m256i *)(pw + p * 64 + 32 * h), fl);
+    for (int64_t p = dw; p < all; p++)
+      _mm256_storeu_si256((__m256i *)(pw + p * 64 + 32 * h), _mm256_setzero_si256());
   }
 }
 
@@ -261,9 +268,12 @@ KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_mk512(
     int64_t n0, int64_t nn, const int bits) {
   __m512 f[8];
   for (int r = 0; r < mb; r++) f[r] = _mm512_setzero_ps();
-  const __m512i lo4 = _mm512_set1_epi8(15);
+  const __m512i lo4 = _mm512_set1_epi8(15), fl = _mm512_set1_epi8(bits == 8 ? (char)0x80 : 0);
   for (int64_t gi = 0; gi < j->G; gi++) {
-    __m512i a[8];
+    /* integer chains per row (exact, so their sum is the same however split): 4 bits a the low
+       nibbles, b the high ones; 8 bits a and b alternate words; with one or two rows c and e take
+       every other word as well (a single chain would wait on vpdpbusd's latency) */
+    __m512i a[8], b[8], c[8], e[8];
     const int8_t *xr = j->xq + m0 * j->KX + gi * j->GW * j->XB;
     const int32_t *xs = j->xs + m0 * j->G + gi;
     if (j->z) {
@@ -272,25 +282,46 @@ KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_mk512(
     } else {
       for (int r = 0; r < mb; r++) a[r] = _mm512_set1_epi32(-(int32_t)j->off * xs[r * j->G]);
     }
+    for (int r = 0; r < mb; r++) b[r] = c[r] = e[r] = _mm512_setzero_si512();
     const uint8_t *w = pw + gi * j->GW * 64;
-    for (int64_t t = 0; t < j->GW; t++) {
-      const __m512i wv = _mm512_loadu_si512((const void *)(w + t * 64));
-      if (bits == 4) {
-        const __m512i lo = _mm512_and_si512(wv, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), lo4);
-        for (int r = 0; r < mb; r++) {
-          const int8_t *x = xr + r * j->KX + 8 * t;
-          a[r] = _mm512_dpbusd_epi32(a[r], lo, _mm512_set1_epi32(*(const int32_t *)x));
-          a[r] = _mm512_dpbusd_epi32(a[r], hi, _mm512_set1_epi32(*(const int32_t *)(x + 4)));
-        }
-      } else {
-        for (int r = 0; r < mb; r++)
-          a[r] = _mm512_dpbusd_epi32(a[r], wv, _mm512_set1_epi32(*(const int32_t *)(xr + r * j->KX + 4 * t)));
+#define KERNEL_FN_S512(t, A, B)                                                                       \
+  do {                                                                                                \
+    const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + (t) * 64)), fl);         \
+    if (bits == 4) {                                                                                  \
+      const __m512i lo = _mm512_and_si512(wv, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), lo4); \
+      for (int r = 0; r < mb; r++) {                                                                  \
+        const int8_t *x = xr + r * j->KX + 8 * (t);                                                   \
+        A[r] = _mm512_dpbusd_epi32(A[r], lo, _mm512_set1_epi32(*(const int32_t *)x));                 \
+        B[r] = _mm512_dpbusd_epi32(B[r], hi, _mm512_set1_epi32(*(const int32_t *)(x + 4)));           \
+      }                                                                                               \
+    } else {                                                                                          \
+      for (int r = 0; r < mb; r++) {                                                                  \
+        const int8_t *x = xr + r * j->KX + 4 * (t);                                                   \
+        A[r] = _mm512_dpbusd_epi32(A[r], wv, _mm512_set1_epi32(*(const int32_t *)x));                 \
+      }                                                                                               \
+    }                                                                                                 \
+  } while (0)
+    int64_t t = 0;
+    if (mb <= 2)
+      for (; t + 1 < j->GW; t += 2) {
+        KERNEL_FN_S512(t, a, b);
+        KERNEL_FN_S512(t + 1, c, e);
       }
+    else if (bits == 8)
+      for (; t + 1 < j->GW; t += 2) {
+        KERNEL_FN_S512(t, a, a);
+        KERNEL_FN_S512(t + 1, b, b);
+      }
+    for (; t < j->GW; t++) KERNEL_FN_S512(t, a, b);
+#undef KERNEL_FN_S512
+    for (int r = 0; r < mb; r++) {
+      a[r] = _mm512_add_epi32(a[r], b[r]);
+      if (mb <= 2) a[r] = _mm512_add_epi32(a[r], _mm512_add_epi32(c[r], e[r]));
     }
     const __m512 sv = _mm512_loadu_ps(ps + gi * 16);
     for (int r = 0; r < mb; r++)
-      f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), _mm512_mul_ps(_mm512_set1_ps(j->xd[(m0 + r) * j->G + gi]), sv),
-                             f[r]);
+      f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]),
+                             _mm512_mul_ps(_mm512_set1_ps(j->xd[(m0 + r) * j->G + gi]), sv), f[r]);
   }
   const __mmask16 lanes = (__mmask16)((1u << nn) - 1);
   for (int r = 0; r < mb; r++) _mm512_mask_storeu_ps(j->y + (m0 + r) * j->N + n0, lanes, f[r]);
@@ -309,7 +340,8 @@ KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_mk512(
   }
 #define KERNEL_FN_MK512(bits, mbc) KERNEL_FN_mk512(j, pw, ps, pz, m0, mbc, n0, nn, bits)
 KERNEL_FN_T5 static void KERNEL_FN_panel_512(const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps,
-                                              const int32_t *pz, int64_t m0, int64_t mb, int64_t n0, int64_t nn) {
+                                              const int32_t *pz, int64_t m0, int64_t mb, int64_t n0,
+                                              int64_t nn) {
   if (j->bits == 4) {
     KERNEL_FN_CASES(KERNEL_FN_MK512, 4)
   } else {
@@ -333,7 +365,7 @@ KERNEL_FN_T2 static inline __m256i KERNEL_FN_dot_avx2(__m256i acc, __m256i w, __
       const int mb, int64_t n0, int64_t nn, const int bits) {                                          \
     __m256 f[4][2];                                                                                   \
     for (int r = 0; r < mb; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();                             \
-    const __m256i lo4 = _mm256_set1_epi8(15);                                                         \
+    const __m256i lo4 = _mm256_set1_epi8(15), fl = _mm256_set1_epi8(bits == 8 && j->flip ? (char)0x80 : 0); \
     for (int64_t gi = 0; gi < j->G; gi++) {                                                           \
       __m256i a[4][2];                                                                                \
       const int8_t *xr = j->xq + m0 * j->KX + gi * j->GW * j->XB;                                     \
@@ -346,7 +378,8 @@ KERNEL_FN_T2 static inline __m256i KERNEL_FN_dot_avx2(__m256i acc, __m256i w, __
       const uint8_t *w = pw + gi * j->GW * 64;                                                        \
       for (int64_t t = 0; t < j->GW; t++) {                                                           \
         for (int v = 0; v < 2; v++) {                                                                 \
-          const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + t * 64 + 32 * v));              \
+          const __m256i wv =                                                                          \
+              _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + t * 64 + 32 * v)), fl);        \
           if (bits == 4) {                                                                            \
             const __m256i lo = _mm256_and_si256(wv, lo4);                                             \
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), lo4);                       \
@@ -365,7 +398,8 @@ KERNEL_FN_T2 static inline __m256i KERNEL_FN_dot_avx2(__m256i acc, __m256i w, __
         const __m256 sv = _mm256_loadu_ps(ps + gi * 16 + 8 * v);                                     \
         for (int r = 0; r < mb; r++)                                                                  \
           f[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][v]),                                      \
-                                    _mm256_mul_ps(_mm256_set1_ps(j->xd[(m0 + r) * j->G + gi]), sv), f[r][v]); \
+                                    _mm256_mul_ps(_mm256_set1_ps(j->xd[(m0 + r) * j->G + gi]), sv),   \
+                                    f[r][v]);                                                         \
       }                                                                                               \
     }                                                                                                 \
     for (int r = 0; r < mb; r++) {                                                                    \
@@ -413,16 +447,21 @@ static void KERNEL_FN_ipanel(void *arg, int64_t c, int64_t worker) {
   const KERNEL_FN_ijob *j = (const KERNEL_FN_ijob *)arg;
   const int64_t n0 = c * KERNEL_FN_NR, nn = j->N - n0 < KERNEL_FN_NR ? j->N - n0 : KERNEL_FN_NR;
   uint8_t *pw = j->pbuf + worker * j->pstride;
-  float *ps = (float *)(pw + j->G * j->GW * 4 * KERNEL_FN_NR);
+  float *ps = (float *)(pw + j->G * j->GW * 4 * KERNEL_FN_NR); /* after the codes (unused when packed) */
   int32_t *pz = (int32_t *)(ps + j->G * KERNEL_FN_NR);
   const int fast = j->gb % 4 == 0 && j->RB % 4 == 0;
+  if (j->packed) pw = (uint8_t *)j->q + c * j->G * j->GW * 4 * KERNEL_FN_NR; /* packed at load */
 #ifdef KERNEL_FN_X86
-  if (fast && j->isa == 3) KERNEL_FN_pack_512(j, n0, nn, pw);
+  else if (fast && j->isa == 3) KERNEL_FN_pack_512(j, n0, nn, pw);
   else if (fast && j->isa >= 1) KERNEL_FN_pack_256(j, n0, nn, pw);
+#endif
+  else KERNEL_FN_pack_c(j, n0, nn, pw);
+#ifdef KERNEL_FN_X86
+  if (j->isa == 3 && !j->z) /* the scales: 16 rows of G dwords, transposed as the codes are */
+    KERNEL_FN_t16((const uint8_t *)(j->s + n0 * j->G), j->G * 4, nn, j->G, (uint8_t *)ps);
   else
 #endif
-    KERNEL_FN_pack_c(j, n0, nn, pw);
-  KERNEL_FN_pack_meta(j, n0, nn, ps, pz);
+    KERNEL_FN_pack_meta(j, n0, nn, ps, pz);
   for (int64_t m = 0; m < j->M; m += j->mr) {
     const int64_t mb = j->M - m < j->mr ? j->M - m : j->mr;
 #ifdef KERNEL_FN_X86
@@ -435,21 +474,23 @@ static void KERNEL_FN_ipanel(void *arg, int64_t c, int64_t worker) {
   }
 }
 
-/* bufs: x [M, K], qweight, scales [N, G], zeros?, y [M, N], status; g: group columns */
+/* bufs: x [M, K], qweight ([N, K] int8 | [N, K / 2] uint8, or with `packed` its panels [ceil(N / NR),
+   G * GW * 4 * NR] uint8), scales [N, G], zeros?, y [M, N], status; g: group columns */
 static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t bits, int64_t g,
-                           int64_t has_z, int64_t want, int64_t nthreads) {
+                           int64_t has_z, int64_t want, int64_t packed, int64_t nthreads) {
   int64_t *status = (int64_t *)bufs[4 + has_z];
   const int64_t G = K > 0 ? (K + g - 1) / g : 0, gb = bits == 8 ? g : g / 2, GW = (gb + 3) / 4;
   const int64_t isa = KERNEL_FN_pick(want), XB = bits == 8 ? 4 : 8;
   KERNEL_FN_ijob j = {(const float *)bufs[0], (const float *)bufs[2], (const uint8_t *)bufs[1],
-                      has_z ? (const uint8_t *)bufs[3] : NULL, (float *)bufs[3 + has_z], NULL, NULL, NULL, NULL,
+                      has_z ? (const uint8_t *)bufs[3] : NULL, (float *)bufs[3 + has_z], NULL, NULL, NULL,
+                      NULL,
                       M, K, N, G, g, gb, GW, XB, G * GW * XB, bits == 8 ? K : K / 2, bits, isa,
-                      0, 0, 0, isa == 3 ? 8 : 4, 1};
+                      0, 0, 0, isa == 3 ? 8 : 4, 1, packed};
   if (G == 0 || M == 0) {
     for (int64_t i = 0; i < M * N; i++) j.y[i] = 0.0f;
     return;
   }
-  j.flip = bits == 8 && isa >= 2; /* vpdpbusd: unsigned codes q + 128 */
+  j.flip = bits == 8 && isa >= 2; /* vpdpbusd: unsigned codes q + 128, flipped as they are read */
   j.off = bits == 8 ? (j.flip ? 128 : 0) : (has_z ? 0 : 8);
   int64_t nt = M * N * K < (1 << 17) || nthreads < 1 ? 1 : nthreads;
   const int64_t panels = (N + KERNEL_FN_NR - 1) / KERNEL_FN_NR;
