@@ -71,6 +71,7 @@ SPEED = {  # variant -> (QuantConfig, lm_head and embedding quantized) or None f
     "int8_act8": (_q(8, -1, 8), False),
     "int4_g128": (_q(4, 128), False),
     "int4_g128_act8": (_q(4, 128, 8), False),
+    "int4_g32_act8": (_q(4, 32, 8), False),
     "int8_all": (_q(8, -1), True),
     "int8_all_act8": (_q(8, -1, 8), True),
     "int4_g32_all": (_q(4, 32), True),

@@ -270,9 +270,9 @@ KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_mk512(
   for (int r = 0; r < mb; r++) f[r] = _mm512_setzero_ps();
   const __m512i lo4 = _mm512_set1_epi8(15), fl = _mm512_set1_epi8(bits == 8 ? (char)0x80 : 0);
   for (int64_t gi = 0; gi < j->G; gi++) {
-    /* integer chains per row (exact, so their sum is the same however split): 4 bits a the low
-       nibbles, b the high ones; 8 bits a and b alternate words; with one or two rows c and e take
-       every other word as well (a single chain would wait on vpdpbusd's latency) */
+    /* integer chains per row (exact, so their sum is the same however split): with one or two rows
+       4 bits a the low nibbles, b the high ones, and c, e every other word (a single chain would wait
+       on vpdpbusd's latency); 8 bits a and b alternate words; 4 bits with more rows, a alone */
     __m512i a[8], b[8], c[8], e[8];
     const int8_t *xr = j->xq + m0 * j->KX + gi * j->GW * j->XB;
     const int32_t *xs = j->xs + m0 * j->G + gi;
@@ -282,7 +282,11 @@ KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_mk512(
     } else {
       for (int r = 0; r < mb; r++) a[r] = _mm512_set1_epi32(-(int32_t)j->off * xs[r * j->G]);
     }
-    for (int r = 0; r < mb; r++) b[r] = c[r] = e[r] = _mm512_setzero_si512();
+    const int split = mb <= 2 || bits == 8; /* b in use (4 bits, 3 rows or more: one chain a row) */
+    for (int r = 0; r < mb; r++) {
+      if (split) b[r] = _mm512_setzero_si512();
+      if (mb <= 2) c[r] = e[r] = _mm512_setzero_si512();
+    }
     const uint8_t *w = pw + gi * j->GW * 64;
 #define KERNEL_FN_S512(t, A, B)                                                                       \
   do {                                                                                                \
@@ -312,10 +316,13 @@ KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_mk512(
         KERNEL_FN_S512(t, a, a);
         KERNEL_FN_S512(t + 1, b, b);
       }
-    for (; t < j->GW; t++) KERNEL_FN_S512(t, a, b);
+    if (split)
+      for (; t < j->GW; t++) KERNEL_FN_S512(t, a, b);
+    else
+      for (; t < j->GW; t++) KERNEL_FN_S512(t, a, a);
 #undef KERNEL_FN_S512
     for (int r = 0; r < mb; r++) {
-      a[r] = _mm512_add_epi32(a[r], b[r]);
+      if (split) a[r] = _mm512_add_epi32(a[r], b[r]);
       if (mb <= 2) a[r] = _mm512_add_epi32(a[r], _mm512_add_epi32(c[r], e[r]));
     }
     const __m512 sv = _mm512_loadu_ps(ps + gi * 16);
