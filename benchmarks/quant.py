@@ -197,6 +197,7 @@ def head(rounds: int, batches: list[int], info: dict) -> None:
     """The lm_head product alone: each format's kernel against float32's, interleaved calls."""
     from llmkit.framework.compiler.native import NativeOp, build_c
     from llmkit.framework.ops.paged import pack_panels
+    from llmkit.framework.ops.quant import pack_qweight
     from llmkit.framework.opspec import table
     from llmkit.quant import quantize_rtn
 
@@ -211,8 +212,10 @@ def head(rounds: int, batches: list[int], info: dict) -> None:
         qw = quantize_rtn(w, QuantConfig(bits, group, True, "rtn"))
         for act in (0, 8):
             label = f"int{bits}_{'g' + str(group) if group > 0 else 'channel'}{'_act8' if act else ''}"
-            calls[label] = lambda x, qw=qw, b=bits, g=group, a=act: ql(
-                np, x, qw.qweight, qw.scales, bits=b, group_size=g, act_bits=a
+            # int8 activations: the panels the engine's programs hand the kernel (pack_qweight)
+            q, more = (pack_qweight(qw.qweight, bits, group), {"packed": 1}) if act else (qw.qweight, {})
+            calls[label] = lambda x, q=q, s=qw.scales, b=bits, g=group, a=act, more=more: ql(
+                np, x, q, s, bits=b, group_size=g, act_bits=a, **more
             )
     for batch in batches:
         x = rng.standard_normal((batch, 768)).astype(np.float32)

@@ -1,24 +1,33 @@
 """``quant_linear`` with int8 activations (``act_bits=8``): integer dot products, the ISA picked at run time.
 
-Each row of x is quantized on the fly, per block of 32 columns of a weight group (a group's last
-block shorter when 32 does not divide it; llama.cpp's Q8_0 activations): ``d = max|x| / 127`` and
-codes ``rint(x / d)`` in [-127, 127], float32 arithmetic (``d = 0``: codes 0). A block's product
-with a row of weight codes is an exact integer; the output is the float sum over blocks, in order,
-of ``(d * scale[n, group]) * idot``. Every row is quantized and multiplied alone (the engine's
-batch invariance).
+Each row of x is quantized on the fly per weight group (the whole row with ``group_size=-1``):
+``d = max|x| / 127`` and codes ``rint(x / d)`` in [-127, 127], float32 arithmetic (``d = 0``: codes
+0), in parallel over rows. The weights go through panels of 16 outputs: word t of a panel holds, for
+each of its 16 outputs, 4 bytes of that output's codes (4 columns of 8 bits, 8 of 4 bits), each group
+padded to whole words (``ops.quant.pack_qweight`` makes the same layout once, ``packed=1``: the
+engine's programs; otherwise the kernel transposes 16 rows of codes into a panel, in registers, as
+it goes). One vector lane is one output, so a lane accumulates the exact integer product of its
+output's group with the row's codes (``idot``) and no lanes are ever summed across; the output is
+then, groups in order, ``y = fma((float)idot, d * scale, y)``. That one sequence per (row, output)
+is what every path, block of rows and thread computes: the paths give the same bits, and a row's
+result never depends on the rows beside it (the engine's batch invariance). The kernel is blocked
+as a GEMM: a panel (in L1) against 8 rows at a time (AVX-512; 4 otherwise), both cores taking
+panels from the thread pool (``compiler/par.py``), so one kernel serves decode and prefill.
 
 The dot products use the widest integer instructions the CPU has, chosen when the kernel runs
 (``__builtin_cpu_supports``), never from the build machine's ``-march``: AVX-512 VNNI
-(``vpdpbusd`` on two blocks at once), AVX-VNNI (the same on one block, 256 bits), AVX2
+(``vpdpbusd``, 16 outputs a vector), AVX-VNNI (the same on 256 bits, two vectors a panel), AVX2
 (``vpmaddubsw`` + ``vpmaddwd``), or portable C. ``vpdpbusd`` multiplies unsigned by signed bytes:
-4-bit codes are unsigned already (``idot = sum q x - zero * sum x``); 8-bit codes are made
-unsigned by ``q ^ 0x80 = q + 128`` (``idot = sum (q + 128) x - 128 * sum x``); the AVX2 path uses
-``|q|`` and ``x * sign(q)`` instead (``vpmaddubsw`` saturates int16 otherwise). The correction
-starts each block's integer accumulator, so ``idot`` is exact on every path.
+4-bit codes are unsigned already (``idot = sum q x - zero * sum x``); 8-bit codes are made unsigned
+as they are read, ``q ^ 0x80 = q + 128`` (``idot = sum (q + 128) x - 128 * sum x``); the AVX2 path
+uses ``|q|`` and ``x * sign(q)`` instead (``vpmaddubsw`` saturates int16 otherwise). The correction
+(``- zero * sum x``, from the row's code sums) starts each group's accumulator, so ``idot`` is exact
+on every path.
 
 ``LLMKIT_INT_ISA`` (``auto``, ``avx512vnni``, ``avxvnni``, ``avx2``, ``c``) or :func:`set_int_isa`
 forces a path (the kernel never goes above what the CPU has); :func:`cpu_int_isas` lists what
-this CPU offers. AMX is not used (this project's VMs advertise tiles that fault).
+this CPU offers. AMX is not used (this project's Intel VMs advertise tiles that fault; its AMD ones
+have none).
 """
 
 from __future__ import annotations
@@ -290,7 +299,8 @@ KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_mk512(
     const uint8_t *w = pw + gi * j->GW * 64;
 #define KERNEL_FN_S512(t, A, B)                                                                       \
   do {                                                                                                \
-    const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + (t) * 64)), fl);         \
+    const __m512i w0 = _mm512_loadu_si512((const void *)(w + (t) * 64));                              \
+    const __m512i wv = bits == 8 ? _mm512_xor_si512(w0, fl) : w0;                                     \
     if (bits == 4) {                                                                                  \
       const __m512i lo = _mm512_and_si512(wv, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), lo4); \
       for (int r = 0; r < mb; r++) {                                                                  \
