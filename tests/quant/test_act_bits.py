@@ -14,6 +14,7 @@ from llmkit.cli import main as cli_main
 from llmkit.framework import nn
 from llmkit.generate import generate
 from llmkit.infer import Engine, EngineConfig, SamplingParams
+from llmkit.infer.programs import runs_native
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.models.llama.checkpoint import CheckpointError
 from llmkit.quant import QuantConfig, QuantError, quantize_model, set_act_bits
@@ -116,6 +117,8 @@ def test_the_static_file_holds_int8_activation_products(quantized, tmp_path):
     assert cli_main(["export", "--model", str(quantized), "--out", str(out), "--name", "q"]) == 0
     decode = (out / "decode.pir").read_text()
     assert decode.count("act_bits = 8") == 15  # 14 decoder linears and the lm_head
+    # compiled programs read the codes as the kernel's panels, packed at export (pack_qweight)
+    assert decode.count("packed = 1") == (15 if runs_native(None) else 0)
     assert "model_embed_tokens_qweight" in decode
 
 
