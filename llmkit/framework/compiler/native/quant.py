@@ -273,7 +273,10 @@ def _applies(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act
     # any rows (the kernel computes every row alone); 4-bit groups of an even width (no byte
     # straddles two groups); the width known when the program is planned
     even = bits == 8 or group_size == -1 or group_size % 2 == 0
-    return x.dtype == _F32 and scales.dtype == _F32 and isinstance(x.shape[-1], int) and even
+    k = x.shape[-1]
+    if not (x.dtype == _F32 and scales.dtype == _F32 and isinstance(k, int) and even):
+        return False
+    return act_bits == 0 or (k if group_size == -1 else group_size) <= 65536  # int32 sums of a group
 
 
 native_kernel("quant_linear", QUANT_LINEAR, sizes=_sizes, applies=_applies)
