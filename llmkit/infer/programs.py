@@ -217,7 +217,8 @@ class TransposeWeights(Pass):
                 kinds = {(op.plain_attrs["bits"], op.plain_attrs["group_size"], op.plain_attrs["act_bits"])
                          for op, _ in uses}  # fmt: skip
                 (bits, group, act), *more = kinds
-                if not more and act == 8 and all(isinstance(d, int) for d in a.shape):
+                fresh = not any(op.plain_attrs["packed"] for op, _ in uses)
+                if not more and act == 8 and fresh and all(isinstance(d, int) for d in a.shape):
                     chosen[a] = f"Q{bits}g{group}"
         for a, layout in chosen.items():
             n, k = a.shape

@@ -254,7 +254,7 @@ engine_op(
     doc="linear(x, dequantize(qweight, scales, zeros)) with the weight never stored in float: "
     "x [..., in] -> [..., out]. rows >= 1 computes in products of exactly `rows` rows, as "
     "tiled_linear (each row's result independent of the others); 0: one product. act_bits=8: x "
-    "quantized on the fly to int8 per block of 32 columns of a group (quantize_activations), "
-    "y = sum over blocks of (d * scale) * the integer product; 0: x stays float. packed=1 (with "
+    "quantized on the fly to int8 per row and weight group (quantize_activations), "
+    "y = sum over groups of (d * scale) * the integer product; 0: x stays float. packed=1 (with "
     "act_bits=8): qweight is pack_qweight's panels. Gradient: x only, g @ dequantize(...), with act_bits=0.",
 )
