@@ -52,7 +52,7 @@ from llmkit.framework.ir.passes import QuantizeLinear
 from llmkit.framework.ir.rewriter import PatternRewriter, RewritePattern, apply_patterns
 from llmkit.framework.jit.compile import default_compiler
 from llmkit.framework.ops.paged import PANEL, pack_panels
-from llmkit.framework.ops.quant import pack_qweight
+from llmkit.framework.ops.quant import pack_qweight, unpack_qweight
 
 O = lf.ops
 
@@ -243,12 +243,18 @@ def relayout(a: np.ndarray, layout: str) -> np.ndarray:
 
 
 class _Unpanel(RewritePattern):
-    roots = ("llm.tiled_linear", "llm.tiled_linear_swiglu")
+    roots = ("llm.tiled_linear", "llm.tiled_linear_swiglu", "llm.quant_linear")
 
     def __init__(self, args: set) -> None:
         self.args = args
 
     def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
+        if op.name == "llm.quant_linear":
+            if op.operands[1] in self.args and op.plain_attrs["packed"]:
+                rewriter.replace_op(
+                    op, rewriter.create(op.name, list(op.operands), {**op.plain_attrs, "packed": 0})
+                )
+            return
         if op.operands[1] in self.args and op.plain_attrs["panel"]:
             attrs = {**op.plain_attrs, "panel": 0, "transposed": True}
             rewriter.replace_op(op, rewriter.create(op.name, list(op.operands), attrs))
@@ -298,17 +304,29 @@ _PANEL_OPS = {"llm.tiled_linear": (1,), "llm.tiled_linear_swiglu": (1, 2)}  # op
 def unpack_panel_weights(functions: Any) -> int:
     """Loaded programs (``jit.load``'s functions) that will run without ``tiled_linear``'s C kernel
     (``compiler="none"``, or no C compiler here) take their panel-packed weights as ``[in, out]``
-    again, unpacked once here rather than by the reference kernel at every call. Returns how many
-    weights were unpacked (a weight two programs share is unpacked once)."""
+    again, and packed quantized codes (``packed=1``) as ``[out, in / PACK]``, unpacked once here
+    rather than by the reference kernel at every call. Returns how many weights were unpacked (a
+    weight two programs share is unpacked once)."""
     done: dict[int, np.ndarray] = {}
     for fn in functions:
         f = fn.program.function(fn.entry["function"])
         n_in = len(fn.input_specs)
-        chosen = set()
+        chosen, codes = set(), {}
         for a in f.args[n_in:]:
             uses = a.uses
             if uses and all(i in _PANEL_OPS.get(op.name, ()) and op.plain_attrs["panel"] for op, i in uses):
                 chosen.add(a)
+            elif uses and all(
+                op.name == "llm.quant_linear" and i == 1 and op.plain_attrs["packed"] for op, i in uses
+            ):
+                codes[a] = uses[0][0]
+        for a, op in codes.items():
+            w, at = fn.weights[a.index - n_in], op.plain_attrs
+            if id(w) not in done:
+                n, k = op.operands[2].shape[0], op.operands[0].shape[-1]
+                done[id(w)] = unpack_qweight(np, w, n, k, at["bits"], at["group_size"])
+            fn.weights[a.index - n_in] = done[id(w)]
+            a.type = TensorType(done[id(w)].shape, done[id(w)].dtype)
         for a in chosen:
             p, k, c = a.shape
             a.type = TensorType((k, p * c), a.dtype)
@@ -316,7 +334,7 @@ def unpack_panel_weights(functions: Any) -> int:
             if id(w) not in done:
                 done[id(w)] = np.ascontiguousarray(w.transpose(1, 0, 2).reshape(k, p * c))
             fn.weights[a.index - n_in] = done[id(w)]
-        apply_patterns(fn.program, [_Unpanel(chosen)], erase_dead=False)
+        apply_patterns(fn.program, [_Unpanel(chosen | set(codes))], erase_dead=False)
         fn.program.verify()
     return len(done)
 
