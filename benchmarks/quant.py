@@ -239,6 +239,67 @@ def head(rounds: int, batches: list[int], info: dict) -> None:
                 )
 
 
+def kernels(rounds: int, rows: list[int], info: dict) -> None:
+    """The int8-activation kernel alone on the 134M model's shapes [out, in] at each number of rows
+    (1, 8, 32: decode batches; 512: a prefill), on the panels the engine packs, against float32's
+    ``tiled_linear`` on its panels (best of ``rounds * 5`` interleaved calls) and BLAS (numpy's matmul,
+    timed after them)."""
+    from llmkit.framework.compiler.native import NativeOp, build_c
+    from llmkit.framework.ops.paged import pack_panels
+    from llmkit.framework.ops.quant import pack_qweight
+    from llmkit.framework.opspec import table
+    from llmkit.quant import quantize_rtn
+
+    ql, tl = (
+        NativeOp(table()[n], build_c(table()[n].native.source)) for n in ("quant_linear", "tiled_linear")
+    )
+    rng = np.random.default_rng(0)
+    for n, k in ((768, 768), (2048, 768), (768, 2048), (32000, 768)):
+        w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+        panels = pack_panels(np.ascontiguousarray(w.T))
+        calls = {
+            "float32_tiled": lambda x: tl(np, x, panels, rows=x.shape[0], panel=16),
+            "float32_blas": lambda x: x @ w.T,
+        }
+        for bits, group in ((8, -1), (4, 32), (4, 128)):
+            qw = quantize_rtn(w, QuantConfig(bits, group, True, "rtn"))
+            p = pack_qweight(qw.qweight, bits, group)
+            calls[f"int{bits}_{'g' + str(group) if group > 0 else 'channel'}_act8"] = (
+                lambda x, p=p, s=qw.scales, b=bits, g=group: ql(
+                    np, x, p, s, bits=b, group_size=g, act_bits=8, packed=1
+                )
+            )
+        for m in rows:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            best = {c: float("inf") for c in calls}
+            for _ in range(rounds * 5):
+                for c, f in calls.items():
+                    if c == "float32_blas":
+                        continue
+                    t = time.perf_counter()
+                    f(x)
+                    best[c] = min(best[c], time.perf_counter() - t)
+            for _ in range(rounds * 5):  # BLAS apart: its threads spin after each call, slowing what follows
+                t = time.perf_counter()
+                x @ w.T
+                best["float32_blas"] = min(best["float32_blas"], time.perf_counter() - t)
+            for c, t in best.items():
+                extra = (
+                    {} if c == "float32_tiled" else {"x_float32_tiled": round(best["float32_tiled"] / t, 3)}
+                )
+                gops = round(2 * m * n * k / t / 1e9, 1)
+                emit(
+                    "quant",
+                    f"kernel_{n}x{k}_rows{m}_{c}_ms",
+                    t * 1e3,
+                    "ms",
+                    gops=gops,
+                    load_1min=load(),
+                    **extra,
+                    **info,
+                )
+
+
 def accuracy(model_dir: Path, samples: int) -> None:
     from llmkit.models.llama import LlamaTokenizer
     from llmkit.quant.cli import calibration_ids, resolve_model_dir
@@ -292,10 +353,15 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(SPEED), choices=list(SPEED))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--skip-head", action="store_true", help="no lm_head-alone figures")
+    p.add_argument(
+        "--kernels", action="store_true", help="the int8-activation kernel alone (rows 1, 8, 32, 512)"
+    )
     a = p.parse_args()
     spin_between_kernels()  # as llmkit serve runs
     info = dict(prompt_len=a.prompt_len, new_tokens=a.new_tokens, **machine())
     emit("quant", "load_average_1min", os.getloadavg()[0], "load", **info)
+    if a.kernels:
+        kernels(a.rounds, [*a.batches, 512], info)
     if not a.skip_head:
         head(a.rounds, a.batches, info)
     if not a.skip_speed:
