@@ -71,6 +71,7 @@ SPEED = {  # variant -> (QuantConfig, lm_head and embedding quantized) or None f
     "int8_act8": (_q(8, -1, 8), False),
     "int4_g128": (_q(4, 128), False),
     "int4_g128_act8": (_q(4, 128, 8), False),
+    "int4_g32_act8": (_q(4, 32, 8), False),
     "int8_all": (_q(8, -1), True),
     "int8_all_act8": (_q(8, -1, 8), True),
     "int4_g32_all": (_q(4, 32), True),
@@ -107,6 +108,20 @@ def load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def prefill_seconds(engine: Engine, n: int, seed: int) -> float:
+    """Seconds from a fresh ``n``-token prompt (new tokens each call: no prefix-cache hit) to its
+    first token, the engine's steps as it runs them (``max_tokens_per_step`` >= n: one step)."""
+    from llmkit.infer import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.add_request(rng.integers(3, engine.spec.vocab_size, n).tolist(), params)
+    t = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - t
+
+
 def speed(
     name: str,
     variants: list[str],
@@ -114,16 +129,33 @@ def speed(
     rounds: int,
     prompt_len: int,
     new_tokens: int,
+    prefill_len: int,
     info: dict,
 ) -> None:
     config = MODELS[name]()
     engines, weights = {}, {}
+    ecfg = EngineConfig(max_batch=max(batches), max_tokens_per_step=max(256, prefill_len))
     for v in ["float32", *(v for v in variants if v != "float32")]:
         t = time.perf_counter()
         model = model_of(config, SPEED[v])
         weights[v] = step_bytes(model)
-        engines[v] = Engine.from_model(model, None, EngineConfig(max_batch=max(batches)))
+        engines[v] = Engine.from_model(model, None, ecfg)
         emit("quant", f"{name}_{v}_setup_s", time.perf_counter() - t, "s", model=name, load_1min=load())
+    if prefill_len:  # one warm-up prefill each (kernels built), then interleaved rounds
+        for e in engines.values():
+            prefill_seconds(e, prefill_len, 0)
+        per_round = {v: [] for v in engines}
+        loads = []
+        for r in range(rounds):
+            for v, e in engines.items():
+                per_round[v].append(prefill_len / prefill_seconds(e, prefill_len, r + 1))
+            loads.append(load())
+        for v, tps in per_round.items():
+            emit("quant", f"{name}_{v}_prefill{prefill_len}_tokens_per_s", float(np.median(tps)), "tokens/s",
+                 per_round=[round(t, 1) for t in tps], load_1min=loads, **info)  # fmt: skip
+            if v != "float32":
+                emit_paired_ratio("quant", f"{name}_{v}_over_float32_prefill{prefill_len}", tps,
+                                  per_round["float32"], model=name, load_1min=loads)  # fmt: skip
     for batch in batches:
         per_round: dict[str, list[float]] = {v: [] for v in engines}
         loads = []
@@ -165,6 +197,7 @@ def head(rounds: int, batches: list[int], info: dict) -> None:
     """The lm_head product alone: each format's kernel against float32's, interleaved calls."""
     from llmkit.framework.compiler.native import NativeOp, build_c
     from llmkit.framework.ops.paged import pack_panels
+    from llmkit.framework.ops.quant import pack_qweight
     from llmkit.framework.opspec import table
     from llmkit.quant import quantize_rtn
 
@@ -179,8 +212,10 @@ def head(rounds: int, batches: list[int], info: dict) -> None:
         qw = quantize_rtn(w, QuantConfig(bits, group, True, "rtn"))
         for act in (0, 8):
             label = f"int{bits}_{'g' + str(group) if group > 0 else 'channel'}{'_act8' if act else ''}"
-            calls[label] = lambda x, qw=qw, b=bits, g=group, a=act: ql(
-                np, x, qw.qweight, qw.scales, bits=b, group_size=g, act_bits=a
+            # int8 activations: the panels the engine's programs hand the kernel (pack_qweight)
+            q, more = (pack_qweight(qw.qweight, bits, group), {"packed": 1}) if act else (qw.qweight, {})
+            calls[label] = lambda x, q=q, s=qw.scales, b=bits, g=group, a=act, more=more: ql(
+                np, x, q, s, bits=b, group_size=g, act_bits=a, **more
             )
     for batch in batches:
         x = rng.standard_normal((batch, 768)).astype(np.float32)
@@ -201,6 +236,67 @@ def head(rounds: int, batches: list[int], info: dict) -> None:
                     ts,
                     load_1min=load(),
                     note="float32 time / this format's, [32000, 768] weight, same run",
+                )
+
+
+def kernels(rounds: int, rows: list[int], info: dict) -> None:
+    """The int8-activation kernel alone on the 134M model's shapes [out, in] at each number of rows
+    (1, 8, 32: decode batches; 512: a prefill), on the panels the engine packs, against float32's
+    ``tiled_linear`` on its panels (best of ``rounds * 5`` interleaved calls) and BLAS (numpy's matmul,
+    timed after them)."""
+    from llmkit.framework.compiler.native import NativeOp, build_c
+    from llmkit.framework.ops.paged import pack_panels
+    from llmkit.framework.ops.quant import pack_qweight
+    from llmkit.framework.opspec import table
+    from llmkit.quant import quantize_rtn
+
+    ql, tl = (
+        NativeOp(table()[n], build_c(table()[n].native.source)) for n in ("quant_linear", "tiled_linear")
+    )
+    rng = np.random.default_rng(0)
+    for n, k in ((768, 768), (2048, 768), (768, 2048), (32000, 768)):
+        w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+        panels = pack_panels(np.ascontiguousarray(w.T))
+        calls = {
+            "float32_tiled": lambda x: tl(np, x, panels, rows=x.shape[0], panel=16),
+            "float32_blas": lambda x: x @ w.T,
+        }
+        for bits, group in ((8, -1), (4, 32), (4, 128)):
+            qw = quantize_rtn(w, QuantConfig(bits, group, True, "rtn"))
+            p = pack_qweight(qw.qweight, bits, group)
+            calls[f"int{bits}_{'g' + str(group) if group > 0 else 'channel'}_act8"] = (
+                lambda x, p=p, s=qw.scales, b=bits, g=group: ql(
+                    np, x, p, s, bits=b, group_size=g, act_bits=8, packed=1
+                )
+            )
+        for m in rows:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            best = {c: float("inf") for c in calls}
+            for _ in range(rounds * 5):
+                for c, f in calls.items():
+                    if c == "float32_blas":
+                        continue
+                    t = time.perf_counter()
+                    f(x)
+                    best[c] = min(best[c], time.perf_counter() - t)
+            for _ in range(rounds * 5):  # BLAS apart: its threads spin after each call, slowing what follows
+                t = time.perf_counter()
+                x @ w.T
+                best["float32_blas"] = min(best["float32_blas"], time.perf_counter() - t)
+            for c, t in best.items():
+                extra = (
+                    {} if c == "float32_tiled" else {"x_float32_tiled": round(best["float32_tiled"] / t, 3)}
+                )
+                gops = round(2 * m * n * k / t / 1e9, 1)
+                emit(
+                    "quant",
+                    f"kernel_{n}x{k}_rows{m}_{c}_ms",
+                    t * 1e3,
+                    "ms",
+                    gops=gops,
+                    load_1min=load(),
+                    **extra,
+                    **info,
                 )
 
 
@@ -248,6 +344,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prefill-len", type=int, default=512, help="prefill figures: prompt tokens (0: none)")
     p.add_argument(
         "--model", default="runs/tiny", help="trained model (or run) directory for the accuracy table"
     )
@@ -256,15 +353,21 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(SPEED), choices=list(SPEED))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--skip-head", action="store_true", help="no lm_head-alone figures")
+    p.add_argument(
+        "--kernels", action="store_true", help="the int8-activation kernel alone (rows 1, 8, 32, 512)"
+    )
     a = p.parse_args()
     spin_between_kernels()  # as llmkit serve runs
     info = dict(prompt_len=a.prompt_len, new_tokens=a.new_tokens, **machine())
     emit("quant", "load_average_1min", os.getloadavg()[0], "load", **info)
+    if a.kernels:
+        kernels(a.rounds, [*a.batches, 512], info)
     if not a.skip_head:
         head(a.rounds, a.batches, info)
     if not a.skip_speed:
         for name in a.models:
-            speed(name, a.variants, a.batches, a.rounds, a.prompt_len, a.new_tokens, {"model": name, **info})
+            speed(name, a.variants, a.batches, a.rounds, a.prompt_len, a.new_tokens, a.prefill_len,
+                  {"model": name, **info})  # fmt: skip
     if Path(a.model).exists():
         accuracy(Path(a.model), a.calib_samples)
     else:

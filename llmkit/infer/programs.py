@@ -52,6 +52,7 @@ from llmkit.framework.ir.passes import QuantizeLinear
 from llmkit.framework.ir.rewriter import PatternRewriter, RewritePattern, apply_patterns
 from llmkit.framework.jit.compile import default_compiler
 from llmkit.framework.ops.paged import PANEL, pack_panels
+from llmkit.framework.ops.quant import pack_qweight, unpack_qweight
 
 O = lf.ops
 
@@ -164,13 +165,18 @@ class TileLinear(Pass):
 
 
 class _Relayout(RewritePattern):
-    roots = ("llm.tiled_linear",)
+    roots = ("llm.tiled_linear", "llm.quant_linear")
 
     def __init__(self, layouts: dict) -> None:
-        self.layouts = layouts  # weight value -> "T" | "P16"
+        self.layouts = layouts  # weight value -> "T" | "P16" | "Q<bits>g<group>"
 
     def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
         layout = self.layouts.get(op.operands[1])
+        if op.name == "llm.quant_linear":
+            if layout is not None and not op.plain_attrs["packed"]:
+                attrs = {**op.plain_attrs, "packed": 1}
+                rewriter.replace_op(op, rewriter.create(op.name, list(op.operands), attrs))
+            return
         if layout is None or op.plain_attrs["transposed"] or op.plain_attrs["panel"]:
             return
         attrs = {**op.plain_attrs, **({"panel": PANEL} if layout == "P16" else {"transposed": True})}
@@ -187,6 +193,9 @@ class TransposeWeights(Pass):
     BLAS reads a contiguous ``[in, out]`` matrix faster than the transposed view of ``[out, in]``
     (a third less time for the engine's small matrices); the C kernel reads panels fastest (about
     1.8x ``[in, out]`` at 8 rows, 1.3x at one row: its register tile streams one contiguous panel).
+    With ``panels``, the codes of ``quant_linear`` weights with int8 activations become the panels
+    its C kernel reads (``Q<bits>g<group>``, ``ops.quant.pack_qweight``; ``packed=1``), which it
+    otherwise packs at every call.
     Whoever feeds the program passes those weights so: ``layouts`` maps their argument positions
     after ``apply`` to the layout (:func:`relayout` makes it).
     """
@@ -204,8 +213,19 @@ class TransposeWeights(Pass):
                 n, k = a.shape
                 packed = self.panels and isinstance(n, int) and n % PANEL == 0 and a.dtype == np.float32
                 chosen[a] = "P16" if packed else "T"
+            elif self.panels and uses and all(op.name == "llm.quant_linear" and i == 1 for op, i in uses):
+                kinds = {(op.plain_attrs["bits"], op.plain_attrs["group_size"], op.plain_attrs["act_bits"])
+                         for op, _ in uses}  # fmt: skip
+                (bits, group, act), *more = kinds
+                fresh = not any(op.plain_attrs["packed"] for op, _ in uses)
+                if not more and act == 8 and fresh and all(isinstance(d, int) for d in a.shape):
+                    chosen[a] = f"Q{bits}g{group}"
         for a, layout in chosen.items():
             n, k = a.shape
+            if layout[0] == "Q":
+                shape = pack_qweight(np.zeros((1, k), a.dtype), *map(int, layout[1:].split("g"))).shape
+                a.type = TensorType((-(-n // 16), shape[1]), np.dtype(np.uint8))
+                continue
             a.type = TensorType((n // PANEL, k, PANEL) if layout == "P16" else (k, n), a.dtype)
         apply_patterns(program, [_Relayout(chosen)], erase_dead=False)
         self.layouts = {a.index: layout for a, layout in sorted(chosen.items(), key=lambda kv: kv[0].index)}
@@ -217,16 +237,24 @@ def relayout(a: np.ndarray, layout: str) -> np.ndarray:
         return B.xp_of(a).ascontiguousarray(a.T)
     if layout == "P16":
         return pack_panels(a.T)
+    if layout[0] == "Q" and layout[1] in "48":
+        return pack_qweight(a, *map(int, layout[1:].split("g")))
     raise ValueError(f"unknown weight layout {layout!r}")
 
 
 class _Unpanel(RewritePattern):
-    roots = ("llm.tiled_linear", "llm.tiled_linear_swiglu")
+    roots = ("llm.tiled_linear", "llm.tiled_linear_swiglu", "llm.quant_linear")
 
     def __init__(self, args: set) -> None:
         self.args = args
 
     def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
+        if op.name == "llm.quant_linear":
+            if op.operands[1] in self.args and op.plain_attrs["packed"]:
+                rewriter.replace_op(
+                    op, rewriter.create(op.name, list(op.operands), {**op.plain_attrs, "packed": 0})
+                )
+            return
         if op.operands[1] in self.args and op.plain_attrs["panel"]:
             attrs = {**op.plain_attrs, "panel": 0, "transposed": True}
             rewriter.replace_op(op, rewriter.create(op.name, list(op.operands), attrs))
@@ -276,17 +304,29 @@ _PANEL_OPS = {"llm.tiled_linear": (1,), "llm.tiled_linear_swiglu": (1, 2)}  # op
 def unpack_panel_weights(functions: Any) -> int:
     """Loaded programs (``jit.load``'s functions) that will run without ``tiled_linear``'s C kernel
     (``compiler="none"``, or no C compiler here) take their panel-packed weights as ``[in, out]``
-    again, unpacked once here rather than by the reference kernel at every call. Returns how many
-    weights were unpacked (a weight two programs share is unpacked once)."""
+    again, and packed quantized codes (``packed=1``) as ``[out, in / PACK]``, unpacked once here
+    rather than by the reference kernel at every call. Returns how many weights were unpacked (a
+    weight two programs share is unpacked once)."""
     done: dict[int, np.ndarray] = {}
     for fn in functions:
         f = fn.program.function(fn.entry["function"])
         n_in = len(fn.input_specs)
-        chosen = set()
+        chosen, codes = set(), {}
         for a in f.args[n_in:]:
             uses = a.uses
             if uses and all(i in _PANEL_OPS.get(op.name, ()) and op.plain_attrs["panel"] for op, i in uses):
                 chosen.add(a)
+            elif uses and all(
+                op.name == "llm.quant_linear" and i == 1 and op.plain_attrs["packed"] for op, i in uses
+            ):
+                codes[a] = uses[0][0]
+        for a, op in codes.items():
+            w, at = fn.weights[a.index - n_in], op.plain_attrs
+            if id(w) not in done:
+                n, k = op.operands[2].shape[0], op.operands[0].shape[-1]
+                done[id(w)] = unpack_qweight(np, w, n, k, at["bits"], at["group_size"])
+            fn.weights[a.index - n_in] = done[id(w)]
+            a.type = TensorType(done[id(w)].shape, done[id(w)].dtype)
         for a in chosen:
             p, k, c = a.shape
             a.type = TensorType((k, p * c), a.dtype)
@@ -294,7 +334,7 @@ def unpack_panel_weights(functions: Any) -> int:
             if id(w) not in done:
                 done[id(w)] = np.ascontiguousarray(w.transpose(1, 0, 2).reshape(k, p * c))
             fn.weights[a.index - n_in] = done[id(w)]
-        apply_patterns(fn.program, [_Unpanel(chosen)], erase_dead=False)
+        apply_patterns(fn.program, [_Unpanel(chosen | set(codes))], erase_dead=False)
         fn.program.verify()
     return len(done)
 

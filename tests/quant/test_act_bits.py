@@ -11,9 +11,10 @@ import pytest
 
 import llmkit.framework as lf
 from llmkit.cli import main as cli_main
-from llmkit.framework import nn
+from llmkit.framework import jit, nn
 from llmkit.generate import generate
 from llmkit.infer import Engine, EngineConfig, SamplingParams
+from llmkit.infer.programs import runs_native, unpack_panel_weights
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.models.llama.checkpoint import CheckpointError
 from llmkit.quant import QuantConfig, QuantError, quantize_model, set_act_bits
@@ -116,6 +117,11 @@ def test_the_static_file_holds_int8_activation_products(quantized, tmp_path):
     assert cli_main(["export", "--model", str(quantized), "--out", str(out), "--name", "q"]) == 0
     decode = (out / "decode.pir").read_text()
     assert decode.count("act_bits = 8") == 15  # 14 decoder linears and the lm_head
+    # compiled programs read the codes as the kernel's panels, packed at export (pack_qweight)
+    assert decode.count("packed = 1") == (15 if runs_native(None) else 0)
+    sm = jit.load(out, compiler="none")  # without the C kernel: the codes unpacked once, at load
+    assert unpack_panel_weights(sm.programs.values()) >= (15 if runs_native(None) else 0)
+    assert "packed = 1" not in str(sm.programs["decode"].program)
     assert "model_embed_tokens_qweight" in decode
 
 

@@ -161,14 +161,58 @@ def quantize_activations(xp, x, group_size: int):
     return q.reshape(m, -1)[:, :k], xp.broadcast_to(d, blocks.shape).reshape(m, -1)[:, :k]
 
 
-def _ql_meta(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0):
+PANEL = 16  # output features per panel of a packed qweight (the C kernel's vector of outputs)
+
+
+def _panel_bytes(k: int, bits: int, group_size: int) -> np.ndarray:
+    """The byte of a row of codes at each byte of one output's part of a panel (-1: padding): per
+    group, its bytes padded to a whole number of 4-byte words, the same padding for every group."""
+    g = k if group_size == -1 else group_size
+    gb, rb = g // PACK[bits], k // PACK[bits]
+    gw = -(-gb // 4) * 4
+    idx = np.arange(-(-k // g))[:, None] * gb + np.arange(gw)[None, :]
+    return np.where((np.arange(gw)[None, :] < gb) & (idx < rb), idx, -1).reshape(-1)
+
+
+def pack_qweight(qweight: np.ndarray, bits: int, group_size: int) -> np.ndarray:
+    """A qweight [out, in / PACK] as ``quant_linear``'s panels (``packed=1``, what its int8-activation
+    C kernel reads; the engine makes them once): [ceil(out / 16), W * 64] uint8, where W is the
+    4-byte words of a row's groups, each padded alike (docs/quantize.md); panel p, word t, lane l
+    holds those 4 bytes of output 16 p + l (0 past the last output or the group)."""
+    n, k = qweight.shape[0], qweight.shape[1] * PACK[bits]
+    at = _panel_bytes(k, bits, group_size)
+    rows = np.zeros((-(-n // PANEL) * PANEL, at.size), np.uint8)
+    rows[:n] = np.where(at >= 0, qweight.view(np.uint8)[:, np.maximum(at, 0)], 0)
+    p = rows.reshape(-1, PANEL, at.size // 4, 4).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(p).reshape(p.shape[0], -1)
+
+
+def unpack_qweight(xp, packed, n: int, k: int, bits: int, group_size: int):
+    """The qweight [n, k / PACK] that :func:`pack_qweight` packed."""
+    at = _panel_bytes(k, bits, group_size)
+    rows = packed.reshape(packed.shape[0], at.size // 4, PANEL, 4).transpose(0, 2, 1, 3)
+    rows = rows.reshape(-1, at.size)[:n]
+    out = xp.zeros((n, k // PACK[bits]), xp.uint8)
+    out[:, at[at >= 0]] = rows[:, at >= 0]
+    return out.view(CODE_DTYPE[bits])
+
+
+def _ql_meta(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0, packed=0):
+    if packed:  # panels of the [out, in] codes: check their shape, then the weight as the codes
+        n, k = scales.shape[0], x.shape[-1]
+        if not (isinstance(n, int) and isinstance(k, int)) or act_bits != 8:
+            raise OpError("quant_linear: packed=1 needs act_bits=8 and known in / out features", x, scales)
+        want = (-(-n // PANEL), _panel_bytes(k, bits, group_size).size * PANEL)
+        if tuple(qweight.shape) != want or qweight.dtype != _U8:
+            raise OpError(f"quant_linear: a packed qweight must be uint8 {list(want)}", qweight)
+        qweight = Meta((n, k // PACK[bits]), CODE_DTYPE[bits])
     w = _weight_meta("quant_linear", qweight, scales, zeros, bits, group_size)
     if x.dtype != scales.dtype:
         raise OpError("quant_linear: x and scales must have one dtype", x, scales)
     return _linear_meta(x, w)
 
 
-def _ql_vjp(g, out, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0):
+def _ql_vjp(g, out, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0, packed=0):
     # dx [..., in] = g [..., out] @ W [out, in]; W dequantized on the fly, never kept (QLoRA).
     # act_bits=8 rounds x itself: no gradient reaches x (LoRA refuses such bases).
     dx = None
@@ -177,7 +221,9 @@ def _ql_vjp(g, out, x, qweight, scales, zeros=None, bits=4, group_size=128, rows
     return (dx, None, None) + (() if zeros is None else (None,))
 
 
-def _ql_kernel(xp, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0):
+def _ql_kernel(xp, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0, packed=0):
+    if packed:
+        qweight = unpack_qweight(xp, qweight, scales.shape[0], x.shape[-1], bits, group_size)
     if act_bits == 8:  # exact in float64 (codes times scales), then one rounding to x's dtype
         x2 = x.reshape(-1, x.shape[-1]).astype(xp.float32)
         q, d = quantize_activations(xp, x2, group_size)
@@ -198,6 +244,7 @@ engine_op(
         *_quant_attrs(),
         attr("rows", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0"),
         attr("act_bits", A.INT, 0, lambda v: None if v in ACT_BITS else "must be 0 (float) or 8"),
+        attr("packed", A.INT, 0, lambda v: None if v in (0, 1) else "must be 0 or 1"),
     ],
     _ql_meta,
     _ql_kernel,
@@ -207,7 +254,7 @@ engine_op(
     doc="linear(x, dequantize(qweight, scales, zeros)) with the weight never stored in float: "
     "x [..., in] -> [..., out]. rows >= 1 computes in products of exactly `rows` rows, as "
     "tiled_linear (each row's result independent of the others); 0: one product. act_bits=8: x "
-    "quantized on the fly to int8 per block of 32 columns of a group (quantize_activations), "
-    "y = sum over blocks of (d * scale) * the integer product; 0: x stays float. Gradient: x only, "
-    "g @ dequantize(...), with act_bits=0.",
+    "quantized on the fly to int8 per row and weight group (quantize_activations), "
+    "y = sum over groups of (d * scale) * the integer product; 0: x stays float. packed=1 (with "
+    "act_bits=8): qweight is pack_qweight's panels. Gradient: x only, g @ dequantize(...), with act_bits=0.",
 )

@@ -21,6 +21,7 @@ from llmkit.framework.compiler.native.quant_int import (
     int_isa_code,
     set_int_isa,
 )
+from llmkit.framework.ops.quant import pack_qweight, unpack_qweight
 from llmkit.framework.opspec import table
 
 pytestmark = pytest.mark.skipif(not available(), reason="no working C compiler")
@@ -169,22 +170,24 @@ def test_paths_are_chosen_by_name_and_bad_names_are_errors(monkeypatch):
         set_int_isa("amx")
 
 
-def test_the_environment_variable_forces_the_portable_path(op, monkeypatch):
-    """The C path under LLMKIT_INT_ISA=c gives what set_int_isa('c') gives, and differs in its last
-    bits from the widest path here (a different order of float additions), which shows it ran."""
+def test_the_environment_variable_forces_a_path_and_every_path_gives_the_same_bits(op, monkeypatch):
+    """LLMKIT_INT_ISA=c gives what set_int_isa('c') gives; and since every path computes each output
+    as the same sequence (the exact integer product of a group, then one fused multiply-add per group
+    in order), the portable path and the widest one agree bit for bit, at any number of rows."""
     rng = np.random.default_rng(2)
-    _, w, _ = weights(rng, 4, 64, 512, 128, False)
-    x = rng.standard_normal((4, 512)).astype(np.float32)
-    monkeypatch.setenv("LLMKIT_INT_ISA", "c")
-    c_env = op(np, x, *w, bits=4, group_size=128, act_bits=8)
-    set_int_isa("c")
-    c_fn = op(np, x, *w, bits=4, group_size=128, act_bits=8)
-    set_int_isa(None)
-    monkeypatch.setenv("LLMKIT_INT_ISA", cpu_int_isas()[-1])
-    widest = op(np, x, *w, bits=4, group_size=128, act_bits=8)
-    assert np.array_equal(c_env, c_fn)
-    if len(cpu_int_isas()) > 1:
-        assert not np.array_equal(c_env, widest)
+    for bits, group, asym in ((4, 128, False), (4, 32, True), (8, -1, False), (8, 48, False)):
+        _, w, _ = weights(rng, bits, 70, 576, group, asym)
+        x = rng.standard_normal((37, 576)).astype(np.float32)
+        monkeypatch.setenv("LLMKIT_INT_ISA", "c")
+        c_env = op(np, x, *w, bits=bits, group_size=group, act_bits=8)
+        set_int_isa("c")
+        c_fn = op(np, x, *w, bits=bits, group_size=group, act_bits=8)
+        set_int_isa(None)
+        assert np.array_equal(c_env, c_fn)
+        for name in cpu_int_isas()[1:]:
+            monkeypatch.setenv("LLMKIT_INT_ISA", name)
+            assert np.array_equal(op(np, x, *w, bits=bits, group_size=group, act_bits=8), c_env), name
+            assert np.array_equal(op(np, x[5:6], *w, bits=bits, group_size=group, act_bits=8), c_env[5:6])
 
 
 @pytest.mark.parametrize("bits,out,n_in,group,asym", CASES)
@@ -198,3 +201,25 @@ def test_the_dequantize_kernel_is_the_format_exactly(bits, out, n_in, group, asy
     got = dq(np, *w, bits=bits, group_size=group)
     want = (qz * w[1].astype(np.float64)[:, col]).astype(np.float32)
     assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("bits,out,n_in,group,asym", CASES)
+def test_packed_weights_give_the_same_bits_and_unpack_to_the_codes(op, isa, bits, out, n_in, group, asym):
+    """``pack_qweight``'s panels (what the engine hands the kernel) against the row-major codes: the
+    same output bits (the kernel packs those itself), the reference kernel the same, and unpacking
+    gives the codes back; 512 rows (a prefill) as well as one."""
+    rng = np.random.default_rng(out + 3 * n_in)
+    qz, w, col = weights(rng, bits, out, n_in, group, asym)
+    packed = pack_qweight(w[0], bits, group)
+    assert packed.shape[0] == -(-out // 16) and packed.dtype == np.uint8
+    assert np.array_equal(unpack_qweight(np, packed, out, n_in, bits, group), w[0])
+    for m in (1, 512):
+        x = rng.standard_normal((m, n_in)).astype(np.float32)
+        attrs = {"bits": bits, "group_size": group, "act_bits": 8}
+        y = op(np, x, *w, **attrs)
+        assert np.array_equal(op(np, x, packed, *w[1:], packed=1, **attrs), y)
+        if m == 1:
+            ref = table()["quant_linear"].kernel(np, x, packed, *w[1:], packed=1, **attrs)
+            assert np.array_equal(ref, table()["quant_linear"].kernel(np, x, *w, **attrs))
+        want, tol = reference(x, qz, w[1], col)
+        assert np.all(np.abs(y - want) <= tol + 1e-30)

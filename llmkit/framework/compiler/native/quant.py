@@ -241,10 +241,12 @@ static void KERNEL_FN_float(void **bufs, const int64_t *sizes, int64_t nthreads)
 """
     + QUANT_INT
     + r"""
-/* sizes: M, K, N, bits, group, has_zeros, act_bits (0: float x, 8: int8 blocks), isa (-1: auto) */
+/* sizes: M, K, N, bits, group, has_zeros, act_bits (0: float x, 8: int8 blocks), isa (-1: auto),
+   packed (act_bits 8: qweight in panels) */
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   if (sizes[6] == 8)
-    KERNEL_FN_int8(bufs, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[7], nthreads);
+    KERNEL_FN_int8(bufs, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[7], sizes[8],
+                   nthreads);
   else
     KERNEL_FN_float(bufs, sizes, nthreads);
 }
@@ -252,25 +254,29 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
 )
 
 
-def _sizes(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0):
+def _sizes(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0, packed=0):
     k = x.shape[-1]
     return [
         math.prod(x.shape[:-1]),
         k,
-        qweight.shape[0],
+        scales.shape[0],
         bits,
         k if group_size == -1 else group_size,
         zeros is not None,
         act_bits,
         int_isa_code(),
+        packed,
     ]
 
 
-def _applies(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0):
+def _applies(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0, packed=0):
     # any rows (the kernel computes every row alone); 4-bit groups of an even width (no byte
     # straddles two groups); the width known when the program is planned
     even = bits == 8 or group_size == -1 or group_size % 2 == 0
-    return x.dtype == _F32 and scales.dtype == _F32 and isinstance(x.shape[-1], int) and even
+    k = x.shape[-1]
+    if not (x.dtype == _F32 and scales.dtype == _F32 and isinstance(k, int) and even):
+        return False
+    return act_bits == 0 or (k if group_size == -1 else group_size) <= 65536  # int32 sums of a group
 
 
 native_kernel("quant_linear", QUANT_LINEAR, sizes=_sizes, applies=_applies)

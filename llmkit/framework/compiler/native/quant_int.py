@@ -1,24 +1,33 @@
 """``quant_linear`` with int8 activations (``act_bits=8``): integer dot products, the ISA picked at run time.
 
-Each row of x is quantized on the fly, per block of 32 columns of a weight group (a group's last
-block shorter when 32 does not divide it; llama.cpp's Q8_0 activations): ``d = max|x| / 127`` and
-codes ``rint(x / d)`` in [-127, 127], float32 arithmetic (``d = 0``: codes 0). A block's product
-with a row of weight codes is an exact integer; the output is the float sum over blocks, in order,
-of ``(d * scale[n, group]) * idot``. Every row is quantized and multiplied alone (the engine's
-batch invariance).
+Each row of x is quantized on the fly per weight group (the whole row with ``group_size=-1``):
+``d = max|x| / 127`` and codes ``rint(x / d)`` in [-127, 127], float32 arithmetic (``d = 0``: codes
+0), in parallel over rows. The weights go through panels of 16 outputs: word t of a panel holds, for
+each of its 16 outputs, 4 bytes of that output's codes (4 columns of 8 bits, 8 of 4 bits), each group
+padded to whole words (``ops.quant.pack_qweight`` makes the same layout once, ``packed=1``: the
+engine's programs; otherwise the kernel transposes 16 rows of codes into a panel, in registers, as
+it goes). One vector lane is one output, so a lane accumulates the exact integer product of its
+output's group with the row's codes (``idot``) and no lanes are ever summed across; the output is
+then, groups in order, ``y = fma((float)idot, d * scale, y)``. That one sequence per (row, output)
+is what every path, block of rows and thread computes: the paths give the same bits, and a row's
+result never depends on the rows beside it (the engine's batch invariance). The kernel is blocked
+as a GEMM: a panel (in L1) against 8 rows at a time (AVX-512; 4 otherwise), both cores taking
+panels from the thread pool (``compiler/par.py``), so one kernel serves decode and prefill.
 
 The dot products use the widest integer instructions the CPU has, chosen when the kernel runs
 (``__builtin_cpu_supports``), never from the build machine's ``-march``: AVX-512 VNNI
-(``vpdpbusd`` on two blocks at once), AVX-VNNI (the same on one block, 256 bits), AVX2
+(``vpdpbusd``, 16 outputs a vector), AVX-VNNI (the same on 256 bits, two vectors a panel), AVX2
 (``vpmaddubsw`` + ``vpmaddwd``), or portable C. ``vpdpbusd`` multiplies unsigned by signed bytes:
-4-bit codes are unsigned already (``idot = sum q x - zero * sum x``); 8-bit codes are made
-unsigned by ``q ^ 0x80 = q + 128`` (``idot = sum (q + 128) x - 128 * sum x``); the AVX2 path uses
-``|q|`` and ``x * sign(q)`` instead (``vpmaddubsw`` saturates int16 otherwise). The correction
-starts each block's integer accumulator, so ``idot`` is exact on every path.
+4-bit codes are unsigned already (``idot = sum q x - zero * sum x``); 8-bit codes are made unsigned
+as they are read, ``q ^ 0x80 = q + 128`` (``idot = sum (q + 128) x - 128 * sum x``); the AVX2 path
+uses ``|q|`` and ``x * sign(q)`` instead (``vpmaddubsw`` saturates int16 otherwise). The correction
+(``- zero * sum x``, from the row's code sums) starts each group's accumulator, so ``idot`` is exact
+on every path.
 
 ``LLMKIT_INT_ISA`` (``auto``, ``avx512vnni``, ``avxvnni``, ``avx2``, ``c``) or :func:`set_int_isa`
 forces a path (the kernel never goes above what the CPU has); :func:`cpu_int_isas` lists what
-this CPU offers. AMX is not used (this project's VMs advertise tiles that fault).
+this CPU offers. AMX is not used (this project's Intel VMs advertise tiles that fault; its AMD ones
+have none).
 """
 
 from __future__ import annotations
@@ -83,96 +92,30 @@ QUANT_INT = r"""
 #define KERNEL_FN_TV __attribute__((target("avx2,fma,avxvnni")))
 #define KERNEL_FN_T5 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 #endif
+#define KERNEL_FN_NR 16 /* output columns per panel: the lanes of one AVX-512 vector, two AVX2 ones */
 
-/* One call's int8 activations. Row m, group gi (i = m * G + gi): codes at xq + m * KP + gi * GP (GP:
-   the group's width rounded up to 32, zero-padded; column t at KERNEL_FN_at, in the order of the
-   codes' bytes: 4 bits, even columns against low nibbles, odd ones against high ones), the scale
-   d at xd[i] and 8 copies at xe[i * 8], and at xl[i * 8] lane 0 the correction seed of the vector
-   paths: -off * (sum of the codes of the group's whole 32s) (asym 4 bits: -(that sum), times the
-   group's zero later), the 7 lanes after it 0. */
+/* One call. Weights go through panels of NR output columns: dword p of a panel (p = gi * GW + t: a
+   group's t-th 4 bytes of codes, each group padded to GW dwords) holds NR dwords, lane l the 4 code
+   bytes of output n0 + l (8 bits: 4 columns; 4 bits: 8 columns, even ones in the low nibbles). Each
+   lane's integer products are those of one output, so no lanes are ever summed across: for every
+   (m, n) the result is the same sequence whatever the path, the block of rows or the thread.
+   Activations, row m: KX bytes; group gi at gi * GW * XB, XB bytes per weight dword (8 bits: the 4
+   codes of its columns; 4 bits: the 4 codes of its even columns, then the 4 of its odd ones);
+   xd[m * G + gi] the scale d, xs[m * G + gi] the sum of the group's codes. */
 typedef struct {
   const float *x, *s;
   const uint8_t *q, *z;
   float *y;
   int8_t *xq;
-  float *xd, *xe;
-  int32_t *xl;
-  int64_t M, K, N, G, g, GP, KP, bits, rows, isa;
+  float *xd;
+  int32_t *xs;
+  uint8_t *pbuf;
+  int64_t M, K, N, G, g, gb, GW, XB, KX, RB, bits, isa, off, flip, pstride, mr, nt, packed;
 } KERNEL_FN_ijob;
 
-/* where column t (of a group of w columns) sits among its group's codes: 8 bits, in order; 4 bits,
-   in the group's whole 128s (units matching 64 bytes of codes) the unit's 64 even columns then its
-   64 odd ones, after them per 32 the 16 even then the 16 odd (matching KERNEL_FN_w32) */
-static inline int64_t KERNEL_FN_at(int64_t bits, int64_t t, int64_t w) {
-  if (bits == 8) return t;
-  if (t < w / 128 * 128) return (t / 128) * 128 + (t % 2) * 64 + (t % 128) / 2;
-  return (t / 32) * 32 + (t % 2) * 16 + (t % 32) / 2;
-}
-
-/* the 32 activation codes of the 32 columns at c (a multiple of 32) of group xg (w columns), in
-   KERNEL_FN_w32's order */
-#define KERNEL_FN_X32(bits, xg, c, w)                                                                  \
-  ((bits) == 4 && (c) < (w) / 128 * 128                                                              \
-       ? _mm256_set_m128i(_mm_loadu_si128((const __m128i *)((xg) + ((c) / 128) * 128 + 64 + (c) % 128 / 2)), \
-                          _mm_loadu_si128((const __m128i *)((xg) + ((c) / 128) * 128 + (c) % 128 / 2)))  \
-       : _mm256_loadu_si256((const __m256i *)((xg) + (c))))
-
-/* the zero the codes' unsigned form is offset by: 8-bit codes q + 128 for vpdpbusd, else 0;
-   4-bit: the zero point (8, or the zeros tensor: 1 here, the zero applied later) */
-static inline int32_t KERNEL_FN_off(const KERNEL_FN_ijob *j) {
-  if (j->bits == 8) return j->isa >= 2 ? 128 : 0;
-  return j->z ? 1 : 8;
-}
-
-/* row m, group gi: d = max|x| / 127, codes rint(x / d) (float32, round half to even; d = 0: 0) */
-static void KERNEL_FN_quantize_rows(KERNEL_FN_ijob *j) {
-  const int32_t off = KERNEL_FN_off(j);
-  for (int64_t m = 0; m < j->M; m++) {
-    const float *xm = j->x + m * j->K;
-    for (int64_t gi = 0; gi < j->G; gi++) {
-      const int64_t k0 = gi * j->g, w = (k0 + j->g < j->K ? k0 + j->g : j->K) - k0, i = m * j->G + gi;
-      float amax = 0.0f;
-      for (int64_t t = 0; t < w; t++) amax = fmaxf(amax, fabsf(xm[k0 + t]));
-      const float d = amax / 127.0f;
-      int8_t *o = j->xq + m * j->KP + gi * j->GP;
-      memset(o, 0, (size_t)j->GP);
-      int32_t sum = 0; /* of the codes in whole 32s: the vector paths' columns */
-      for (int64_t t = 0; t < w; t++) {
-        float v = d > 0.0f ? rintf(xm[k0 + t] / d) : 0.0f;
-        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-        const int8_t c = (int8_t)v;
-        if (t < w / 32 * 32) sum += c;
-        const int64_t at = KERNEL_FN_at(j->bits, t, w);
-        o[at] = c;
-      }
-      j->xd[i] = d;
-      for (int t = 0; t < 8; t++) {
-        j->xe[i * 8 + t] = d;
-        j->xl[i * 8 + t] = t ? 0 : -off * sum;
-      }
-    }
-  }
-}
-
-/* the exact integer product of columns k0 + c0 .. k0 + w - 1 of group gi, row m, output n (codes
-   minus their zero), one column at a time */
-static inline int32_t KERNEL_FN_idot_c(const KERNEL_FN_ijob *j, int64_t m, int64_t n, int64_t gi, int64_t c0,
-                                       int64_t w) {
-  const int64_t k0 = gi * j->g;
-  const int8_t *xg = j->xq + m * j->KP + gi * j->GP;
-  int32_t acc = 0;
-  if (j->bits == 8) {
-    const int8_t *qn = (const int8_t *)j->q + n * j->K + k0;
-    for (int64_t t = c0; t < w; t++) acc += (int32_t)xg[t] * qn[t];
-  } else {
-    const uint8_t *qn = j->q + n * (j->K / 2) + k0 / 2;
-    const int32_t zero = j->z ? j->z[n * j->G + gi] : 8;
-    for (int64_t t = c0; t < w; t++) {
-      const int32_t q = (t % 2 ? qn[t / 2] >> 4 : qn[t / 2] & 15) - zero;
-      acc += (int32_t)xg[KERNEL_FN_at(4, t, w)] * q;
-    }
-  }
-  return acc;
+/* the byte of column c (of a group) among the group's activation codes */
+static inline int64_t KERNEL_FN_at(int64_t bits, int64_t c) {
+  return bits == 8 ? c : (c / 8) * 8 + (c % 2) * 4 + (c % 8) / 2;
 }
 
 static inline int64_t KERNEL_FN_width(const KERNEL_FN_ijob *j, int64_t gi) {
@@ -180,205 +123,325 @@ static inline int64_t KERNEL_FN_width(const KERNEL_FN_ijob *j, int64_t gi) {
   return (k0 + j->g < j->K ? k0 + j->g : j->K) - k0;
 }
 
-/* portable C: y = sum over groups, in order, of (d * scale) * idot */
-static void KERNEL_FN_rows_c(const KERNEL_FN_ijob *j, int64_t n, int64_t m0, int64_t mb) {
+/* rows c * 8 .. : per group d = max|x| / 127, codes rint(x / d) (float32, round half to even; d = 0:
+   codes 0), their sum */
+static void KERNEL_FN_quantize_rows(void *arg, int64_t c, int64_t worker) {
+  (void)worker;
+  const KERNEL_FN_ijob *j = (const KERNEL_FN_ijob *)arg;
+  const int64_t m1 = (c + 1) * 8 < j->M ? (c + 1) * 8 : j->M;
+  for (int64_t m = c * 8; m < m1; m++) {
+    const float *xm = j->x + m * j->K;
+    int8_t *row = j->xq + m * j->KX;
+    memset(row, 0, (size_t)j->KX);
+    for (int64_t gi = 0; gi < j->G; gi++) {
+      const int64_t k0 = gi * j->g, w = KERNEL_FN_width(j, gi), i = m * j->G + gi;
+      float amax = 0.0f;
+      for (int64_t t = 0; t < w; t++) amax = fmaxf(amax, fabsf(xm[k0 + t]));
+      const float d = amax / 127.0f;
+      int8_t *o = row + gi * j->GW * j->XB;
+      int32_t sum = 0;
+      if (d > 0.0f)
+        for (int64_t t = 0; t < w; t++) {
+          float v = rintf(xm[k0 + t] / d);
+          v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+          const int8_t q = (int8_t)v;
+          sum += q;
+          o[KERNEL_FN_at(j->bits, t)] = q;
+        }
+      j->xd[i] = d;
+      j->xs[i] = sum;
+    }
+  }
+}
+
+/* the panel of outputs n0 .. n0 + nn - 1: codes as above, the bytes as stored (so a weight packed
+   once, ``pack_qweight``, is this same layout); lanes >= nn 0 */
+static void KERNEL_FN_pack_c(const KERNEL_FN_ijob *j, int64_t n0, int64_t nn, uint8_t *pw) {
+  const int64_t NR = KERNEL_FN_NR;
+  for (int64_t gi = 0; gi < j->G; gi++) {
+    const int64_t bytes = j->bits == 8 ? KERNEL_FN_width(j, gi) : KERNEL_FN_width(j, gi) / 2;
+    for (int64_t t = 0; t < j->GW; t++)
+      for (int64_t l = 0; l < NR; l++)
+        for (int64_t b = 0; b < 4; b++) {
+          const int64_t at = 4 * t + b;
+          uint8_t v = l < nn && at < bytes ? j->q[(n0 + l) * j->RB + gi * j->gb + at] : 0;
+          pw[((gi * j->GW + t) * NR + l) * 4 + b] = v;
+        }
+  }
+}
+
+/* the panel's scales [G][NR] and, with zeros, their negatives [G][NR] (int32); lanes >= nn 0 */
+static void KERNEL_FN_pack_meta(const KERNEL_FN_ijob *j, int64_t n0, int64_t nn, float *ps, int32_t *pz) {
+  for (int64_t gi = 0; gi < j->G; gi++)
+    for (int64_t l = 0; l < KERNEL_FN_NR; l++) {
+      ps[gi * KERNEL_FN_NR + l] = l < nn ? j->s[(n0 + l) * j->G + gi] : 0.0f;
+      if (j->z) pz[gi * KERNEL_FN_NR + l] = l < nn ? -(int32_t)j->z[(n0 + l) * j->G + gi] : 0;
+    }
+}
+
+/* portable C: rows m0 .. m0 + mb - 1 of the panel; per lane and group the exact integer product,
+   then y = fma((float)idot, d * s, y), groups in order */
+static void KERNEL_FN_panel_c(const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps,
+                              const int32_t *pz, int64_t m0, int64_t mb, int64_t n0, int64_t nn) {
   for (int64_t r = 0; r < mb; r++) {
     const int64_t m = m0 + r;
-    float y = 0.0f;
-    for (int64_t gi = 0; gi < j->G; gi++)
-      y += (j->xd[m * j->G + gi] * j->s[n * j->G + gi]) *
-           (float)KERNEL_FN_idot_c(j, m, n, gi, 0, KERNEL_FN_width(j, gi));
-    j->y[m * j->N + n] = y;
+    for (int64_t l = 0; l < nn; l++) {
+      float y = 0.0f;
+      for (int64_t gi = 0; gi < j->G; gi++) {
+        const int64_t i = m * j->G + gi;
+        int32_t acc = (j->z ? pz[gi * KERNEL_FN_NR + l] : -(int32_t)j->off) * j->xs[i];
+        const int8_t *xg = j->xq + m * j->KX + gi * j->GW * j->XB;
+        for (int64_t t = 0; t < j->GW; t++) {
+          const uint8_t *w = pw + ((gi * j->GW + t) * KERNEL_FN_NR + l) * 4;
+          for (int b = 0; b < 4; b++) {
+            if (j->bits == 8) {
+              acc += (int32_t)(int8_t)w[b] * xg[4 * t + b];
+            } else {
+              acc += (int32_t)(w[b] & 15) * xg[8 * t + b] + (int32_t)(w[b] >> 4) * xg[8 * t + 4 + b];
+            }
+          }
+        }
+        y = fmaf((float)acc, j->xd[i] * ps[gi * KERNEL_FN_NR + l], y);
+      }
+      j->y[m * j->N + n0 + l] = y;
+    }
   }
 }
 
 #ifdef KERNEL_FN_X86
-enum { KERNEL_FN_IMB = 4, KERNEL_FN_IMB5 = 8 }; /* rows of x per pass over a row of codes: AVX2, AVX-512 */
-
-KERNEL_FN_T2 static inline float KERNEL_FN_ihsum(__m256 v) { /* 8 lanes by a fixed tree */
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  return _mm_cvtss_f32(_mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1)));
-}
-
-/* 32 codes at column k of output n as bytes in xq's layout (4 bits: [low nibbles | high ones]);
-   8 bits with `flip`, as q + 128 */
-KERNEL_FN_T2 static inline __m256i KERNEL_FN_w32(const KERNEL_FN_ijob *j, int64_t n, int64_t k, int flip) {
-  if (j->bits == 8) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(j->q + n * j->K + k));
-    return flip ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v;
+/* dst[p * 64 + 4 * l ..] = dword p of row l (rows `stride` bytes apart from src; rows >= nn repeat
+   the last, their lanes never stored), p < dw: 16 rows x 16 dwords at a time, transposed in
+   registers (unpack 32, unpack 64, then the 128-bit lanes) */
+KERNEL_FN_T5 static void KERNEL_FN_t16(const uint8_t *src, int64_t stride, int64_t nn, int64_t dw,
+                                       uint8_t *dst) {
+  const uint8_t *row[16];
+  for (int l = 0; l < 16; l++) row[l] = src + (l < nn ? l : nn - 1) * stride;
+  for (int64_t p = 0; p < dw; p += 16) {
+    const __mmask16 k = dw - p >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dw - p)) - 1);
+    __m512i r[16], t[16], u[16];
+    for (int l = 0; l < 16; l++) r[l] = _mm512_maskz_loadu_epi32(k, (const void *)(row[l] + 4 * p));
+    for (int i = 0; i < 8; i++) {
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + c] lane L: rows 4i .. 4i + 3 at dword 4L + c */
+      u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+      u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+      const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+      const __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+      const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+      const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+      const __m512i o[4] = {_mm512_shuffle_i32x4(v0, v2, 0x88), _mm512_shuffle_i32x4(v0, v2, 0xDD),
+                            _mm512_shuffle_i32x4(v1, v3, 0x88), _mm512_shuffle_i32x4(v1, v3, 0xDD)};
+      for (int L = 0; L < 4; L++)
+        if (p + 4 * L + c < dw) _mm512_storeu_si512((void *)(dst + (p + 4 * L + c) * 64), o[L]);
+    }
   }
-  const __m128i v = _mm_loadu_si128((const __m128i *)(j->q + n * (j->K / 2) + k / 2));
-  const __m128i f = _mm_set1_epi8(15);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), f), _mm_and_si128(v, f));
 }
 
-/* group gi's integer seed for row m: the correction (times the zero, asym), plus the exact product
-   of the columns after the group's last whole 32, in C */
-KERNEL_FN_T2 static inline __m256i KERNEL_FN_seed(const KERNEL_FN_ijob *j, int64_t m, int64_t n, int64_t gi,
-                                                  int64_t full, int64_t w) {
-  const int64_t i = m * j->G + gi;
-  int32_t c = j->xl[i * 8];
-  if (j->z) c *= j->z[n * j->G + gi];
-  if (full < w) c += KERNEL_FN_idot_c(j, m, n, gi, full, w);
-  return _mm256_setr_epi32(c, 0, 0, 0, 0, 0, 0, 0);
+/* the panel's codes when every group's codes are whole dwords (the row's dword p is the panel's
+   dword p); padding dwords of a short last group 0 */
+KERNEL_FN_T5 static void KERNEL_FN_pack_512(const KERNEL_FN_ijob *j, int64_t n0, int64_t nn, uint8_t *pw) {
+  const int64_t dw = j->RB / 4, all = j->G * j->GW;
+  KERNEL_FN_t16(j->q + n0 * j->RB, j->RB, nn, dw, pw);
+  for (int64_t p = dw; p < all; p++) _mm512_storeu_si512((void *)(pw + p * 64), _mm512_setzero_si512());
 }
 
-/* the 256-bit paths: DOT(acc, w, x) adds 32 products to 8 int32 lanes; FLIP: 8-bit codes as q + 128 */
-#define KERNEL_FN_ROWS256(NAME, TGT, DOT, FLIP)                                                      \
-  TGT static inline __attribute__((always_inline)) void NAME##_mb(const KERNEL_FN_ijob *j, int64_t n, \
-                                                                  int64_t m0, const int mb) {         \
-    __m256 acc[KERNEL_FN_IMB];                                                                     \
-    for (int r = 0; r < KERNEL_FN_IMB; r++) acc[r] = _mm256_setzero_ps();                          \
-    for (int64_t gi = 0; gi < j->G; gi++) {                                                        \
-      const int64_t k0 = gi * j->g, w = KERNEL_FN_width(j, gi), full = w / 32 * 32;                \
-      __m256i ia[KERNEL_FN_IMB];                                                                   \
-      for (int64_t r = 0; r < mb; r++)                                                             \
-        ia[r] = j->z || full < w ? KERNEL_FN_seed(j, m0 + r, n, gi, full, w)                       \
-                                 : _mm256_loadu_si256((const __m256i *)(j->xl + ((m0 + r) * j->G + gi) * 8));\
-      for (int64_t c = 0; c < full; c += 32) {                                                     \
-        const __m256i wv = KERNEL_FN_w32(j, n, k0 + c, FLIP);                                      \
-        for (int64_t r = 0; r < mb; r++)                                                           \
-          ia[r] = DOT(ia[r], wv, KERNEL_FN_X32(j->bits, j->xq + (m0 + r) * j->KP + gi * j->GP, c, w)); \
-      }                                                                                            \
-      const float ws = j->s[n * j->G + gi];                                                        \
-      for (int64_t r = 0; r < mb; r++)                                                             \
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]),                                        \
-                                 _mm256_set1_ps(j->xd[(m0 + r) * j->G + gi] * ws), acc[r]);        \
-    }                                                                                              \
-    for (int64_t r = 0; r < mb; r++) j->y[(m0 + r) * j->N + n] = KERNEL_FN_ihsum(acc[r]);          \
-  }                                                                                                \
-  TGT static void NAME(const KERNEL_FN_ijob *j, int64_t n, int64_t m0, int64_t mb) {                \
-    switch (mb) { /* a constant count: the accumulators stay in registers */                        \
-      case 4: NAME##_mb(j, n, m0, 4); break;                                                       \
-      case 3: NAME##_mb(j, n, m0, 3); break;                                                       \
-      case 2: NAME##_mb(j, n, m0, 2); break;                                                       \
-      default: NAME##_mb(j, n, m0, 1); break;                                                      \
-    }                                                                                              \
+KERNEL_FN_T2 static void KERNEL_FN_pack_256(const KERNEL_FN_ijob *j, int64_t n0, int64_t nn, uint8_t *pw) {
+  const int64_t dw = j->RB / 4, all = j->G * j->GW;
+  for (int h = 0; h < 2; h++) {
+    int32_t ix[8];
+    for (int l = 0; l < 8; l++) ix[l] = (int32_t)((8 * h + l < nn ? 8 * h + l : 0) * j->RB);
+    const __m256i idx = _mm256_loadu_si256((const __m256i *)ix);
+    int32_t mk[8];
+    for (int l = 0; l < 8; l++) mk[l] = 8 * h + l < nn ? -1 : 0;
+    const __m256i mask = _mm256_loadu_si256((const __m256i *)mk);
+    const int *base = (const int *)(j->q + n0 * j->RB);
+    for (int64_t p = 0; p < dw; p++) {
+      const int *at = (const int *)((const uint8_t *)base + 4 * p);
+      const __m256i v = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), at, idx, mask, 1);
+      _mm256_storeu_si256((__m256i *)(pw + p * 64 + 32 * h), v);
+    }
+    for (int64_t p = dw; p < all; p++)
+      _mm256_storeu_si256((__m256i *)(pw + p * 64 + 32 * h), _mm256_setzero_si256());
   }
+}
 
-/* AVX2: vpmaddubsw on (|q|, x * sign(q)) for 8 bits (int16 pairs at most 2 * 127 * 127), (q, x) for
-   4, then vpmaddwd by ones into int32 */
-KERNEL_FN_T2 static inline __m256i KERNEL_FN_dot_avx2(const KERNEL_FN_ijob *j, __m256i acc, __m256i w,
-                                                      __m256i x) {
-  const __m256i u = j->bits == 8 ? _mm256_abs_epi8(w) : w;
-  const __m256i s = j->bits == 8 ? _mm256_sign_epi8(x, w) : x;
+/* AVX-512 VNNI: rows m0 .. m0 + mb - 1 (mb a constant where inlined), one vector of 16 outputs */
+KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_mk512(
+    const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
+    int64_t n0, int64_t nn, const int bits) {
+  __m512 f[8];
+  for (int r = 0; r < mb; r++) f[r] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi8(15), fl = _mm512_set1_epi8(bits == 8 ? (char)0x80 : 0);
+  for (int64_t gi = 0; gi < j->G; gi++) {
+    /* integer chains per row (exact, so their sum is the same however split): with one or two rows
+       4 bits a the low nibbles, b the high ones, and c, e every other word (a single chain would wait
+       on vpdpbusd's latency); 8 bits a and b alternate words; 4 bits with more rows, a alone */
+    __m512i a[8], b[8], c[8], e[8];
+    const int8_t *xr = j->xq + m0 * j->KX + gi * j->GW * j->XB;
+    const int32_t *xs = j->xs + m0 * j->G + gi;
+    if (j->z) {
+      const __m512i zv = _mm512_loadu_si512((const void *)(pz + gi * 16));
+      for (int r = 0; r < mb; r++) a[r] = _mm512_mullo_epi32(zv, _mm512_set1_epi32(xs[r * j->G]));
+    } else {
+      for (int r = 0; r < mb; r++) a[r] = _mm512_set1_epi32(-(int32_t)j->off * xs[r * j->G]);
+    }
+    const int split = mb <= 2 || bits == 8; /* b in use (4 bits, 3 rows or more: one chain a row) */
+    for (int r = 0; r < mb; r++) {
+      if (split) b[r] = _mm512_setzero_si512();
+      if (mb <= 2) c[r] = e[r] = _mm512_setzero_si512();
+    }
+    const uint8_t *w = pw + gi * j->GW * 64;
+#define KERNEL_FN_S512(t, A, B)                                                                       \
+  do {                                                                                                \
+    const __m512i w0 = _mm512_loadu_si512((const void *)(w + (t) * 64));                              \
+    const __m512i wv = bits == 8 ? _mm512_xor_si512(w0, fl) : w0;                                     \
+    if (bits == 4) {                                                                                  \
+      const __m512i lo = _mm512_and_si512(wv, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), lo4); \
+      for (int r = 0; r < mb; r++) {                                                                  \
+        const int8_t *x = xr + r * j->KX + 8 * (t);                                                   \
+        A[r] = _mm512_dpbusd_epi32(A[r], lo, _mm512_set1_epi32(*(const int32_t *)x));                 \
+        B[r] = _mm512_dpbusd_epi32(B[r], hi, _mm512_set1_epi32(*(const int32_t *)(x + 4)));           \
+      }                                                                                               \
+    } else {                                                                                          \
+      for (int r = 0; r < mb; r++) {                                                                  \
+        const int8_t *x = xr + r * j->KX + 4 * (t);                                                   \
+        A[r] = _mm512_dpbusd_epi32(A[r], wv, _mm512_set1_epi32(*(const int32_t *)x));                 \
+      }                                                                                               \
+    }                                                                                                 \
+  } while (0)
+    int64_t t = 0;
+    if (mb <= 2)
+      for (; t + 1 < j->GW; t += 2) {
+        KERNEL_FN_S512(t, a, b);
+        KERNEL_FN_S512(t + 1, c, e);
+      }
+    else if (bits == 8)
+      for (; t + 1 < j->GW; t += 2) {
+        KERNEL_FN_S512(t, a, a);
+        KERNEL_FN_S512(t + 1, b, b);
+      }
+    if (split)
+      for (; t < j->GW; t++) KERNEL_FN_S512(t, a, b);
+    else
+      for (; t < j->GW; t++) KERNEL_FN_S512(t, a, a);
+#undef KERNEL_FN_S512
+    for (int r = 0; r < mb; r++) {
+      if (split) a[r] = _mm512_add_epi32(a[r], b[r]);
+      if (mb <= 2) a[r] = _mm512_add_epi32(a[r], _mm512_add_epi32(c[r], e[r]));
+    }
+    const __m512 sv = _mm512_loadu_ps(ps + gi * 16);
+    for (int r = 0; r < mb; r++)
+      f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]),
+                             _mm512_mul_ps(_mm512_set1_ps(j->xd[(m0 + r) * j->G + gi]), sv), f[r]);
+  }
+  const __mmask16 lanes = (__mmask16)((1u << nn) - 1);
+  for (int r = 0; r < mb; r++) _mm512_mask_storeu_ps(j->y + (m0 + r) * j->N + n0, lanes, f[r]);
+}
+
+#define KERNEL_FN_CASES(F, ...)                    \
+  switch (mb) {                                    \
+    case 8: F(__VA_ARGS__, 8); break;              \
+    case 7: F(__VA_ARGS__, 7); break;              \
+    case 6: F(__VA_ARGS__, 6); break;              \
+    case 5: F(__VA_ARGS__, 5); break;              \
+    case 4: F(__VA_ARGS__, 4); break;              \
+    case 3: F(__VA_ARGS__, 3); break;              \
+    case 2: F(__VA_ARGS__, 2); break;              \
+    default: F(__VA_ARGS__, 1); break;             \
+  }
+#define KERNEL_FN_MK512(bits, mbc) KERNEL_FN_mk512(j, pw, ps, pz, m0, mbc, n0, nn, bits)
+KERNEL_FN_T5 static void KERNEL_FN_panel_512(const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps,
+                                              const int32_t *pz, int64_t m0, int64_t mb, int64_t n0,
+                                              int64_t nn) {
+  if (j->bits == 4) {
+    KERNEL_FN_CASES(KERNEL_FN_MK512, 4)
+  } else {
+    KERNEL_FN_CASES(KERNEL_FN_MK512, 8)
+  }
+}
+
+/* the 256-bit paths: two vectors of 8 outputs; DOT(acc, w, x) adds w (unsigned, 8 bits signed on
+   AVX2) times x's 4 bytes in every lane */
+KERNEL_FN_T2 static inline __m256i KERNEL_FN_dot_avx2(__m256i acc, __m256i w, __m256i x, const int bits) {
+  const __m256i u = bits == 8 ? _mm256_abs_epi8(w) : w;
+  const __m256i s = bits == 8 ? _mm256_sign_epi8(x, w) : x;
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
-#define KERNEL_FN_DOT_AVX2(acc, w, x) KERNEL_FN_dot_avx2(j, acc, w, x)
-KERNEL_FN_ROWS256(KERNEL_FN_rows_avx2, KERNEL_FN_T2, KERNEL_FN_DOT_AVX2, 0)
+#define KERNEL_FN_DOT_AVX2(acc, w, x, bits) KERNEL_FN_dot_avx2(acc, w, x, bits)
+#define KERNEL_FN_DOT_VNNI(acc, w, x, bits) _mm256_dpbusd_avx_epi32(acc, w, x)
 
-/* AVX-VNNI: vpdpbusd (unsigned codes x signed activations, 4 products into each int32 lane) */
-#define KERNEL_FN_DOT_VNNI(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
-KERNEL_FN_ROWS256(KERNEL_FN_rows_avxvnni, KERNEL_FN_TV, KERNEL_FN_DOT_VNNI, 1)
-
-/* 64 codes at column k of output n, as two KERNEL_FN_w32 (8 bits: q + 128) side by side */
-KERNEL_FN_T5 static inline __m512i KERNEL_FN_w64(const KERNEL_FN_ijob *j, int64_t n, int64_t k) {
-  if (j->bits == 8)
-    return _mm512_xor_si512(_mm512_loadu_si512((const void *)(j->q + n * j->K + k)),
-                            _mm512_set1_epi8((char)0x80));
-  const __m256i v = _mm256_loadu_si256((const __m256i *)(j->q + n * (j->K / 2) + k / 2));
-  const __m256i f = _mm256_set1_epi8(15);
-  const __m256i lo = _mm256_and_si256(v, f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), f);
-  /* [lo 0-31 | lo 32-63 | hi 0-31 | hi 32-63] in 128-bit lanes -> [lo, hi of 0-31 | lo, hi of 32-63] */
-  const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  return _mm512_shuffle_i64x2(t, t, 0xD8);
-}
-
-/* AVX-512 VNNI: groups of 32 columns two at a time (lanes 0-7 the first, 8-15 the second); wider
-   groups 64 columns per vpdpbusd, a last 32 on 256 bits (AVX-512 VL), the rest in C */
-KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_avx512_mb(const KERNEL_FN_ijob *j,
-                                                                                 int64_t n, int64_t m0,
-                                                                                 const int mb) {
-  __m512 acc[KERNEL_FN_IMB5];
-  for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
-  for (int64_t gi = 0; gi < j->G;) {
-    const int64_t k0 = gi * j->g, w = KERNEL_FN_width(j, gi);
-    if (j->g == 32 && w == 32 && gi + 1 < j->G && KERNEL_FN_width(j, gi + 1) == 32) {
-      const __m512i wv = KERNEL_FN_w64(j, n, k0);
-      const __m512 ws = _mm512_insertf32x8(_mm512_set1_ps(j->s[n * j->G + gi]),
-                                           _mm256_set1_ps(j->s[n * j->G + gi + 1]), 1);
-      __m512i zv = _mm512_set1_epi32(1);
-      if (j->z)
-        zv = _mm512_inserti64x4(_mm512_set1_epi32(j->z[n * j->G + gi]),
-                                _mm256_set1_epi32(j->z[n * j->G + gi + 1]), 1);
-      for (int64_t r = 0; r < mb; r++) {
-        const int64_t i = (m0 + r) * j->G + gi;
-        __m512i seed = _mm512_loadu_si512((const void *)(j->xl + i * 8));
-        if (j->z) seed = _mm512_mullo_epi32(seed, zv);
-        const __m512i x = _mm512_loadu_si512((const void *)(j->xq + (m0 + r) * j->KP + gi * j->GP));
-        const __m512i d = _mm512_dpbusd_epi32(seed, wv, x);
-        const __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(j->xe + i * 8), ws);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[r]);
-      }
-      gi += 2;
-      continue;
-    }
-    const int64_t full = w / 32 * 32, wide = w / 64 * 64, slow = j->z || full < w;
-    const int8_t *xg = j->xq + m0 * j->KP + gi * j->GP;
-    __m512i ia[KERNEL_FN_IMB5]; /* the group's integer product, lanes summed at the end */
-    for (int64_t r = 0; r < mb; r++) {
-      const __m256i seed = slow ? KERNEL_FN_seed(j, m0 + r, n, gi, full, w)
-                                : _mm256_loadu_si256((const __m256i *)(j->xl + ((m0 + r) * j->G + gi) * 8));
-      ia[r] = _mm512_zextsi256_si512(seed);
-    }
-    const int64_t units = j->bits == 4 ? w / 128 * 128 : 0;
-    if (units) { /* 128 columns a step: low nibbles (even columns) as they are, high ones as 16 q */
-      __m512i ih[KERNEL_FN_IMB5];
-      for (int64_t r = 0; r < mb; r++) ih[r] = _mm512_setzero_si512();
-      const __m512i f = _mm512_set1_epi8(15), f4 = _mm512_set1_epi8((char)0xF0);
-      for (int64_t c = 0; c < units; c += 128) {
-        const __m512i v = _mm512_loadu_si512((const void *)(j->q + n * (j->K / 2) + (k0 + c) / 2));
-        const __m512i lo = _mm512_and_si512(v, f), hi = _mm512_and_si512(v, f4);
-        for (int64_t r = 0; r < mb; r++) {
-          const int8_t *xu = xg + r * j->KP + c;
-          ia[r] = _mm512_dpbusd_epi32(ia[r], lo, _mm512_loadu_si512((const void *)xu));
-          ih[r] = _mm512_dpbusd_epi32(ih[r], hi, _mm512_loadu_si512((const void *)(xu + 64)));
-        }
-      }
-      for (int64_t r = 0; r < mb; r++) /* each lane a multiple of 16: the shift is exact */
-        ia[r] = _mm512_add_epi32(ia[r], _mm512_srai_epi32(ih[r], 4));
-    }
-    for (int64_t c = units; c < wide; c += 64) {
-      const __m512i wv = KERNEL_FN_w64(j, n, k0 + c);
-      for (int64_t r = 0; r < mb; r++)
-        ia[r] = _mm512_dpbusd_epi32(ia[r], wv, _mm512_loadu_si512((const void *)(xg + r * j->KP + c)));
-    }
-    if (wide < full) { /* a last 32 columns: on 256 bits, into the low half */
-      const __m256i wv = KERNEL_FN_w32(j, n, k0 + wide, 1);
-      for (int64_t r = 0; r < mb; r++) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(xg + r * j->KP + wide));
-        const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, x);
-        ia[r] = _mm512_add_epi32(ia[r], _mm512_zextsi256_si512(d));
-      }
-    }
-    const float ws = j->s[n * j->G + gi];
-    for (int64_t r = 0; r < mb; r++) {
-      const __m512 sc = _mm512_set1_ps(j->xd[(m0 + r) * j->G + gi] * ws);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), sc, acc[r]);
-    }
-    gi += 1;
+#define KERNEL_FN_MK256(NAME, TGT, DOT)                                                               \
+  TGT static inline __attribute__((always_inline)) void NAME##_mk(                                     \
+      const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0,      \
+      const int mb, int64_t n0, int64_t nn, const int bits) {                                          \
+    __m256 f[4][2];                                                                                   \
+    for (int r = 0; r < mb; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();                             \
+    const __m256i lo4 = _mm256_set1_epi8(15), fl = _mm256_set1_epi8(bits == 8 && j->flip ? (char)0x80 : 0); \
+    for (int64_t gi = 0; gi < j->G; gi++) {                                                           \
+      __m256i a[4][2];                                                                                \
+      const int8_t *xr = j->xq + m0 * j->KX + gi * j->GW * j->XB;                                     \
+      const int32_t *xs = j->xs + m0 * j->G + gi;                                                     \
+      for (int r = 0; r < mb; r++)                                                                    \
+        for (int v = 0; v < 2; v++)                                                                   \
+          a[r][v] = j->z ? _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16 + 8 * v)), \
+                                              _mm256_set1_epi32(xs[r * j->G]))                        \
+                         : _mm256_set1_epi32(-(int32_t)j->off * xs[r * j->G]);                        \
+      const uint8_t *w = pw + gi * j->GW * 64;                                                        \
+      for (int64_t t = 0; t < j->GW; t++) {                                                           \
+        for (int v = 0; v < 2; v++) {                                                                 \
+          const __m256i wv =                                                                          \
+              _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + t * 64 + 32 * v)), fl);        \
+          if (bits == 4) {                                                                            \
+            const __m256i lo = _mm256_and_si256(wv, lo4);                                             \
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), lo4);                       \
+            for (int r = 0; r < mb; r++) {                                                            \
+              const int8_t *x = xr + r * j->KX + 8 * t;                                               \
+              a[r][v] = DOT(a[r][v], lo, _mm256_set1_epi32(*(const int32_t *)x), 4);                  \
+              a[r][v] = DOT(a[r][v], hi, _mm256_set1_epi32(*(const int32_t *)(x + 4)), 4);            \
+            }                                                                                         \
+          } else {                                                                                    \
+            for (int r = 0; r < mb; r++)                                                              \
+              a[r][v] = DOT(a[r][v], wv, _mm256_set1_epi32(*(const int32_t *)(xr + r * j->KX + 4 * t)), 8); \
+          }                                                                                           \
+        }                                                                                             \
+      }                                                                                               \
+      for (int v = 0; v < 2; v++) {                                                                   \
+        const __m256 sv = _mm256_loadu_ps(ps + gi * 16 + 8 * v);                                     \
+        for (int r = 0; r < mb; r++)                                                                  \
+          f[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][v]),                                      \
+                                    _mm256_mul_ps(_mm256_set1_ps(j->xd[(m0 + r) * j->G + gi]), sv),   \
+                                    f[r][v]);                                                         \
+      }                                                                                               \
+    }                                                                                                 \
+    for (int r = 0; r < mb; r++) {                                                                    \
+      float o[16];                                                                                    \
+      _mm256_storeu_ps(o, f[r][0]);                                                                   \
+      _mm256_storeu_ps(o + 8, f[r][1]);                                                               \
+      memcpy(j->y + (m0 + r) * j->N + n0, o, (size_t)nn * sizeof(float));                            \
+    }                                                                                                 \
+  }                                                                                                   \
+  TGT static void NAME(const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, \
+                       int64_t m0, int64_t mb, int64_t n0, int64_t nn) {                              \
+    switch (mb * 16 + j->bits) {                                                                      \
+      case 4 * 16 + 4: NAME##_mk(j, pw, ps, pz, m0, 4, n0, nn, 4); break;                             \
+      case 3 * 16 + 4: NAME##_mk(j, pw, ps, pz, m0, 3, n0, nn, 4); break;                             \
+      case 2 * 16 + 4: NAME##_mk(j, pw, ps, pz, m0, 2, n0, nn, 4); break;                             \
+      case 1 * 16 + 4: NAME##_mk(j, pw, ps, pz, m0, 1, n0, nn, 4); break;                             \
+      case 4 * 16 + 8: NAME##_mk(j, pw, ps, pz, m0, 4, n0, nn, 8); break;                             \
+      case 3 * 16 + 8: NAME##_mk(j, pw, ps, pz, m0, 3, n0, nn, 8); break;                             \
+      case 2 * 16 + 8: NAME##_mk(j, pw, ps, pz, m0, 2, n0, nn, 8); break;                             \
+      default: NAME##_mk(j, pw, ps, pz, m0, 1, n0, nn, 8); break;                                     \
+    }                                                                                                 \
   }
-  for (int64_t r = 0; r < mb; r++)
-    j->y[(m0 + r) * j->N + n] =
-        KERNEL_FN_ihsum(_mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
-}
-
-KERNEL_FN_T5 static void KERNEL_FN_rows_avx512(const KERNEL_FN_ijob *j, int64_t n, int64_t m0, int64_t mb) {
-  switch (mb) {
-    case 8: KERNEL_FN_avx512_mb(j, n, m0, 8); break;
-    case 7: KERNEL_FN_avx512_mb(j, n, m0, 7); break;
-    case 6: KERNEL_FN_avx512_mb(j, n, m0, 6); break;
-    case 5: KERNEL_FN_avx512_mb(j, n, m0, 5); break;
-    case 4: KERNEL_FN_avx512_mb(j, n, m0, 4); break;
-    case 3: KERNEL_FN_avx512_mb(j, n, m0, 3); break;
-    case 2: KERNEL_FN_avx512_mb(j, n, m0, 2); break;
-    default: KERNEL_FN_avx512_mb(j, n, m0, 1); break;
-  }
-}
+KERNEL_FN_MK256(KERNEL_FN_panel_avx2, KERNEL_FN_T2, KERNEL_FN_DOT_AVX2)
+KERNEL_FN_MK256(KERNEL_FN_panel_avxvnni, KERNEL_FN_TV, KERNEL_FN_DOT_VNNI)
 #endif
-
-enum { KERNEL_FN_IMB0 = 4 }; /* rows per pass but on AVX-512 */
 
 /* the best path this CPU has, at most `want` (-1: no limit) */
 static int64_t KERNEL_FN_pick(int64_t want) {
@@ -395,57 +458,75 @@ static int64_t KERNEL_FN_pick(int64_t want) {
   return want < 0 || want > best ? best : want;
 }
 
-/* one claim: outputs c * rows .. (c + 1) * rows - 1, each against the rows of x 4 (8) at a time */
-static void KERNEL_FN_ioutputs(void *arg, int64_t c, int64_t worker) {
-  (void)worker;
+/* one claim: panel c (outputs c * NR ..), packed into this worker's buffer, against every row of x,
+   mr rows at a time */
+static void KERNEL_FN_ipanel(void *arg, int64_t c, int64_t worker) {
   const KERNEL_FN_ijob *j = (const KERNEL_FN_ijob *)arg;
-  const int64_t n1 = (c + 1) * j->rows < j->N ? (c + 1) * j->rows : j->N;
-  const int64_t step = j->isa == 3 ? KERNEL_FN_IMB5 : KERNEL_FN_IMB0;
-  for (int64_t n = c * j->rows; n < n1; n++) {
-    for (int64_t m = 0; m < j->M; m += step) {
-      const int64_t mb = j->M - m < step ? j->M - m : step;
+  const int64_t n0 = c * KERNEL_FN_NR, nn = j->N - n0 < KERNEL_FN_NR ? j->N - n0 : KERNEL_FN_NR;
+  uint8_t *pw = j->pbuf + worker * j->pstride;
+  float *ps = (float *)(pw + j->G * j->GW * 4 * KERNEL_FN_NR); /* after the codes (unused when packed) */
+  int32_t *pz = (int32_t *)(ps + j->G * KERNEL_FN_NR);
+  const int fast = j->gb % 4 == 0 && j->RB % 4 == 0;
+  if (j->packed) pw = (uint8_t *)j->q + c * j->G * j->GW * 4 * KERNEL_FN_NR; /* packed at load */
 #ifdef KERNEL_FN_X86
-      if (j->isa == 3) KERNEL_FN_rows_avx512(j, n, m, mb);
-      else if (j->isa == 2) KERNEL_FN_rows_avxvnni(j, n, m, mb);
-      else if (j->isa == 1) KERNEL_FN_rows_avx2(j, n, m, mb);
-      else
+  else if (fast && j->isa == 3) KERNEL_FN_pack_512(j, n0, nn, pw);
+  else if (fast && j->isa >= 1) KERNEL_FN_pack_256(j, n0, nn, pw);
 #endif
-        KERNEL_FN_rows_c(j, n, m, mb);
-    }
+  else KERNEL_FN_pack_c(j, n0, nn, pw);
+#ifdef KERNEL_FN_X86
+  if (j->isa == 3 && !j->z) /* the scales: 16 rows of G dwords, transposed as the codes are */
+    KERNEL_FN_t16((const uint8_t *)(j->s + n0 * j->G), j->G * 4, nn, j->G, (uint8_t *)ps);
+  else
+#endif
+    KERNEL_FN_pack_meta(j, n0, nn, ps, pz);
+  for (int64_t m = 0; m < j->M; m += j->mr) {
+    const int64_t mb = j->M - m < j->mr ? j->M - m : j->mr;
+#ifdef KERNEL_FN_X86
+    if (j->isa == 3) KERNEL_FN_panel_512(j, pw, ps, pz, m, mb, n0, nn);
+    else if (j->isa == 2) KERNEL_FN_panel_avxvnni(j, pw, ps, pz, m, mb, n0, nn);
+    else if (j->isa == 1) KERNEL_FN_panel_avx2(j, pw, ps, pz, m, mb, n0, nn);
+    else
+#endif
+      KERNEL_FN_panel_c(j, pw, ps, pz, m, mb, n0, nn);
   }
 }
 
-/* bufs: x [M, K], qweight, scales [N, G], zeros?, y [M, N], status; g: group columns */
+/* bufs: x [M, K], qweight ([N, K] int8 | [N, K / 2] uint8, or with `packed` its panels [ceil(N / NR),
+   G * GW * 4 * NR] uint8), scales [N, G], zeros?, y [M, N], status; g: group columns */
 static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t bits, int64_t g,
-                           int64_t has_z, int64_t want, int64_t nthreads) {
+                           int64_t has_z, int64_t want, int64_t packed, int64_t nthreads) {
   int64_t *status = (int64_t *)bufs[4 + has_z];
-  const int64_t G = K > 0 ? (K + g - 1) / g : 0, GP = (g + 31) / 32 * 32;
+  const int64_t G = K > 0 ? (K + g - 1) / g : 0, gb = bits == 8 ? g : g / 2, GW = (gb + 3) / 4;
+  const int64_t isa = KERNEL_FN_pick(want), XB = bits == 8 ? 4 : 8;
   KERNEL_FN_ijob j = {(const float *)bufs[0], (const float *)bufs[2], (const uint8_t *)bufs[1],
-                      has_z ? (const uint8_t *)bufs[3] : NULL, (float *)bufs[3 + has_z], NULL, NULL,
-                      NULL, NULL, M, K, N, G, g, GP, G * GP, bits, 1, KERNEL_FN_pick(want)};
-  if (G == 0 || M == 0) {
+                      has_z ? (const uint8_t *)bufs[3] : NULL, (float *)bufs[3 + has_z], NULL, NULL, NULL,
+                      NULL,
+                      M, K, N, G, g, gb, GW, XB, G * GW * XB, bits == 8 ? K : K / 2, bits, isa,
+                      0, 0, 0, isa == 3 ? 8 : 4, 1, packed};
+  if (G == 0 || M == 0 || N == 0) {
     for (int64_t i = 0; i < M * N; i++) j.y[i] = 0.0f;
     return;
   }
+  j.flip = bits == 8 && isa >= 2; /* vpdpbusd: unsigned codes q + 128, flipped as they are read */
+  j.off = bits == 8 ? (j.flip ? 128 : 0) : (has_z ? 0 : 8);
+  int64_t nt = M * N * K < (1 << 17) || nthreads < 1 ? 1 : nthreads;
+  const int64_t panels = (N + KERNEL_FN_NR - 1) / KERNEL_FN_NR;
+  if (nt > panels) nt = panels;
+  j.pstride = (G * GW * 4 * KERNEL_FN_NR + 2 * G * KERNEL_FN_NR * 4 + 63) / 64 * 64;
   const size_t rg = (size_t)M * (size_t)G;
-  j.xq = (int8_t *)malloc((size_t)M * (size_t)j.KP + 64); /* + 64: a pair's load may pass the end */
+  j.xq = (int8_t *)malloc((size_t)M * (size_t)j.KX + 64);
   j.xd = (float *)malloc(rg * sizeof(float));
-  j.xe = (float *)malloc(rg * 8 * sizeof(float) + 64);
-  j.xl = (int32_t *)malloc(rg * 8 * sizeof(int32_t) + 64);
-  if (!j.xq || !j.xd || !j.xe || !j.xl) {
+  j.xs = (int32_t *)malloc(rg * sizeof(int32_t));
+  j.pbuf = (uint8_t *)aligned_alloc(64, (size_t)(nt * j.pstride));
+  if (!j.xq || !j.xd || !j.xs || !j.pbuf) {
     status[0] = 3;
   } else {
-    KERNEL_FN_quantize_rows(&j);
-    int64_t nt = M * N * K < (1 << 17) || nthreads < 1 ? 1 : nthreads;
-    j.rows = (N + 8 * nt - 1) / (8 * nt);
-    if (j.rows < 1) j.rows = 1;
-    const int64_t chunks = (N + j.rows - 1) / j.rows;
-    if (nt > chunks) nt = chunks > 0 ? chunks : 1;
-    llmkit_par_for(chunks, nt, KERNEL_FN_ioutputs, &j);
+    llmkit_par_for((M + 7) / 8, M * K < (1 << 15) ? 1 : nthreads, KERNEL_FN_quantize_rows, &j);
+    llmkit_par_for(panels, nt, KERNEL_FN_ipanel, &j);
   }
   free(j.xq);
   free(j.xd);
-  free(j.xe);
-  free(j.xl);
+  free(j.xs);
+  free(j.pbuf);
 }
 """
