@@ -5,7 +5,8 @@ Modes: eager (tape autograd); static (the whole step as one traced program, ``--
 fused and compiled, or ``none``), which also times eager in the same run for the ratio.
 ``--device gpu`` runs every variant on the GPU (cupy; PyTorch on CUDA), where one exists.
 ``--profile`` breaks one step of each mode down instead (one JSON line per part, seconds per step
-and share; below). ``--set section.key=value`` overrides the config (``benchmarks/gpu_check.sh`` times a ~134M model:
+and share; below).
+``--set section.key=value`` overrides the config (``benchmarks/gpu_check.sh`` times a ~134M model:
 ``model.hidden_size=768 model.num_hidden_layers=12 ...``).
 ``--torch`` also times Hugging Face transformers on PyTorch in the same process (``--torch-model
 small``: the small equivalent Llama of ``torch_llama.py`` instead), ``--torch-compile`` also the

@@ -89,8 +89,21 @@ def register_native(kernel: Callable[[Operation], Any], replays: Callable[[Execu
 
 _PROFILE = os.environ.get("LLMKIT_PROFILE", "") not in ("", "0")
 _profile: dict[str, list[float]] = D.new_profile()
+
+
+def _report() -> None:
+    if not _profile:
+        return
+    total = sum(t for t, _, _ in _profile.values()) or 1.0
+    print("\nLLMKIT_PROFILE: time per op type (executor)")
+    print(f"{'op':<40}{'calls':>10}{'total ms':>12}{'%':>7}")
+    for name, (t, n, _) in sorted(_profile.items(), key=lambda kv: -kv[1][0]):
+        print(f"{name:<40}{n:>10}{t * 1e3:>12.2f}{100 * t / total:>7.1f}")
+
+
 if _PROFILE:
     D.profile_table = _profile  # every op of the process, reported at exit
+    atexit.register(_report)
 
 
 class _Step:

@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from ...dispatch import register_eager_native
 from ...executor import register_native
 from ...ir import Operation
-from ...dispatch import register_eager_native
 from ...opspec import Kind, Meta, Native, OpError, OpSpec, Trait
 from .. import build
 from ..build import CPUS
