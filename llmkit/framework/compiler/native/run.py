@@ -200,8 +200,10 @@ _EAGER: dict[Any, NativeOp | None] = {}
 def eager_kernel(spec: OpSpec, arrays: Sequence[Any], attrs: dict[str, Any]) -> NativeOp | None:
     """The C kernel an eager op runs on these arrays' shapes, dtypes and attributes (chosen, and built,
     once per such call, as ``NativeOp.of`` chooses for a program's op); None for an engine op."""
-    if not spec.native.eager or Trait.INFERENCE in spec.traits or any(a is None or a.size == 0 for a in arrays):
-        return None  # (programs never hand the kernels empty arrays: a shard can be)
+    if not spec.native.eager or Trait.INFERENCE in spec.traits:
+        return None
+    if any(a is None or a.size == 0 for a in arrays):  # programs never hand kernels empty arrays
+        return None
     key = (spec.name, *((a.shape, a.dtype) for a in arrays), repr(sorted(attrs.items())))
     if key not in _EAGER:
         n, metas = spec.native, [Meta(a.shape, a.dtype) for a in arrays]
