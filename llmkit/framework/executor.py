@@ -106,6 +106,17 @@ if _PROFILE:
     atexit.register(_report)
 
 
+def _as_eager(spec: Any) -> Callable[..., Any]:
+    """An op's kernel as eager runs it (``dispatch.EagerWorld``: its C kernel where one applies), so a
+    program with the reference kernels (``compiler="none"``) computes what eager does, bit for bit."""
+
+    def kernel(xp: Any, *arrays: Any, **attrs: Any) -> Any:
+        fn = D._native(spec, arrays, attrs) if D._native is not None and xp is np else None
+        return (fn or spec.kernel)(xp, *arrays, **attrs)
+
+    return kernel
+
+
 class _Step:
     __slots__ = ("attrs", "fn", "free", "ins", "kind", "multi", "name", "outs", "sym_attrs")
 
@@ -174,7 +185,8 @@ class Executor:
             if fn is None:
                 if spec is None:
                     raise ExecutionError(f"{name}: no kernel for this op\n    {format_op(op)}")
-                fn = spec.kernel
+                eager_native = not self.native and spec.native is not None and spec.native.eager
+                fn = _as_eager(spec) if eager_native else spec.kernel
             ins = tuple(self._slot[v] for v in op.operands)
             outs = tuple(self._new(r) for r in op.results)
             sym_attrs = {k: a for k, a in op.attributes.items() if a.symbolic}
