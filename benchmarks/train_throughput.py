@@ -107,6 +107,21 @@ def static_step_fn(llama: LlamaConfig, lr: float, compiler: str):
     return call
 
 
+def reference_kernels(step):
+    """``step`` with every eager op on its reference kernel (none of the compiler's C kernels): eager
+    as it ran before eager ops took those up, timed in the same run for the ratio."""
+    from llmkit.framework import dispatch
+
+    def call(x, y):
+        native, dispatch._native = dispatch._native, None
+        try:
+            return step(x, y)
+        finally:
+            dispatch._native = native
+
+    return call
+
+
 def torch_step_fn(
     llama: LlamaConfig,
     lr: float,
@@ -369,6 +384,7 @@ def main() -> None:
     p.add_argument("--torch-compile", action="store_true", help="--torch, also under torch.compile")
     p.add_argument("--torch-tuned", action="store_true", help="--torch, with MKL's vendor check patched")
     p.add_argument("--rounds", type=int, default=3, help="--torch-tuned: alternated own-process runs")
+    p.add_argument("--eager-reference", action="store_true", help="also eager on the reference kernels")
     p.add_argument("--profile", action="store_true", help="a breakdown of each mode's step, per part")
     p.add_argument("--alone", choices=["torch", "static"], help=argparse.SUPPRESS)  # an own-process run
     a = p.parse_args()
@@ -409,6 +425,8 @@ def main() -> None:
     )
     emit("train_throughput", "load_average_1min", os.getloadavg()[0], "")
     steps = {"eager": eager_step_fn(llama, cfg.optim.lr)}
+    if a.eager_reference:
+        steps["eager_reference_kernels"] = reference_kernels(eager_step_fn(llama, cfg.optim.lr))
     if a.mode == "static":
         # the plain static program (the to_static figure), then with the requested compiler
         for compiler in dict.fromkeys(["none", a.compiler]):
@@ -434,6 +452,14 @@ def main() -> None:
             step_ms=round(sec * 1e3, 1),
             mfu=round(tps[name] * fpt / peak, 4),
             steps=a.steps,
+        )
+    if a.eager_reference:
+        emit(
+            "train_throughput",
+            "eager_over_eager_reference_kernels",
+            tps["eager"] / tps["eager_reference_kernels"],
+            "x",
+            note="the compiler's C kernels in eager ops, same run",
         )
     for name in steps:
         if name.startswith("static"):
@@ -481,6 +507,8 @@ def main() -> None:
             **({"target": 1.0} if a.torch_tuned else {}),
             note=f"{a.torch_model} Llama on PyTorch, same process, steps interleaved",
         )
+    if a.torch and name != "eager":
+        emit("train_throughput", f"eager_over_{torch_name}_same_run", tps["eager"] / tps[torch_name], "x")
     if a.torch_compile:
         emit(
             "train_throughput",
