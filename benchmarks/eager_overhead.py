@@ -1,6 +1,7 @@
 """Eager-mode overhead.
 
-1. Dispatch overhead per op on tiny tensors (µs): ``x + y`` through ``apply`` vs numpy's own.
+1. Dispatch overhead per op on tiny tensors (µs): ``x + y`` through ``apply`` vs numpy's own, and
+   against PyTorch's eager dispatch of the same op in the same run where torch is installed.
 2. Forward + backward of a 4-layer MLP (d=1024, batch 256) against the same math hand-written in
    numpy in the same run; the issue's target is a ratio <= 1.2.
 
@@ -32,6 +33,29 @@ def dispatch_overhead() -> None:
     emit("eager_overhead", "dispatch_add_us", t_lf * 1e6, "us", overhead_us=round((t_lf - t_np) * 1e6, 2))
     emit("eager_overhead", "dispatch_add_with_grad_us", t_grad * 1e6, "us")
     emit("eager_overhead", "dispatch_softmax_us", t_soft * 1e6, "us")
+    try:
+        import torch
+    except ImportError:
+        return
+    ta, tb = torch.ones(2), torch.ones(2)
+    tg = torch.ones(2, requires_grad=True)
+    ours = {"add": t_lf, "add_with_grad": t_grad, "softmax": t_soft}
+    theirs = {
+        "add": median_time(lambda: ta + tb, number=n),
+        "add_with_grad": median_time(lambda: tg + tb, number=n),
+        "softmax": median_time(lambda: torch.softmax(ta, -1), number=n),
+    }
+    for op, t in theirs.items():  # the per-op cost over numpy's own add, ours against torch's
+        emit("eager_overhead", f"torch_{op}_us", t * 1e6, "us")
+        emit(
+            "eager_overhead",
+            f"{op}_overhead_over_torch",
+            (ours[op] - t_np) / max(t - t_np, 1e-9),
+            "x",
+            ours_us=round((ours[op] - t_np) * 1e6, 2),
+            torch_us=round((t - t_np) * 1e6, 2),
+            target="<= 2",
+        )
 
 
 def mlp(d: int, batch: int, layers: int) -> None:

@@ -4,6 +4,8 @@ Random token batches of the config's batch_size x seq_len (throughput does not d
 Modes: eager (tape autograd); static (the whole step as one traced program, ``--compiler cinn``
 fused and compiled, or ``none``), which also times eager in the same run for the ratio.
 ``--device gpu`` runs every variant on the GPU (cupy; PyTorch on CUDA), where one exists.
+``--profile`` breaks one step of each mode down instead (one JSON line per part, seconds per step
+and share; below).
 ``--set section.key=value`` overrides the config (``benchmarks/gpu_check.sh`` times a ~134M model:
 ``model.hidden_size=768 model.num_hidden_layers=12 ...``).
 ``--torch`` also times Hugging Face transformers on PyTorch in the same process (``--torch-model
@@ -15,6 +17,16 @@ MKL otherwise takes slow generic paths on AMD) and glibc's malloc thresholds rai
 raises them for the whole process before any step is timed). ``--torch-tuned`` then also times
 each alone, in a process of its own, ours and PyTorch alternated ``--rounds`` times so that both
 see the same stretches of this drifting machine (``..._own_process``, medians).
+
+``--profile``: every op's kernel timed (``dispatch.profiling``; compiled steps then run op by op,
+not replayed) and sorted into parts: ``matmul`` (BLAS; its GFLOP/s against a 2048-wide float32
+numpy matmul timed in the same run), ``attention``, ``elementwise_norm`` (fused groups in static,
+elementwise/reduce/normalization ops in eager), ``copies`` (movement ops: reshape, transpose,
+gather...), ``optimizer`` (clip + AdamW: in eager timed around it, in static as the same step
+compiled without its forward and backward), and ``overhead``: the profiled steps' time less every
+kernel's (Python dispatch, autograd bookkeeping, the executor, allocation outside kernels). Shares
+are of the profiled steps' time; ``step_s`` is the unprofiled (replayed) step's.
+Page faults per step (minor: fresh pages the allocator asked the OS for) come with it.
 
 Run:
   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/train_throughput.py
@@ -91,6 +103,21 @@ def static_step_fn(llama: LlamaConfig, lr: float, compiler: str):
     def call(x, y):
         opt.sync_lr()  # a compiled step replays tensor math only: copy the (scheduled) lr in first
         return run(lf.tensor(x), lf.tensor(y)).item()
+
+    return call
+
+
+def reference_kernels(step):
+    """``step`` with every eager op on its reference kernel (none of the compiler's C kernels): eager
+    as it ran before eager ops took those up, timed in the same run for the ratio."""
+    from llmkit.framework import dispatch
+
+    def call(x, y):
+        native, dispatch._native = dispatch._native, None
+        try:
+            return step(x, y)
+        finally:
+            dispatch._native = native
 
     return call
 
@@ -193,6 +220,131 @@ def alternated_alone(a: argparse.Namespace, rounds: int) -> tuple[list[float], l
     return ours, theirs
 
 
+def _part(label: str) -> str:
+    """The breakdown part of a profiled op label (``llm.matmul``, ``cinn.fusion[rms_norm]``...)."""
+    from llmkit.framework.opspec import Kind, get
+
+    if "attention" in label:
+        return "attention"
+    if label.startswith("cinn.fusion"):
+        return "elementwise_norm"
+    kind = get(label[4:].split("[")[0]).kind
+    return {Kind.CONTRACTION: "matmul", Kind.MOVEMENT: "copies"}.get(kind, "elementwise_norm")
+
+
+def _faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def profile(a: argparse.Namespace, llama: LlamaConfig, cfg, batches) -> None:
+    """One JSON line per part of a step, for eager and for the compiled step (see the docstring)."""
+    from llmkit.framework import dispatch, jit
+
+    n = 2048
+    m = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    m @ m
+    peak = max(2 * n**3 / _timed(lambda: m @ m) for _ in range(3))
+    emit("train_profile", "matmul_peak_gflops", peak / 1e9, "GFLOP/s", n=n, **machine())
+    emit("train_profile", "load_average_1min", os.getloadavg()[0], "")
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    for mode in ("eager", "static"):
+        lf.seed(0)
+        model = LlamaForCausalLM(llama)
+        params = model.parameters()
+        opt = optim.AdamW(params, lr=cfg.optim.lr)
+
+        def fwd_bwd(x, y):
+            model.loss(x, y).backward()
+
+        def opt_only():
+            optim.clip_grad_norm_(params, 1.0)
+            opt.step()
+
+        def step(x, y):
+            fwd_bwd(x, y)
+            opt_only()
+            opt.zero_grad()
+
+        if mode == "static":
+            spec = jit.InputSpec(["B", "S"], "int64")
+            full = jit.to_static(step, input_spec=[spec, spec], compiler=a.compiler)
+            opt_static = jit.to_static(opt_only, input_spec=[], compiler=a.compiler)
+
+            def run(x, y):
+                opt.sync_lr()
+                full(lf.tensor(x), lf.tensor(y))
+
+            def run_opt():
+                opt.sync_lr()
+                opt_static()
+        else:
+
+            def run(x, y):
+                step(lf.tensor(x), lf.tensor(y))
+
+            run_opt = opt_only
+        for x, y in batches[: a.warmup]:
+            run(x, y)
+        plain, faults = [], []
+        for x, y in batches[a.warmup :]:
+            f0, t0 = _faults(), time.perf_counter()
+            run(x, y)
+            plain.append(time.perf_counter() - t0)
+            faults.append(_faults() - f0)
+        profiled = []  # wall time of the profiled steps: what their kernels are a part of
+        with dispatch.profiling() as table:
+            for x, y in batches[a.warmup :]:
+                profiled.append(_timed(lambda: run(x, y)))
+        # the optimizer alone (static: compiled alone), repeated on the gradients of one backward
+        fwd_bwd(*map(lf.tensor, batches[0]))
+        run_opt()
+        opt_wall = [_timed(run_opt) for _ in batches[a.warmup :]]
+        with dispatch.profiling() as opt_kernels:
+            for _ in batches[a.warmup :]:
+                run_opt()
+        nsteps = len(batches) - a.warmup
+        step_s = float(np.median(plain))
+        parts: dict[str, float] = dict.fromkeys(("matmul", "attention", "elementwise_norm", "copies"), 0.0)
+        flops = 0.0
+        for label, (sec, _, fl) in table.items():
+            parts[_part(label)] += sec / nsteps
+            flops += fl / nsteps
+        opt_k = sum(v[0] for v in opt_kernels.values()) / nsteps
+        if mode == "static":  # its kernels ran inside the step too, counted as elementwise_norm
+            parts["elementwise_norm"] = max(0.0, parts["elementwise_norm"] - opt_k)
+            parts["optimizer"] = opt_k
+        else:
+            parts["optimizer"] = float(np.median(opt_wall))
+            for k, v in opt_kernels.items():  # measured above inside the optimizer's time
+                parts[_part(k)] -= v[0] / nsteps
+        wall = float(np.mean(profiled))
+        parts["overhead"] = wall - sum(parts.values())
+        emit(
+            "train_profile",
+            f"{mode}_step_s",
+            step_s,
+            "s",
+            tokens_per_s=round(b * s / step_s, 1),
+            minor_page_faults=int(np.median(faults)),
+            steps=nsteps,
+        )
+        for part, sec in parts.items():
+            extra = {}
+            if part == "matmul" and sec > 0:
+                extra = {"gflops": round(flops / sec / 1e9, 1), "of_peak": round(flops / sec / peak, 3)}
+            if part == "optimizer":
+                extra = {"kernels_s": round(opt_k, 4)}
+            emit("train_profile", f"{mode}_{part}_s", sec, "s", share=round(sec / wall, 3), **extra)
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def measure_interleaved(steps: dict, batches, warmup: int) -> dict[str, float]:
     """Median seconds per step of each variant, their steps interleaved batch by batch, so that
     every variant sees the same machine (this shared 2-core VM drifts by 10-30% between minutes)."""
@@ -232,6 +384,8 @@ def main() -> None:
     p.add_argument("--torch-compile", action="store_true", help="--torch, also under torch.compile")
     p.add_argument("--torch-tuned", action="store_true", help="--torch, with MKL's vendor check patched")
     p.add_argument("--rounds", type=int, default=3, help="--torch-tuned: alternated own-process runs")
+    p.add_argument("--eager-reference", action="store_true", help="also eager on the reference kernels")
+    p.add_argument("--profile", action="store_true", help="a breakdown of each mode's step, per part")
     p.add_argument("--alone", choices=["torch", "static"], help=argparse.SUPPRESS)  # an own-process run
     a = p.parse_args()
     if a.alone:
@@ -252,6 +406,9 @@ def main() -> None:
         (rng.integers(0, llama.vocab_size, (b, s)), rng.integers(0, llama.vocab_size, (b, s)))
         for _ in range(a.warmup + a.steps)
     ]
+    if a.profile:
+        profile(a, llama, cfg, batches)
+        return
     peak = matmul_peak_flops(a.device)
     fpt = llama.flops_per_token(s)
     emit(
@@ -268,6 +425,8 @@ def main() -> None:
     )
     emit("train_throughput", "load_average_1min", os.getloadavg()[0], "")
     steps = {"eager": eager_step_fn(llama, cfg.optim.lr)}
+    if a.eager_reference:
+        steps["eager_reference_kernels"] = reference_kernels(eager_step_fn(llama, cfg.optim.lr))
     if a.mode == "static":
         # the plain static program (the to_static figure), then with the requested compiler
         for compiler in dict.fromkeys(["none", a.compiler]):
@@ -293,6 +452,14 @@ def main() -> None:
             step_ms=round(sec * 1e3, 1),
             mfu=round(tps[name] * fpt / peak, 4),
             steps=a.steps,
+        )
+    if a.eager_reference:
+        emit(
+            "train_throughput",
+            "eager_over_eager_reference_kernels",
+            tps["eager"] / tps["eager_reference_kernels"],
+            "x",
+            note="the compiler's C kernels in eager ops, same run",
         )
     for name in steps:
         if name.startswith("static"):
@@ -340,6 +507,8 @@ def main() -> None:
             **({"target": 1.0} if a.torch_tuned else {}),
             note=f"{a.torch_model} Llama on PyTorch, same process, steps interleaved",
         )
+    if a.torch and name != "eager":
+        emit("train_throughput", f"eager_over_{torch_name}_same_run", tps["eager"] / tps[torch_name], "x")
     if a.torch_compile:
         emit(
             "train_throughput",

@@ -30,6 +30,10 @@ methods.install()
 
 
 from . import nn, optim  # noqa: E402  (they build on the names above)
+
+# the hand-written C kernels, which eager ops run too (dispatch.register_eager_native): loaded with the
+# framework, so that an op computes the same in every process whatever else it imported
+from .compiler import native as _native  # noqa: E402, F401
 from .serialization import load, save  # noqa: E402
 
 __all__ = [

@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import time
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -62,8 +64,50 @@ class World:
         return None
 
 
+# ------------------------------------------------------------------------------ profiling
+
+profile_table: dict[str, list[float]] | None = None  # where op calls are timed now (None: nowhere)
+
+
+def new_profile() -> dict[str, list[float]]:
+    return defaultdict(lambda: [0.0, 0, 0.0])  # op label -> [seconds, calls, FLOPs]
+
+
+@contextlib.contextmanager
+def profiling():
+    """Time every eager op's kernel and every executor step run inside into a fresh table, op label
+    -> [seconds, calls, FLOPs of contractions]; compiled functions run op by op meanwhile (no replays)."""
+    global profile_table
+    prev, profile_table = profile_table, new_profile()
+    try:
+        yield profile_table
+    finally:
+        profile_table = prev
+
+
+def record(table: dict[str, list[float]], name: str, seconds: float, kind: Any, args, attrs, out) -> None:
+    """Add one op call to a profile table (a contraction's FLOPs: 2 x output size x the summed dim)."""
+    rec = table[name]
+    rec[0] += seconds
+    rec[1] += 1
+    if kind == "contraction" and hasattr(out, "size"):
+        rec[2] += 2.0 * out.size * args[0].shape[-2 if attrs.get("transpose_x") else -1]
+
+
+_native: Callable[[OpSpec, list, dict], Callable[..., Any] | None] | None = None
+
+
+def register_eager_native(kernel: Callable[[OpSpec, list, dict], Callable[..., Any] | None]) -> None:
+    """How eager ops whose spec has a C kernel run it (``kernel(spec, arrays, attrs)``: a callable
+    like the reference kernel, or None); the compiler registers it (``compiler/native/run.py``)."""
+    global _native
+    _native = kernel
+
+
 class EagerWorld(World):
-    """Runs reference kernels on numpy/cupy arrays right away."""
+    """Runs the op's kernel on numpy/cupy arrays right away: its C kernel (``OpSpec.native``) on
+    host arrays where one applies and the compiler is loaded, as compiled programs do, else the
+    reference kernel."""
 
     name = "eager"
 
@@ -77,13 +121,20 @@ class EagerWorld(World):
                 break
         if xp is not np:  # an op on the GPU: host arrays among its inputs move there
             arrays = [xp.asarray(a) if type(a) is np.ndarray else a for a in arrays]
+        kernel = spec.kernel
+        if spec.native is not None and _native is not None and xp is np:
+            kernel = _native(spec, arrays, attrs) or kernel
+        table = profile_table
+        t0 = time.perf_counter() if table is not None else 0.0
         try:
-            out = spec.kernel(xp, *arrays, **attrs)
+            out = kernel(xp, *arrays, **attrs)
         except OpError:
             raise
         except Exception as e:
             shown = ", ".join(describe(a) for a in arrays)
             raise OpError(f"{spec.name}: kernel failed on ({shown}): {e}") from e
+        if table is not None:
+            record(table, f"llm.{spec.name}", time.perf_counter() - t0, spec.kind, arrays, attrs, out)
         # numpy reductions and 0-d arithmetic return numpy scalars; payloads are always arrays.
         if spec.multi_output:
             return tuple(o if type(o) is np.ndarray else xp.asarray(o) for o in out)

@@ -5,7 +5,8 @@ and result slots, attributes already plain (those holding symbolic dims are eval
 with the sizes bound from the inputs), and the slots to free after each step (liveness), so
 intermediates die at their last use. ``cinn.fusion`` ops run as the compiled kernel the compiler
 attached to them, or op by op from their region (``ir.run_group``). ``LLMKIT_PROFILE=1`` collects
-time per op type and prints the table at exit.
+time per op type and prints the table at exit; ``with dispatch.profiling() as table`` collects it
+(eager ops too) for a while (``benchmarks/train_throughput.py --profile``).
 
 ``native=True`` (every compiled program) runs ops that have a hand-written C kernel with it, and
 replays the whole function in one C call whenever every step is a C kernel or a view: no Python
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from . import backend as B
+from . import dispatch as D
 from . import symbolic as sym
 from .ir import FuncOp, Operation, Program, Value
 from .ir.interpreter import run_group
@@ -86,21 +88,33 @@ def register_native(kernel: Callable[[Operation], Any], replays: Callable[[Execu
 
 
 _PROFILE = os.environ.get("LLMKIT_PROFILE", "") not in ("", "0")
-_profile: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+_profile: dict[str, list[float]] = D.new_profile()
 
 
 def _report() -> None:
     if not _profile:
         return
-    total = sum(t for t, _ in _profile.values()) or 1.0
+    total = sum(t for t, _, _ in _profile.values()) or 1.0
     print("\nLLMKIT_PROFILE: time per op type (executor)")
     print(f"{'op':<40}{'calls':>10}{'total ms':>12}{'%':>7}")
-    for name, (t, n) in sorted(_profile.items(), key=lambda kv: -kv[1][0]):
+    for name, (t, n, _) in sorted(_profile.items(), key=lambda kv: -kv[1][0]):
         print(f"{name:<40}{n:>10}{t * 1e3:>12.2f}{100 * t / total:>7.1f}")
 
 
 if _PROFILE:
+    D.profile_table = _profile  # every op of the process, reported at exit
     atexit.register(_report)
+
+
+def _as_eager(spec: Any) -> Callable[..., Any]:
+    """An op's kernel as eager runs it (``dispatch.EagerWorld``: its C kernel where one applies), so a
+    program with the reference kernels (``compiler="none"``) computes what eager does, bit for bit."""
+
+    def kernel(xp: Any, *arrays: Any, **attrs: Any) -> Any:
+        fn = D._native(spec, arrays, attrs) if D._native is not None and xp is np else None
+        return (fn or spec.kernel)(xp, *arrays, **attrs)
+
+    return kernel
 
 
 class _Step:
@@ -171,7 +185,8 @@ class Executor:
             if fn is None:
                 if spec is None:
                     raise ExecutionError(f"{name}: no kernel for this op\n    {format_op(op)}")
-                fn = spec.kernel
+                eager_native = not self.native and spec.native is not None and spec.native.eager
+                fn = _as_eager(spec) if eager_native else spec.kernel
             ins = tuple(self._slot[v] for v in op.operands)
             outs = tuple(self._new(r) for r in op.results)
             sym_attrs = {k: a for k, a in op.attributes.items() if a.symbolic}
@@ -266,7 +281,7 @@ class Executor:
     def run(self, inputs: Sequence[Any]) -> list[Any]:
         """Run the plan on arrays (numpy or cupy); return the function's outputs."""
         env = self.bind(inputs)
-        if self._replays is not None and not _PROFILE:
+        if self._replays is not None and D.profile_table is None:
             outs = self._replays.run(env, inputs)
             if outs is not None:
                 return outs
@@ -282,7 +297,7 @@ class Executor:
             slots[s] = x
         for s, c in self._consts(xp):
             slots[s] = c
-        profile = _profile if _PROFILE else None
+        profile = D.profile_table
         host = xp is np
         for st in self.steps:
             attrs = st.attrs
@@ -297,9 +312,7 @@ class Executor:
                 shapes = ", ".join(f"{list(a.shape)} {a.dtype}" for a in args)
                 raise ExecutionError(f"{st.name} failed on ({shapes}): {type(e).__name__}: {e}") from e
             if profile is not None:
-                rec = profile[st.name]
-                rec[0] += time.perf_counter() - t0
-                rec[1] += 1
+                D.record(profile, st.name, time.perf_counter() - t0, st.kind, args, attrs, out)
             if st.multi:
                 for s, o in zip(st.outs, out):
                     slots[s] = o if host and type(o) is np.ndarray else _device_array(xp, o, st.name)

@@ -278,12 +278,15 @@ class Native:
     through the strides ``sizes`` passes). A native kernel need not match ``kernel`` bit for bit,
     but must keep the op's contract (``tiled_linear``: a row's result does not depend on the other
     rows); ``tests/framework/compiler/test_native.py`` checks each against a float64 formula.
+    Eager calls run it too (``dispatch.register_eager_native``), unless ``eager`` is False: a
+    kernel that trusts an input only a program's own forward gives (attention's saved lse).
     """
 
     source: str | Callable[..., str]
     sizes: Callable[..., Sequence[int]]
     applies: Callable[..., bool]
     strided: bool = False
+    eager: bool = True
 
 
 # -------------------------------------------------------------------------------------- the spec

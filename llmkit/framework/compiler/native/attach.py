@@ -15,10 +15,11 @@ def native_kernel(
     sizes: Callable[..., Sequence[int]],
     applies: Callable[..., bool],
     strided: bool = False,
+    eager: bool = True,
 ) -> Native:
     """Attach a hand-written kernel to op ``op``'s spec (see :class:`opspec.Native`)."""
     spec = get(op)
     if spec.native is not None:
         raise ValueError(f"op {op!r} has a native kernel already")
-    spec.native = Native(source, sizes, applies, strided)
+    spec.native = Native(source, sizes, applies, strided, eager)
     return spec.native

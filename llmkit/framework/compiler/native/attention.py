@@ -460,7 +460,7 @@ def _flash(op: str, body: str, n_in: int, lse: bool = False) -> None:
             out += [math.prod(shape[i + 1 :]) for i in range(len(shape))]
         return out
 
-    native_kernel(op, source, sizes=sizes, applies=applies, strided=True)
+    native_kernel(op, source, sizes=sizes, applies=applies, strided=True, eager=not (lse and n_in > 3))
 
 
 _flash("scaled_dot_product_attention", _kernel(_FORWARD), 3)

@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
+from ...dispatch import register_eager_native
 from ...executor import register_native
 from ...ir import Operation
-from ...opspec import Kind, Meta, Native, OpError, OpSpec
+from ...opspec import Kind, Meta, Native, OpError, OpSpec, Trait
 from .. import build
 from ..build import CPUS
 
@@ -191,6 +192,26 @@ class NativeOp:
             f"{self.spec.name}: invalid input (the C kernel's check {int(status[0])} failed at item "
             f"{int(status[1])}); the reference kernel accepted it: {', '.join(str(a.shape) for a in arrays)}"
         )
+
+
+_EAGER: dict[Any, NativeOp | None] = {}
+
+
+def eager_kernel(spec: OpSpec, arrays: Sequence[Any], attrs: dict[str, Any]) -> NativeOp | None:
+    """The C kernel an eager op runs on these arrays' shapes, dtypes and attributes (chosen, and built,
+    once per such call, as ``NativeOp.of`` chooses for a program's op); None for an engine op."""
+    if not spec.native.eager or Trait.INFERENCE in spec.traits:
+        return None
+    if any(a is None or a.size == 0 for a in arrays):  # programs never hand kernels empty arrays
+        return None
+    key = (spec.name, *((a.shape, a.dtype) for a in arrays), repr(sorted(attrs.items())))
+    if key not in _EAGER:
+        n, metas = spec.native, [Meta(a.shape, a.dtype) for a in arrays]
+        fn = None
+        if n.applies(*metas, **attrs):
+            fn = build_c(n.source(*metas, **attrs) if callable(n.source) else n.source)
+        _EAGER[key] = None if fn is None else NativeOp(spec, fn)
+    return _EAGER[key]
 
 
 class _Unplannable(Exception):
@@ -456,3 +477,4 @@ class Replays:
 
 
 register_native(NativeOp.of, Replays)
+register_eager_native(eager_kernel)
