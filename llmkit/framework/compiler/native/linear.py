@@ -96,6 +96,7 @@ static void KERNEL_FN_kn(const float *x, const float *w, float *y, int64_t M, in
    fma(x[m, K-1], W[K-1, j], ... fma(x[m, 0], W[0, j], 0)) in k order: the same bits as above. */
 enum { KERNEL_FN_KC = 64, KERNEL_FN_PACK_ROWS = 16 }; /* W rows per chunk; rows of x from which to pack */
 enum { KERNEL_FN_STREAM_X = 1 << 18 }; /* floats of x up to which panels are taken whole */
+enum { KERNEL_FN_KCP = 256 };          /* else W rows per chunk of panels (x's chunk stays in L2) */
 static inline __attribute__((always_inline)) void KERNEL_FN_mk(
     const float *x, int64_t K, int64_t kc, const float *p, float *y, int64_t ld, int first,
     const int MR, const int NV) {
@@ -225,7 +226,7 @@ static void KERNEL_FN_pp(const float *x, const float *pw, float *y, int64_t M, i
       for (int64_t j = 0; j < N; j++) y[m * ld + j] = 0.0f;
     return;
   }
-  const int64_t step = M * K <= KERNEL_FN_STREAM_X ? K : KERNEL_FN_KC;
+  const int64_t step = M * K <= KERNEL_FN_STREAM_X ? K : KERNEL_FN_KCP;
   for (int64_t k0 = 0; k0 < K; k0 += step) {
     const int64_t kc = K - k0 < step ? K - k0 : step;
     KERNEL_FN_panels(x, M, K, k0, kc, pw + k0 * 16, K * 16, N / 16, N, y, ld);
