@@ -260,7 +260,7 @@ def speed(v: str, files: tuple[Path, Path], a: argparse.Namespace, peer: bool, i
     ctx = max(a.prefill, a.prompt_len + a.new_tokens) + 16
     sides = {"llmkit": Llmkit(files[0], max(batches), ctx)}
     if peer:
-        sides["llama.cpp"] = LlamaCpp(files[1], max(batches), ctx, a.threads)
+        sides["llamacpp"] = LlamaCpp(files[1], max(batches), ctx, a.threads)
     names = dict(info, gguf=GGUF_NAMES[v])
     long_prompt = prompts(1, a.prefill, 1)[0]
     for s in sides.values():  # warm: plan the programs, touch the caches
@@ -282,7 +282,7 @@ def speed(v: str, files: tuple[Path, Path], a: argparse.Namespace, peer: bool, i
         loads.append(load_average())
         if peer:
             p = prompts(1, a.prompt_len, 20 + r)[0]
-            x, y = (sides[k].generate(p, a.new_tokens) for k in ("llmkit", "llama.cpp"))
+            x, y = (sides[k].generate(p, a.new_tokens) for k in ("llmkit", "llamacpp"))
             agree.append(sum(i == j for i, j in zip(x, y)) / len(x))
     for b in batches:
         for k in sides:
@@ -290,18 +290,18 @@ def speed(v: str, files: tuple[Path, Path], a: argparse.Namespace, peer: bool, i
                  per_round=[round(t, 2) for t in decode[(b, k)]], load_1min=loads, **names)  # fmt: skip
         if peer:
             emit_paired_ratio("vs_llamacpp", f"{v}_decode_batch{b}_ratio", decode[(b, "llmkit")],
-                              decode[(b, "llama.cpp")], load_1min=loads, note="llmkit / llama.cpp tokens/s",
+                              decode[(b, "llamacpp")], load_1min=loads, note="llmkit / llama.cpp tokens/s",
                               **names)  # fmt: skip
     for k in sides:
         emit("vs_llamacpp", f"{v}_prefill{a.prefill}_{k}", statistics.median(prefill[k]), "tokens/s",
              per_round=[round(t, 1) for t in prefill[k]], load_1min=loads, **names)  # fmt: skip
     if peer:
         emit_paired_ratio("vs_llamacpp", f"{v}_prefill{a.prefill}_ratio", prefill["llmkit"],
-                          prefill["llama.cpp"], load_1min=loads, note="llmkit / llama.cpp prompt tokens/s",
+                          prefill["llamacpp"], load_1min=loads, note="llmkit / llama.cpp prompt tokens/s",
                           **names)  # fmt: skip
         emit("vs_llamacpp", f"{v}_greedy_agree", statistics.median(agree), "fraction",
              per_round=[round(x, 3) for x in agree], load_1min=loads, **names)  # fmt: skip
-        sides["llama.cpp"].close()
+        sides["llamacpp"].close()
 
 
 def _rss() -> dict[str, float]:
@@ -333,7 +333,7 @@ def child(a: argparse.Namespace) -> None:
 
 
 def load_and_memory(v: str, files: tuple[Path, Path], a: argparse.Namespace, peer: bool, info: dict) -> None:
-    sides = {"llmkit": files[0], **({"llama.cpp": files[1]} if peer else {})}
+    sides = {"llmkit": files[0], **({"llamacpp": files[1]} if peer else {})}
     got: dict[str, list[dict]] = {k: [] for k in sides}
     loads = []
     for r in range(a.rounds):
@@ -353,7 +353,7 @@ def load_and_memory(v: str, files: tuple[Path, Path], a: argparse.Namespace, pee
                  per_round=[round(x, 3) for x in vals], load_1min=loads, **names)  # fmt: skip
         if peer:
             emit_paired_ratio("vs_llamacpp", f"{v}_{key}_ratio", [g[key] for g in got["llmkit"]],
-                              [g[key] for g in got["llama.cpp"]], load_1min=loads,
+                              [g[key] for g in got["llamacpp"]], load_1min=loads,
                               note="llmkit / llama.cpp (lower is better)", **names)  # fmt: skip
 
 
@@ -372,7 +372,7 @@ def main() -> None:
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-load", action="store_true")
     p.add_argument("--no-peer", action="store_true", help="measure llmkit alone")
-    p.add_argument("--child", choices=["llmkit", "llama.cpp"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=["llmkit", "llamacpp"], help=argparse.SUPPRESS)
     p.add_argument("--file", help=argparse.SUPPRESS)
     a = p.parse_args()
     set_threads(a.threads)
