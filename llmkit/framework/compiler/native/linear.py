@@ -96,6 +96,7 @@ static void KERNEL_FN_kn(const float *x, const float *w, float *y, int64_t M, in
    fma(x[m, K-1], W[K-1, j], ... fma(x[m, 0], W[0, j], 0)) in k order: the same bits as above. */
 enum { KERNEL_FN_KC = 64, KERNEL_FN_PACK_ROWS = 16 }; /* W rows per chunk; rows of x from which to pack */
 enum { KERNEL_FN_STREAM_X = 1 << 18 }; /* floats of x up to which panels are taken whole */
+enum { KERNEL_FN_KCP = 256 };          /* else W rows per chunk of panels (x's chunk stays in L2) */
 static inline __attribute__((always_inline)) void KERNEL_FN_mk(
     const float *x, int64_t K, int64_t kc, const float *p, float *y, int64_t ld, int first,
     const int MR, const int NV) {
@@ -117,6 +118,45 @@ static inline __attribute__((always_inline)) void KERNEL_FN_mk(
 #define KERNEL_FN_MK(MR)                                                                            \
   if (nv == 2) KERNEL_FN_mk(x + m * K + k0, K, kc, pp, y + m * ld + j, ld, k0 == 0, MR, 2);         \
   else KERNEL_FN_mk(x + m * K + k0, K, kc, pp, y + m * ld + j, ld, k0 == 0, MR, 1)
+#define KERNEL_FN_ROWS(MK)                                                                          \
+  int64_t m = 0;                                                                                    \
+  for (; m + 6 <= M; m += 6) { MK(6); }                                                             \
+  switch (M - m) {                                                                                  \
+    case 5: MK(5); break;                                                                           \
+    case 4: MK(4); break;                                                                           \
+    case 3: MK(3); break;                                                                           \
+    case 2: MK(2); break;                                                                           \
+    case 1: MK(1); break;                                                                           \
+    default: break;                                                                                 \
+  }
+
+#if defined(__AVX512F__) && defined(__FMA__)
+/* Where the CPU has AVX-512 (the kernels are compiled for the machine that runs them): the same
+   chains, 16 columns (one panel) per register, NP = 1 or 2 panels side by side, so an FMA does
+   twice the work of the 8-lane one above (prefill about 1.4-2x faster on Zen 5). Each lane is still
+   fma(x[m, k], W[k, j], acc) in k order: the same bits as the 8-lane path. */
+static inline __attribute__((always_inline)) void KERNEL_FN_mkz(
+    const float *x, int64_t K, int64_t kc, const float *p0, const float *p1, float *y, int64_t ld,
+    int first, const int MR, const int NP) {
+  __m512 acc[6][2];
+  for (int r = 0; r < MR; r++)
+    for (int c = 0; c < NP; c++)
+      acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * ld + 16 * c);
+  for (int64_t k = 0; k < kc; k++) {
+    const __m512 b0 = _mm512_loadu_ps(p0 + k * 16), b1 = NP > 1 ? _mm512_loadu_ps(p1 + k * 16) : b0;
+    for (int r = 0; r < MR; r++) {
+      const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+      acc[r][0] = _mm512_fmadd_ps(xv, b0, acc[r][0]);
+      if (NP > 1) acc[r][1] = _mm512_fmadd_ps(xv, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; r++)
+    for (int c = 0; c < NP; c++) _mm512_storeu_ps(y + r * ld + 16 * c, acc[r][c]);
+}
+#define KERNEL_FN_MKZ2(MR) \
+  KERNEL_FN_mkz(x + m * K + k0, K, kc, pp, pp + ps, y + m * ld + j, ld, k0 == 0, MR, 2)
+#define KERNEL_FN_MKZ1(MR) KERNEL_FN_mkz(x + m * K + k0, K, kc, pp, pp, y + m * ld + j, ld, k0 == 0, MR, 1)
+#endif
 
 /* For each 16-column panel q < panels (at base + q * ps, [kc][16]) and every block of rows: y's
    columns 16 q .. 16 q + 15 (the last panel may hold only NP - 16 q of them) take rows k0 .. k0+kc-1
@@ -124,20 +164,23 @@ static inline __attribute__((always_inline)) void KERNEL_FN_mk(
 static void KERNEL_FN_panels(const float *x, int64_t M, int64_t K, int64_t k0, int64_t kc,
                              const float *base, int64_t ps, int64_t panels, int64_t NP, float *y,
                              int64_t ld) {
-  for (int64_t q = 0; q < panels; q++) {
+  int64_t q = 0;
+#if defined(__AVX512F__) && defined(__FMA__)
+  for (; q < panels && NP - q * 16 >= 16; q += NP - q * 16 >= 32 && q + 1 < panels ? 2 : 1) {
+    const int64_t j = q * 16;
+    const float *pp = base + q * ps;
+    if (NP - j >= 32 && q + 1 < panels) {
+      KERNEL_FN_ROWS(KERNEL_FN_MKZ2)
+    } else {
+      KERNEL_FN_ROWS(KERNEL_FN_MKZ1)
+    }
+  }
+#endif
+  for (; q < panels; q++) {
     const int64_t j = q * 16;
     const int nv = NP - j >= 16 ? 2 : 1;
     const float *pp = base + q * ps;
-    int64_t m = 0;
-    for (; m + 6 <= M; m += 6) { KERNEL_FN_MK(6); }
-    switch (M - m) {
-      case 5: KERNEL_FN_MK(5); break;
-      case 4: KERNEL_FN_MK(4); break;
-      case 3: KERNEL_FN_MK(3); break;
-      case 2: KERNEL_FN_MK(2); break;
-      case 1: KERNEL_FN_MK(1); break;
-      default: break;
-    }
+    KERNEL_FN_ROWS(KERNEL_FN_MK)
   }
 }
 
@@ -183,7 +226,7 @@ static void KERNEL_FN_pp(const float *x, const float *pw, float *y, int64_t M, i
       for (int64_t j = 0; j < N; j++) y[m * ld + j] = 0.0f;
     return;
   }
-  const int64_t step = M * K <= KERNEL_FN_STREAM_X ? K : KERNEL_FN_KC;
+  const int64_t step = M * K <= KERNEL_FN_STREAM_X ? K : KERNEL_FN_KCP;
   for (int64_t k0 = 0; k0 < K; k0 += step) {
     const int64_t kc = K - k0 < step ? K - k0 : step;
     KERNEL_FN_panels(x, M, K, k0, kc, pw + k0 * 16, K * 16, N / 16, N, y, ld);

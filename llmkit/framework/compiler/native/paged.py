@@ -128,6 +128,21 @@ static inline __attribute__((always_inline)) void KERNEL_FN_token(
           g++;
           continue;
         }
+#if defined(__AVX512F__) && defined(__FMA__)
+        if (D % 16 == 0 && D <= 128) { /* the same, 16 lanes per register: the same chain per element */
+          __m512 acc[8];
+          for (int64_t c = 0; c < D / 16; c++)
+            acc[c] = i0 ? _mm512_loadu_ps(o + 16 * c) : _mm512_setzero_ps();
+          for (int64_t i = i0; i < i1; i++) {
+            const float *v = vb + (i - i0) * row + h * D;
+            const __m512 pi = _mm512_set1_ps(pg[i]);
+            for (int64_t c = 0; c < D / 16; c++)
+              acc[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + 16 * c), acc[c]);
+          }
+          for (int64_t c = 0; c < D / 16; c++) _mm512_storeu_ps(o + 16 * c, acc[c]);
+          continue;
+        }
+#endif
         if (D == 32 || D == 64) { /* the output row in registers over the block */
           KERNEL_FN_v acc[8];
           for (int64_t c = 0; c < D / 8; c++)
