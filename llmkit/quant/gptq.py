@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .format import QuantConfig, QuantizedWeight, group_params, join, quantize_codes, store
+from .format import QuantConfig, QuantError, QuantizedWeight, group_params, join, quantize_codes, store
 
 BLOCK = 128  # columns per lazy-update block
 ROWS = 64  # weight rows (and rows of XᵀX) per unit of work
@@ -86,10 +86,32 @@ def gptq(
     h[dead, dead] = 1.0
     perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(n_in)
     h = h[np.ix_(perm, perm)]
-    h[np.diag_indices(n_in)] += damp * np.mean(np.diag(h))
-    u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: H⁻¹ = UᵀU
+    u = _inverse_factor(h, damp)
     rows = row_blocks(len(w)) if rows is None else rows
     return join([_gptq_rows(w[b], u, perm, dead, cfg, act_order) for b in rows], n_in, cfg)
+
+
+def _inverse_factor(h: np.ndarray, damp: float) -> np.ndarray:
+    """Upper ``U`` with ``(H + λI)⁻¹ = UᵀU``, ``λ = damp · mean(diag H)``. ``H`` is made exactly
+    symmetric first: its float32 Gram blocks give ``Hᵢⱼ`` and ``Hⱼᵢ`` different roundings (~1e-7
+    relative), which ``inv`` amplifies by ``‖H⁻¹‖²`` until the lower triangle ``cholesky`` reads of
+    ``H⁻¹`` is no longer positive definite. The inverse comes from ``H``'s own Cholesky factor (so it is
+    symmetric by construction); where that fails, the damping grows tenfold, up to 4 times."""
+    if not np.isfinite(h).all():
+        raise QuantError(f"GPTQ: the Hessian has {np.sum(~np.isfinite(h))} non-finite entries (activations)")
+    h = (h + h.T) / 2
+    mean = np.mean(np.diag(h))
+    for lam in damp * mean * 10.0 ** np.arange(5):
+        try:
+            li = np.linalg.inv(np.linalg.cholesky(h + lam * np.eye(len(h))))  # L⁻¹, H + λI = LLᵀ
+            hinv = li.T @ li
+            return np.linalg.cholesky((hinv + hinv.T) / 2).T
+        except np.linalg.LinAlgError:
+            continue
+    raise QuantError(
+        f"GPTQ: the Hessian [{len(h)}x{len(h)}] of the calibration inputs is not positive definite even "
+        f"with damping {10000 * damp:g} x mean(diag) (mean(diag) = {mean:.3g})"
+    )
 
 
 def _gptq_rows(

@@ -172,7 +172,10 @@ def quantize_model(
 
     def gptq_(m: Any, h: np.ndarray) -> QuantizedWeight:
         w = m.weight.numpy()
-        return ranks.gather_weight(gptq(w, h, cfg, act_order, damp, ranks.rows(len(w))), len(w))
+        try:
+            return ranks.gather_weight(gptq(w, h, cfg, act_order, damp, ranks.rows(len(w))), len(w))
+        except QuantError as e:  # name the linear
+            raise QuantError(f"{next(p for p, x in layers.items() if x is m)}: {e}") from e
 
     if embed:
         install(model, {EMBED: rtn(layers[EMBED])}, cfg)

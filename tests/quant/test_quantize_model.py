@@ -54,3 +54,12 @@ def test_gptq_needs_calibration_and_4_bit_needs_even_widths():
         quantize_model(tiny(), QuantConfig(4, 128, True, "gptq"), None, progress=False)
     with pytest.raises(QuantError, match="even number of input columns"):
         quantize_model(tiny(intermediate_size=345), QuantConfig(4, 128, True, "rtn"), progress=False)
+
+
+def test_gptq_on_non_finite_activations_names_the_linear():
+    model = tiny()
+    norm = dict(model.named_sublayers())["model.layers.1.post_attention_layernorm"]
+    norm.weight.set_value(np.full(norm.weight.shape, np.nan, np.float32))  # the MLP's inputs are NaN
+    ids = np.random.default_rng(0).integers(3, 512, (4, 16))
+    with pytest.raises(QuantError, match=r"^model\.layers\.1\.mlp\.gate_proj: GPTQ: the Hessian has \d+ non"):
+        quantize_model(model, QuantConfig(4, 64, True, "gptq"), ids, progress=False)
