@@ -214,12 +214,14 @@ class Trainer(Loop):
         (a preset's random base is written to ``base_dir`` first)."""
         cfg = self.cfg
         assert cfg.lora is not None
-        if not (base_dir / "config.json").is_file():  # a fresh preset run (every rank made it alike)
-            if self.ranks.is_rank0:
-                self.model.save_pretrained(base_dir)
-                self.tokenizer.save_pretrained(base_dir)
-            if self.backend == "mpi":
-                dist.get_backend().barrier()  # written before the other ranks hash it
+        # A fresh preset run (every rank made the base alike): rank 0 alone looks and writes. Every
+        # rank reaches the barrier whatever it would see: one that looked after rank 0 wrote would
+        # skip it and meet rank 0's barrier with its next collective.
+        if self.ranks.is_rank0 and not (base_dir / "config.json").is_file():
+            self.model.save_pretrained(base_dir)
+            self.tokenizer.save_pretrained(base_dir)
+        if self.backend == "mpi":
+            dist.get_backend().barrier()  # written before the other ranks hash it
         apply_lora_section(self.model, cfg.lora, cfg.train.seed)
         self.base_pointer = checkpoint.base_pointer(base_dir)
 

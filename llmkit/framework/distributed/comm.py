@@ -425,14 +425,14 @@ class MpiBackend(Backend):
         MPI = self.MPI
         deadline = time.monotonic() + self.timeout
         spins = 0
+        statuses = [MPI.Status() for _ in reqs]
         while True:
             try:
-                if MPI.Request.Testall(reqs):
+                if MPI.Request.Testall(reqs, statuses):
                     return
             except MPI.Exception as e:
                 raise CollectiveError(
-                    f"{what}: failed on rank {self._rank} with peers {list(peers)}: {e.Get_error_string()} "
-                    "(a peer process died)"
+                    f"{what}: failed on rank {self._rank} with peers {list(peers)}: " + _why(MPI, e, statuses)
                 ) from None
             if time.monotonic() > deadline:
                 raise CollectiveError(
@@ -574,6 +574,18 @@ class MpiBackend(Backend):
 
     def barrier(self) -> None:
         self.wait([self.comm.Ibarrier()], "barrier", tuple(range(self._size)))
+
+
+def _why(MPI: Any, e: Any, statuses: list) -> str:
+    """The failed request's own error (MPI_ERR_IN_STATUS alone says nothing) and what it means."""
+    codes = [c for c in (s.Get_error() for s in statuses) if c not in (MPI.SUCCESS, MPI.ERR_PENDING)]
+    code = codes[0] if e.Get_error_class() == MPI.ERR_IN_STATUS and codes else e.Get_error_code()
+    if MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:  # a peer sent more than this collective takes
+        return (
+            f"{MPI.Get_error_string(code)} (the ranks called different collectives here: one skipped or "
+            "added a collective the others did not)"
+        )
+    return f"{MPI.Get_error_string(code)} (a peer process died; its error is printed above)"
 
 
 def _exit_on_uncaught_error() -> None:

@@ -2,7 +2,8 @@
 
 ``hang``: rank 1 skips an all-reduce (it sleeps); ``kill``: rank 1 kills itself with SIGKILL.
 Rank 0's all-reduce then fails with a CollectiveError (a timeout, or the failed peer under
-``--with-ft ulfm``) and the process exits with status 1.
+``--with-ft ulfm``) and the process exits with status 1. ``mismatch``: rank 1 skips the barrier
+rank 0 waits in and calls an all-reduce, which rank 0's barrier meets (a message it cannot take).
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ def main(mode: str) -> None:
     x = dist.from_local(np.ones(4), mesh, [dist.Partial()], (4,))
     dist.reshard(x, mesh, [dist.Replicate()])  # everyone is alive here
     print(f"rank {dist.get_rank()} ready", flush=True)
+    if mode == "mismatch" and dist.get_rank() == 0:
+        dist.get_backend().barrier()
     if dist.get_rank() == 1:
+        if mode == "mismatch":
+            dist.reshard(x, mesh, [dist.Replicate()])
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)

@@ -47,3 +47,15 @@ def test_a_lost_rank_ends_the_other_with_a_clear_error(mode, flags):
     wanted = "a peer process died" if "ulfm" in flags else "timed out after 2s"
     assert wanted in proc.stderr, proc.stderr[-3000:]
     assert took < 60  # the sleeping rank would keep the job alive for 60 s
+
+
+def test_ranks_that_call_different_collectives_are_told_so():
+    """Rank 0 in a barrier, rank 1 in an all-reduce instead: MPI reports only MPI_ERR_IN_STATUS; the
+    error names the request's own error (a truncated message) and the likely cause, not a dead peer."""
+    proc = run_mpi("mpi_faults.py", 2, "mismatch", timeout=90)
+    assert proc.returncode != 0, proc.stdout
+    assert "CollectiveError: barrier: failed on rank 0" in proc.stderr, proc.stderr[-3000:]
+    assert "MPI_ERR_TRUNCATE" in proc.stderr and "called different collectives" in proc.stderr, proc.stderr[
+        -3000:
+    ]
+    assert "a peer process died" not in proc.stderr, proc.stderr[-3000:]
