@@ -11,9 +11,11 @@ variable is unset (see ``llmkit/__init__.py``); :func:`blas_thread_timeout` repo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
+from collections.abc import Iterator
 
 _SETTERS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads")
 _GETTERS = ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads")
@@ -71,3 +73,18 @@ def set_blas_threads(n: int) -> bool:
     fn.argtypes = [ctypes.c_int]
     fn(int(n))
     return True
+
+
+@contextlib.contextmanager
+def blas_threads(n: int) -> Iterator[None]:
+    """``n`` BLAS threads inside the block (or the decorated function), the count before restored
+    after. OpenBLAS's float32 products may round a product's elements differently with the thread
+    count (the work split, hence the kernel that computes an element, changes), so work whose bits
+    must not depend on how many processes share a machine runs under a fixed count."""
+    before = get_blas_threads()
+    set_blas_threads(n)
+    try:
+        yield
+    finally:
+        if before is not None:
+            set_blas_threads(before)

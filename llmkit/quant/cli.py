@@ -31,13 +31,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmkit.framework.blas import blas_threads
 from llmkit.models.llama.checkpoint import derived_path
 from llmkit.train.checkpoint import model_dir
 
 from .evaluate import SEQ_LEN, eval_tokens, evaluate
 from .format import QuantConfig, QuantError
 from .multirank import Ranks, derive, plan_file
-from .quantize import quantize_model, save_quantized, set_act_bits, targets, weight_bytes
+from .quantize import BLAS_THREADS, quantize_model, save_quantized, set_act_bits, targets, weight_bytes
 
 
 def default_out(model_dir: Path, bits: int) -> Path:
@@ -205,7 +206,8 @@ def quantize_main(argv: list[str]) -> int:
     variants = {}
     for act_bits, label in ACT_NAMES.items():  # the same codes, run both ways
         set_act_bits(model, act_bits)
-        ev = evaluate([float_model, model], eval_tokens(tok), a.seq_len, a.eval_tokens)
+        with blas_threads(BLAS_THREADS):  # the report's figures, too, the same for any --nproc
+            ev = evaluate([float_model, model], eval_tokens(tok), a.seq_len, a.eval_tokens)
         variants[label] = {"act_bits": act_bits, "quant": ev["ppl"][1], "kl": ev["kl"], "top1": ev["top1"]}
     set_act_bits(model, cfg.act_bits)
     ev = {**ev, **variants[ACT_NAMES[cfg.act_bits]]}

@@ -12,7 +12,10 @@ accumulated from its own inputs (forward pre-hooks) while layer ``l`` runs in fl
 are quantized, and layer ``l`` runs again, quantized, to make the next layer's inputs.
 
 ``ranks`` (``llmkit.quant.multirank.Ranks``) share the Hessians' and the weights' row blocks; the
-result is the same bits on any number of ranks.
+result is the same bits on any number of ranks. The work runs on ``BLAS_THREADS`` BLAS threads
+whatever the process had: OpenBLAS's float32 products (the forward, ``XᵀX``) can round differently
+with the thread count on some CPUs, and one process and N ranks on one machine start with different
+counts (``--nproc`` shares the cores out).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from tqdm import tqdm
 
 import llmkit.framework as lf
 from llmkit.framework import nn
+from llmkit.framework.blas import blas_threads
 from llmkit.framework.distributed.parallel_plan import PLAN_FILE, ParallelPlan
 from llmkit.framework.files import atomic_dir
 from llmkit.tokenizer import GENERATION_FILE, Tokenizer
@@ -40,6 +44,7 @@ from .multirank import Ranks
 
 REPORT = QUANT_REPORT  # what llmkit plot reads
 CALIB_BATCH = 16  # calibration sequences per forward
+BLAS_THREADS = 1  # while quantizing, in every process: the bits must not depend on the rank count
 
 
 EMBED = "model.embed_tokens"
@@ -132,6 +137,7 @@ def _hessians(paths: dict[str, Any], batches: list[Callable[[], Any]], ranks: Ra
 
 
 @lf.no_grad()
+@blas_threads(BLAS_THREADS)
 def quantize_model(
     model: Any,
     cfg: QuantConfig,

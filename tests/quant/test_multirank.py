@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import llmkit.framework as lf
+from llmkit.framework import blas
 from llmkit.framework.distributed.parallel_plan import ParallelPlan
 from llmkit.framework.placement import Replicate, Shard, local_region
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
@@ -52,6 +53,23 @@ def test_quantized_weights_are_the_same_bits_on_1_2_and_4_ranks(cfg, lm_head):
         assert got.keys() == one.keys()
         for k in one:
             assert got[k].dtype == one[k].dtype and got[k].tobytes() == one[k].tobytes(), (n, k)
+
+
+@pytest.mark.skipif(blas.get_blas_threads() is None, reason="numpy's BLAS is not OpenBLAS")
+def test_the_bits_do_not_depend_on_the_processes_blas_threads():
+    """One process and N ranks start with different BLAS thread counts (``--nproc`` shares the cores
+    out); OpenBLAS's float32 products round differently with it on some CPUs (AMD EPYC, AVX-512)."""
+    cfg, before = QuantConfig(4, 32, False, "gptq"), blas.get_blas_threads()
+    try:
+        states = []
+        for n in (1, 3):
+            blas.set_blas_threads(n)
+            states.append(quantized_state(cfg, 1))
+            assert blas.get_blas_threads() == n  # restored after quantizing
+    finally:
+        blas.set_blas_threads(before)
+    for k in states[0]:
+        assert states[1][k].tobytes() == states[0][k].tobytes(), k
 
 
 def test_ranks_take_contiguous_row_blocks_and_gather_joins_them():
