@@ -54,6 +54,22 @@ def machine() -> dict[str, Any]:
     }
 
 
+def llama_134m() -> Any:
+    """The 134M Llama the quantization and llama.cpp figures use (hidden 768, 12 layers, vocab 32000,
+    untied head), with random weights: one definition for every benchmark."""
+    from llmkit.models.llama import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        max_position_embeddings=1024,
+    )
+
+
 def load_average() -> float:
     """The 1-minute load average (``uptime``'s first figure): how shared the machine was."""
     return round(os.getloadavg()[0], 2)

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import httpx
-from _common import emit, emit_paired_ratio, load_average, machine
+from _common import emit, emit_paired_ratio, llama_134m, load_average, machine
 from serve_load import free_port, level
 
 VARIANTS = ("float32", "int8", "int4")
@@ -61,21 +61,13 @@ def export(files: Path, variant: str) -> Path:
     if (out / "manifest.json").is_file():
         return out
     import llmkit.framework as lf
-    from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
+    from llmkit.models.llama import LlamaForCausalLM
     from llmkit.quant import QuantConfig, quantize_model
     from llmkit.serve.export import export_model
     from llmkit.train.corpus import builtin_tokenizer
 
     lf.seed(0)
-    cfg = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        max_position_embeddings=1024,
-    )
+    cfg = llama_134m()
     model = LlamaForCausalLM(cfg)
     model.eval()
     if variant != "float32":

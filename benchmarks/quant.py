@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import emit, emit_paired_ratio, engine_steps, machine
+from _common import emit, emit_paired_ratio, engine_steps, llama_134m, machine
 
 import llmkit.framework as lf
 from llmkit.framework.compiler.build import spin_between_kernels
@@ -49,15 +49,7 @@ from llmkit.quant import QuantConfig, eval_tokens, evaluate, quantize_model
 
 MODELS = {
     "bench": lambda: LlamaConfig.from_preset("bench", vocab_size=4096),
-    "134M": lambda: LlamaConfig(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        max_position_embeddings=1024,
-    ),
+    "134M": llama_134m,
 }
 
 

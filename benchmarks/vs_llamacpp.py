@@ -54,7 +54,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import emit, emit_paired_ratio, load_average, machine
+from _common import emit, emit_paired_ratio, llama_134m, load_average, machine
 
 VARIANTS = {  # name -> (bits, quantize lm_head and embedding) or None for float32
     "float32": None,
@@ -86,20 +86,6 @@ def peer_available() -> str | None:
 # ---- the files --------------------------------------------------------------------------------------
 
 
-def config():
-    from llmkit.models.llama import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        max_position_embeddings=1024,
-    )
-
-
 def build_files(work: Path, variants: list[str], act_bits: int) -> dict[str, tuple[Path, Path]]:
     """Every variant's (static llmkit file, GGUF file), written once into ``work`` (kept across runs)."""
     import llmkit.framework as lf
@@ -113,7 +99,7 @@ def build_files(work: Path, variants: list[str], act_bits: int) -> dict[str, tup
     base = work / "float32"
     if not (base / "config.json").is_file():
         lf.seed(0)
-        model = LlamaForCausalLM(config())
+        model = LlamaForCausalLM(llama_134m())
         model.save_pretrained(str(base))
         builtin_tokenizer(4096, cache_dir=work / "cache").save_pretrained(base)
     out = {}
