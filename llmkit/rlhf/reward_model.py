@@ -140,11 +140,9 @@ class RewardModelTrainer(Run):
 
     def __init__(self, cfg: RewardModelConfig, resume: bool = False, quiet: bool = False) -> None:
         super().__init__(cfg, resume, quiet)
-        src = model_dir(cfg.model.init_from)
-        self.tokenizer = LlamaTokenizer.from_pretrained(src)
-        self.model = LlamaRewardModel.from_pretrained(src, cfg.train.seed)
+        self.model = LlamaRewardModel.from_pretrained(self.src, cfg.train.seed)
         if cfg.lora is not None:  # adapters on the backbone; the scalar head trains whole, saved beside
-            self.add_adapters(self.model, src)
+            self.add_adapters(self.model)
             self.model.score.weight.requires_grad = True
             self.extra_layers["score"] = self.model.score
         t = cfg.train
