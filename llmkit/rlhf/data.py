@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from llmkit.infer.chat import ChatTemplate, ChatTemplateError
-from llmkit.train.data import DataError, jsonl_records
+from llmkit.train.data import DataError, check_messages, jsonl_records
 
 from .tasks import corpus_prompts, make_task, preference_pairs
 
@@ -44,7 +44,7 @@ def read_jsonl(path: str, fields: Sequence[str], key: str) -> list[dict[str, Any
             raise DataError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
         for f in fields:
             if f == "prompt" and isinstance(row.get(f), list):
-                _check_conversation(row[f], f"{path}:{i}: field 'prompt'")
+                check_messages(row[f], f"{path}:{i}: field 'prompt'")
             elif not isinstance(row.get(f), str) or not row[f]:
                 kind = "string or a list of messages" if f == "prompt" else "string"
                 raise DataError(f"{path}:{i}: field {f!r} must be a non-empty {kind}")
@@ -52,14 +52,6 @@ def read_jsonl(path: str, fields: Sequence[str], key: str) -> list[dict[str, Any
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
-
-
-def _check_conversation(messages: list, where: str) -> None:
-    if not messages:
-        raise DataError(f"{where}: a conversation needs at least one message")
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
-            raise DataError(f'{where}: messages[{j}] must be an object with string "role" and "content"')
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:

@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 
 import llmkit.framework as lf
-from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
-from llmkit.train.checkpoint import model_dir
+from llmkit.models.llama import LlamaForCausalLM
 from llmkit.train.loop import build_optimizer
 
 from . import algorithms, policy
@@ -39,15 +38,13 @@ class DPOTrainer(Run):
 
     def __init__(self, cfg: RLHFConfig, resume: bool = False, quiet: bool = False) -> None:
         super().__init__(cfg, resume, quiet)
-        src = model_dir(cfg.model.init_from)
-        self.tokenizer = LlamaTokenizer.from_pretrained(src)
-        self.model = LlamaForCausalLM.from_pretrained(src)
-        self.add_adapters(self.model, src)
+        self.model = LlamaForCausalLM.from_pretrained(self.src)
+        self.add_adapters(self.model)
         self.exact, self.temperature = cfg.rlhf.exact_logprobs, 1.0
         t = cfg.train
         rows = load_pairs(cfg.data.pairs, t.seed)
         train, held = split_heldout(rows, cfg.data.val_fraction, t.seed)
-        reference = policy.reference_scorer(self.model, src, self.exact, self.temperature)
+        reference = policy.reference_scorer(self.model, self.src, self.exact, self.temperature)
         self.train_pairs = self._with_reference(
             [encode_pair(self.tokenizer, r, t.max_length) for r in train], reference
         )

@@ -191,38 +191,55 @@ def train_step(
     value_head: ValueHead | None = None,
     group: tuple[int, ...] | None = None,
 ) -> Callable:
-    """The whole update as one compiled program: forward, ``token_logprobs``, ``loss_fn(logp=...,
-    logits=..., values=..., **inputs) -> (loss, stats)``, backward, the gradients summed over the
-    data-parallel ranks of ``group`` (each rank's loss its rows' share), global-norm clipping and
-    the optimizer step. Returns ``step(ids, targets, *segments, *inputs) -> {"loss", "logp", "grad_norm",
-    **stats}`` (logp: the trainer's log-probs before this update)."""
+    """The whole update as one compiled program (:func:`compile_update`) of the loss ``loss_fn(logp=...,
+    logits=..., values=..., **inputs) -> (loss, stats)`` on the forward's ``token_logprobs``. Returns
+    ``step(ids, targets, *segments, *inputs) -> {"loss", "grad_norm", "logp", **stats}`` (logp: the
+    trainer's log-probs before this update)."""
     fwd = PolicyForward(model, exact)
     layers = [model] + ([value_head] if value_head is not None else [])
-    params = [p for layer in layers for p in layer.parameters() if p.requires_grad]  # LoRA: adapters
-    clip = grad_clip if grad_clip is not None else math.inf
 
-    def step(ids, targets, tables, kv_len, q_start, q_len, *extra):
+    def forward(ids, targets, tables, kv_len, q_start, q_len, *extra):
         h = fwd.hidden(ids, tables, kv_len, q_start, q_len)
         logits = fwd.logits(h)
         logp = O.token_logprobs(logits, targets, temperature=temperature)
         values = value_head(h) if value_head is not None else None
         loss, stats = loss_fn(logp=logp, logits=logits, values=values, **dict(zip(inputs, extra)))
+        return loss, {"logp": logp.detach(), **{k: v.detach() for k, v in stats.items()}}
+
+    specs = _specs(_SEQ + _SEG + [(n, *STEP_INPUTS[n]) for n in inputs])
+    extra = {"value_head": value_head} if value_head is not None else None
+    names = state_names(model, optimizer, extra)
+    return compile_update(forward, specs, names, layers, optimizer, grad_clip, group, tile=exact)
+
+
+def compile_update(
+    forward: Callable[..., tuple[Any, dict[str, Any]]],
+    specs: list[jit.InputSpec],
+    names: dict[int, str],
+    layers: list[Any],
+    optimizer: optim.Optimizer,
+    grad_clip: float | None,
+    group: tuple[int, ...] | None = None,
+    tile: bool = False,
+) -> Callable:
+    """A job's whole update as one compiled program: ``forward(*inputs) -> (loss, outputs)``, the
+    backward, the gradients of the trained parameters of ``layers`` summed over the data-parallel
+    ranks of ``group`` (each rank's loss its rows' share), global-norm clipping and the optimizer
+    step. Returns ``step(*arrays) -> {"loss", "grad_norm", **outputs}``, the lr synced before each."""
+    params = [p for layer in layers for p in layer.parameters() if p.requires_grad]  # LoRA: adapters
+    clip = grad_clip if grad_clip is not None else math.inf
+
+    def step(*inputs):
+        loss, outputs = forward(*inputs)
         loss.backward()
-        if group is not None:
+        if group is not None and len(group) > 1:
             all_reduce_grads(params, group)
         norm = optim.clip_grad_norm_(params, clip)
         optimizer.step()
         optimizer.zero_grad()
-        return {
-            "loss": loss,
-            "logp": logp.detach(),
-            "grad_norm": norm,
-            **{k: v.detach() for k, v in stats.items()},
-        }
+        return {"loss": loss, "grad_norm": norm, **outputs}
 
-    specs = _specs(_SEQ + _SEG + [(n, *STEP_INPUTS[n]) for n in inputs])
-    extra = {"value_head": value_head} if value_head is not None else None
-    run = fwd.compile(step, specs, state_names(model, optimizer, extra))
+    run = compile_function(step, specs, names, tile)
 
     def call(*arrays: np.ndarray) -> dict[str, Any]:
         optimizer.sync_lr()

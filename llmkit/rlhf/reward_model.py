@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 
 import llmkit.framework as lf
-from llmkit.framework import jit, nn, optim
-from llmkit.framework.distributed.parallelize import all_reduce_grads
+from llmkit.framework import jit, nn
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 from llmkit.models.llama.checkpoint import load_pretrained, save_pretrained
 from llmkit.models.llama.model import LlamaModel
@@ -27,7 +26,7 @@ from llmkit.train.trainer import state_names
 from . import algorithms
 from .config import RewardModelConfig
 from .data import Prompt, encode_pair, encode_prompt, load_pairs, split_heldout
-from .policy import compile_function
+from .policy import compile_function, compile_update
 from .run import Run
 
 O = lf.ops
@@ -141,11 +140,9 @@ class RewardModelTrainer(Run):
 
     def __init__(self, cfg: RewardModelConfig, resume: bool = False, quiet: bool = False) -> None:
         super().__init__(cfg, resume, quiet)
-        src = model_dir(cfg.model.init_from)
-        self.tokenizer = LlamaTokenizer.from_pretrained(src)
-        self.model = LlamaRewardModel.from_pretrained(src, cfg.train.seed)
+        self.model = LlamaRewardModel.from_pretrained(self.src, cfg.train.seed)
         if cfg.lora is not None:  # adapters on the backbone; the scalar head trains whole, saved beside
-            self.add_adapters(self.model, src)
+            self.add_adapters(self.model)
             self.model.score.weight.requires_grad = True
             self.extra_layers["score"] = self.model.score
         t = cfg.train
@@ -163,23 +160,13 @@ class RewardModelTrainer(Run):
         return prompt + chosen, prompt + rejected
 
     def _compile_step(self):
-        model, opt = self.model, self.optimizer
-        clip = self.cfg.optim.grad_clip or float("inf")
-        params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters and the head
-        count, group = float(self.cfg.train.batch_size), self.dp.group  # the whole step's pairs
+        model, count = self.model, float(self.cfg.train.batch_size)  # the whole step's pairs
 
-        def step(ids, rows, chosen, rejected):
+        def forward(ids, rows, chosen, rejected):
             scores = model(ids, rows)  # (2P,)
             s = O.unsqueeze(O.cast(scores, "float64"), axis=-1)
             c, r = O.squeeze(O.matmul(chosen, s), axis=-1), O.squeeze(O.matmul(rejected, s), axis=-1)
-            loss, stats = algorithms.bradley_terry_loss(c, r, count)
-            loss.backward()
-            if len(group) > 1:
-                all_reduce_grads(params, group)
-            norm = optim.clip_grad_norm_(params, clip)
-            opt.step()
-            opt.zero_grad()
-            return {"loss": loss, "grad_norm": norm, **stats}
+            return algorithms.bradley_terry_loss(c, r, count)
 
         specs = [
             jit.InputSpec(["B", "S"], "int64", "ids"),
@@ -187,13 +174,8 @@ class RewardModelTrainer(Run):
             jit.InputSpec(["P", "B"], "float64", "chosen"),
             jit.InputSpec(["P", "B"], "float64", "rejected"),
         ]
-        run = compile_function(step, specs, state_names(model, opt))
-
-        def call(*arrays):
-            opt.sync_lr()
-            return run(*arrays)
-
-        return call
+        opt, clip = self.optimizer, self.cfg.optim.grad_clip  # LoRA: the adapters and the head train
+        return compile_update(forward, specs, state_names(model, opt), [model], opt, clip, self.dp.group)
 
     def train_step(self) -> dict[str, Any]:
         pairs = self.step_pairs()

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmkit.models.llama import LlamaTokenizer
 from llmkit.train import checkpoint
 from llmkit.train.config import apply_lora_section
 from llmkit.train.loop import Loop, build_schedule
@@ -59,14 +60,16 @@ class Run(Loop):
         self.resumed_from = checkpoint.latest(self.out) if resume else None
         self.resume_changes: list[str] = []
         self.base_pointer: dict[str, Any] | None = None  # a LoRA run's frozen base (checkpoint.base_pointer)
+        self.src = checkpoint.model_dir(cfg.model.init_from)  # the model the job starts from
+        self.tokenizer = LlamaTokenizer.from_pretrained(self.src)
 
-    def add_adapters(self, model: Any, base: Path) -> None:
-        """With a ``lora`` section: freeze ``model`` (loaded from the directory ``base``) and add the
-        section's adapters; the checkpoints then hold them alone (PEFT's files) beside a pointer to
-        ``base``, and the rollouts' engine, traced from the model, runs them in its programs."""
+    def add_adapters(self, model: Any) -> None:
+        """With a ``lora`` section: freeze ``model`` (loaded from ``self.src``) and add the section's
+        adapters; the checkpoints then hold them alone (PEFT's files) beside a pointer to ``src``,
+        and the rollouts' engine, traced from the model, runs them in its programs."""
         if self.cfg.lora is not None:
             apply_lora_section(model, self.cfg.lora, self.cfg.train.seed)
-            self.base_pointer = checkpoint.base_pointer(base)
+            self.base_pointer = checkpoint.base_pointer(self.src)
 
     def run_state(self) -> checkpoint.RunState:
         state = super().run_state()

@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 
 import llmkit.framework as lf
-from llmkit.models.llama import LlamaForCausalLM, LlamaTokenizer
-from llmkit.train.checkpoint import model_dir
+from llmkit.models.llama import LlamaForCausalLM
 from llmkit.train.loop import build_optimizer
 
 from . import algorithms, policy
@@ -157,10 +156,8 @@ class PolicyTrainer(Run):
     def __init__(self, cfg: RLHFConfig, resume: bool = False, quiet: bool = False) -> None:
         super().__init__(cfg, resume, quiet)
         self.algo = ALGORITHMS[cfg.algorithm]
-        src = model_dir(cfg.model.init_from)
-        self.tokenizer = LlamaTokenizer.from_pretrained(src)
-        self.model = LlamaForCausalLM.from_pretrained(src)
-        self.add_adapters(self.model, src)
+        self.model = LlamaForCausalLM.from_pretrained(self.src)
+        self.add_adapters(self.model)
         r, ro = cfg.rlhf, cfg.rollout
         self.exact = r.exact_logprobs
         self.value_head = policy.ValueHead(self.model.config.hidden_size) if self.algo.value_head else None
@@ -197,9 +194,9 @@ class PolicyTrainer(Run):
             self.value_head,
             self.dp.group if self.dp.size > 1 else None,
         )
-        self.ref_score = (
-            policy.reference_scorer(self.model, src, self.exact, ro.temperature) if r.kl_coef > 0 else None
-        )
+        self.ref_score = None  # no reference without a KL term
+        if r.kl_coef > 0:
+            self.ref_score = policy.reference_scorer(self.model, self.src, self.exact, ro.temperature)
         self.pre_score = (
             policy.scorer(self.model, self.exact, ro.temperature, self.value_head)
             if self.value_head

@@ -236,8 +236,14 @@ def base_pointer(directory: Path) -> dict[str, Any]:
     return {"path": str(directory.resolve()), "sha256": {p.name: sha256(p) for p in files}}
 
 
-def _write_rest(s: RunState, tmp: Path, meta: dict[str, Any]) -> None:
-    """What rank 0 writes once every rank's tensors are in: tokenizer, plan, state, marker (last)."""
+def _write_rest(s: RunState, tmp: Path, meta: dict[str, Any], adapters: dict | None = None) -> None:
+    """What rank 0 writes once every rank's tensors are in: a LoRA run's adapters (``adapters``: their
+    whole values, where the model's are laid out over ranks) and base pointer, tokenizer, plan,
+    state, marker (last)."""
+    if s.base is not None:  # the adapters alone, beside a pointer to the base
+        (tmp / ADAPTER).mkdir()
+        lora.write_adapter(s.model, tmp / ADAPTER, s.base["path"], adapters)
+        (tmp / BASE_POINTER).write_text(json.dumps(s.base, indent=1) + "\n")
     s.tokenizer.save_pretrained(tmp / ("model" if s.base is None else ADAPTER))
     if s.plan is not None:
         s.plan.save(tmp / PLAN_FILE)
@@ -259,12 +265,8 @@ def save(s: RunState) -> Path:
         _save_sharded(s, path)
     elif s.writer:
         with atomic_dir(path) as tmp:
-            if s.base is None:
+            if s.base is None:  # else the adapters (_write_rest)
                 s.model.save_pretrained(tmp / "model")
-            else:  # the adapters alone, beside a pointer to the base
-                (tmp / ADAPTER).mkdir()
-                lora.write_adapter(s.model, tmp / ADAPTER, s.base["path"])
-                (tmp / BASE_POINTER).write_text(json.dumps(s.base, indent=1) + "\n")
             for name, layer in s.layers.items():
                 lf.save({k: v.numpy() for k, v in layer.state_dict().items()}, tmp / f"{name}.safetensors")
             tensors, meta = optim.flatten_state_dict(s.optimizer.state_dict())
@@ -282,7 +284,7 @@ def _save_sharded(s: RunState, path: Path) -> None:
     if s.writer and stage.exists():
         shutil.rmtree(stage)  # left by a run that crashed while writing
     comm.barrier()
-    model = s.model
+    model, adapters = s.model, None
     if s.pipe is not None:  # each pipeline rank its stages' pieces, under the whole model's names
         s.pipe.save(stage / "model", stage / OPTIMIZER_DIR)
         meta = s.pipe.optimizer_meta()
@@ -297,11 +299,7 @@ def _save_sharded(s: RunState, path: Path) -> None:
     if s.writer:
         if s.base is None:
             write_config(model.config, model.model.norm.weight.dtype, stage / "model")
-        else:
-            (stage / ADAPTER).mkdir()
-            lora.write_adapter(model, stage / ADAPTER, s.base["path"], adapters)
-            (stage / BASE_POINTER).write_text(json.dumps(s.base, indent=1) + "\n")
-        _write_rest(s, stage, meta)
+        _write_rest(s, stage, meta, adapters)
         install_dir(stage, path)
     comm.barrier()  # the checkpoint is in place before any rank goes on (and may prune or resume)
 

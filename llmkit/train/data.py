@@ -270,13 +270,21 @@ def _read_jsonl(path: str) -> list[str]:
     return docs
 
 
-def _conversation(messages: Any, where: str) -> Conversation:
-    """A checked "messages" list: {"role", "content"} strings, ending with an assistant turn."""
+def check_messages(
+    messages: Any, where: str, empty: str = "a conversation needs at least one message"
+) -> None:
+    """A conversation: a non-empty list (else ``empty`` says what is wrong) of {"role", "content"}
+    strings (SFT's "messages", an RLHF prompt)."""
     if not isinstance(messages, list) or not messages:
-        raise DataError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
+        raise DataError(f"{where}: {empty}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
             raise DataError(f'{where}: messages[{i}] must be an object with string "role" and "content"')
+
+
+def _conversation(messages: Any, where: str) -> Conversation:
+    """A checked "messages" list, ending with an assistant turn."""
+    check_messages(messages, where, '"messages" must be a non-empty list of {"role", "content"} objects')
     if messages[-1]["role"] != "assistant":
         raise DataError(f"{where}: the last message must be the assistant's (the reply to train on)")
     return messages

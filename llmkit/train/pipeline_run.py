@@ -20,7 +20,7 @@ single process resumes on any other (``ShardReader`` reads each rank's slices).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ import numpy as np
 import llmkit.framework as lf
 import llmkit.framework.distributed as dist
 from llmkit.framework import nn, optim
-from llmkit.framework.distributed.dist_array import DistArray
+from llmkit.framework.distributed.dist_array import DistArray, held_bytes
 from llmkit.framework.distributed.parallel_plan import ParallelPlan
 from llmkit.framework.distributed.parallelize import Parallelized
 from llmkit.framework.distributed.pipeline import Pipeline, RankPipeline, all_reduce, mesh_value
@@ -190,7 +190,7 @@ class PipelineRun:
             def get(reader: ShardReader, key: str, name: str, kind: str, dtype: Any) -> lf.Tensor:
                 nonlocal read
                 t = _read(reader, key, s.rp, name, kind)
-                read += _nbytes(r, [t])
+                read += held_bytes(r, [t])
                 return t.astype(dtype)
 
             opt = s.optimizer
@@ -210,16 +210,9 @@ class PipelineRun:
 
 def state_bytes(rank: int, params: list[lf.Tensor], opt: optim.Optimizer) -> int:
     """The bytes of ``params``, their gradients and ``opt``'s state that ``rank`` holds."""
-    return _nbytes(rank, [*params, *(p.grad for p in params), *(t for s in opt.states for t in s.values())])
-
-
-def _nbytes(rank: int, tensors: Iterable[lf.Tensor | None]) -> int:
-    total = 0
-    for t in tensors:
-        if t is not None:
-            x = t._data
-            total += (x.shards[rank] if isinstance(x, DistArray) else x).nbytes
-    return total
+    return held_bytes(
+        rank, [*params, *(p.grad for p in params), *(t for s in opt.states for t in s.values())]
+    )
 
 
 def _placed(t: lf.Tensor, mesh: dist.ProcessMesh, rank: int) -> lf.Tensor:

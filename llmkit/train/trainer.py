@@ -177,6 +177,7 @@ class Trainer(Loop):
             self.schedule = build_schedule(cfg, self.optimizer)
         self.step = 0
         self.tokens_seen = 0
+        self.clip = math.inf if cfg.optim.grad_clip is None else cfg.optim.grad_clip  # the grad-norm clip
         if load_init and saved is None:
             checkpoint.load_weights(self.run_state(), Path(cfg.model.init_from))
         self.flops_per_token = self.model_config.flops_per_token(t.seq_len)
@@ -266,26 +267,27 @@ class Trainer(Loop):
                 self.activation_bytes = lf.autograd.saved_bytes([loss])
             loss.backward()
             total += self.value(loss)
+        return total, self.value(self._update(measure=True))
+
+    def _update(self, measure: bool = False) -> lf.Tensor:
+        """The end of a step, eager or traced: gradients reduced over the ranks, clipped, the
+        optimizer's step (``measure``: the rank's state bytes, with the reduced gradients); the norm."""
         params = self.model.parameters()
-        trained = [p for p in params if p.requires_grad]  # a LoRA run: its adapters
         if self.par is not None:
             self.par.reduce_grads()  # all-reduce, or reduce-scatter under ZeRO 2 and 3
-            self.state_bytes = self.par.state_bytes()
-        else:
-            self.state_bytes = state_bytes(0, params, self.optimizer)
-        clip = self.cfg.optim.grad_clip
-        norm = optim.clip_grad_norm_(trained, clip if clip is not None else math.inf)
+        if measure:
+            self.state_bytes = self.par.state_bytes() if self.par else state_bytes(0, params, self.optimizer)
+        norm = optim.clip_grad_norm_([p for p in params if p.requires_grad], self.clip)  # LoRA: adapters
         self.optimizer.step()
         if self.par is not None:
             self.par.settle()  # updated shards gathered back where the plan keeps them
         self.optimizer.zero_grad()
-        return total, self.value(norm)
+        return norm
 
     def _pipeline_step(self, batches: list[tuple[Any, Any]]) -> tuple[float, float]:
         """The pipeline's step: every hosted rank's job list, gradient reduction, clipping, update."""
         assert self.pipe is not None and len(batches) == 1  # the pipeline's micro-batches accumulate
-        clip = self.cfg.optim.grad_clip
-        loss, norm, self.state_bytes = self.pipe.step(*batches[0], clip if clip is not None else math.inf)
+        loss, norm, self.state_bytes = self.pipe.step(*batches[0], self.clip)
         return loss, norm
 
     def state_names(self) -> dict[int, str]:
@@ -297,8 +299,7 @@ class Trainer(Loop):
         traced program; over several ranks, partitioned into one program per rank."""
         from llmkit.framework import jit
 
-        t, par = self.cfg.train, self.par
-        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip is not None else math.inf
+        t = self.cfg.train
         params = [p for p in self.model.parameters() if p.requires_grad]  # a LoRA run: its adapters
 
         def step(*batch):  # x0, y0, x1, y1, ...: the micro-batches
@@ -307,18 +308,11 @@ class Trainer(Loop):
                 loss = self.model.loss(batch[2 * a], batch[2 * a + 1]) / t.grad_accum
                 loss.backward()
                 total = loss if total is None else total + loss
-            if par is not None:
-                par.reduce_grads()
-            norm = optim.clip_grad_norm_(params, clip)
-            self.optimizer.step()
-            if par is not None:
-                par.settle()
-            self.optimizer.zero_grad()
-            return total, norm
+            return total, self._update()
 
         # One program: symbolic batch dims in one process; the placed batches' shapes over several
         # ranks (partitioned programs take static shapes).
-        spec = None if par is not None else [jit.InputSpec(["B", "S"], "int64")] * (2 * t.grad_accum)
+        spec = None if self.par is not None else [jit.InputSpec(["B", "S"], "int64")] * (2 * t.grad_accum)
         compiled = jit.to_static(step, input_spec=spec, compiler=t.compiler, names=self.state_names())
         self.static_step = compiled
         # gradients live inside the program: count them in the layout they are reduced to

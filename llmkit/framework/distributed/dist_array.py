@@ -8,7 +8,7 @@ once as "for each hosted rank".
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -98,3 +98,14 @@ class DistArray:
             f"DistArray({list(self.shape)} {B.dtype_name(self.dtype)}, {self.mesh!r}, "
             f"{format_placements(self.placements)})"
         )
+
+
+def held_bytes(rank: int, tensors: Iterable[Any]) -> int:
+    """The bytes ``rank`` holds of ``tensors`` (Tensors; None skipped): its shard of a distributed
+    one, a plain one whole."""
+    total = 0
+    for t in tensors:
+        if t is not None:
+            x = t._data
+            total += (x.shards[rank] if isinstance(x, DistArray) else x).nbytes
+    return total

@@ -30,7 +30,7 @@ from ..placement import Placement, ProcessMesh, Replicate, Shard
 from ..tensor import Tensor
 from .api import from_local, reshard, shard_tensor
 from .comm import get_backend
-from .dist_array import DistArray
+from .dist_array import DistArray, held_bytes
 from .parallel_plan import ParallelPlan
 
 
@@ -168,15 +168,10 @@ class Parallelized:
     # ---- memory ------------------------------------------------------------------------------
     def state_bytes(self) -> int:
         """Parameter + gradient + optimizer-state bytes held by the fullest rank (collective)."""
-        tensors = [p for p in self.model.parameters()]
-        tensors += [p.grad for p in tensors if p.grad is not None]
-        tensors += [t for t, _ in self._state_tensors()]
+        params = self.model.parameters()
+        tensors = [*params, *(p.grad for p in params), *(t for t, _ in self._state_tensors())]
         comm = get_backend()
-        per_rank = {r: 0 for r in comm.hosted(self.mesh.ranks)}
-        for t in tensors:
-            for r, a in t._data.shards.items():
-                per_rank[r] += a.nbytes
-        mine = {r: np.array([b], np.int64) for r, b in per_rank.items()}
+        mine = {r: np.array([held_bytes(r, tensors)], np.int64) for r in comm.hosted(self.mesh.ranks)}
         group = tuple(self.mesh.ranks)
         return int(next(iter(comm.all_reduce(group, mine, "max", "state_bytes").values()))[0])
 

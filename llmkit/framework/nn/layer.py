@@ -134,34 +134,19 @@ class Layer:
         self._non_persistent.discard(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, Parameter):
+        if isinstance(value, (Parameter, Layer)):
             self._registry()
             self._forget(name)
-            self._parameters[name] = value
-        elif isinstance(value, Layer):
-            self._registry()
-            self._forget(name)
-            self._sublayers[name] = value
-        elif name in self.__dict__.get("_parameters", ()):
-            if value is not None:
-                raise TypeError(
-                    f"cannot assign {type(value).__name__} to parameter {name!r}: use a Parameter or None"
-                )
-            self._parameters[name] = None
-        elif name in self.__dict__.get("_sublayers", ()):
-            if value is not None:
-                raise TypeError(
-                    f"cannot assign {type(value).__name__} to sublayer {name!r}: use a Layer or None"
-                )
-            self._sublayers[name] = None
-        elif name in self.__dict__.get("_buffers", ()):
-            if value is not None and not isinstance(value, Tensor):
-                raise TypeError(
-                    f"cannot assign {type(value).__name__} to buffer {name!r}: use a Tensor or None"
-                )
-            self._buffers[name] = value
-        else:
-            object.__setattr__(self, name, value)
+            (self._parameters if isinstance(value, Parameter) else self._sublayers)[name] = value
+            return
+        for reg, what, cls in _REGISTRIES:  # a registered name keeps its kind: its class or None
+            if name in self.__dict__.get(reg, ()):
+                if value is not None and not isinstance(value, cls):
+                    got = type(value).__name__
+                    raise TypeError(f"cannot assign {got} to {what} {name!r}: use a {cls.__name__} or None")
+                self.__dict__[reg][name] = value
+                return
+        object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup fails: registered members live in the registries.
@@ -188,13 +173,16 @@ class Layer:
     def _owns(self, name: str) -> bool:
         return any(name in reg for reg in (self._parameters, self._buffers, self._sublayers))
 
-    def register_parameter(self, name: str, param: Parameter | None) -> None:
+    def _register(self, reg: str, what: str, cls: type, name: str, value: Any) -> None:
         self._registry()
-        self._check_name(name, "parameter")
-        if param is not None and not isinstance(param, Parameter):
-            raise TypeError(f"parameter {name!r} must be a Parameter or None, got {type(param).__name__}")
+        self._check_name(name, what)
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(f"{what} {name!r} must be a {cls.__name__} or None, got {type(value).__name__}")
         self._forget(name)
-        self._parameters[name] = param
+        self.__dict__[reg][name] = value
+
+    def register_parameter(self, name: str, param: Parameter | None) -> None:
+        self._register("_parameters", "parameter", Parameter, name, param)
 
     def register_buffer(self, name: str, tensor: Tensor | None, persistent: bool = True) -> None:
         """A tensor that moves and casts with the layer but is not trained.
@@ -202,22 +190,12 @@ class Layer:
         Persistent buffers appear in ``state_dict``; non-persistent ones (caches derivable from the
         config, such as rotary tables) do not.
         """
-        self._registry()
-        self._check_name(name, "buffer")
-        if tensor is not None and not isinstance(tensor, Tensor):
-            raise TypeError(f"buffer {name!r} must be a Tensor or None, got {type(tensor).__name__}")
-        self._forget(name)
-        self._buffers[name] = tensor
+        self._register("_buffers", "buffer", Tensor, name, tensor)
         if not persistent:
             self._non_persistent.add(name)
 
     def add_sublayer(self, name: str, layer: Layer | None) -> Layer | None:
-        self._registry()
-        self._check_name(name, "sublayer")
-        if layer is not None and not isinstance(layer, Layer):
-            raise TypeError(f"sublayer {name!r} must be a Layer or None, got {type(layer).__name__}")
-        self._forget(name)
-        self._sublayers[name] = layer
+        self._register("_sublayers", "sublayer", Layer, name, layer)
         return layer
 
     add_module = add_sublayer
@@ -414,6 +392,14 @@ class Layer:
 
 
 Module = Layer
+
+
+# registry attribute, its kind in messages, the class a member must have (None always may)
+_REGISTRIES = (
+    ("_parameters", "parameter", Parameter),
+    ("_sublayers", "sublayer", Layer),
+    ("_buffers", "buffer", Tensor),
+)
 
 
 def _payload(key: str, value: Any) -> Any:

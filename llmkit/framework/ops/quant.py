@@ -40,7 +40,7 @@ from ..dispatch import O
 from ..opspec import A, Kind, Meta, OpError, attr, defop, describe
 from . import spmd as P
 from .contraction import _linear_kernel, _linear_meta
-from .paged import _tiled_kernel, engine_op
+from .paged import _known_differ, _tiled_kernel, engine_op
 
 BITS = (4, 8)
 CODE_DTYPE = {8: np.dtype(np.int8), 4: np.dtype(np.uint8)}  # qweight dtype per width
@@ -54,10 +54,6 @@ def num_groups(in_features: sym.Dim, group_size: int) -> sym.Dim | None:
     if group_size == -1:
         return 1
     return -(-in_features // group_size) if isinstance(in_features, int) else None
-
-
-def _known_differ(a: sym.Dim, b: sym.Dim) -> bool:
-    return isinstance(a, int) and isinstance(b, int) and a != b
 
 
 def _weight_meta(op, qweight, scales, zeros=None, bits=4, group_size=128):
