@@ -37,6 +37,7 @@ from .decompose import Decompose
 from .fuse import Fuse
 from .loop_ir import Kernel
 from .lower import LowerError, lower
+from .merge_gemms import MergeGemms
 from .runtime import NO_CC, compile_fusions, kernel_sources
 
 __all__ = [
@@ -65,16 +66,16 @@ def available() -> bool:
 @register_pass
 @dataclass
 class CinnFuse(Pass):
-    """``cinn-fuse``: pair attention forwards with their backwards (``attention-lse``), decompose,
-    CSE, DCE, then group into ``cinn.fusion`` ops (groups named after the composite op they came
-    from)."""
+    """``cinn-fuse``: pair attention forwards with their backwards (``attention-lse``), merge the
+    products of a shared input (``merge-gemms``), decompose, CSE, DCE, then group into
+    ``cinn.fusion`` ops (groups named after the composite op they came from)."""
 
     name = "cinn-fuse"
 
     def apply(self, program: Program) -> None:
         dec, fuse = Decompose(), Fuse()
         fuse.origins = dec.origins
-        PassManager([AttentionLse(), dec, "cse", "dce", fuse], verify=False).run(program)
+        PassManager([AttentionLse(), MergeGemms(), dec, "cse", "dce", fuse], verify=False).run(program)
         for op in program.walk():  # copies pulled into a group more than once: merge them, inside
             if op.name == "cinn.fusion":  # the group only (reusing outer values would unfuse them)
                 cse_block(op.regions[0].blocks[0], {})
