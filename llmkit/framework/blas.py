@@ -97,16 +97,24 @@ def blas_threads(n: int) -> Iterator[None]:
             set_blas_threads(before)
 
 
-_pool: ThreadPoolExecutor | None = None
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (helpers, the pool)
 _pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:  # a forked child has none of the parent's threads
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _helpers(n: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
-        if _pool is None or _pool._max_workers < n:
-            _pool = ThreadPoolExecutor(n, thread_name_prefix="llmkit-blas")
-        return _pool
+        if _pool is None or _pool[0] < n:
+            _pool = (n, ThreadPoolExecutor(n, thread_name_prefix="llmkit-blas"))
+        return _pool[1]
 
 
 def matmul_rows(a: Any, b: Any, out: Any, threads: int, rows: int) -> Any:

@@ -2,6 +2,7 @@
 
 The pipeline, one named stage per file::
 
+    merge       the products of one input, forward and backward -> one GEMM each  merge_gemms.py
     decompose   composite ops -> primitives (the op table's ``decompose``)        decompose.py
     fuse        primitives -> ``cinn.fusion`` groups, by each op's ``kind``         fuse.py
     lower       a group -> expressions over its loop domain                         lower.py
@@ -13,7 +14,9 @@ The pipeline, one named stage per file::
 
 Hand-written kernels (``native/``: the engine's ops, embeddings, flash attention) are declared on
 their ops' specs there and run in place of the reference kernels (``native/run.py``); ops whose
-kernel applies are not decomposed. Every kernel's threads come from the pool in ``par.py``.
+kernel applies are not decomposed. Products of matrices run in blocks of rows, each one
+single-threaded BLAS call, on threads of their own (``native/products.py``, ``blas.matmul_rows``);
+every other kernel's threads come from the pool in ``par.py``.
 
 ``compile_program(program)`` runs it all (``jit.to_static(..., compiler="cinn")`` does it for
 you); ``fuse_program(program)`` stops after grouping (what the golden tests print);
