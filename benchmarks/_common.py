@@ -11,8 +11,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -77,6 +75,8 @@ def load_average() -> float:
 
 def engine_steps(engine: Any, batch: int, prompt_len: int, new_tokens: int) -> list[float]:
     """Seconds per engine step while ``batch`` requests decode (their prefill step excluded)."""
+    import numpy as np  # not at the top: numpy must load after llmkit (see llmkit/__init__.py)
+
     from llmkit.infer import SamplingParams
 
     rng = np.random.default_rng(0)

@@ -8,6 +8,9 @@ fused and compiled, or ``none``), which also times eager in the same run for the
 and share; below).
 ``--set section.key=value`` overrides the config (``benchmarks/gpu_check.sh`` times a ~134M model:
 ``model.hidden_size=768 model.num_hidden_layers=12 ...``).
+``--plain-gemms`` (static, cinn) also times the compiled step with its products as traced: without
+the ``merge-gemms`` pass and on OpenBLAS's own threads (``compiler/native/products.py`` off),
+interleaved, for the same-run ratio of both.
 ``--torch`` also times Hugging Face transformers on PyTorch in the same process (``--torch-model
 small``: the small equivalent Llama of ``torch_llama.py`` instead), ``--torch-compile`` also the
 same model under ``torch.compile``; ``--torch-tuned``
@@ -386,6 +389,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="--torch-tuned: alternated own-process runs")
     p.add_argument("--eager-reference", action="store_true", help="also eager on the reference kernels")
     p.add_argument("--profile", action="store_true", help="a breakdown of each mode's step, per part")
+    p.add_argument(
+        "--plain-gemms", action="store_true", help="static: also cinn with OpenBLAS's GEMMs as traced"
+    )
     p.add_argument("--alone", choices=["torch", "static"], help=argparse.SUPPRESS)  # an own-process run
     a = p.parse_args()
     if a.alone:
@@ -434,6 +440,14 @@ def main() -> None:
             step = steps[f"static_{compiler}"] = static_step_fn(llama, cfg.optim.lr, compiler)
             step(*batches[0])  # trace (and fuse, compile, tune: cached afterwards)
             emit("train_throughput", f"static_{compiler}_first_step_s", time.perf_counter() - t0, "s")
+        if a.plain_gemms and a.compiler == "cinn":  # the baseline of merge-gemms and row products
+            from llmkit.framework.compiler import merge_gemms
+            from llmkit.framework.compiler.native import products
+
+            merge_gemms.enabled = products.enabled = False
+            step = steps["static_cinn_plain_gemms"] = static_step_fn(llama, cfg.optim.lr, "cinn")
+            step(*batches[0])
+            merge_gemms.enabled = products.enabled = True
     if a.torch:
         steps[torch_name] = torch_step_fn(llama, cfg.optim.lr, a.device, a.torch_model)
     if a.torch_compile:
@@ -464,6 +478,15 @@ def main() -> None:
     for name in steps:
         if name.startswith("static"):
             emit("train_throughput", f"{name}_over_eager", tps[name] / tps["eager"], "x", target=2.0)
+    if "static_cinn_plain_gemms" in tps:
+        ratio = tps["static_cinn"] / tps["static_cinn_plain_gemms"]
+        emit(
+            "train_throughput",
+            "static_cinn_over_plain_gemms",
+            ratio,
+            "x",
+            note="merged, row-block GEMMs / not",
+        )
     for name, step in steps.items():
         if not name.startswith("torch") and a.device == "cpu":  # host memory (tracemalloc)
             emit("train_throughput", f"{name}_peak_memory_mib", peak_memory(step, batches[0]), "MiB")

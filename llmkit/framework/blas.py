@@ -7,6 +7,10 @@ BLAS thread unless told otherwise. The count is process-wide: an in-process engi
 How long idle OpenBLAS threads spin before sleeping can only be set before numpy loads OpenBLAS
 (``OPENBLAS_THREAD_TIMEOUT``, 2**n cycles): ``import llmkit`` sets 18 when it comes first and the
 variable is unset (see ``llmkit/__init__.py``); :func:`blas_thread_timeout` reports what applies.
+
+:func:`matmul_rows` runs one product on several threads without OpenBLAS's own: blocks of output
+rows, each a single-threaded BLAS call, claimed by whichever thread is free (compiled training steps'
+products, ``compiler/native/products.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import contextlib
 import ctypes
 import functools
 import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 _SETTERS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads")
 _GETTERS = ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads")
@@ -88,3 +95,75 @@ def blas_threads(n: int) -> Iterator[None]:
     finally:
         if before is not None:
             set_blas_threads(before)
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (helpers, the pool)
+_pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:  # a forked child has none of the parent's threads
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _helpers(n: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] < n:
+            _pool = (n, ThreadPoolExecutor(n, thread_name_prefix="llmkit-blas"))
+        return _pool[1]
+
+
+def matmul_rows(a: Any, b: Any, out: Any, threads: int, rows: int) -> Any:
+    """``out[:] = a @ b`` (2D numpy arrays; ``a`` may be a transposed view): blocks of ``rows`` rows
+    of ``out``, each one single-threaded BLAS call, claimed one at a time by this thread and
+    ``threads - 1`` helpers. OpenBLAS's threads split a product into pieces that wait for each
+    other at every block of the reduction, so a thread the OS sets aside (a shared machine) holds
+    the others up many times per product; here a block is the only unit, and this thread waits only
+    for blocks a helper claimed and has not finished (a helper that starts late finds none left).
+    A block's values do not depend on which thread computes it. OpenBLAS runs on one thread
+    meanwhile (the count is process-wide; the count before is restored)."""
+    import numpy as np
+
+    n = out.shape[0]
+    cond = threading.Condition()
+    state: dict[str, Any] = {"next": 0, "busy": 0, "error": None}
+
+    def work(helper: bool) -> None:
+        while True:
+            with cond:
+                i = state["next"]
+                if i >= n:
+                    return
+                state["next"] = i + rows
+                state["busy"] += helper
+            try:
+                np.matmul(a[i : i + rows], b, out=out[i : i + rows])
+            except BaseException as e:  # raised by the caller, below
+                state["error"] = e
+                state["next"] = n
+            finally:
+                if helper:
+                    with cond:
+                        state["busy"] -= 1
+                        cond.notify_all()
+
+    before = get_blas_threads()
+    set_blas_threads(1)
+    try:
+        pool = _helpers(threads - 1)
+        for _ in range(min(threads - 1, -(-n // rows) - 1)):
+            pool.submit(work, True)
+        work(False)
+        with cond:
+            while state["busy"]:
+                cond.wait()
+        if state["error"] is not None:
+            raise state["error"]
+    finally:
+        if before is not None:
+            set_blas_threads(before)
+    return out

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from llmkit.framework import blas
@@ -50,3 +51,22 @@ def test_set_blas_threads_round_trip_and_rejects_zero():
         blas.set_blas_threads(before)
     with pytest.raises(ValueError, match="BLAS threads must be >= 1"):
         blas.set_blas_threads(0)
+
+
+@pytest.mark.parametrize("threads,rows", [(2, 16), (3, 48), (2, 1000)])
+def test_matmul_rows_equals_the_float64_product_and_restores_the_thread_count(threads, rows):
+    rng = np.random.default_rng(0)
+    y = rng.standard_normal((75, 33)).astype(np.float32)
+    plain = rng.standard_normal((130, 75)).astype(np.float32)  # blocks of rows, a short last one
+    transposed = rng.standard_normal((75, 40)).astype(np.float32).T  # a weight gradient's g.T
+    before = blas.get_blas_threads()
+    for x in (plain, transposed):
+        out = blas.matmul_rows(x, y, np.empty((x.shape[0], 33), np.float32), threads, rows)
+        np.testing.assert_allclose(out, x.astype(np.float64) @ y.astype(np.float64), rtol=1e-5, atol=1e-4)
+    assert blas.get_blas_threads() == before
+
+
+def test_matmul_rows_raises_what_a_block_raised():
+    a, b = np.ones((64, 3), np.float32), np.ones((4, 2), np.float32)  # 3 != 4
+    with pytest.raises(ValueError):
+        blas.matmul_rows(a, b, np.empty((64, 2), np.float32), 2, 16)

@@ -2,6 +2,7 @@
 
 The pipeline, one named stage per file::
 
+    merge       the products of one input, forward and backward -> one GEMM each  merge_gemms.py
     decompose   composite ops -> primitives (the op table's ``decompose``)        decompose.py
     fuse        primitives -> ``cinn.fusion`` groups, by each op's ``kind``         fuse.py
     lower       a group -> expressions over its loop domain                         lower.py
@@ -13,7 +14,9 @@ The pipeline, one named stage per file::
 
 Hand-written kernels (``native/``: the engine's ops, embeddings, flash attention) are declared on
 their ops' specs there and run in place of the reference kernels (``native/run.py``); ops whose
-kernel applies are not decomposed. Every kernel's threads come from the pool in ``par.py``.
+kernel applies are not decomposed. Products of matrices run in blocks of rows, each one
+single-threaded BLAS call, on threads of their own (``native/products.py``, ``blas.matmul_rows``);
+every other kernel's threads come from the pool in ``par.py``.
 
 ``compile_program(program)`` runs it all (``jit.to_static(..., compiler="cinn")`` does it for
 you); ``fuse_program(program)`` stops after grouping (what the golden tests print);
@@ -37,6 +40,7 @@ from .decompose import Decompose
 from .fuse import Fuse
 from .loop_ir import Kernel
 from .lower import LowerError, lower
+from .merge_gemms import MergeGemms
 from .runtime import NO_CC, compile_fusions, kernel_sources
 
 __all__ = [
@@ -65,16 +69,16 @@ def available() -> bool:
 @register_pass
 @dataclass
 class CinnFuse(Pass):
-    """``cinn-fuse``: pair attention forwards with their backwards (``attention-lse``), decompose,
-    CSE, DCE, then group into ``cinn.fusion`` ops (groups named after the composite op they came
-    from)."""
+    """``cinn-fuse``: pair attention forwards with their backwards (``attention-lse``), merge the
+    products of a shared input (``merge-gemms``), decompose, CSE, DCE, then group into
+    ``cinn.fusion`` ops (groups named after the composite op they came from)."""
 
     name = "cinn-fuse"
 
     def apply(self, program: Program) -> None:
         dec, fuse = Decompose(), Fuse()
         fuse.origins = dec.origins
-        PassManager([AttentionLse(), dec, "cse", "dce", fuse], verify=False).run(program)
+        PassManager([AttentionLse(), MergeGemms(), dec, "cse", "dce", fuse], verify=False).run(program)
         for op in program.walk():  # copies pulled into a group more than once: merge them, inside
             if op.name == "cinn.fusion":  # the group only (reusing outer values would unfuse them)
                 cse_block(op.regions[0].blocks[0], {})

@@ -5,7 +5,8 @@ What an op can do in a group comes from its op-table spec, never from a list of 
 - ``elementwise`` with a C template (``spec.c``): computed inline at any index (so is a
   generator such as ``arange``, whose template reads the output index);
 - ``reduce`` with a ``reducer``: one accumulator per row of the group's domain;
-- ``movement`` with an ``index_map`` (a view): index arithmetic, free to duplicate;
+- ``movement`` with an ``index_map`` (a view): index arithmetic, free to duplicate; a view of
+  several arrays (concat, stack) writes a new one, so one no group takes in heads its own;
 - ``contraction`` (matmul): stays with BLAS, but may head a group whose elementwise epilogue
   consumes its result once (the epilogue then runs in place on the product).
 
@@ -54,6 +55,12 @@ def role(op: Operation) -> str | None:
     if spec.kind == Kind.CONTRACTION and not spec.decompose:
         return "contraction"
     return None
+
+
+def _joins(op: Operation) -> bool:
+    """A view of several arrays (concat, stack): it writes a new array wherever it runs, so it heads
+    a group of its own (its operands' views read in place) rather than running as a numpy copy."""
+    return len(op.operands) > 1 and role(op) == "view"
 
 
 def reduced_axes(op: Operation) -> tuple[int, ...]:
@@ -181,7 +188,7 @@ class _Fuser:
                     and self.acyclic_with(home.ops, g)
                 ):
                     self.merge(home, g)
-            if home is None and r != "view":
+            if home is None and (r != "view" or _joins(op)):
                 x = op.operands[0] if r == "reduce" else op.results[0]
                 g = Group(_shape(x))
                 self.join(op, g, r)
@@ -347,7 +354,7 @@ class _Fuser:
         self.recompute()
         prio: dict[Operation, int] = dict(self.pos)
         for g in dict.fromkeys(self.group.values()):
-            if any(role(o) in ("ew", "reduce") for o in g.ops):
+            if any(role(o) in ("ew", "reduce") or _joins(o) for o in g.ops):
                 prio[self.materialize(g)] = max(self.pos[o] for o in g.ops)
         _toposort(self.block, prio)
 
@@ -355,7 +362,7 @@ class _Fuser:
         names = Counter(self.origins[o] for o in g.ops if o in self.origins)
         if names:
             return "+".join(n for n, _ in names.most_common(2))
-        prims = [o.opdef.spec.name for o in g.ops if role(o) in ("ew", "reduce", "contraction")]
+        prims = [o.opdef.spec.name for o in g.ops if role(o) in ("ew", "reduce", "contraction") or _joins(o)]
         return "_".join(list(dict.fromkeys(prims))[:3]) or "fusion"
 
     def witnesses(self, ops: list[Operation], inputs: list[Value]) -> list[Value]:

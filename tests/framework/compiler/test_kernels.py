@@ -104,6 +104,10 @@ def views(x, y):
     return O.concat([x, y], axis=-1) * 2.0, O.transpose(x, [1, 0]) + 1.0, x[:, 1:] - x[:, :-1]
 
 
+def joins(x, y):  # views of several arrays no group takes in: each a group (a kernel) of its own
+    return O.concat([O.transpose(x, [1, 0]), y], axis=-1), O.stack([x, O.transpose(y, [1, 0])])
+
+
 def activations(x):
     return O.gelu(x, approximate="tanh"), O.erf(x), O.silu(x) * x, O.tanh(x) - O.sigmoid(x)
 
@@ -137,6 +141,7 @@ CASES = [
     Case("broadcast", broadcast, [(["N", 1], F), ([1, "M"], F), (["M"], F)],
          floats(("N", 1), (1, "M"), ("M",)), MAT),
     Case("views", views, [(["N", "M"], F), (["N", 3], F)], floats(("N", "M"), ("N", 3)), MAT),
+    Case("joins", joins, [(["N", "M"], F), (["M", "N"], F)], floats(("N", "M"), ("M", "N")), MAT),
     Case("activations", activations, NM, floats(("N", "M"), scale=3.0), MAT),
     Case("ints_and_bools", ints_and_bools, [(["N", "M"], F), (["N", "M"], "int64")], ints_inputs, MAT),
 ]  # fmt: skip

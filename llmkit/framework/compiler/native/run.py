@@ -41,6 +41,7 @@ from ...ir import Operation
 from ...opspec import Kind, Meta, Native, OpError, OpSpec, Trait
 from .. import build
 from ..build import CPUS
+from . import products
 
 log = logging.getLogger("llmkit.native")
 
@@ -476,5 +477,11 @@ class Replays:
         return plan
 
 
-register_native(NativeOp.of, Replays)
+def kernel_of(op: Operation) -> Any:
+    """What a compiled program runs ``op`` with: its hand-written C kernel, or for a product of
+    matrices the row blocks of ``products.py``, or None (its reference kernel)."""
+    return NativeOp.of(op) or products.kernel_of(op)
+
+
+register_native(kernel_of, Replays)
 register_eager_native(eager_kernel)

@@ -1,0 +1,43 @@
+"""Compiled programs' products as row blocks on the kernels' threads (``native/products.py``): the
+values of a float64 product, forward and weight gradient; small products keep one BLAS call."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llmkit.framework as lf
+from llmkit.framework import jit
+from llmkit.framework.compiler.native import products
+from llmkit.framework.dispatch import O
+
+from .conftest import needs_cc
+
+pytestmark = [needs_cc, pytest.mark.skipif(products.CPUS < 2, reason="one kernel thread: BLAS as it is")]
+
+
+@pytest.mark.parametrize("rows", [300, 7])
+def test_products_run_in_row_blocks_with_the_float64_values(rows):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, 256)).astype(np.float32)
+    w = lf.Parameter(rng.standard_normal((200, 256)).astype(np.float32))
+
+    def step(x):
+        y = O.linear(x, w)
+        return y, lf.grad((y * y).sum(), [w])[0]
+
+    run = jit.to_static(step, input_spec=[jit.InputSpec(["N", 256])], compiler="cinn")
+    y, gw = run(lf.tensor(x))
+    x64, w64 = x.astype(np.float64), w.numpy().astype(np.float64)
+    np.testing.assert_allclose(y.numpy(), x64 @ w64.T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(gw.numpy(), 2 * (x64 @ w64.T).T @ x64, rtol=1e-5, atol=1e-2)
+    names = [s.name for s in run._last.executor.steps if s.name.startswith("llm.matmul")]
+    assert names == ["llm.matmul[rows]"] * 2  # the forward and the weight gradient
+    calls = []
+    real = products.matmul_rows
+    products.matmul_rows = lambda *a: calls.append(a) or real(*a)
+    try:
+        run(lf.tensor(x))
+    finally:
+        products.matmul_rows = real
+    assert len(calls) == (2 if rows == 300 else 0)  # 7 rows: too small a product, one BLAS call
