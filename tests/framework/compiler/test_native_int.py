@@ -126,6 +126,24 @@ def test_the_integer_product_is_exact(op, isa, bits, out, n_in, group, asym):
     assert np.array_equal(y.astype(np.int64), x.astype(np.int64) @ qz.T)
 
 
+@pytest.mark.parametrize("group", [32, 64, -1])
+def test_the_integer_product_is_exact_at_the_extremes(op, isa, group):
+    """Codes 15 against activations +-127 in long runs (the largest partial sums any path keeps in
+    narrow integers, as AVX2's int16 pair sums): the product is still the exact one."""
+    rng = np.random.default_rng(5)
+    _, w, _ = weights(rng, 4, 24, 256, group, False)
+    w[0][:] = 0xFF  # every code 15
+    w[0][3, :64] = 0x00  # a row of code 0 (15 - 8 against 0 - 8)
+    w[1][:] = 1.0
+    qz = np.where(np.arange(24)[:, None] == 3, np.where(np.arange(256) < 128, -8, 7), 7)
+    x = np.full((5, 256), 127.0, np.float32)
+    x[1] = -127.0
+    x[2, ::2] = -127.0
+    x[3, 100:] = -127.0
+    y = op(np, x, *w, bits=4, group_size=group, act_bits=8)
+    assert np.array_equal(y.astype(np.int64), x.astype(np.int64) @ qz.T)
+
+
 @pytest.mark.parametrize("bits,out,n_in,group,asym", CASES[:6])
 def test_the_reference_kernel_is_the_same_arithmetic(bits, out, n_in, group, asym):
     """The op's numpy kernel (eager mode, programs without a compiler) against the formula."""
