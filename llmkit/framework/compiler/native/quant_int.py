@@ -110,7 +110,7 @@ typedef struct {
   float *xd;
   int32_t *xs;
   uint8_t *pbuf;
-  int64_t M, K, N, G, g, gb, GW, XB, KX, RB, bits, isa, off, flip, pstride, mr, nt, packed;
+  int64_t M, K, N, G, g, gb, GW, XB, KX, RB, bits, isa, off, flip, pstride, mr, nt, packed, pc;
 } KERNEL_FN_ijob;
 
 /* the byte of column c (of a group) among the group's activation codes */
@@ -613,10 +613,9 @@ static int64_t KERNEL_FN_pick(int64_t want) {
   return want < 0 || want > best ? best : want;
 }
 
-/* one claim: panel c (outputs c * NR ..), packed into this worker's buffer, against every row of x,
-   mr rows at a time */
-static void KERNEL_FN_ipanel(void *arg, int64_t c, int64_t worker) {
-  const KERNEL_FN_ijob *j = (const KERNEL_FN_ijob *)arg;
+/* panel c (outputs c * NR ..), packed into this worker's buffer, against every row of x, mr rows at
+   a time */
+static void KERNEL_FN_ipanel(const KERNEL_FN_ijob *j, int64_t c, int64_t worker) {
   const int64_t n0 = c * KERNEL_FN_NR, nn = j->N - n0 < KERNEL_FN_NR ? j->N - n0 : KERNEL_FN_NR;
   uint8_t *pw = j->pbuf + worker * j->pstride;
   float *ps = (float *)(pw + j->G * j->GW * 4 * KERNEL_FN_NR); /* after the codes (unused when packed) */
@@ -648,6 +647,14 @@ static void KERNEL_FN_ipanel(void *arg, int64_t c, int64_t worker) {
   }
 }
 
+/* one claim: panels c * pc .. (c + 1) * pc - 1 (consecutive panels: one stream of memory a thread,
+   which the prefetchers follow better than every other panel) */
+static void KERNEL_FN_ipanels(void *arg, int64_t c, int64_t worker) {
+  const KERNEL_FN_ijob *j = (const KERNEL_FN_ijob *)arg;
+  const int64_t panels = (j->N + KERNEL_FN_NR - 1) / KERNEL_FN_NR, p1 = (c + 1) * j->pc;
+  for (int64_t p = c * j->pc; p < p1 && p < panels; p++) KERNEL_FN_ipanel(j, p, worker);
+}
+
 /* bufs: x [M, K], qweight ([N, K] int8 | [N, K / 2] uint8, or with `packed` its panels [ceil(N / NR),
    G * GW * 4 * NR] uint8), scales [N, G], zeros?, y [M, N], status; g: group columns */
 static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t bits, int64_t g,
@@ -659,7 +666,7 @@ static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t
                       has_z ? (const uint8_t *)bufs[3] : NULL, (float *)bufs[3 + has_z], NULL, NULL, NULL,
                       NULL,
                       M, K, N, G, g, gb, GW, XB, G * GW * XB, bits == 8 ? K : K / 2, bits, isa,
-                      0, 0, 0, isa == 3 ? 8 : 4, 1, packed};
+                      0, 0, 0, isa == 3 ? 8 : 4, 1, packed, 1};
   if (G == 0 || M == 0 || N == 0) {
     for (int64_t i = 0; i < M * N; i++) j.y[i] = 0.0f;
     return;
@@ -679,7 +686,8 @@ static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t
     status[0] = 3;
   } else {
     llmkit_par_for((M + 7) / 8, M * K < (1 << 15) ? 1 : nthreads, KERNEL_FN_quantize_rows, &j);
-    llmkit_par_for(panels, nt, KERNEL_FN_ipanel, &j);
+    j.pc = nt > 1 && panels > 4 * nt ? panels / (4 * nt) : 1; /* about 4 claims a thread */
+    llmkit_par_for((panels + j.pc - 1) / j.pc, nt, KERNEL_FN_ipanels, &j);
   }
   free(j.xq);
   free(j.xd);
