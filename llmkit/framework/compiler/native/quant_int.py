@@ -504,13 +504,15 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_mk2q4(
                                  _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*(const int32_t *)(x + 4)))); \
     }                                                                                                 \
   }
-      if (GW - t0 >= 4) {
+      if (mb <= 2 && GW - t0 >= 4) {
         KERNEL_FN_Q4STEP(t0)
         KERNEL_FN_Q4STEP(t0 + 1)
         KERNEL_FN_Q4STEP(t0 + 2)
         KERNEL_FN_Q4STEP(t0 + 3)
       } else {
-        for (int64_t t = t0; t < GW; t++) KERNEL_FN_Q4STEP(t)
+        const int64_t t1 = GW - t0 < 4 ? GW : t0 + 4;
+#pragma GCC unroll 1
+        for (int64_t t = t0; t < t1; t++) KERNEL_FN_Q4STEP(t)
       }
 #undef KERNEL_FN_Q4STEP
       for (int r = 0; r < mb; r++)
