@@ -92,7 +92,7 @@ def reference(x, qz, scales, col):
     return y, (groups + 12) * 2.0**-24 * bound
 
 
-@pytest.mark.parametrize("m", [1, 13, 33])
+@pytest.mark.parametrize("m", [1, 6, 13, 33])
 @pytest.mark.parametrize("bits,out,n_in,group,asym", CASES)
 def test_every_path_matches_float64_and_rows_are_independent_bitwise(
     op, isa, m, bits, out, n_in, group, asym
