@@ -364,12 +364,15 @@ KERNEL_FN_T2 static void KERNEL_FN_pack_256(const KERNEL_FN_ijob *j, int64_t n0,
   }
 }
 
-/* one row (decode) streams the weights from memory once: as a group's words are read, those 4 KiB
-   on are asked for (packed weights are one run of panels; past their end a prefetch is harmless) */
+/* one row (decode) streams the weights from memory once: as group gi's words are read, those 4 KiB
+   on are asked for (packed weights are one run of panels), and line gi of the scales two panels on
+   (a panel's scales are G lines) */
 static inline __attribute__((always_inline)) void KERNEL_FN_ahead(const KERNEL_FN_ijob *j, const uint8_t *w,
-                                                                 int64_t words) {
-  if (j->packed)
-    for (int64_t t = 0; t < words; t++) _mm_prefetch((const char *)(w + 4096 + t * 64), _MM_HINT_T0);
+                                                                 int64_t words, int64_t n0, int64_t gi) {
+  if (!j->packed) return;
+  for (int64_t t = 0; t < words; t++) _mm_prefetch((const char *)(w + 4096 + t * 64), _MM_HINT_T0);
+  if (n0 + 3 * KERNEL_FN_NR <= j->N)
+    _mm_prefetch((const char *)(j->s + (n0 + 2 * KERNEL_FN_NR) * j->G) + gi * 64, _MM_HINT_T0);
 }
 
 /* AVX-512 VNNI: rows m0 .. m0 + mb - 1 (mb a constant where inlined), one vector of 16 outputs */
@@ -398,7 +401,7 @@ KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_mk512(
       if (mb <= 2) c[r] = e[r] = _mm512_setzero_si512();
     }
     const uint8_t *w = pw + gi * j->GW * 64;
-    if (mb == 1) KERNEL_FN_ahead(j, w, j->GW);
+    if (mb == 1) KERNEL_FN_ahead(j, w, j->GW, n0, gi);
 #define KERNEL_FN_S512(t, A, B)                                                                       \
   do {                                                                                                \
     const __m512i w0 = _mm512_loadu_si512((const void *)(w + (t) * 64));                              \
@@ -499,7 +502,7 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_mk2q4(
                                             _mm256_set1_epi32(xs[r * G]))
                        : _mm256_set1_epi32(-(int32_t)j->off * xs[r * G]);
     const uint8_t *w = pw + gi * GW * 64;
-    if (mb == 1) KERNEL_FN_ahead(j, w, GW);
+    if (mb == 1) KERNEL_FN_ahead(j, w, GW, n0, gi);
     for (int64_t t0 = 0; t0 < GW; t0 += 4) {
       __m256i h[4][2];
       for (int r = 0; r < mb; r++) h[r][0] = h[r][1] = _mm256_setzero_si256();
@@ -560,7 +563,7 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_mk2q4(
                                               _mm256_set1_epi32(xs[r * j->G]))                        \
                          : _mm256_set1_epi32(-(int32_t)j->off * xs[r * j->G]);                        \
       const uint8_t *w = pw + gi * j->GW * 64;                                                        \
-      if (mb == 1) KERNEL_FN_ahead(j, w, j->GW);                                                      \
+      if (mb == 1) KERNEL_FN_ahead(j, w, j->GW, n0, gi);                                              \
       for (int64_t t = 0; t < j->GW; t++) {                                                           \
         for (int v = 0; v < 2; v++) {                                                                 \
           const __m256i wv =                                                                          \
