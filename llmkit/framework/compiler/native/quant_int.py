@@ -11,8 +11,12 @@ output's group with the row's codes (``idot``) and no lanes are ever summed acro
 then, groups in order, ``y = fma((float)idot, d * scale, y)``. That one sequence per (row, output)
 is what every path, block of rows and thread computes: the paths give the same bits, and a row's
 result never depends on the rows beside it (the engine's batch invariance). The kernel is blocked
-as a GEMM: a panel (in L1) against 8 rows at a time (AVX-512; 4 otherwise), both cores taking
-panels from the thread pool (``compiler/par.py``), so one kernel serves decode and prefill.
+as a GEMM: a panel (in L1) against 8 rows at a time (AVX-512; 4 otherwise), both cores taking runs
+of consecutive panels from the thread pool (``compiler/par.py``; a run is one stream of memory), so
+one kernel serves decode and prefill. A panel's scales are transposed into its lanes in registers
+(16 x 16 or 8 x 8 at a time; a strided scalar copy had cost more than the products). Decode (one
+row) reads every weight once from memory: as it reads a group it prefetches the codes 4 KiB on and
+a line of the scales two panels on.
 
 The dot products use the widest integer instructions the CPU has, chosen when the kernel runs
 (``__builtin_cpu_supports``), never from the build machine's ``-march``: AVX-512 VNNI
@@ -20,7 +24,9 @@ The dot products use the widest integer instructions the CPU has, chosen when th
 (``vpmaddubsw`` + ``vpmaddwd``), or portable C. ``vpdpbusd`` multiplies unsigned by signed bytes:
 4-bit codes are unsigned already (``idot = sum q x - zero * sum x``); 8-bit codes are made unsigned
 as they are read, ``q ^ 0x80 = q + 128`` (``idot = sum (q + 128) x - 128 * sum x``); the AVX2 path
-uses ``|q|`` and ``x * sign(q)`` instead (``vpmaddubsw`` saturates int16 otherwise). The correction
+uses ``|q|`` and ``x * sign(q)`` instead (``vpmaddubsw`` saturates int16 otherwise), and for 4 bits
+adds ``vpmaddubsw``'s pair sums in int16 over 4 words (|sum| <= 8 * 2 * 15 * 127 < 2^15: exact)
+before one ``vpmaddwd``. The correction
 (``- zero * sum x``, from the row's code sums) starts each group's accumulator, so ``idot`` is exact
 on every path.
 
