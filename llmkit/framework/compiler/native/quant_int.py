@@ -708,7 +708,7 @@ static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t
     status[0] = 3;
   } else {
     llmkit_par_for((M + 7) / 8, M * K < (1 << 15) ? 1 : nthreads, KERNEL_FN_quantize_rows, &j);
-    j.pc = nt > 1 && panels > 4 * nt ? panels / (4 * nt) : 1; /* about 4 claims a thread */
+    j.pc = nt > 1 && panels > 8 * nt ? panels / (8 * nt) : 1; /* about 8 claims a thread */
     llmkit_par_for((panels + j.pc - 1) / j.pc, nt, KERNEL_FN_ipanels, &j);
   }
   free(j.xq);
