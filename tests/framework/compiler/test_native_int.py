@@ -92,7 +92,7 @@ def reference(x, qz, scales, col):
     return y, (groups + 12) * 2.0**-24 * bound
 
 
-@pytest.mark.parametrize("m", [1, 13, 33])
+@pytest.mark.parametrize("m", [1, 6, 13, 33])
 @pytest.mark.parametrize("bits,out,n_in,group,asym", CASES)
 def test_every_path_matches_float64_and_rows_are_independent_bitwise(
     op, isa, m, bits, out, n_in, group, asym
@@ -123,6 +123,24 @@ def test_the_integer_product_is_exact(op, isa, bits, out, n_in, group, asym):
     for gi in range(col.max() + 1):
         x[:, np.flatnonzero(col == gi)[0]] = 127.0
     y = op(np, x, *w, bits=bits, group_size=group, act_bits=8)
+    assert np.array_equal(y.astype(np.int64), x.astype(np.int64) @ qz.T)
+
+
+@pytest.mark.parametrize("group", [32, 64, -1])
+def test_the_integer_product_is_exact_at_the_extremes(op, isa, group):
+    """Codes 15 against activations +-127 in long runs (the largest partial sums any path keeps in
+    narrow integers, as AVX2's int16 pair sums): the product is still the exact one."""
+    rng = np.random.default_rng(5)
+    _, w, _ = weights(rng, 4, 24, 256, group, False)
+    w[0][:] = 0xFF  # every code 15
+    w[0][3, :64] = 0x00  # a row of code 0 (15 - 8 against 0 - 8)
+    w[1][:] = 1.0
+    qz = np.where(np.arange(24)[:, None] == 3, np.where(np.arange(256) < 128, -8, 7), 7)
+    x = np.full((5, 256), 127.0, np.float32)
+    x[1] = -127.0
+    x[2, ::2] = -127.0
+    x[3, 100:] = -127.0
+    y = op(np, x, *w, bits=4, group_size=group, act_bits=8)
     assert np.array_equal(y.astype(np.int64), x.astype(np.int64) @ qz.T)
 
 

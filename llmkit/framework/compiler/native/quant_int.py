@@ -11,8 +11,12 @@ output's group with the row's codes (``idot``) and no lanes are ever summed acro
 then, groups in order, ``y = fma((float)idot, d * scale, y)``. That one sequence per (row, output)
 is what every path, block of rows and thread computes: the paths give the same bits, and a row's
 result never depends on the rows beside it (the engine's batch invariance). The kernel is blocked
-as a GEMM: a panel (in L1) against 8 rows at a time (AVX-512; 4 otherwise), both cores taking
-panels from the thread pool (``compiler/par.py``), so one kernel serves decode and prefill.
+as a GEMM: a panel (in L1) against 8 rows at a time (AVX-512; 4 otherwise), both cores taking runs
+of consecutive panels from the thread pool (``compiler/par.py``; a run is one stream of memory), so
+one kernel serves decode and prefill. A panel's scales are transposed into its lanes in registers
+(16 x 16 or 8 x 8 at a time; a strided scalar copy had cost more than the products). Decode (one
+row) reads every weight once from memory: as it reads a group it prefetches the codes 4 KiB on and
+a line of the scales two panels on.
 
 The dot products use the widest integer instructions the CPU has, chosen when the kernel runs
 (``__builtin_cpu_supports``), never from the build machine's ``-march``: AVX-512 VNNI
@@ -20,7 +24,9 @@ The dot products use the widest integer instructions the CPU has, chosen when th
 (``vpmaddubsw`` + ``vpmaddwd``), or portable C. ``vpdpbusd`` multiplies unsigned by signed bytes:
 4-bit codes are unsigned already (``idot = sum q x - zero * sum x``); 8-bit codes are made unsigned
 as they are read, ``q ^ 0x80 = q + 128`` (``idot = sum (q + 128) x - 128 * sum x``); the AVX2 path
-uses ``|q|`` and ``x * sign(q)`` instead (``vpmaddubsw`` saturates int16 otherwise). The correction
+uses ``|q|`` and ``x * sign(q)`` instead (``vpmaddubsw`` saturates int16 otherwise), and for 4 bits
+adds ``vpmaddubsw``'s pair sums in int16 over 4 words (|sum| <= 8 * 2 * 15 * 127 < 2^15: exact)
+before one ``vpmaddwd``. The correction
 (``- zero * sum x``, from the row's code sums) starts each group's accumulator, so ``idot`` is exact
 on every path.
 
@@ -110,7 +116,7 @@ typedef struct {
   float *xd;
   int32_t *xs;
   uint8_t *pbuf;
-  int64_t M, K, N, G, g, gb, GW, XB, KX, RB, bits, isa, off, flip, pstride, mr, nt, packed;
+  int64_t M, K, N, G, g, gb, GW, XB, KX, RB, bits, isa, off, flip, pstride, mr, nt, packed, pc;
 } KERNEL_FN_ijob;
 
 /* the byte of column c (of a group) among the group's activation codes */
@@ -123,8 +129,73 @@ static inline int64_t KERNEL_FN_width(const KERNEL_FN_ijob *j, int64_t gi) {
   return (k0 + j->g < j->K ? k0 + j->g : j->K) - k0;
 }
 
-/* rows c * 8 .. : per group d = max|x| / 127, codes rint(x / d) (float32, round half to even; d = 0:
-   codes 0), their sum */
+/* one group of w columns of a row at xm: d = max|x| / 127, codes rint(x / d) (float32, round half to
+   even; d = 0: codes 0) at their bytes of o, their sum */
+static void KERNEL_FN_quantize_c(const float *xm, int64_t w, int64_t bits, int8_t *o, float *d_out,
+                                 int32_t *sum_out) {
+  float amax = 0.0f;
+  for (int64_t t = 0; t < w; t++) amax = fmaxf(amax, fabsf(xm[t]));
+  const float d = amax / 127.0f;
+  int32_t sum = 0;
+  if (d > 0.0f)
+    for (int64_t t = 0; t < w; t++) {
+      float v = rintf(xm[t] / d);
+      v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+      const int8_t q = (int8_t)v;
+      sum += q;
+      o[KERNEL_FN_at(bits, t)] = q;
+    }
+  *d_out = d;
+  *sum_out = sum;
+}
+
+#ifdef KERNEL_FN_X86
+/* the same, 8 columns a step (a maximum, a correctly rounded quotient and its rounding are the
+   scalar ones lane by lane; the sum is exact): the same bytes */
+KERNEL_FN_T2 static void KERNEL_FN_quantize_avx2(const float *xm, int64_t w, int64_t bits, int8_t *o,
+                                                 float *d_out, int32_t *sum_out) {
+  const int64_t w8 = w / 8 * 8;
+  const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mv = _mm256_setzero_ps();
+  for (int64_t t = 0; t < w8; t += 8) /* max(|x|, m): a NaN |x| leaves m, as fmaxf does */
+    mv = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xm + t), absm), mv);
+  float m8[8], amax = 0.0f;
+  _mm256_storeu_ps(m8, mv);
+  for (int i = 0; i < 8; i++) amax = fmaxf(amax, m8[i]);
+  for (int64_t t = w8; t < w; t++) amax = fmaxf(amax, fabsf(xm[t]));
+  const float d = amax / 127.0f;
+  int32_t sum = 0;
+  if (d > 0.0f) {
+    const __m256 dv = _mm256_set1_ps(d), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    const __m256i order = bits == 8 ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+                                    : _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7); /* KERNEL_FN_at */
+    __m256i sv = _mm256_setzero_si256();
+    for (int64_t t = 0; t < w8; t += 8) {
+      __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xm + t), dv),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i q = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+      sv = _mm256_add_epi32(sv, q);
+      const __m256i p = _mm256_permutevar8x32_epi32(q, order);
+      const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+      _mm_storel_epi64((__m128i *)(o + t), _mm_packs_epi16(h, h));
+    }
+    int32_t s8[8];
+    _mm256_storeu_si256((__m256i *)s8, sv);
+    for (int i = 0; i < 8; i++) sum += s8[i];
+    for (int64_t t = w8; t < w; t++) {
+      float v = rintf(xm[t] / d);
+      v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+      const int8_t q = (int8_t)v;
+      sum += q;
+      o[KERNEL_FN_at(bits, t)] = q;
+    }
+  }
+  *d_out = d;
+  *sum_out = sum;
+}
+#endif
+
+/* rows c * 8 .. : every group of the row quantized (the vector path where the ISA allows) */
 static void KERNEL_FN_quantize_rows(void *arg, int64_t c, int64_t worker) {
   (void)worker;
   const KERNEL_FN_ijob *j = (const KERNEL_FN_ijob *)arg;
@@ -134,22 +205,14 @@ static void KERNEL_FN_quantize_rows(void *arg, int64_t c, int64_t worker) {
     int8_t *row = j->xq + m * j->KX;
     memset(row, 0, (size_t)j->KX);
     for (int64_t gi = 0; gi < j->G; gi++) {
-      const int64_t k0 = gi * j->g, w = KERNEL_FN_width(j, gi), i = m * j->G + gi;
-      float amax = 0.0f;
-      for (int64_t t = 0; t < w; t++) amax = fmaxf(amax, fabsf(xm[k0 + t]));
-      const float d = amax / 127.0f;
+      const int64_t i = m * j->G + gi;
+      const float *xg = xm + gi * j->g;
       int8_t *o = row + gi * j->GW * j->XB;
-      int32_t sum = 0;
-      if (d > 0.0f)
-        for (int64_t t = 0; t < w; t++) {
-          float v = rintf(xm[k0 + t] / d);
-          v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-          const int8_t q = (int8_t)v;
-          sum += q;
-          o[KERNEL_FN_at(j->bits, t)] = q;
-        }
-      j->xd[i] = d;
-      j->xs[i] = sum;
+#ifdef KERNEL_FN_X86
+      if (j->isa >= 1) KERNEL_FN_quantize_avx2(xg, KERNEL_FN_width(j, gi), j->bits, o, j->xd + i, j->xs + i);
+      else
+#endif
+        KERNEL_FN_quantize_c(xg, KERNEL_FN_width(j, gi), j->bits, o, j->xd + i, j->xs + i);
     }
   }
 }
@@ -243,6 +306,42 @@ KERNEL_FN_T5 static void KERNEL_FN_t16(const uint8_t *src, int64_t stride, int64
   }
 }
 
+/* KERNEL_FN_t16 on AVX2: dst[p * 64 + 4 * l ..] = dword p of row l (rows >= nn repeat the last),
+   8 rows x 8 dwords at a time (unpack 32, shuffle 64, then the 128-bit lanes), the last dw % 8 one
+   by one */
+KERNEL_FN_T2 static void KERNEL_FN_t8(const uint8_t *src, int64_t stride, int64_t nn, int64_t dw,
+                                      uint8_t *dst) {
+  for (int h = 0; h < 2; h++) {
+    const float *row[8];
+    for (int l = 0; l < 8; l++) {
+      const int64_t at = 8 * h + l < nn ? 8 * h + l : nn - 1;
+      row[l] = (const float *)(src + at * stride);
+    }
+    float *out = (float *)dst + 8 * h;
+    int64_t p = 0;
+    for (; p + 8 <= dw; p += 8) {
+      __m256 r[8], t[8], u[8];
+      for (int l = 0; l < 8; l++) r[l] = _mm256_loadu_ps(row[l] + p);
+      for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      for (int i = 0; i < 2; i++) { /* u[4i + c]: rows 4i .. 4i + 3 at dwords c and 4 + c */
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+      }
+      for (int c = 0; c < 4; c++) {
+        _mm256_storeu_ps(out + (p + c) * 16, _mm256_permute2f128_ps(u[c], u[4 + c], 0x20));
+        _mm256_storeu_ps(out + (p + 4 + c) * 16, _mm256_permute2f128_ps(u[c], u[4 + c], 0x31));
+      }
+    }
+    for (; p < dw; p++)
+      for (int l = 0; l < 8; l++) out[p * 16 + l] = row[l][p];
+  }
+}
+
 /* the panel's codes when every group's codes are whole dwords (the row's dword p is the panel's
    dword p); padding dwords of a short last group 0 */
 KERNEL_FN_T5 static void KERNEL_FN_pack_512(const KERNEL_FN_ijob *j, int64_t n0, int64_t nn, uint8_t *pw) {
@@ -271,6 +370,17 @@ KERNEL_FN_T2 static void KERNEL_FN_pack_256(const KERNEL_FN_ijob *j, int64_t n0,
   }
 }
 
+/* one row (decode) streams the weights from memory once: as group gi's words are read, those 4 KiB
+   on are asked for (packed weights are one run of panels), and line gi of the scales two panels on
+   (a panel's scales are G lines) */
+static inline __attribute__((always_inline)) void KERNEL_FN_ahead(const KERNEL_FN_ijob *j, const uint8_t *w,
+                                                                 int64_t words, int64_t n0, int64_t gi) {
+  if (!j->packed) return;
+  for (int64_t t = 0; t < words; t++) _mm_prefetch((const char *)(w + 4096 + t * 64), _MM_HINT_T0);
+  if (n0 + 3 * KERNEL_FN_NR <= j->N)
+    _mm_prefetch((const char *)(j->s + (n0 + 2 * KERNEL_FN_NR) * j->G) + gi * 64, _MM_HINT_T0);
+}
+
 /* AVX-512 VNNI: rows m0 .. m0 + mb - 1 (mb a constant where inlined), one vector of 16 outputs */
 KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_mk512(
     const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
@@ -297,6 +407,7 @@ KERNEL_FN_T5 static inline __attribute__((always_inline)) void KERNEL_FN_mk512(
       if (mb <= 2) c[r] = e[r] = _mm512_setzero_si512();
     }
     const uint8_t *w = pw + gi * j->GW * 64;
+    if (mb == 1) KERNEL_FN_ahead(j, w, j->GW, n0, gi);
 #define KERNEL_FN_S512(t, A, B)                                                                       \
   do {                                                                                                \
     const __m512i w0 = _mm512_loadu_si512((const void *)(w + (t) * 64));                              \
@@ -376,7 +487,72 @@ KERNEL_FN_T2 static inline __m256i KERNEL_FN_dot_avx2(__m256i acc, __m256i w, __
 #define KERNEL_FN_DOT_AVX2(acc, w, x, bits) KERNEL_FN_dot_avx2(acc, w, x, bits)
 #define KERNEL_FN_DOT_VNNI(acc, w, x, bits) _mm256_dpbusd_avx_epi32(acc, w, x)
 
-#define KERNEL_FN_MK256(NAME, TGT, DOT)                                                               \
+/* AVX2, 4 bits: vpmaddubsw's pair sums (|.| <= 2 * 15 * 127 = 3810) add up in int16 over 4 words of
+   a group (8 of them, |.| <= 30480 < 2^15: exact), then one vpmaddwd takes them to int32; the same
+   integer product as every path, in a fifth fewer instructions than a vpmaddwd per vpmaddubsw */
+KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_mk2q4(
+    const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
+    int64_t n0, int64_t nn, const int bits) {
+  (void)bits;
+  __m256 f[4][2];
+  for (int r = 0; r < mb; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
+  const __m256i lo4 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
+  const int64_t GW = j->GW, KX = j->KX, G = j->G;
+  for (int64_t gi = 0; gi < G; gi++) {
+    __m256i a[4][2];
+    const int8_t *xr = j->xq + m0 * KX + gi * GW * 8;
+    const int32_t *xs = j->xs + m0 * G + gi;
+    for (int r = 0; r < mb; r++)
+      for (int v = 0; v < 2; v++)
+        a[r][v] = j->z ? _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16 + 8 * v)),
+                                            _mm256_set1_epi32(xs[r * G]))
+                       : _mm256_set1_epi32(-(int32_t)j->off * xs[r * G]);
+    const uint8_t *w = pw + gi * GW * 64;
+    if (mb == 1) KERNEL_FN_ahead(j, w, GW, n0, gi);
+    for (int64_t t0 = 0; t0 < GW; t0 += 4) {
+      __m256i h[4][2];
+      for (int r = 0; r < mb; r++) h[r][0] = h[r][1] = _mm256_setzero_si256();
+#define KERNEL_FN_Q4STEP(t)                                                                           \
+  for (int v = 0; v < 2; v++) {                                                                       \
+    const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (t) * 64 + 32 * v));                  \
+    const __m256i lo = _mm256_and_si256(wv, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), lo4); \
+    for (int r = 0; r < mb; r++) {                                                                    \
+      const int8_t *x = xr + r * KX + 8 * (t);                                                        \
+      h[r][v] = _mm256_add_epi16(h[r][v], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*(const int32_t *)x))); \
+      h[r][v] = _mm256_add_epi16(h[r][v],                                                             \
+                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*(const int32_t *)(x + 4)))); \
+    }                                                                                                 \
+  }
+      if (mb <= 2 && GW - t0 >= 4) {
+        KERNEL_FN_Q4STEP(t0)
+        KERNEL_FN_Q4STEP(t0 + 1)
+        KERNEL_FN_Q4STEP(t0 + 2)
+        KERNEL_FN_Q4STEP(t0 + 3)
+      } else {
+        const int64_t t1 = GW - t0 < 4 ? GW : t0 + 4;
+#pragma GCC unroll 1
+        for (int64_t t = t0; t < t1; t++) KERNEL_FN_Q4STEP(t)
+      }
+#undef KERNEL_FN_Q4STEP
+      for (int r = 0; r < mb; r++)
+        for (int v = 0; v < 2; v++) a[r][v] = _mm256_add_epi32(a[r][v], _mm256_madd_epi16(h[r][v], one));
+    }
+    for (int v = 0; v < 2; v++) {
+      const __m256 sv = _mm256_loadu_ps(ps + gi * 16 + 8 * v);
+      for (int r = 0; r < mb; r++)
+        f[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][v]),
+                                  _mm256_mul_ps(_mm256_set1_ps(j->xd[(m0 + r) * G + gi]), sv), f[r][v]);
+    }
+  }
+  for (int r = 0; r < mb; r++) {
+    float o[16];
+    _mm256_storeu_ps(o, f[r][0]);
+    _mm256_storeu_ps(o + 8, f[r][1]);
+    memcpy(j->y + (m0 + r) * j->N + n0, o, (size_t)nn * sizeof(float));
+  }
+}
+
+#define KERNEL_FN_MK256(NAME, TGT, DOT, Q4)                                                             \
   TGT static inline __attribute__((always_inline)) void NAME##_mk(                                     \
       const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0,      \
       const int mb, int64_t n0, int64_t nn, const int bits) {                                          \
@@ -393,6 +569,7 @@ KERNEL_FN_T2 static inline __m256i KERNEL_FN_dot_avx2(__m256i acc, __m256i w, __
                                               _mm256_set1_epi32(xs[r * j->G]))                        \
                          : _mm256_set1_epi32(-(int32_t)j->off * xs[r * j->G]);                        \
       const uint8_t *w = pw + gi * j->GW * 64;                                                        \
+      if (mb == 1) KERNEL_FN_ahead(j, w, j->GW, n0, gi);                                              \
       for (int64_t t = 0; t < j->GW; t++) {                                                           \
         for (int v = 0; v < 2; v++) {                                                                 \
           const __m256i wv =                                                                          \
@@ -429,18 +606,18 @@ KERNEL_FN_T2 static inline __m256i KERNEL_FN_dot_avx2(__m256i acc, __m256i w, __
   TGT static void NAME(const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, \
                        int64_t m0, int64_t mb, int64_t n0, int64_t nn) {                              \
     switch (mb * 16 + j->bits) {                                                                      \
-      case 4 * 16 + 4: NAME##_mk(j, pw, ps, pz, m0, 4, n0, nn, 4); break;                             \
-      case 3 * 16 + 4: NAME##_mk(j, pw, ps, pz, m0, 3, n0, nn, 4); break;                             \
-      case 2 * 16 + 4: NAME##_mk(j, pw, ps, pz, m0, 2, n0, nn, 4); break;                             \
-      case 1 * 16 + 4: NAME##_mk(j, pw, ps, pz, m0, 1, n0, nn, 4); break;                             \
+      case 4 * 16 + 4: Q4(j, pw, ps, pz, m0, 4, n0, nn, 4); break;                                   \
+      case 3 * 16 + 4: Q4(j, pw, ps, pz, m0, 3, n0, nn, 4); break;                                   \
+      case 2 * 16 + 4: Q4(j, pw, ps, pz, m0, 2, n0, nn, 4); break;                                   \
+      case 1 * 16 + 4: Q4(j, pw, ps, pz, m0, 1, n0, nn, 4); break;                                   \
       case 4 * 16 + 8: NAME##_mk(j, pw, ps, pz, m0, 4, n0, nn, 8); break;                             \
       case 3 * 16 + 8: NAME##_mk(j, pw, ps, pz, m0, 3, n0, nn, 8); break;                             \
       case 2 * 16 + 8: NAME##_mk(j, pw, ps, pz, m0, 2, n0, nn, 8); break;                             \
       default: NAME##_mk(j, pw, ps, pz, m0, 1, n0, nn, 8); break;                                     \
     }                                                                                                 \
   }
-KERNEL_FN_MK256(KERNEL_FN_panel_avx2, KERNEL_FN_T2, KERNEL_FN_DOT_AVX2)
-KERNEL_FN_MK256(KERNEL_FN_panel_avxvnni, KERNEL_FN_TV, KERNEL_FN_DOT_VNNI)
+KERNEL_FN_MK256(KERNEL_FN_panel_avx2, KERNEL_FN_T2, KERNEL_FN_DOT_AVX2, KERNEL_FN_mk2q4)
+KERNEL_FN_MK256(KERNEL_FN_panel_avxvnni, KERNEL_FN_TV, KERNEL_FN_DOT_VNNI, KERNEL_FN_panel_avxvnni_mk)
 #endif
 
 /* the best path this CPU has, at most `want` (-1: no limit) */
@@ -458,10 +635,9 @@ static int64_t KERNEL_FN_pick(int64_t want) {
   return want < 0 || want > best ? best : want;
 }
 
-/* one claim: panel c (outputs c * NR ..), packed into this worker's buffer, against every row of x,
-   mr rows at a time */
-static void KERNEL_FN_ipanel(void *arg, int64_t c, int64_t worker) {
-  const KERNEL_FN_ijob *j = (const KERNEL_FN_ijob *)arg;
+/* panel c (outputs c * NR ..), packed into this worker's buffer, against every row of x, mr rows at
+   a time */
+static void KERNEL_FN_ipanel(const KERNEL_FN_ijob *j, int64_t c, int64_t worker) {
   const int64_t n0 = c * KERNEL_FN_NR, nn = j->N - n0 < KERNEL_FN_NR ? j->N - n0 : KERNEL_FN_NR;
   uint8_t *pw = j->pbuf + worker * j->pstride;
   float *ps = (float *)(pw + j->G * j->GW * 4 * KERNEL_FN_NR); /* after the codes (unused when packed) */
@@ -476,6 +652,8 @@ static void KERNEL_FN_ipanel(void *arg, int64_t c, int64_t worker) {
 #ifdef KERNEL_FN_X86
   if (j->isa == 3 && !j->z) /* the scales: 16 rows of G dwords, transposed as the codes are */
     KERNEL_FN_t16((const uint8_t *)(j->s + n0 * j->G), j->G * 4, nn, j->G, (uint8_t *)ps);
+  else if (j->isa >= 1 && !j->z)
+    KERNEL_FN_t8((const uint8_t *)(j->s + n0 * j->G), j->G * 4, nn, j->G, (uint8_t *)ps);
   else
 #endif
     KERNEL_FN_pack_meta(j, n0, nn, ps, pz);
@@ -491,6 +669,14 @@ static void KERNEL_FN_ipanel(void *arg, int64_t c, int64_t worker) {
   }
 }
 
+/* one claim: panels c * pc .. (c + 1) * pc - 1 (consecutive panels: one stream of memory a thread,
+   which the prefetchers follow better than every other panel) */
+static void KERNEL_FN_ipanels(void *arg, int64_t c, int64_t worker) {
+  const KERNEL_FN_ijob *j = (const KERNEL_FN_ijob *)arg;
+  const int64_t panels = (j->N + KERNEL_FN_NR - 1) / KERNEL_FN_NR, p1 = (c + 1) * j->pc;
+  for (int64_t p = c * j->pc; p < p1 && p < panels; p++) KERNEL_FN_ipanel(j, p, worker);
+}
+
 /* bufs: x [M, K], qweight ([N, K] int8 | [N, K / 2] uint8, or with `packed` its panels [ceil(N / NR),
    G * GW * 4 * NR] uint8), scales [N, G], zeros?, y [M, N], status; g: group columns */
 static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t bits, int64_t g,
@@ -502,7 +688,7 @@ static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t
                       has_z ? (const uint8_t *)bufs[3] : NULL, (float *)bufs[3 + has_z], NULL, NULL, NULL,
                       NULL,
                       M, K, N, G, g, gb, GW, XB, G * GW * XB, bits == 8 ? K : K / 2, bits, isa,
-                      0, 0, 0, isa == 3 ? 8 : 4, 1, packed};
+                      0, 0, 0, isa == 3 ? 8 : 4, 1, packed, 1};
   if (G == 0 || M == 0 || N == 0) {
     for (int64_t i = 0; i < M * N; i++) j.y[i] = 0.0f;
     return;
@@ -522,7 +708,8 @@ static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t
     status[0] = 3;
   } else {
     llmkit_par_for((M + 7) / 8, M * K < (1 << 15) ? 1 : nthreads, KERNEL_FN_quantize_rows, &j);
-    llmkit_par_for(panels, nt, KERNEL_FN_ipanel, &j);
+    j.pc = nt > 1 && panels > 8 * nt ? panels / (8 * nt) : 1; /* about 8 claims a thread */
+    llmkit_par_for((panels + j.pc - 1) / j.pc, nt, KERNEL_FN_ipanels, &j);
   }
   free(j.xq);
   free(j.xd);
