@@ -188,8 +188,8 @@ class Engine:
         if not ids:
             raise ValueError("prompt: must not be empty")
         vocab = self.spec.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
             raise ValueError(f"prompt: token id {bad} is out of range for a vocabulary of {vocab}")
         if len(ids) + min(params.max_tokens, 1) > self.max_model_len:
             raise ValueError(

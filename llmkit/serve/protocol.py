@@ -216,28 +216,37 @@ def completion_logprobs_json(
     two tokens share keeps the likelier), and the chosen token. Written from columns (the prompt's
     as the score program's arrays), each number formatted once as ``json.dumps`` writes it: the echo
     response's bulk, where a dict per token to serialize cost most of a request's time."""
-    ids, lps, top_ids, top_lps = [], [], [], []
-    finite = True
+    ids: list[int] = []
+    lps: list[float] = []
+    top_ids: list[list[int]] = []
+    top_lps: list[list[float]] = []
+    same: list[bool] = []  # the most likely token is the chosen one, with the same number
+    finite, k = True, None
     if prompt is not None:
         ids, lps = list(prompt.ids), prompt.logprobs.tolist()
         top_ids, top_lps = prompt.top_ids.tolist(), prompt.top_logprobs.tolist()
         finite = bool(np.isfinite(prompt.logprobs).all() and np.isfinite(prompt.top_logprobs).all())
+        k = prompt.top_ids.shape[1]
+        if k:
+            best, best_lp = prompt.top_ids[:, 0], prompt.top_logprobs[:, 0]
+            same = ((best == np.asarray(ids[1:], np.int64)) & (best_lp == prompt.logprobs)).tolist()
     for c in tokens:
         ids.append(c.token_id)
         lps.append(c.logprob)
         top_ids.append([t for t, _ in c.top])
         top_lps.append([lp for _, lp in c.top])
+        same.append(bool(c.top) and c.top[0] == (c.token_id, c.logprob))
         finite = finite and all(map(math.isfinite, (c.logprob, *top_lps[-1])))
+        k = len(c.top) if k in (None, len(c.top)) else -1
     first = int(prompt is not None)  # positions before ``first`` have no logprob
-    flat = [v for row in top_lps for v in row]
     num = float.__repr__ if finite else json.dumps  # the same text for finite floats
     tj = [texts[t] for t in ids]
     chosen, lp_s = [j for j, _ in tj[first:]], list(map(num, lps))
-    if all(len(row) == 1 for row in top_ids):  # k = 1, lm-eval's request: no dict per position
-        top_j, top_s = [texts[row[0]][0] for row in top_ids], list(map(num, flat))
+    if k == 1:  # lm-eval's request: no dict per position
+        top_j = [texts[row[0]][0] for row in top_ids]
         tops = [
-            f"{{{j}:{v}}}" if j == c else f"{{{j}:{v},{c}:{w}}}"
-            for j, v, c, w in zip(top_j, top_s, chosen, lp_s)
+            f"{{{c}:{w}}}" if s else f"{{{j}:{num(row[0])}}}" if j == c else f"{{{j}:{num(row[0])},{c}:{w}}}"
+            for j, row, c, w, s in zip(top_j, top_lps, chosen, lp_s, same)
         ]
     else:
         tops = []
@@ -247,11 +256,11 @@ def completion_logprobs_json(
                 top.setdefault(texts[t][0], num(v))
             top.setdefault(c, w)
             tops.append("{" + ",".join([f"{k}:{v}" for k, v in top.items()]) + "}")
-    offsets = list(accumulate((n for _, n in tj), initial=offset))[:-1]
+    offsets = ",".join(map(str, accumulate([n for _, n in tj[:-1]], initial=offset))) if tj else ""
     nulls = ["null"] * first
     return (
         f'{{"tokens":[{",".join([j for j, _ in tj])}],"token_logprobs":[{",".join(nulls + lp_s)}],'
-        f'"top_logprobs":[{",".join(nulls + tops)}],"text_offset":{json.dumps(offsets)}}}'
+        f'"top_logprobs":[{",".join(nulls + tops)}],"text_offset":[{offsets}]}}'
     )
 
 

@@ -96,10 +96,13 @@ def load_engine(a: argparse.Namespace) -> Engine:
     engine = Engine.from_static(a.model, config)
     if a.served_model_name:
         engine.model_name = a.served_model_name
-    # Warm up: plan both programs and touch the pool before the first client waits for it.
+    # Warm up: plan the programs and touch the pool before the first client waits for it (the
+    # score program too: the first echo request would otherwise load and plan it, most of a second)
     engine.generate(
         [[engine.tokenizer.bos_id]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     )
+    if engine.runner.can_score:
+        engine.generate([[engine.tokenizer.bos_id] * 2], SamplingParams(max_tokens=0, prompt_logprobs=0))
     engine.reset_prefix_cache()
     return engine
 

@@ -327,7 +327,8 @@ class Serving:
     @staticmethod
     def _split_prompts(prompt: Any) -> list[str | list[int]]:
         """A request's prompts: one string or id list, or a list of them."""
-        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        # (a validated Prompt: a list holds one kind of item, so its first says which)
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompts = [prompt]
         else:
             prompts = list(prompt)
@@ -342,8 +343,8 @@ class Serving:
             ids = self.engine.encode(p)  # the BOS rule: docs/serve.md
             if not ids:
                 raise APIError(400, "prompt must not be empty", param="prompt")
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
+            if min(ids) < 0 or max(ids) >= vocab:
+                bad = next(t for t in ids if not 0 <= t < vocab)
                 raise APIError(
                     400, f"prompt: token id {bad} is out of range (vocabulary of {vocab})", param="prompt"
                 )

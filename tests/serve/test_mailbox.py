@@ -184,7 +184,9 @@ def test_completion_logprobs_json_is_the_dict_per_token_answer(k):
     top_ids = rng.integers(0, 16, (n - 1, k))
     top_lps = -np.sort(-rng.normal(-3, 2, (n - 1, k)), axis=1)
     if k:
-        top_ids[::7, 0] = ids[1::7]  # sometimes the chosen token is the most likely
+        top_ids[::7, 0] = ids[1::7]  # sometimes the chosen token is the most likely ...
+        top_ids[::5, 0] = ids[1::5]  # ... and, as the score program gives it, with its own logprob
+        top_lps[::5, 0] = lps[::5]
     gen = [
         TokenChoice(int(t), float(v), [(int(a), float(b)) for a, b in zip(ti, tv)])
         for t, v, ti, tv in zip(rng.integers(0, 16, g), rng.normal(-2, 1, g), top_ids[:g], top_lps[:g])
