@@ -20,6 +20,12 @@ MKL otherwise takes slow generic paths on AMD) and glibc's malloc thresholds rai
 raises them for the whole process before any step is timed). ``--torch-tuned`` then also times
 each alone, in a process of its own, ours and PyTorch alternated ``--rounds`` times so that both
 see the same stretches of this drifting machine (``..._own_process``, medians).
+``--paddle`` also times PaddlePaddle on the same model, optimizer, batches and thread count
+(``paddle_llama.py``, dygraph and ``paddle.jit.to_static``) in a Python of its own
+(``--paddle-python``, default ``/work/venv-paddle/bin/python``; missing: one ``paddle_peer_missing``
+line), ours and Paddle's steps in ``--rounds`` alternated blocks; MKL, Paddle's CPU BLAS, gets the
+same Intel-CPU shim (``--paddle-as-shipped``: not). Its warm-up losses (first ~ ln(vocab), then
+falling) come as a sanity check; ratios ``eager_over_paddle_dygraph``, ``static_*_over_paddle_to_static``.
 
 ``--profile``: every op's kernel timed (``dispatch.profiling``; compiled steps then run op by op,
 not replayed) and sorted into parts: ``matmul`` (BLAS; its GFLOP/s against a 2048-wide float32
@@ -296,6 +302,7 @@ def paddle_peer(a: argparse.Namespace, llama: LlamaConfig, lr: float, batches) -
         "s",
         paddle=r["paddle"],
         threads=r["threads"],
+        cpu_per_wall=round(r["cpu_per_wall"], 2),
         mkl_intel_path=not a.paddle_as_shipped,
         first_step_s={k: round(v, 2) for k, v in r["first_step_s"].items()},
     )
