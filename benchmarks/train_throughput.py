@@ -222,7 +222,13 @@ class PaddlePeer:
         spec_path = os.path.join(self.dir, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        env = os.environ if as_shipped else mkl_shim_env()
+        if as_shipped:  # without the shim, also where --torch-tuned preloaded it into this process
+            kept = [
+                x for x in os.environ.get("LD_PRELOAD", "").split(":") if x and "llmkit_mkl_shim" not in x
+            ]
+            env = dict(os.environ, LD_PRELOAD=":".join(kept))
+        else:
+            env = mkl_shim_env()
         n = str(threads)  # Paddle itself defaults to one thread (FLAGS_paddle_num_threads=1)
         env = dict(
             env, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, FLAGS_paddle_num_threads=n, GLOG_minloglevel="2"
@@ -543,6 +549,8 @@ def main() -> None:
     if a.alone:
         alone(a)
         return
+    if a.paddle and (a.device != "cpu" or a.profile):
+        p.error("--paddle times the CPU step (Paddle's CPU wheel): not with --device gpu or --profile")
     if a.torch_tuned:
         preload_mkl_shim()
         a.torch = True
