@@ -20,6 +20,12 @@ MKL otherwise takes slow generic paths on AMD) and glibc's malloc thresholds rai
 raises them for the whole process before any step is timed). ``--torch-tuned`` then also times
 each alone, in a process of its own, ours and PyTorch alternated ``--rounds`` times so that both
 see the same stretches of this drifting machine (``..._own_process``, medians).
+``--paddle`` also times PaddlePaddle on the same model, optimizer, batches and thread count
+(``paddle_llama.py``, dygraph and ``paddle.jit.to_static``) in a Python of its own
+(``--paddle-python``, default ``/work/venv-paddle/bin/python``; missing: one ``paddle_peer_missing``
+line), ours and Paddle's steps in ``--rounds`` alternated blocks; MKL, Paddle's CPU BLAS, gets the
+same Intel-CPU shim (``--paddle-as-shipped``: not). Its warm-up losses (first ~ ln(vocab), then
+falling) come as a sanity check; ratios ``eager_over_paddle_dygraph``, ``static_*_over_paddle_to_static``.
 
 ``--profile``: every op's kernel timed (``dispatch.profiling``; compiled steps then run op by op,
 not replayed) and sorted into parts: ``matmul`` (BLAS; its GFLOP/s against a 2048-wide float32
@@ -45,6 +51,8 @@ import llmkit  # noqa: F401
 
 # isort: on
 import argparse
+import itertools
+import json
 import os
 import subprocess
 import sys
@@ -169,18 +177,142 @@ def torch_step_fn(
 _MKL_SHIM = "int mkl_serv_intel_cpu_true(void) { return 1; }\n"
 
 
-def preload_mkl_shim() -> None:
-    """Re-execute this script with MKL's Intel-CPU check answered yes (LD_PRELOAD must be set before
-    the process starts); returns only when that is already the case."""
-    if "llmkit_mkl_shim" in os.environ.get("LD_PRELOAD", ""):
-        return
+def mkl_shim_env() -> dict[str, str]:
+    """This process's environment with MKL's Intel-CPU check answered yes: the shim built with the C
+    compiler and preloaded (LD_PRELOAD, read when a process starts)."""
     out = os.path.join(tempfile.mkdtemp(prefix="llmkit_mkl_shim"), "llmkit_mkl_shim.so")
     src = out[:-3] + ".c"
     with open(src, "w") as f:
         f.write(_MKL_SHIM)
     subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", out, src], check=True)
-    env = dict(os.environ, LD_PRELOAD=":".join(filter(None, [out, os.environ.get("LD_PRELOAD")])))
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    return dict(os.environ, LD_PRELOAD=":".join(filter(None, [out, os.environ.get("LD_PRELOAD")])))
+
+
+def preload_mkl_shim() -> None:
+    """Re-execute this script with the MKL shim preloaded; returns only when that is already the case."""
+    if "llmkit_mkl_shim" in os.environ.get("LD_PRELOAD", ""):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], mkl_shim_env())
+
+
+PADDLE_PYTHON = "/work/venv-paddle/bin/python"
+
+
+class PaddlePeer:
+    """``benchmarks/paddle_llama.py`` in ``python`` (a Python with paddle installed), the same model,
+    optimizer, batches and thread count as ours: built and warmed up on start, then
+    ``run(i, j)`` -> seconds per step of batches i..j-1 for ``paddle_dygraph`` and
+    ``paddle_to_static``. MKL (Paddle's CPU BLAS) gets the Intel-CPU shim unless ``as_shipped``."""
+
+    def __init__(
+        self,
+        python: str,
+        llama: LlamaConfig,
+        adamw: dict,
+        batches,
+        warmup: int,
+        threads: int,
+        as_shipped: bool,
+    ) -> None:
+        self.dir = tempfile.mkdtemp(prefix="llmkit_paddle_peer")
+        data = os.path.join(self.dir, "batches.npz")
+        np.savez(data, x=np.stack([x for x, _ in batches]), y=np.stack([y for _, y in batches]))
+        model = {**llama.to_dict(), "rope_inv_freq": llama.rope_inv_freq().tolist()}
+        spec = {"model": model, "optim": {**adamw, "clip": 1.0}, "warmup": warmup, "batches": data}
+        spec_path = os.path.join(self.dir, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        if as_shipped:  # without the shim, also where --torch-tuned preloaded it into this process
+            kept = [
+                x for x in os.environ.get("LD_PRELOAD", "").split(":") if x and "llmkit_mkl_shim" not in x
+            ]
+            env = dict(os.environ, LD_PRELOAD=":".join(kept))
+        else:
+            env = mkl_shim_env()
+        n = str(threads)  # Paddle itself defaults to one thread (FLAGS_paddle_num_threads=1)
+        env = dict(
+            env, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, FLAGS_paddle_num_threads=n, GLOG_minloglevel="2"
+        )
+        env.pop("PYTHONPATH", None)
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paddle_llama.py")
+        self.log = open(os.path.join(self.dir, "stderr.log"), "w+")  # noqa: SIM115 (the peer's lifetime)
+        self.proc = subprocess.Popen(
+            [python, script, spec_path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
+        self.ready = self._answer()
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:  # Paddle prints banners of its own: the answer is the JSON line
+            if line.startswith("{"):
+                return json.loads(line)
+        self.log.seek(0)
+        tail = self.log.read()[-2000:]
+        raise RuntimeError(f"the Paddle peer ({self.proc.args[0]}) stopped without answering:\n{tail}")
+
+    def run(self, i: int, j: int) -> dict[str, list[float]]:
+        self.proc.stdin.write(json.dumps({"run": [i, j]}) + "\n")
+        self.proc.stdin.flush()
+        return {f"paddle_{k}": v for k, v in self._answer().items()}
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+        self.log.close()
+
+
+def paddle_peer(a: argparse.Namespace, llama: LlamaConfig, lr: float, batches) -> PaddlePeer | None:
+    """The Paddle peer started, or None (with one JSON line saying so) when its Python is missing."""
+    import inspect
+
+    from llmkit.framework.compiler.build import CPUS
+
+    python = a.paddle_python or PADDLE_PYTHON
+    if not os.path.isfile(python):
+        emit(
+            "train_throughput",
+            "paddle_peer_missing",
+            0.0,
+            "",
+            python=python,
+            note="no Paddle peer: install paddlepaddle into a venv, pass its python as --paddle-python",
+        )
+        return None
+    # our steps' AdamW: the lr given, the rest its defaults
+    defaults = {k: v.default for k, v in inspect.signature(optim.AdamW).parameters.items() if k != "params"}
+    adamw = {**defaults, "lr": lr, "betas": list(defaults["betas"])}
+    t0 = time.perf_counter()
+    peer = PaddlePeer(python, llama, adamw, batches, a.warmup, CPUS, a.paddle_as_shipped)
+    r = peer.ready
+    dy, st = r["losses"]["dygraph"], r["losses"]["to_static"]
+    emit(
+        "train_throughput",
+        "paddle_first_loss",
+        dy[0],
+        "nats",
+        ln_vocab=round(r["ln_vocab"], 4),
+        dygraph_losses=[round(v, 4) for v in dy],
+        to_static_losses=[round(v, 4) for v in st],
+        decreasing=all(later < earlier for ls in (dy, st) for earlier, later in itertools.pairwise(ls)),
+        dygraph_to_static_max_diff=max(abs(b - c) for b, c in zip(dy, st)),
+        note="warm-up steps, all on batch 0: the first ~ ln(vocab), then falling",
+    )
+    emit(
+        "train_throughput",
+        "paddle_start_s",
+        time.perf_counter() - t0,
+        "s",
+        paddle=r["paddle"],
+        threads=r["threads"],
+        cpu_per_wall=round(r["cpu_per_wall"], 2),
+        mkl_intel_path=not a.paddle_as_shipped,
+        first_step_s={k: round(v, 2) for k, v in r["first_step_s"].items()},
+    )
+    return peer
 
 
 def alone(a: argparse.Namespace) -> None:
@@ -348,19 +480,31 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def measure_interleaved(steps: dict, batches, warmup: int) -> dict[str, float]:
-    """Median seconds per step of each variant, their steps interleaved batch by batch, so that
-    every variant sees the same machine (this shared 2-core VM drifts by 10-30% between minutes)."""
+def measure_interleaved(
+    steps: dict, batches, warmup: int, peer: PaddlePeer | None = None, rounds: int = 1
+) -> dict[str, list[list[float]]]:
+    """Seconds per step of each variant, per round, their steps interleaved batch by batch, so that
+    every variant sees the same machine (this shared 2-core VM drifts by 10-30% between minutes).
+    With a peer in another process, each round's batches run here and then there (after a pause in
+    which the idle side's spinning threads go to sleep): ``rounds`` alternated blocks."""
     for x, y in batches[:warmup]:
         for step in steps.values():
             step(x, y)
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for x, y in batches[warmup:]:
-        for name, step in steps.items():
-            t = time.perf_counter()
-            step(x, y)
-            times[name].append(time.perf_counter() - t)
-    return {name: float(np.median(ts)) for name, ts in times.items()}
+    times: dict[str, list[list[float]]] = {name: [] for name in steps}
+    for block in np.array_split(np.arange(warmup, len(batches)), rounds if peer else 1):
+        for name in steps:
+            times[name].append([])
+        for k in block:
+            for name, step in steps.items():
+                t = time.perf_counter()
+                step(*batches[k])
+                times[name][-1].append(time.perf_counter() - t)
+        if peer is not None:
+            time.sleep(0.5)
+            for name, ts in peer.run(int(block[0]), int(block[-1]) + 1).items():
+                times.setdefault(name, []).append(ts)
+            time.sleep(0.5)
+    return times
 
 
 def peak_memory(step, batch) -> float:
@@ -386,7 +530,15 @@ def main() -> None:
     p.add_argument("--torch-model", default="transformers", choices=["transformers", "small"])
     p.add_argument("--torch-compile", action="store_true", help="--torch, also under torch.compile")
     p.add_argument("--torch-tuned", action="store_true", help="--torch, with MKL's vendor check patched")
-    p.add_argument("--rounds", type=int, default=3, help="--torch-tuned: alternated own-process runs")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="alternated own-process runs (--torch-tuned) or blocks (--paddle)",
+    )
+    p.add_argument("--paddle", action="store_true", help="also time the Paddle peer (paddle_llama.py)")
+    p.add_argument("--paddle-python", help=f"a Python with paddle installed (default {PADDLE_PYTHON})")
+    p.add_argument("--paddle-as-shipped", action="store_true", help="--paddle: MKL without the Intel shim")
     p.add_argument("--eager-reference", action="store_true", help="also eager on the reference kernels")
     p.add_argument("--profile", action="store_true", help="a breakdown of each mode's step, per part")
     p.add_argument(
@@ -397,6 +549,8 @@ def main() -> None:
     if a.alone:
         alone(a)
         return
+    if a.paddle and (a.device != "cpu" or a.profile):
+        p.error("--paddle times the CPU step (Paddle's CPU wheel): not with --device gpu or --profile")
     if a.torch_tuned:
         preload_mkl_shim()
         a.torch = True
@@ -455,7 +609,11 @@ def main() -> None:
         step = steps["torch_compiled"] = torch_step_fn(llama, cfg.optim.lr, a.device, a.torch_model, True)
         step(*batches[0])  # dynamo + inductor compile the forward and backward
         emit("train_throughput", "torch_compiled_first_step_s", time.perf_counter() - t0, "s")
-    medians = measure_interleaved(steps, batches, a.warmup)
+    peer = paddle_peer(a, llama, cfg.optim.lr, batches) if a.paddle else None
+    times = measure_interleaved(steps, batches, a.warmup, peer, a.rounds)
+    if peer is not None:
+        peer.close()
+    medians = {name: float(np.median(np.concatenate(ts))) for name, ts in times.items()}
     tps = {name: b * s / sec for name, sec in medians.items()}
     for name, sec in medians.items():
         emit(
@@ -532,6 +690,20 @@ def main() -> None:
         )
     if a.torch and name != "eager":
         emit("train_throughput", f"eager_over_{torch_name}_same_run", tps["eager"] / tps[torch_name], "x")
+    if peer is not None:
+        per_round = {k: [b * s / float(np.median(r)) for r in ts] for k, ts in times.items()}
+        pairs = [("eager", "paddle_dygraph")] + [
+            (k, "paddle_to_static") for k in steps if k.startswith("static")
+        ]
+        for ours, theirs in pairs:
+            emit_paired_ratio(
+                "train_throughput",
+                f"{ours}_over_{theirs}_same_run",
+                per_round[ours],
+                per_round[theirs],
+                **({"target": 1.0} if ours == "eager" else {}),
+                note=f"Paddle in its own process, {len(times[ours])} alternated blocks of steps",
+            )
     if a.torch_compile:
         emit(
             "train_throughput",
