@@ -198,6 +198,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--slot-ctx", type=int, default=128, help="llama-server's KV tokens per slot")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--act-bits", type=int, default=0, choices=[0, 8], help="llmkit's activations (8: int8)")
     p.add_argument("--llmkit-args", default="", help="more flags for llmkit serve")
     p.add_argument("--llama-server-args", default="", help="more flags for llama-server")
     p.add_argument("--work", default="/tmp/llmkit_vs_llamacpp", help="where the model files are kept")
@@ -207,9 +208,10 @@ def main() -> None:
     if a.llama_server and not os.access(a.llama_server, os.X_OK):
         p.error(f"--llama-server {a.llama_server}: not an executable file")
     set_threads(a.threads)
-    info = dict(threads=a.threads, prompt_len=a.prompt_len, new_tokens=a.new_tokens, **machine())
+    info = dict(threads=a.threads, act_bits=a.act_bits, prompt_len=a.prompt_len, new_tokens=a.new_tokens)
+    info.update(machine())
     emit("vs_llamaserver", "load_average_1min", load_average(), "load", llama_server=a.llama_server, **info)
-    files = build_files(Path(a.work), a.variants, 0)
+    files = build_files(Path(a.work), a.variants, a.act_bits)
     with tempfile.TemporaryDirectory() as logs:
         servers = start_servers(files, a, Path(logs))
         try:
