@@ -56,30 +56,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(model_file: Path, port: int, max_batch: int) -> tuple[subprocess.Popen, float]:
-    """The server process and its cold start: spawn -> first answered completion, in seconds."""
+def start(
+    model_file: Path, port: int, max_batch: int, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, float]:
+    """``llmkit serve`` (``extra``: more of its flags) and its cold start in seconds."""
+    cmd = [sys.executable, "-m", "llmkit.cli", "serve", str(model_file), "--port", str(port)]
+    return launch([*cmd, "--max-batch", str(max_batch), "--max-queue", "1024", *extra], port, "bench")
+
+
+def launch(cmd: list[str], port: int, model: str, log: Path | None = None) -> tuple[subprocess.Popen, float]:
+    """A server process (stderr into ``log``, else a pipe: a quiet server's) and its cold start:
+    spawn -> first answered completion of ``model``, in seconds."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "llmkit.cli",
-            "serve",
-            str(model_file),
-            "--port",
-            str(port),
-            "--max-batch",
-            str(max_batch),
-            "--max-queue",
-            "1024",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    body = {"model": "bench", "prompt": [1, 2, 3], "max_tokens": 1}
+    err = subprocess.PIPE if log is None else open(log, "wb")  # noqa: SIM115 (the process holds it)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+    body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 1}
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()}")
+            text = proc.stderr.read() if log is None else Path(log).read_bytes()[-4000:]
+            raise RuntimeError(f"server exited: {text.decode(errors='replace')}")
         try:
             if httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=5).status_code == 200:
                 return proc, time.perf_counter() - t0

@@ -62,6 +62,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ("llmkit.tokenizer", "TokenizerError"),
         ("llmkit.framework.jit", "FormatError"),
         ("llmkit.serve.export", "ExportError"),
+        ("llmkit.infer.engine", "EngineConfigError"),
         ("llmkit.quant.format", "QuantError"),
         ("llmkit.quant.evaluate", "EvalError"),
     ]:

@@ -37,11 +37,23 @@ from llmkit.tokenizer import Tokenizer, TokenizerError
 from .blocks import BlockManager
 from .chat import ChatTemplate, ChatTemplateError
 from .detokenize import Detokenizer
-from .programs import BLOCK_SIZE, DECODE_TILE, PREFILL_TILE, ModelSpec, runs_native, unpack_panel_weights
+from .programs import (
+    BLOCK_SIZE,
+    DECODE_TILE,
+    PREFILL_TILE,
+    ModelSpec,
+    model_spec,
+    runs_native,
+    unpack_panel_weights,
+)
 from .request import Completion, FinishReason, Request, RequestOutput
 from .runner import DecodeBatch, ModelRunner, PrefillBatch
 from .sampling import Sampler, SamplingParams, merge_stop_ids
 from .scheduler import Scheduler
+
+
+class EngineConfigError(ValueError):
+    """An EngineConfig that cannot work with the model (the CLI reports it in one line)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,7 @@ class EngineConfig:
     max_batch: int = 8  # requests running at once (decode batch size)
     max_tokens_per_step: int = 256  # decode tokens + prompt tokens per step
     num_blocks: int | None = None  # KV blocks in the pool; default: max_batch full-context sequences
+    kv_memory_bytes: int | None = None  # or: as many KV blocks as fit in these bytes (not both)
     block_size: int = BLOCK_SIZE  # tokens per KV block (= prefill chunk)
     prefill_tile: int = PREFILL_TILE  # rows per BLAS call in prefill (batch invariance); 0 = plain linear
     decode_tile: int = DECODE_TILE  # rows per BLAS call in decode; 0 = plain linear
@@ -105,10 +118,21 @@ class Engine:
 
     # ---- construction -------------------------------------------------------------------------
     @staticmethod
-    def _num_blocks(config: EngineConfig, max_len: int, block_size: int) -> int:
+    def _num_blocks(config: EngineConfig, max_len: int, spec: ModelSpec) -> int:
+        """The pool's size (its cap: memory is committed as blocks are first used)."""
+        cap = config.kv_memory_bytes
+        if cap is None:
+            if config.num_blocks is not None:
+                return config.num_blocks
+            return config.max_batch * -(-max_len // spec.block_size)
         if config.num_blocks is not None:
-            return config.num_blocks
-        return config.max_batch * -(-max_len // block_size)
+            raise EngineConfigError("give the KV cache's size as num_blocks or kv_memory_bytes, not both")
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < spec.block_bytes:
+            raise EngineConfigError(
+                f"the KV cache memory (--kv-memory, kv_memory_bytes) must hold at least one KV block "
+                f"of this model ({spec.block_bytes} bytes), got {cap!r} bytes"
+            )
+        return cap // spec.block_bytes
 
     @classmethod
     def from_model(
@@ -125,7 +149,7 @@ class Engine:
         )
         runner = ModelRunner.from_model(
             model,
-            cls._num_blocks(config, max_len, config.block_size),
+            cls._num_blocks(config, max_len, model_spec(model, config.block_size)),
             config.block_size,
             config.prefill_tile,
             config.decode_tile,
@@ -147,7 +171,7 @@ class Engine:
             unpack_panel_weights(sm.programs.values())  # the reference kernels read [in, out]
         meta = sm.metadata
         max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
-        runner = ModelRunner.from_static(sm, cls._num_blocks(config, max_len, spec.block_size))
+        runner = ModelRunner.from_static(sm, cls._num_blocks(config, max_len, spec))
         return cls(
             runner,
             tokenizer,

@@ -85,6 +85,11 @@ class ModelSpec:
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block in the pool (keys and values of every layer)."""
+        return int(np.prod(self.pool_shape(1))) * np.dtype(B.dtype(self.dtype)).itemsize
+
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 

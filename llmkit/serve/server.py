@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import time
 
@@ -49,7 +50,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--num-blocks",
         type=int,
         default=None,
-        help="KV cache blocks (default: max-batch sequences of the full context)",
+        help="KV cache blocks (default: max-batch sequences of the full context); the pool's memory "
+        "is committed as blocks are first used",
+    )
+    p.add_argument(
+        "--kv-memory",
+        type=str,
+        default=None,
+        help="or: as many KV cache blocks as fit in this memory, in bytes or with a unit: 512MiB, 2GiB",
     )
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the file's)")
@@ -78,7 +86,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     if a.max_request_bytes < 1:
         p.error(f"--max-request-bytes must be positive, got {a.max_request_bytes}")
+    if a.kv_memory is not None:
+        if a.num_blocks is not None:
+            p.error("give --num-blocks or --kv-memory, not both")
+        size = memory_bytes(a.kv_memory)
+        if size is None:
+            p.error(f"--kv-memory must be a positive size such as 512MiB or 2GiB, got {a.kv_memory!r}")
+        a.kv_memory = size
     return a
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
+
+
+def memory_bytes(text: str) -> int | None:
+    """Bytes of a size written as a number and an optional binary unit (B, KiB, MiB, GiB, or K, M,
+    G); None when it is not one, or not positive."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        return None
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return n if n > 0 else None
 
 
 def load_engine(a: argparse.Namespace) -> Engine:
@@ -90,6 +118,7 @@ def load_engine(a: argparse.Namespace) -> Engine:
         max_batch=a.max_batch,
         max_tokens_per_step=max(a.max_tokens_per_step, a.max_batch + 64),
         num_blocks=a.num_blocks,
+        kv_memory_bytes=a.kv_memory,
         enable_prefix_caching=not a.no_prefix_caching,
         compiler=a.compiler,
     )
@@ -148,7 +177,8 @@ def main(argv: list[str]) -> int:
     print(
         f"llmkit serve: {engine.model_name} on http://{a.host}:{a.port} "
         f"(loaded in {time.perf_counter() - t0:.1f} s; "
-        f"max_batch {a.max_batch}, {engine.blocks.num_blocks} KV blocks of {engine.spec.block_size})",
+        f"max_batch {a.max_batch}, {engine.blocks.num_blocks} KV blocks of {engine.spec.block_size} "
+        f"tokens, at most {engine.blocks.num_blocks * engine.spec.block_bytes / 2**20:.0f} MiB)",
         flush=True,
     )
     # uvicorn handles SIGTERM/SIGINT while it runs (graceful shutdown, then the app's lifespan drains

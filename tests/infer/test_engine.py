@@ -193,6 +193,31 @@ def test_admission_waits_for_free_blocks_and_nothing_leaks(model):
     assert eng.blocks.num_used == 0
 
 
+def test_kv_memory_caps_the_pool_at_the_blocks_that_fit(model):
+    c = model.config  # a KV block: keys and values of every layer, float32
+    block = (
+        c.num_hidden_layers * 2 * c.num_key_value_heads * 16 * (c.hidden_size // c.num_attention_heads) * 4
+    )
+    assert block == 16384  # 2 layers x 2 x 2 kv heads x 16 tokens x 32 dims x 4 bytes
+    for cap in (block, 7 * block + block - 1, 2**20):
+        eng = fresh(model, kv_memory_bytes=cap)
+        assert eng.blocks.num_blocks == cap // block and eng.runner.pool.nbytes <= cap
+    eng = fresh(model, kv_memory_bytes=6 * block)  # a cap that makes requests wait, as num_blocks=6
+    outs = eng.generate(prompts_of([10, 14, 6], seed=5), GREEDY)
+    assert [len(o.token_ids) for o in outs] == [12] * 3 and eng.blocks.num_used == 0
+    for kw, words in [
+        (
+            {"kv_memory_bytes": block - 1},
+            f"at least one KV block of this model \\({block} bytes\\), got 16383",
+        ),
+        ({"kv_memory_bytes": 0}, "got 0 bytes"),
+        ({"kv_memory_bytes": 2.5e6}, "got 2500000.0 bytes"),
+        ({"kv_memory_bytes": 2**20, "num_blocks": 6}, "num_blocks or kv_memory_bytes, not both"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            fresh(model, **kw)
+
+
 def test_long_prompt_prefills_in_chunks_within_the_token_budget(model):
     eng = fresh(model, max_batch=2, max_tokens_per_step=18)
     prompt = prompts_of([100], seed=9)[0]

@@ -194,3 +194,38 @@ def test_export_refuses_an_out_path_it_cannot_write(out, message, trained, tmp_p
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert (tmp_path / "notes").read_text() == "keep me"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--kv-memory", "2GB"], "--kv-memory must be a positive size such as 512MiB or 2GiB, got '2GB'"),
+        (["--kv-memory", "0MiB"], "--kv-memory must be a positive size"),
+        (["--kv-memory", "-1"], "--kv-memory must be a positive size"),
+        (["--kv-memory", "1MiB", "--num-blocks", "4"], "give --num-blocks or --kv-memory, not both"),
+    ],
+)
+def test_serve_rejects_a_bad_kv_memory(flags, message, model_file, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", str(model_file), *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_serve_kv_memory_units_and_a_cap_below_one_block(model_file, tmp_path, monkeypatch, capsys):
+    import llmkit.serve.server as server
+
+    sizes = {"3000": 3000, "1.5KiB": 1536, "2 MiB": 2 << 20, "1g": 1 << 30, ".5K": 512}
+    for text, size in sizes.items():
+        assert server.parse_args([str(model_file), "--kv-memory", text]).kv_memory == size
+    monkeypatch.setattr(server, "spin_between_kernels", lambda: False)
+    monkeypatch.setattr(server, "set_blas_threads", lambda n: True)
+    spec = json.loads((model_file / "manifest.json").read_text())["metadata"]["engine"]
+    block = spec["num_layers"] * 2 * spec["num_kv_heads"] * spec["block_size"] * spec["head_dim"] * 4
+    engine = server.load_engine(
+        server.parse_args([str(model_file), "--kv-memory", str(5 * block + 7), "--compiler", "none"])
+    )
+    assert engine.blocks.num_blocks == 5 and engine.runner.pool.nbytes == 5 * block
+    assert cli_main(["serve", str(model_file), "--kv-memory", str(block - 1), "--host", "256.0.0.1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--kv-memory, kv_memory_bytes) must hold at least one KV block" in err
+    assert f"({block} bytes), got {block - 1} bytes" in err, err
