@@ -598,10 +598,11 @@ def main() -> None:
             from llmkit.framework.compiler import merge_gemms
             from llmkit.framework.compiler.native import products
 
+            kept = merge_gemms.enabled, products.enabled  # as the environment set them
             merge_gemms.enabled = products.enabled = False
             step = steps["static_cinn_plain_gemms"] = static_step_fn(llama, cfg.optim.lr, "cinn")
             step(*batches[0])
-            merge_gemms.enabled = products.enabled = True
+            merge_gemms.enabled, products.enabled = kept
     if a.torch:
         steps[torch_name] = torch_step_fn(llama, cfg.optim.lr, a.device, a.torch_model)
     if a.torch_compile:

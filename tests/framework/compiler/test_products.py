@@ -16,6 +16,11 @@ from .conftest import needs_cc
 pytestmark = [needs_cc, pytest.mark.skipif(products.CPUS < 2, reason="one kernel thread: BLAS as it is")]
 
 
+@pytest.fixture(autouse=True)
+def row_products(monkeypatch):
+    monkeypatch.setattr(products, "enabled", True)  # off by default (LLMKIT_SPLIT_GEMMS=1 turns it on)
+
+
 @pytest.mark.parametrize("rows", [300, 7])
 def test_products_run_in_row_blocks_with_the_float64_values(rows):
     rng = np.random.default_rng(0)
