@@ -12,9 +12,7 @@ from .tensor import Tensor
 
 
 def _shape(shape: tuple) -> tuple:
-    if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
-        return tuple(shape[0])
-    return tuple(shape)
+    return tuple(shape[0] if len(shape) == 1 and isinstance(shape[0], (list, tuple)) else shape)
 
 
 def _dt(dtype: Any) -> np.dtype:
@@ -96,17 +94,19 @@ def arange(
 
 def randn(*shape: Any, dtype: Any = None, requires_grad: bool = False, device: str | None = None) -> Tensor:
     """Standard normal draws from the device's seeded generator (``lf.seed``)."""
-    device = device or B.get_device()
-    dt = _dt(dtype)
-    a = B.generator(device).standard_normal(_shape(shape), dtype=np.float64 if dt.itemsize < 4 else dt)
-    return Tensor(a.astype(dt, copy=False), requires_grad=requires_grad)
+    return _draw("standard_normal", shape, dtype, requires_grad, device)
 
 
 def rand(*shape: Any, dtype: Any = None, requires_grad: bool = False, device: str | None = None) -> Tensor:
     """Uniform draws in [0, 1) from the device's seeded generator."""
-    device = device or B.get_device()
+    return _draw("random", shape, dtype, requires_grad, device)
+
+
+def _draw(method: str, shape: tuple, dtype: Any, requires_grad: bool, device: str | None) -> Tensor:
+    """Floating draws of the generator's ``method`` (half precision drawn in float64, then cast)."""
     dt = _dt(dtype)
-    a = B.generator(device).random(_shape(shape), dtype=np.float64 if dt.itemsize < 4 else dt)
+    draw = getattr(B.generator(device or B.get_device()), method)
+    a = draw(_shape(shape), dtype=np.float64 if dt.itemsize < 4 else dt)
     return Tensor(a.astype(dt, copy=False), requires_grad=requires_grad)
 
 

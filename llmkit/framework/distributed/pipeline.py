@@ -186,6 +186,11 @@ def mesh_value(t: Tensor) -> np.ndarray:
     return np.asarray(whole._data.shards[rank])
 
 
+def _own(x: Any, rank: int) -> Any:
+    """``rank``'s array of ``x``: its shard of a DistArray, a plain array itself."""
+    return x.shards[rank] if isinstance(x, DistArray) else x
+
+
 class Layout(Protocol):
     """How the ranks of one stage hold it (built as ``layout(stage_layers, stage_mesh)``)."""
 
@@ -377,9 +382,8 @@ class RankPipeline:
         if ps is not None:  # e.g. a Partial sum over tp reduced, as the receiver expects
             with no_grad():
                 t = reshard(t, self.stage_mesh, ps)
-        x = t._data
-        local = x.shards[self.rank] if isinstance(x, DistArray) else x
-        get_backend().send(self.rank, to, local, f"pipeline send to rank {to}", self._tag(kind, stage, micro))
+        what = f"pipeline send to rank {to}"
+        get_backend().send(self.rank, to, _own(t._data, self.rank), what, self._tag(kind, stage, micro))
 
     def local_boundary_shape(self) -> tuple[int, ...]:
         """This rank's shape of an activation crossing between stages."""
@@ -391,8 +395,7 @@ class RankPipeline:
         shape = self.local_boundary_shape()
         what = f"pipeline recv from rank {frm} (stage {stage}, micro-batch {micro})"
         a = get_backend().recv(frm, self.rank, shape, meta.dtype, what, self._tag(kind, stage, micro))
-        t = Tensor(a) if ps is None else from_local({self.rank: a}, sm, ps, meta.shape)
-        return t
+        return Tensor(a) if ps is None else from_local({self.rank: a}, sm, ps, meta.shape)
 
     # ---- one step ---------------------------------------------------------------------------------
     def step(self, inputs: np.ndarray, targets: np.ndarray) -> float:
@@ -504,14 +507,9 @@ class RankPipeline:
         embeddings) gets the sum of its holders' gradients."""
         self.layout.reduce_grads()
         for n, holders in self.shared.items():
-            group = tuple(
-                self.pipe.mesh["pp", h].ranks[self.stage_mesh.ranks.index(self.rank)] for h in holders
-            )
+            group = tuple(self.peer(h) for h in holders)
             for p in self.named[n].parameters():
-                x = p.grad._data
-                local = x.shards[self.rank] if isinstance(x, DistArray) else x
-                total = all_reduce(group, self.rank, local, "sum", f"shared {n} gradient")
-                p.grad = Tensor(x.with_shards({self.rank: total}) if isinstance(x, DistArray) else total)
+                p.grad = self._own_sum(p.grad, group, f"shared {n} gradient")
 
     def settle(self) -> None:
         self.layout.settle()
@@ -529,11 +527,14 @@ class RankPipeline:
 
     def _pp_squares(self, sq: Tensor) -> Tensor:
         """A stage's sum of squared gradients -> the pipeline's (summed over the pp ranks)."""
-        x = sq._data
-        local = x.shards[self.rank] if isinstance(x, DistArray) else x
-        total = self._pp_sum(np.asarray(local), "pipeline gradient norm")
-        self._squares = Tensor(x.with_shards({self.rank: total}) if isinstance(x, DistArray) else total)
+        self._squares = self._own_sum(sq, self.pp_group(), "pipeline gradient norm")
         return self._squares
+
+    def _own_sum(self, t: Tensor, group: tuple[int, ...], what: str) -> Tensor:
+        """``t`` with this rank's array summed over ``group`` (a distributed tensor's own shard)."""
+        x = t._data
+        total = all_reduce(group, self.rank, _own(x, self.rank), "sum", what)
+        return Tensor(x.with_shards({self.rank: total}) if isinstance(x, DistArray) else total)
 
 
 RUN: Mapping[str, Callable[[RankPipeline, Job], None]] = {

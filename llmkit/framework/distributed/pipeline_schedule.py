@@ -133,8 +133,8 @@ class Schedule:
                     raise ScheduleError(
                         f"{self.name}: {j} is on rank {r}, its stage lives on rank {j.stage % self.pp}"
                     )
-                for dep in local_deps(j):
-                    if dep not in seen:
+                for dep in deps(j, self.stages):
+                    if dep.stage == j.stage and dep not in seen:
                         raise ScheduleError(f"{self.name}: rank {r} runs {j} before {dep}")
                 seen.add(j)
         if seen != want:
@@ -143,15 +143,6 @@ class Schedule:
                 f"{self.name}: no rank runs {missing[:4]}{' ...' if len(missing) > 4 else ''}"
             )
         simulate(self)
-
-
-def local_deps(j: Job) -> tuple[Job, ...]:
-    """The jobs of the same stage (so the same rank) that ``j`` needs first."""
-    if j.kind == "B":
-        return (Job("F", j.stage, j.micro),)
-    if j.kind == "W":
-        return (Job("B", j.stage, j.micro),)
-    return ()
 
 
 def deps(j: Job, stages: int) -> tuple[Job, ...]:

@@ -398,27 +398,22 @@ class PlacementAttr(OpaqueAttr):
         return self._p
 
 
+# A placement's kind -> the attribute types of its params and its class.
+_PLACEMENTS = {"replicate": ((), Replicate), "shard": ((IntAttr,), Shard), "partial": ((StrAttr,), Partial)}
+
+
 def _placement_from(kind: str) -> Any:
     def make(params: tuple[Attribute, ...]) -> PlacementAttr:
-        vals = [p.value for p in params]
-        if kind == "replicate" and not vals:
-            return PlacementAttr(Replicate())
-        if kind == "shard" and len(params) == 1 and isinstance(params[0], IntAttr):
-            return PlacementAttr(Shard(vals[0]))
-        if kind == "partial" and len(params) == 1 and isinstance(params[0], StrAttr):
-            return PlacementAttr(Partial(vals[0]))
-        raise ValueError('placements are #replicate<>, #shard<dim> or #partial<"sum|avg|max|min">')
+        types, cls = _PLACEMENTS[kind]
+        if tuple(map(type, params)) != types:
+            raise ValueError('placements are #replicate<>, #shard<dim> or #partial<"sum|avg|max|min">')
+        return PlacementAttr(cls(*(p.value for p in params)))
 
     return make
 
 
 # Typed opaque attributes by kind: the text parser builds these instead of a plain OpaqueAttr.
-OPAQUE_KINDS = {
-    "mesh": MeshAttr.from_params,
-    "replicate": _placement_from("replicate"),
-    "shard": _placement_from("shard"),
-    "partial": _placement_from("partial"),
-}
+OPAQUE_KINDS = {"mesh": MeshAttr.from_params, **{k: _placement_from(k) for k in _PLACEMENTS}}
 
 
 def opaque_attr(kind: str, params: Any) -> Attribute:
@@ -471,10 +466,11 @@ def dim_attr(d: Any) -> Attribute:
 # How an op-table attribute type turns a normalized plain value into an attribute. Types not
 # listed fall back to to_attr (so new attribute types work before anyone teaches PIR about them).
 _BY_OPTABLE_TYPE = {
-    "dtype": lambda v: DTypeAttr(v),
+    "dtype": DTypeAttr,
     "dim": dim_attr,
     "shape": ShapeAttr,
     "ints": ShapeAttr,
+    "axes": ShapeAttr,
     "float": FloatAttr,
     "int": IntAttr,
     "bool": BoolAttr,
@@ -490,12 +486,7 @@ def from_optable(type_name: str, v: Any) -> Attribute:
         return NoneAttr()
     if type_name == "num_or_sections":
         return IntAttr(v) if isinstance(v, int) else ShapeAttr(v)
-    conv = _BY_OPTABLE_TYPE.get(type_name.rstrip("?"))
-    if conv is None:
-        if type_name.rstrip("?") == "axes":
-            return ShapeAttr(v)
-        return to_attr(v)
-    return conv(v)
+    return _BY_OPTABLE_TYPE.get(type_name.rstrip("?"), to_attr)(v)
 
 
 # ---- the text form of attributes (the printer's; ``str(attr)`` is the same text) ----------------

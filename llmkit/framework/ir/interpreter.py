@@ -44,16 +44,10 @@ def interpret(
     f = program.function(func)
     run = _Run(params or {})
     run.env.update(symbols or {})
-    args = f.args
-    if len(inputs) != len(args):
-        raise InterpretError(f"@{f.name} takes {len(args)} inputs, got {len(inputs)}")
-    for a, x in zip(args, inputs, strict=False):
-        arr = np.asarray(x)
-        run.bind(a.type, arr, f"input %{a.name or a.index} of @{f.name}")
-        run.values[a] = arr
-    run.check_bound()
-    outs = run.block(f.body)
-    return outs[0] if len(outs) == 1 else tuple(outs)
+    if len(inputs) != len(f.args):
+        raise InterpretError(f"@{f.name} takes {len(f.args)} inputs, got {len(inputs)}")
+    whats = [f"input %{a.name or a.index} of @{f.name}" for a in f.args]
+    return run.start(f.args, [np.asarray(x) for x in inputs], whats, lambda: run.block(f.body))
 
 
 def run_group(
@@ -67,12 +61,8 @@ def run_group(
     an op (an executor's hand-written C kernels). Symbols are bound from the operands and every
     result is checked against its type. Returns the output, or a tuple for several."""
     run = _Run({}, xp, kernels)
-    for i, (v, a) in enumerate(zip(fusion.operands, arrays, strict=True)):
-        run.bind(v.type, a, f"operand #{i} of {fusion.name}")
-        run.values[v] = a
-    run.check_bound()
-    outs = _fusion(run, fusion)
-    return outs[0] if len(outs) == 1 else tuple(outs)
+    whats = [f"operand #{i} of {fusion.name}" for i in range(len(arrays))]
+    return run.start(fusion.operands, arrays, whats, lambda: _fusion(run, fusion))
 
 
 class _Run:
@@ -88,6 +78,16 @@ class _Run:
         self.env: dict[str, int] = {}
         self.values: dict[Value, Any] = {}
         self.pending: list[tuple[Type, tuple, str]] = []
+
+    def start(self, values: Sequence[Value], arrays: Sequence[Any], whats: list[str], body: Callable) -> Any:
+        """Bind ``values`` to ``arrays`` (checked against their types), run ``body`` and return its
+        output, or a tuple for several."""
+        for v, a, what in zip(values, arrays, whats, strict=True):
+            self.bind(v.type, a, what)
+            self.values[v] = a
+        self.check_bound()
+        outs = body()
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     def bind(self, t: Type, arr: np.ndarray, what: str) -> None:
         """Check ``arr`` against type ``t``, binding the symbols it fixes."""

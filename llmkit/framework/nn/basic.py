@@ -51,7 +51,22 @@ class Linear(Layer):
         )
 
 
-class QuantizedLinear(Layer):
+class _Coded(Layer):
+    """A weight held as quantized codes: the buffers ``qweight``, ``scales`` and ``zeros`` (None when
+    symmetric), dequantized with ``bits`` and ``group_size`` where ``weight`` is read."""
+
+    @property
+    def _codes(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        return (self.qweight, self.scales, self.zeros)
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight [out_features, in_features] (an embedding's table
+        [num_embeddings, embedding_dim])."""
+        return ops.dequantize(*self._codes, bits=self.bits, group_size=self.group_size)
+
+
+class QuantizedLinear(_Coded):
     """A Linear whose weight is stored quantized: y = x dequantize(qweight, scales, zeros)ᵀ + b.
 
     Buffers (not trained), named as the quantized checkpoint format names them (docs/quantize.md):
@@ -95,20 +110,12 @@ class QuantizedLinear(Layer):
         if self.bias is not None:
             init.zeros_(self.bias)
 
-    @property
-    def weight(self) -> Tensor:
-        """The dequantized weight [out_features, in_features]."""
-        return ops.dequantize(
-            self.qweight, self.scales, self.zeros, bits=self.bits, group_size=self.group_size
-        )
-
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_bits and not (is_grad_enabled() and getattr(x, "requires_grad", False)):
             return ops.linear(x, self.weight, self.bias)
         # int8 activations; or a gradient flows through to x (QLoRA: adapters below), and
         # quant_linear's rule dequantizes again in the backward: no float weight held in between
-        q = (self.qweight, self.scales, self.zeros)
-        y = ops.quant_linear(x, *q, bits=self.bits, group_size=self.group_size, act_bits=self.act_bits)
+        y = ops.quant_linear(x, *self._codes, bits=self.bits, group_size=self.group_size, act_bits=self.act_bits)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -119,7 +126,7 @@ class QuantizedLinear(Layer):
         )
 
 
-class QuantizedEmbedding(Layer):
+class QuantizedEmbedding(_Coded):
     """An Embedding whose table is stored quantized as a QuantizedLinear's weight (row ``i`` of the
     table is output feature ``i``): out[..., :] = dequantize(qweight[ids], scales[ids], zeros[ids]).
 
@@ -149,16 +156,9 @@ class QuantizedEmbedding(Layer):
         """The input features of the table as a quantized weight (its groups run along a row)."""
         return self.embedding_dim
 
-    @property
-    def weight(self) -> Tensor:
-        """The dequantized table [num_embeddings, embedding_dim]."""
-        q = (self.qweight, self.scales, self.zeros)
-        return ops.dequantize(*q, bits=self.bits, group_size=self.group_size)
-
     def forward(self, ids: Tensor) -> Tensor:
         flat = ops.reshape(ids, [-1])  # (T,)
-        q = (self.qweight, self.scales, self.zeros)
-        rows = [None if t is None else ops.index_select(t, flat) for t in q]
+        rows = [None if t is None else ops.index_select(t, flat) for t in self._codes]
         out = ops.dequantize(*rows, bits=self.bits, group_size=self.group_size)  # (T, dim)
         return ops.reshape(out, [*ids.shape, self.embedding_dim])
 

@@ -26,6 +26,7 @@ Families supply the rules (the math behind each):
 
 from __future__ import annotations
 
+import math
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -73,24 +74,19 @@ class Ctx:
         p = self.placements[i]
         return None if p is None else p[self.dim]
 
+    def outer(self, i: int, d: int) -> int:
+        """How many chunks the mesh dims before this one cut input i's dim d into."""
+        return math.prod(self.mesh_shape[m] for m in range(self.dim) if self.placements[i][m] == Shard(d))
+
     def nonempty(self, i: int, d: int) -> bool:
         """Every rank's chunk of input i's dim d is non-empty here."""
         size = self.metas[i].shape[d]
-        if not isinstance(size, int):
-            return True
-        for m in range(self.dim):
-            if self.placements[i][m] == Shard(d):
-                size //= self.mesh_shape[m]
-        return size >= self.n
+        return not isinstance(size, int) or size // self.outer(i, d) >= self.n
 
     def even(self, i: int, d: int) -> bool:
         """Input i's dim d splits evenly here, nested under the mesh dims before this one."""
         size = self.metas[i].shape[d]
-        k = self.n
-        for m in range(self.dim):
-            if self.placements[i][m] == Shard(d):
-                k *= self.mesh_shape[m]
-        return isinstance(size, int) and size % k == 0
+        return isinstance(size, int) and size % (self.n * self.outer(i, d)) == 0
 
 
 @dataclass(frozen=True)
@@ -351,9 +347,7 @@ def elementwise(partial: str | None = None, inputs: Sequence[int] | None = None)
         metas = ctx.metas
         present = [m for m in metas if m is not None]
         shape = broadcast_shapes("spmd", *present) if present else ()
-        groups = []
-        for j, row in enumerate(broadcast_dims(shape, metas)):
-            groups.append((row, (j,)))
+        groups = [(row, (j,)) for j, row in enumerate(broadcast_dims(shape, metas))]
         idx = [i for i, m in enumerate(metas) if m is not None and (inputs is None or i in inputs)]
         fixed = [R if m is not None else None for m in metas]
         parts = []
@@ -624,11 +618,8 @@ def _reshape(ctx: Ctx) -> list[Strategy]:
             j0 = next((j for j in gj if dst[j] != 1), None)
             if i0 is None or j0 is None or not ctx.even(0, i0):
                 continue
-            k = ctx.n  # the first output dim of the group splits as the first input dim does
-            for m in range(ctx.dim):
-                if ctx.placements[0][m] == Shard(i0):
-                    k *= ctx.mesh_shape[m]
-            if dst[j0] % k == 0:
+            # the first output dim of the group splits as the first input dim does
+            if dst[j0] % (ctx.n * ctx.outer(0, i0)) == 0:
                 groups.append(((i0,), (j0,)))
     parts = [((Partial(op),), (Partial(op),)) for op in _LINEAR_OPS]
     return dim_map(ctx, groups, parts)
