@@ -9,7 +9,7 @@ constant. Programs traced with symbolic dims serve every size the symbols can ta
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from functools import lru_cache, reduce
 from math import prod
 
 Dim = int | str
@@ -192,10 +192,11 @@ def div(a: Dim, b: Dim) -> Dim:
 
 
 def product(dims) -> Dim:
-    out: Dim = 1
-    for d in dims:
-        out = mul(out, d)
-    return out
+    return reduce(mul, dims, 1)
+
+
+def total(dims) -> Dim:
+    return reduce(add, dims, 0)
 
 
 def symbols(d: Dim) -> set[str]:

@@ -100,12 +100,13 @@ class DistArray:
         )
 
 
+def local(t: Any, rank: int) -> Any:
+    """``rank``'s array of tensor ``t``: its shard if distributed, else the whole array."""
+    x = t._data
+    return x.shards[rank] if isinstance(x, DistArray) else x
+
+
 def held_bytes(rank: int, tensors: Iterable[Any]) -> int:
     """The bytes ``rank`` holds of ``tensors`` (Tensors; None skipped): its shard of a distributed
     one, a plain one whole."""
-    total = 0
-    for t in tensors:
-        if t is not None:
-            x = t._data
-            total += (x.shards[rank] if isinstance(x, DistArray) else x).nbytes
-    return total
+    return sum(local(t, rank).nbytes for t in tensors if t is not None)

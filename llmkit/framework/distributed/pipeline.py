@@ -40,7 +40,7 @@ from ..tape import no_grad
 from ..tensor import Tensor
 from .api import from_local, reshard
 from .comm import get_backend
-from .dist_array import DistArray
+from .dist_array import DistArray, local
 from .pipeline_schedule import Job, Schedule, make_schedule
 from .pipeline_stage import RUNNERS
 
@@ -184,11 +184,6 @@ def mesh_value(t: Tensor) -> np.ndarray:
     with no_grad():
         whole = reshard(t, x.mesh, ["R"] * x.mesh.ndim)
     return np.asarray(whole._data.shards[rank])
-
-
-def _own(x: Any, rank: int) -> Any:
-    """``rank``'s array of ``x``: its shard of a DistArray, a plain array itself."""
-    return x.shards[rank] if isinstance(x, DistArray) else x
 
 
 class Layout(Protocol):
@@ -383,7 +378,7 @@ class RankPipeline:
             with no_grad():
                 t = reshard(t, self.stage_mesh, ps)
         what = f"pipeline send to rank {to}"
-        get_backend().send(self.rank, to, _own(t._data, self.rank), what, self._tag(kind, stage, micro))
+        get_backend().send(self.rank, to, local(t, self.rank), what, self._tag(kind, stage, micro))
 
     def local_boundary_shape(self) -> tuple[int, ...]:
         """This rank's shape of an activation crossing between stages."""
@@ -533,7 +528,7 @@ class RankPipeline:
     def _own_sum(self, t: Tensor, group: tuple[int, ...], what: str) -> Tensor:
         """``t`` with this rank's array summed over ``group`` (a distributed tensor's own shard)."""
         x = t._data
-        total = all_reduce(group, self.rank, _own(x, self.rank), "sum", what)
+        total = all_reduce(group, self.rank, local(t, self.rank), "sum", what)
         return Tensor(x.with_shards({self.rank: total}) if isinstance(x, DistArray) else total)
 
 

@@ -30,16 +30,10 @@ from ..nn import Layer
 from ..tape import enable_grad, no_grad
 from ..tensor import Tensor
 from .api import from_local, reshard
-from .dist_array import DistArray
+from .dist_array import DistArray, local
 
 if TYPE_CHECKING:
     from .pipeline import RankPipeline
-
-
-def local(t: Tensor, rank: int) -> Any:
-    """This rank's array of ``t`` (its shard if distributed)."""
-    x = t._data
-    return x.shards[rank] if isinstance(x, DistArray) else x
 
 
 class EagerStage:
@@ -108,7 +102,7 @@ class StaticStage(EagerStage):
         cp = to_static(joint, compiler="none").get_concrete_program(x, z)
         if cp.updated:
             raise RuntimeError("a pipeline stage's step rebinds state; it must only compute")
-        runner = cp._executor  # a DistRunner for distributed stages, else None
+        runner = cp.runner  # a DistRunner for distributed stages, else None
         program = cp.program if runner is None else runner.rank_program(rp.rank)
         n = 1 + (not self.first)  # y, then dx
         grads = list(range(n, n + len(self.params)))

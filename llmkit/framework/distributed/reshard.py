@@ -95,9 +95,7 @@ def plan(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
 
     def blocks(i: int, to: Placement) -> bool:
         """Sharding at mesh dim i would block a change still due at an earlier mesh dim."""
-        if not isinstance(to, Shard):
-            return False
-        return any(
+        return isinstance(to, Shard) and any(
             cur[k] != dst[k] and to.dim in {p.dim for p in (cur[k], dst[k]) if isinstance(p, Shard)}
             for k in range(i)
         )

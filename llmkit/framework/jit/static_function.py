@@ -52,38 +52,28 @@ def register_payload_kind(payload_type: type, kind: Any) -> None:
     _PAYLOAD_KINDS[payload_type] = kind
 
 
+@dataclass
 class ConcreteProgram:
-    """One traced signature: its program, the captured tensors, and how to run it."""
+    """One traced signature: its program, the captured tensors, and how to run it (``runner``: what a
+    payload kind prepared, else the program's executor, made on first use)."""
 
-    def __init__(
-        self,
-        program: Program,
-        n_args: int,
-        captures: list[Tensor],
-        updated: list[Tensor],
-        out_tree: Any,
-        n_outputs: int,
-        compiler: str | None,
-        runner: Any = None,
-        run_seed: Tensor | None = None,
-    ) -> None:
-        self.program = program
-        self.n_args = n_args
-        self.captures = captures
-        self.updated = updated
-        self.out_tree = out_tree
-        self.n_outputs = n_outputs
-        self.compiler = compiler
-        self._executor = runner
-        self.run_seed = run_seed
+    program: Program
+    n_args: int
+    captures: list[Tensor]
+    updated: list[Tensor]
+    out_tree: Any
+    n_outputs: int
+    compiler: str | None
+    runner: Any = None
+    run_seed: Tensor | None = None
 
     @property
     def executor(self):
-        if self._executor is None:
+        if self.runner is None:
             from .compile import executor_for
 
-            self._executor = executor_for(self.program, self.compiler)
-        return self._executor
+            self.runner = executor_for(self.program, self.compiler)
+        return self.runner
 
     def run(self, args: list[Tensor]) -> Any:
         if self.run_seed is not None:  # random ops draw anew at every run (tracer.run_seed)
@@ -114,6 +104,10 @@ class StaticFunction:
         self._last: ConcreteProgram | None = None
 
     # ---- signatures ----------------------------------------------------------------------------
+    def _spec(self, i: int) -> InputSpec | None:
+        """The InputSpec of argument ``i``, if any."""
+        return self.input_spec[i] if self.input_spec is not None and i < len(self.input_spec) else None
+
     def _bind_args(self, args: tuple, kwargs: dict) -> tuple[list[Any], dict[str, Any]]:
         if not kwargs:
             return list(args), {}
@@ -132,9 +126,7 @@ class StaticFunction:
             if isinstance(a, np.ndarray):
                 a = Tensor(a)
             if isinstance(a, Tensor):
-                spec = (
-                    self.input_spec[i] if self.input_spec is not None and i < len(self.input_spec) else None
-                )
+                spec = self._spec(i)
                 if spec is not None:
                     want = B.dtype(spec.dtype)
                     if (
@@ -177,9 +169,7 @@ class StaticFunction:
         def as_traced(a: Any, i: int) -> Any:
             if isinstance(a, (Tensor, np.ndarray)):
                 t, d = next(it)
-                spec = (
-                    self.input_spec[i] if self.input_spec is not None and i < len(self.input_spec) else None
-                )
+                spec = self._spec(i)
                 name = (spec.name if spec is not None and spec.name else None) or f"arg{i}"
                 v = trace.input(name, d, t.dtype)
                 tt = Tensor(v, requires_grad=t.requires_grad)
@@ -236,10 +226,8 @@ class StaticFunction:
         names = dict(self._names or {})
         layer = self.fn if hasattr(self.fn, "named_parameters") else getattr(self.fn, "__self__", None)
         if layer is not None and hasattr(layer, "named_parameters"):
-            for k, p in layer.named_parameters():
-                names.setdefault(id(p), k)
-            for k, b in layer.named_buffers():
-                names.setdefault(id(b), k)
+            for k, t in [*layer.named_parameters(), *layer.named_buffers()]:
+                names.setdefault(id(t), k)
         return names
 
     # ---- calling -------------------------------------------------------------------------------

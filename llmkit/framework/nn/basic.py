@@ -115,7 +115,8 @@ class QuantizedLinear(_Coded):
             return ops.linear(x, self.weight, self.bias)
         # int8 activations; or a gradient flows through to x (QLoRA: adapters below), and
         # quant_linear's rule dequantizes again in the backward: no float weight held in between
-        y = ops.quant_linear(x, *self._codes, bits=self.bits, group_size=self.group_size, act_bits=self.act_bits)
+        kw = {"bits": self.bits, "group_size": self.group_size, "act_bits": self.act_bits}
+        y = ops.quant_linear(x, *self._codes, **kw)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

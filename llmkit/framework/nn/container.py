@@ -12,7 +12,21 @@ from typing import Any, overload
 from .layer import Layer
 
 
-class Sequential(Layer):
+class _InOrder(Layer):
+    """Layers in order (Sequential, LayerList): append, len and iteration over the layers."""
+
+    def append(self, layer: Layer) -> Any:
+        self.add_sublayer(str(len(self)), layer)
+        return self
+
+    def __len__(self) -> int:
+        return len(self._sublayers)
+
+    def __iter__(self) -> Iterator[Layer]:
+        return iter(self._sublayers.values())
+
+
+class Sequential(_InOrder):
     """Calls its layers in order, each on the previous one's output.
 
     ``Sequential(a, b, c)`` names them "0", "1", "2"; ``Sequential({"proj": a, "act": b})`` uses the keys.
@@ -32,10 +46,6 @@ class Sequential(Layer):
             x = layer(x)
         return x
 
-    def append(self, layer: Layer) -> Sequential:
-        self.add_sublayer(str(len(self)), layer)
-        return self
-
     @overload
     def __getitem__(self, index: int) -> Layer: ...
     @overload
@@ -46,14 +56,8 @@ class Sequential(Layer):
             return Sequential(dict(items[index]))
         return items[_index(index, len(items))][1]
 
-    def __len__(self) -> int:
-        return len(self._sublayers)
 
-    def __iter__(self) -> Iterator[Layer]:
-        return iter(self._sublayers.values())
-
-
-class LayerList(Layer):
+class LayerList(_InOrder):
     """A list of layers (PyTorch's ModuleList), named "0", "1", ... in order; it has no forward."""
 
     def __init__(self, layers: Iterable[Layer] | None = None) -> None:
@@ -65,10 +69,6 @@ class LayerList(Layer):
         self._sublayers.clear()
         for i, layer in enumerate(layers):
             self.add_sublayer(str(i), layer)
-
-    def append(self, layer: Layer) -> LayerList:
-        self.add_sublayer(str(len(self)), layer)
-        return self
 
     def extend(self, layers: Iterable[Layer]) -> LayerList:
         for layer in layers:
@@ -96,12 +96,6 @@ class LayerList(Layer):
         layers = list(self)
         del layers[index]
         self._reset(layers)
-
-    def __len__(self) -> int:
-        return len(self._sublayers)
-
-    def __iter__(self) -> Iterator[Layer]:
-        return iter(self._sublayers.values())
 
 
 ModuleList = LayerList

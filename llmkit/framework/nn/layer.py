@@ -157,7 +157,7 @@ class Layer:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __delattr__(self, name: str) -> None:
-        if any(name in reg for reg in (self._parameters, self._buffers, self._sublayers)):
+        if self._owns(name):
             self._forget(name)
         else:
             object.__delattr__(self, name)
@@ -270,12 +270,9 @@ class Layer:
         out: dict[str, Tensor] = {}
         for path, layer in self._walk():
             pre = f"{path}." if path else ""
-            for name, p in layer._parameters.items():
-                if p is not None:
-                    out[pre + name] = p
-            for name, b in layer._buffers.items():
-                if b is not None and name not in layer._non_persistent:
-                    out[pre + name] = b
+            for name, t in [*layer._parameters.items(), *layer._buffers.items()]:
+                if t is not None and name not in layer._non_persistent:  # (only buffers are)
+                    out[pre + name] = t
         return out
 
     def state_dict(self) -> dict[str, Tensor]:

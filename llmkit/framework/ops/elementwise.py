@@ -33,18 +33,8 @@ def binary(name, kernel, vjp=None, *, c=None, floating=False, partial=None, **kw
     def infer(a, b, **attrs):
         return elementwise_meta(name, a, b, floating=floating)
 
-    rule = P.elementwise(partial)
-    return defop(
-        name,
-        Kind.ELEMENTWISE,
-        inputs=("x", "y"),
-        kernel=kernel,
-        infer_meta=infer,
-        vjp=vjp,
-        c=c,
-        spmd=rule,
-        **kw,
-    )
+    return defop(name, Kind.ELEMENTWISE, inputs=("x", "y"), kernel=kernel, infer_meta=infer, vjp=vjp, c=c,
+                 spmd=P.elementwise(partial), **kw)  # fmt: skip
 
 
 def compare(name, kernel, c):

@@ -306,10 +306,7 @@ def _rope_tables(cos, sin, position_ids):
     """cos/sin as they multiply x: gathered by position ids [B, S] -> [B, 1, S, D] when given."""
     if position_ids is None:
         return cos, sin
-    return (
-        O.unsqueeze(O.embedding(position_ids, cos), axis=1),
-        O.unsqueeze(O.embedding(position_ids, sin), axis=1),
-    )
+    return tuple(O.unsqueeze(O.embedding(position_ids, t), axis=1) for t in (cos, sin))
 
 
 def _rotate_half(x):

@@ -385,7 +385,6 @@ def _concat_meta(*xs, axis=0):
     if not xs:
         raise OpError("concat: needs at least one tensor")
     ax = norm_axis("concat", axis, xs[0].ndim)
-    total = 0
     for x in xs:
         if (
             x.ndim != xs[0].ndim
@@ -393,9 +392,8 @@ def _concat_meta(*xs, axis=0):
             or any(i != ax and a != b for i, (a, b) in enumerate(zip(x.shape, xs[0].shape)))
         ):
             raise OpError(f"concat: tensors must match except along axis {axis}", *xs)
-        total = sym.add(total, x.shape[ax])
     shape = list(xs[0].shape)
-    shape[ax] = total
+    shape[ax] = sym.total(x.shape[ax] for x in xs)
     return Meta(shape, xs[0].dtype)
 
 
@@ -483,16 +481,9 @@ def _split_sizes(x, sections, axis):
                 f"split: axis {axis} of {describe(x)} does not split into {sections} equal parts"
             ) from None
         return ax, (part,) * sections
-    if sym.canonical(sum_dims(sections)) != sym.canonical(d):
+    if sym.canonical(sym.total(sections)) != sym.canonical(d):
         raise OpError(f"split: sizes {list(sections)} do not add up to axis {axis} of {describe(x)}")
     return ax, tuple(sections)
-
-
-def sum_dims(dims: Sequence) -> sym.Dim:
-    total: sym.Dim = 0
-    for d in dims:
-        total = sym.add(total, d)
-    return total
 
 
 def _split_meta(x, sections, axis=0):
