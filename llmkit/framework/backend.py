@@ -16,16 +16,10 @@ import numpy as np
 
 # ---------------------------------------------------------------------------------------- dtypes
 
-DTYPES: dict[str, np.dtype] = {  # bfloat16 joins at its first use (_bfloat16)
-    "float64": np.dtype(np.float64),
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "int8": np.dtype(np.int8),
-    "uint8": np.dtype(np.uint8),
-    "int16": np.dtype(np.int16),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-    "bool": np.dtype(np.bool_),
+# bfloat16 joins at its first use (_bfloat16)
+DTYPES = {
+    n: np.dtype(n)
+    for n in ("float64", "float32", "float16", "int8", "uint8", "int16", "int32", "int64", "bool")
 }
 _BY_DTYPE = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = {DTYPES[n] for n in ("float64", "float32", "float16")}
@@ -178,11 +172,9 @@ def set_device(device: str) -> None:
 
 
 def to_numpy(array: Any) -> np.ndarray:
-    return (
-        array
-        if isinstance(array, np.ndarray)
-        else np.asarray(array.get() if hasattr(array, "get") else array)
-    )
+    if isinstance(array, np.ndarray):
+        return array
+    return np.asarray(array.get() if hasattr(array, "get") else array)
 
 
 def to_device(array: Any, device: str) -> Any:

@@ -43,9 +43,7 @@ def getitem(x: Tensor, index: Any) -> Tensor:
             new_axes.append(pos)
             pos += 1
             continue
-        if (isinstance(i, Tensor) and i.dtype == np.bool_) or (
-            isinstance(i, np.ndarray) and i.dtype == np.bool_
-        ):
+        if isinstance(i, (Tensor, np.ndarray)) and i.dtype == np.bool_:
             raise IndexError(
                 "boolean mask indexing gives a data-dependent shape; use ops.where(mask, x, 0) instead"
             )

@@ -89,14 +89,17 @@ def concat(parts: Sequence[Any], axis: int) -> Any:
 
 # The collectives as functions of every member's input ({rank: x} in group order) -> {rank: y}:
 # what sim computes directly and what its rendezvous runs.
-def _all_reduce(xs: Shards, group, op: str) -> Shards:
-    out = fold(op, [xs[r] for r in group])
+def _everyone(group, out: Any) -> Shards:
+    """``out`` for each member (copies: the members' arrays never alias)."""
     return {r: out if i == 0 else out.copy() for i, r in enumerate(group)}
+
+
+def _all_reduce(xs: Shards, group, op: str) -> Shards:
+    return _everyone(group, fold(op, [xs[r] for r in group]))
 
 
 def _all_gather(xs: Shards, group, axis: int) -> Shards:
-    out = concat([xs[r] for r in group], axis)
-    return {r: out if i == 0 else out.copy() for i, r in enumerate(group)}
+    return _everyone(group, concat([xs[r] for r in group], axis))
 
 
 def _reduce_scatter(xs: Shards, group, axis: int, sizes, op: str) -> Shards:
@@ -450,14 +453,10 @@ class MpiBackend(Backend):
             # MPI_Comm_create_group blocks with no deadline: first check every member is alive.
             tag = 30000 + self._tag(("g", group))
             token = np.zeros(1, np.int8)
-            reqs = []
-            bufs = []
-            for r in group:
-                if r != self._rank:
-                    reqs.append(self.comm.Isend(token, dest=r, tag=tag))
-                    b = np.empty(1, np.int8)
-                    bufs.append(b)
-                    reqs.append(self.comm.Irecv(b, source=r, tag=tag))
+            peers = [r for r in group if r != self._rank]
+            bufs = [np.empty(1, np.int8) for _ in peers]
+            reqs = [self.comm.Isend(token, dest=r, tag=tag) for r in peers]
+            reqs += [self.comm.Irecv(b, source=r, tag=tag) for r, b in zip(peers, bufs)]
             self.wait(reqs, f"{what} (making the communicator of ranks {list(group)})", group)
             c = self.comm.Create_group(self.comm.group.Incl(list(group)))
             self._comms[group] = c
@@ -523,21 +522,22 @@ class MpiBackend(Backend):
         return concat([p.reshape(s) for p, s in zip(parts, shapes)], concat_axis)
 
     # ---- point to point ----------------------------------------------------------------------
-    @staticmethod
-    def _user_tag(tag: int) -> int:
+    def _p2p_tag(self, src: int, dst: int, tag: int | None) -> int:
+        """The next sequence tag between ``src`` and ``dst`` (below 10000), or a user ``tag`` moved
+        above them (below the group tokens, 30000+)."""
+        if tag is None:
+            return self._tag(("p", src, dst))
         if not 0 <= tag < 20000:
             raise ValueError(f"a message tag must be in [0, 20000), got {tag}")
-        return 10000 + tag  # above the sequence tags (below 10000), below the group tokens (30000+)
+        return 10000 + tag
 
     def send(self, src, dst, x, what="send", tag=None):
         buf = np.ascontiguousarray(x)
-        t = self._tag(("p", src, dst)) if tag is None else self._user_tag(tag)
-        self._pending.append((self.comm.Isend(buf, dest=dst, tag=t), buf))
+        self._pending.append((self.comm.Isend(buf, dest=dst, tag=self._p2p_tag(src, dst, tag)), buf))
 
     def recv(self, src, dst, shape, dtype, what="recv", tag=None):
         buf = np.empty(shape, dtype)
-        t = self._tag(("p", src, dst)) if tag is None else self._user_tag(tag)
-        req = self.comm.Irecv(buf, source=src, tag=t)
+        req = self.comm.Irecv(buf, source=src, tag=self._p2p_tag(src, dst, tag))
         # only this message is waited for: a send still in flight may wait for a receive that
         # this rank's schedule posts later (flush() waits for every send)
         self.wait([req], what, (src, dst))

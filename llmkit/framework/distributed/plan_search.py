@@ -192,9 +192,8 @@ def _in_flight(name: str, pp: int, m: int) -> int:
 def _clock(name: str, pp: int, m: int, b_over_f: float) -> float:
     """Makespan in forward-times of ``name``'s job lists (F = 1, B = ``b_over_f``, no hop latency;
     a split backward's B and W take half of it each)."""
-    costs = {"F": 1.0, "B": b_over_f, "W": 0.0}
-    if name == "zero_bubble":
-        costs = {"F": 1.0, "B": b_over_f / 2, "W": b_over_f / 2}
+    split = name == "zero_bubble"
+    costs = {"F": 1.0, "B": b_over_f / 2 if split else b_over_f, "W": b_over_f / 2 if split else 0.0}
     return simulate(_schedule(name, pp, m), costs).makespan
 
 
@@ -398,14 +397,7 @@ def mfu(c: Candidate, cost: ModelCost, machine: Machine, batch: int) -> float:
     return cost.train_flops(batch * cost.seq_len) / c.step / (peak * c.dp * c.tp * c.pp)
 
 
-def plan(
-    cost: ModelCost,
-    machine: Machine,
-    world: int,
-    batch: int,
-    mem: float,
-    **kw,
-) -> Choice:
+def plan(cost: ModelCost, machine: Machine, world: int, batch: int, mem: float, **kw) -> Choice:
     return choose(candidates(cost, machine, world, batch, **kw), mem)
 
 
@@ -414,11 +406,5 @@ def scaled(machine: Machine, ranks_per_host: int, cores: int) -> Machine:
     probe measured with every core (the FLOP/s, memory bandwidth and optimizer rate)."""
     ranks = max(ranks_per_host, 1)
     share = max(cores // ranks, 1) / cores if ranks <= cores else 1 / ranks
-    times = lambda x: x * share if x else x
-    return replace(
-        machine,
-        flops=times(machine.flops),
-        bandwidth=times(machine.bandwidth),
-        update_rate=times(machine.update_rate),
-        peak_flops=times(machine.peak_flops),
-    )
+    speeds = ("flops", "bandwidth", "update_rate", "peak_flops")
+    return replace(machine, **{k: getattr(machine, k) and getattr(machine, k) * share for k in speeds})

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..files import atomic_write, cache_root
 from .parallel_plan import PlanError
-from .plan_search import Link, Machine
+from .plan_search import Link, Machine, scaled
 
 SIZES = (8, 4 << 20)
 
@@ -100,15 +100,14 @@ def local_machine(
     ``step_speed``: (a key naming the model's shape, a probe of its training FLOP/s and its
     optimizer's parameters per second here): the model's own kernels' speeds replace the bare
     matmul's and the memory bandwidth's."""
-    key = f"{platform.node()}/{os.cpu_count()}/numpy-{np.__version__}/{backend}"
+    # one rank talks to nobody: no backend to probe
+    key = f"{platform.node()}/{os.cpu_count()}/numpy-{np.__version__}/{backend if ranks > 1 else 'alone'}"
     path = cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         cache = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         cache = {}
-    if ranks == 1:  # one rank talks to nobody: no backend to probe
-        key = f"{platform.node()}/{os.cpu_count()}/numpy-{np.__version__}/alone"
     hit = cache.get(key)
     if hit is None:
         flops, bandwidth = compute_speeds()
@@ -127,8 +126,6 @@ def local_machine(
             atomic_write(path, json.dumps(cache, indent=1) + "\n")
         flops, update = speeds[mine]
     link = Link(hit["alpha"], hit["beta"])
-    from .plan_search import scaled
-
     cores = os.cpu_count() or 1
     host = Machine(
         f"this host ({backend})",

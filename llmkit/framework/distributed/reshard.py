@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import backend as B
+from ..ops.collective import run_collective
 from ..placement import (
     Partial,
     Placement,
@@ -184,18 +185,6 @@ def step_op(step: Step, shape: Sequence[int], mesh: Any, placements: Sequence[Pl
     }
 
 
-def _run_collective(comm: Any, op: str, group: tuple, xs: dict, a: dict, what: str) -> dict:
-    if op == "all_reduce":
-        return comm.all_reduce(group, xs, a["reduce"], what=what)
-    if op == "all_gather":
-        return comm.all_gather(group, xs, a["axis"], a["sizes"], what=what)
-    if op == "reduce_scatter":
-        return comm.reduce_scatter(group, xs, a["axis"], a["sizes"], a["reduce"], what=what)
-    return comm.all_to_all(
-        group, xs, a["split_axis"], a["split_sizes"], a["concat_axis"], a["concat_sizes"], what=what
-    )
-
-
 def apply_step(x: DistArray, step: Step, what: str = "reshard") -> DistArray:
     """Run one step on the hosted shards of ``x``."""
     comm = get_backend()
@@ -223,7 +212,7 @@ def apply_step(x: DistArray, step: Step, what: str = "reshard") -> DistArray:
                     local = B.xp_of(local).zeros_like(local)
                 out[r] = local
         else:
-            out.update(_run_collective(comm, op, group, {r: x.shards[r] for r in hosted}, a, label))
+            out.update(run_collective(comm, op, group, {r: x.shards[r] for r in hosted}, a, label))
     return x.with_shards(out, new_placements)
 
 

@@ -159,11 +159,9 @@ class ShardReader:
         start = tuple(s.start for s in region)
         shape = tuple(s.stop - s.start for s in region)
         if not copy:
+            whole = (start, tuple(a + n for a, n in zip(start, shape)))
             for p in self.pieces[name]:
-                if _overlap(p.start, p.shape, start, shape) == (
-                    start,
-                    tuple(a + n for a, n in zip(start, shape)),
-                ):
+                if _overlap(p.start, p.shape, start, shape) == whole:
                     view = self._open[p.file][p.key]._data[
                         tuple(slice(a - o, a - o + n) for a, o, n in zip(start, p.start, shape))
                     ]

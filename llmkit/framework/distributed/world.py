@@ -46,25 +46,17 @@ class DistWorld(World):
             x, like = payloads
             if isinstance(x, DistArray) and isinstance(like, DistArray) and x.mesh != like.mesh:
                 return move(x, like.mesh, dense(like.placements), "reshard's gradient")
-        mesh = None
-        for p in payloads:
-            if isinstance(p, DistArray):
-                if mesh is None:
-                    mesh = p.mesh
-                elif p.mesh != mesh:
-                    raise OpError(
-                        f"{spec.name}: inputs on different meshes ({mesh!r} and {p.mesh!r}); "
-                        "dist.reshard one of them onto the other's mesh first"
-                    )
+        meshes = list(dict.fromkeys(p.mesh for p in payloads if isinstance(p, DistArray)))
+        if len(meshes) > 1:
+            raise OpError(
+                f"{spec.name}: inputs on different meshes ({meshes[0]!r} and {meshes[1]!r}); "
+                "dist.reshard one of them onto the other's mesh first"
+            )
+        mesh = meshes[0]
         xs = [lift(p, mesh) for p in payloads]
         if spec.spmd is RESHARD:
-            x = xs[0]
-            target = attrs["mesh"]
-            return (
-                reshard_array(x, attrs["placements"])
-                if target == x.mesh
-                else move(x, target, attrs["placements"])
-            )
+            x, target, ps = xs[0], attrs["mesh"], attrs["placements"]
+            return reshard_array(x, ps) if target == x.mesh else move(x, target, ps)
         metas = [Meta(x.shape, x.dtype) for x in xs]
         out_metas = spec.infer_meta(*metas, **attrs)  # one clear error for bad input, before any move
         fixed = [i for i, t in enumerate(inputs) if isinstance(t, Parameter)]

@@ -44,11 +44,9 @@ class Namer:
         self.counter = 0
 
     def __call__(self, v: Value) -> str:
-        n = self.names.get(v)
-        if n is None:
-            n = self._fresh(v.name)
-            self.names[v] = n
-        return n
+        if v not in self.names:
+            self.names[v] = self._fresh(v.name)
+        return self.names[v]
 
     def _fresh(self, name: str | None) -> str:
         if name is None or name.isdigit() or not name:

@@ -22,27 +22,13 @@ from .errors import IRError
 def is_pure(op: Operation) -> bool:
     """No side effects: Pure, or RecursivelyPure with only pure ops inside."""
     traits = op.opdef.traits
-    if Trait.PURE in traits:
-        return True
-    if Trait.RECURSIVELY_PURE in traits:
-        return all(
-            is_pure(o)
-            for r in op.regions
-            for b in r.blocks
-            for o in b
-            if Trait.TERMINATOR not in o.opdef.traits
-        )
-    return False
+    inner = (o for r in op.regions for b in r.blocks for o in b if Trait.TERMINATOR not in o.opdef.traits)
+    return Trait.PURE in traits or (Trait.RECURSIVELY_PURE in traits and all(map(is_pure, inner)))
 
 
 def is_trivially_dead(op: Operation) -> bool:
     """A pure, non-terminator op none of whose results is used."""
-    if Trait.TERMINATOR in op.opdef.traits:
-        return False
-    for r in op.results:
-        if r._uses:
-            return False
-    return is_pure(op)
+    return Trait.TERMINATOR not in op.opdef.traits and not any(r._uses for r in op.results) and is_pure(op)
 
 
 class RewritePattern:

@@ -75,18 +75,12 @@ class _Verifier:
                 raise self.fail(op, f"result #{r.index} has no PIR type ({r.type!r})")
         # ---- attributes
         attrs = op.attributes
-        for k, check in d.attrs.items():
-            a = attrs.get(k)
-            if a is None:
+        for k in d.attrs:
+            if k not in attrs:
                 raise self.fail(op, f"missing attribute {k!r}")
-            problem = check(a)
-            if problem:
-                raise self.fail(op, f"attribute {k!r} must be {problem}, got {a}")
         opt = d.optional_attrs
         for k, a in attrs.items():
-            if k in d.attrs:
-                continue
-            check = opt.get(k) or opt.get("*")
+            check = d.attrs.get(k) or opt.get(k) or opt.get("*")
             if check is None:
                 known = ", ".join(list(d.attrs) + [o for o in opt if o != "*"]) or "none"
                 raise self.fail(op, f"unknown attribute {k!r} (its attributes are: {known})")
@@ -117,10 +111,8 @@ class _Verifier:
                     self.block(block, set() if isolated else visible, needs_term, op)
 
     def block(self, block: Block, visible: set[Value], needs_term: bool, owner: Operation) -> None:
-        added: list[Value] = []
-        for a in block.args:
-            visible.add(a)
-            added.append(a)
+        added: list[Value] = list(block.args)
+        visible.update(added)
         last = block.last
         for o in block:
             if o.parent is not block:
@@ -128,14 +120,12 @@ class _Verifier:
             self.op(o, visible)
             if o is not last and Trait.TERMINATOR in o.opdef.traits:
                 raise self.fail(o, "a terminator must be the last op of its block")
-            for r in o.results:
-                visible.add(r)
-                added.append(r)
+            visible.update(o.results)
+            added.extend(o.results)
         if needs_term and (last is None or Trait.TERMINATOR not in last.opdef.traits):
             what = _terminator_name(owner)
             raise self.fail(owner, f"a block of its region does not end with a terminator ({what})")
-        for v in added:
-            visible.discard(v)
+        visible.difference_update(added)
 
 
 def _terminator_name(op: Operation) -> Any:

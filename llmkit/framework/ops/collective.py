@@ -62,6 +62,30 @@ def _comm(name: str, group: tuple, mesh: Any) -> tuple[Any, int, str]:
     return comm, rank, where
 
 
+def run_collective(comm: Any, name: str, group: tuple, xs: dict, a: dict, what: str) -> dict:
+    """The per-rank collective op ``name`` with attributes ``a`` on ``xs`` ({rank: array} for the
+    hosted members of ``group``) through ``comm``: what the ops' kernels and eager reshards run."""
+    nd = next(iter(xs.values())).ndim  # (negative axes count from the end)
+    if name == "all_reduce":
+        return comm.all_reduce(group, xs, a["reduce"], what=what)
+    if name == "all_gather":
+        return comm.all_gather(group, xs, a["axis"] % nd, a["sizes"], what=what)
+    if name == "reduce_scatter":
+        return comm.reduce_scatter(group, xs, a["axis"] % nd, a["sizes"], a["reduce"], what=what)
+    sa, ca = a["split_axis"] % nd, a["concat_axis"] % nd
+    return comm.all_to_all(group, xs, sa, a["split_sizes"], ca, a["concat_sizes"], what=what)
+
+
+def _kernel(name: str) -> Callable[..., Any]:
+    """The kernel of collective ``name``: this process's rank's share of it."""
+
+    def kernel(xp, x, **attrs):
+        comm, rank, where = _comm(name, attrs["group"], attrs["mesh"])
+        return run_collective(comm, name, attrs["group"], {rank: x}, attrs, where)[rank]
+
+    return kernel
+
+
 _PER_RANK = P.not_distributed(
     "a per-rank collective acts on one rank's local array in a per-rank program; "
     "to move a distributed tensor use dist.reshard"
@@ -147,17 +171,12 @@ defop(
 # ---- per-rank collectives --------------------------------------------------------------------------
 
 
-def _all_reduce_kernel(xp, x, group, mesh=None, reduce="sum"):
-    comm, rank, where = _comm("all_reduce", group, mesh)
-    return comm.all_reduce(group, {rank: x}, reduce, what=where)[rank]
-
-
 defop(
     "all_reduce",
     Kind.COLLECTIVE,
     attrs=[_group(), _reduce_attr(), _mesh()],
     infer_meta=lambda x, group, mesh=None, reduce="sum": Meta(x.shape, x.dtype),
-    kernel=_all_reduce_kernel,
+    kernel=_kernel("all_reduce"),
     spmd=_PER_RANK,
     doc="Every member gets the reduction of the members' arrays.",
 )
@@ -168,17 +187,12 @@ def _all_gather_meta(x, group, axis, sizes, mesh=None):
     return Meta(_with(tuple(x.shape), ax, sum(sizes)), x.dtype)
 
 
-def _all_gather_kernel(xp, x, group, axis, sizes, mesh=None):
-    comm, rank, where = _comm("all_gather", group, mesh)
-    return comm.all_gather(group, {rank: x}, axis % x.ndim, sizes, what=where)[rank]
-
-
 defop(
     "all_gather",
     Kind.COLLECTIVE,
     attrs=[_group(), attr("axis", A.INT), attr("sizes", A.INTS), _mesh()],
     infer_meta=_all_gather_meta,
-    kernel=_all_gather_kernel,
+    kernel=_kernel("all_gather"),
     spmd=_PER_RANK,
     doc="The members' arrays concatenated along axis (member i holds sizes[i] there).",
 )
@@ -187,11 +201,6 @@ defop(
 def _reduce_scatter_meta(x, group, axis, sizes, rank, mesh=None, reduce="sum"):
     ax = _axis_meta("reduce_scatter", x, axis, sizes, group)
     return Meta(_with(tuple(x.shape), ax, sizes[_member("reduce_scatter", group, rank)]), x.dtype)
-
-
-def _reduce_scatter_kernel(xp, x, group, axis, sizes, rank, mesh=None, reduce="sum"):
-    comm, me, where = _comm("reduce_scatter", group, mesh)
-    return comm.reduce_scatter(group, {me: x}, axis % x.ndim, sizes, reduce, what=where)[me]
 
 
 defop(
@@ -206,7 +215,7 @@ defop(
         _mesh(),
     ],
     infer_meta=_reduce_scatter_meta,
-    kernel=_reduce_scatter_kernel,
+    kernel=_kernel("reduce_scatter"),
     spmd=_PER_RANK,
     doc="The members' arrays reduced and cut along axis into sizes; member i keeps piece i.",
 )
@@ -218,12 +227,6 @@ def _all_to_all_meta(x, group, split_axis, split_sizes, concat_axis, concat_size
     i = _member("all_to_all", group, rank)
     shape = _with(_with(tuple(x.shape), sa, split_sizes[i]), ca, sum(concat_sizes))
     return Meta(shape, x.dtype)
-
-
-def _all_to_all_kernel(xp, x, group, split_axis, split_sizes, concat_axis, concat_sizes, rank, mesh=None):
-    comm, me, where = _comm("all_to_all", group, mesh)
-    sa, ca = split_axis % x.ndim, concat_axis % x.ndim
-    return comm.all_to_all(group, {me: x}, sa, split_sizes, ca, concat_sizes, what=where)[me]
 
 
 defop(
@@ -239,7 +242,7 @@ defop(
         _mesh(),
     ],
     infer_meta=_all_to_all_meta,
-    kernel=_all_to_all_kernel,
+    kernel=_kernel("all_to_all"),
     spmd=_PER_RANK,
     doc="Member i sends piece j of x (cut along split_axis) to member j and concatenates what it "
     "receives along concat_axis.",

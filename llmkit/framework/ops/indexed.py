@@ -29,12 +29,11 @@ def _indexed(ctx, data, index_dims):
     x = ctx.metas[0]
     ax = norm_axis("index", ctx.attrs["axis"], x.ndim)
     n = len(ctx.metas)
-    groups = []
-    for d in range(x.ndim):
-        if d == ax:
-            continue
-        ins = [d if i in data or (i == 1 and index_dims) else None for i in range(n)]
-        groups.append((ins, (d,)))
+    groups = [
+        ([d if i in data or (i == 1 and index_dims) else None for i in range(n)], (d,))
+        for d in range(x.ndim)
+        if d != ax
+    ]
     if n == 2:  # index_select / gather: x whole along the axis, the index sharded
         groups.append(((None, ax if index_dims else 0), (ax,)))
     return groups, 1, data
@@ -250,40 +249,29 @@ defop(
 # ---- masks, one-hot, top-k, ranges -------------------------------------------------------------
 
 
-def _tri_meta(name):
-    def infer(x, diagonal=0):
-        if x.ndim < 2:
-            raise OpError(f"{name}: expects at least 2 dims, got {describe(x)}")
-        return Meta(x.shape, x.dtype)
-
-    return infer
-
-
 def _batch_dims(ctx, last):
     """Every dim but the ``last`` ones keeps its sharding (the triangle's index math needs them whole)."""
     return [((d,), (d,)) for d in range(ctx.metas[0].ndim - last)], 1, None
 
 
-defop(
-    "tril",
-    Kind.OPAQUE,
-    attrs=[attr("diagonal", A.INT, 0)],
-    infer_meta=_tri_meta("tril"),
-    kernel=lambda xp, x, diagonal=0: xp.tril(x, diagonal),
-    vjp=lambda g, out, x, diagonal: (O.tril(g, diagonal=diagonal),),
-    spmd=_moving(lambda ctx: _batch_dims(ctx, 2)),
-    doc="Keep the lower triangle of the last two dims (j <= i + diagonal), zero the rest.",
-)
-defop(
-    "triu",
-    Kind.OPAQUE,
-    attrs=[attr("diagonal", A.INT, 0)],
-    infer_meta=_tri_meta("triu"),
-    kernel=lambda xp, x, diagonal=0: xp.triu(x, diagonal),
-    vjp=lambda g, out, x, diagonal: (O.triu(g, diagonal=diagonal),),
-    spmd=_moving(lambda ctx: _batch_dims(ctx, 2)),
-    doc="Keep the upper triangle of the last two dims (j >= i + diagonal), zero the rest.",
-)
+def triangle(name, doc):
+    """tril / triu (``xp.<name>``) of the last two dims; the gradient is the same triangle of g."""
+
+    def infer(x, diagonal=0):
+        if x.ndim < 2:
+            raise OpError(f"{name}: expects at least 2 dims, got {describe(x)}")
+        return Meta(x.shape, x.dtype)
+
+    def kernel(xp, x, diagonal=0):
+        return getattr(xp, name)(x, diagonal)
+
+    return defop(name, Kind.OPAQUE, attrs=[attr("diagonal", A.INT, 0)], infer_meta=infer, kernel=kernel,
+                 vjp=lambda g, out, x, diagonal: (getattr(O, name)(g, diagonal=diagonal),),
+                 spmd=_moving(lambda ctx: _batch_dims(ctx, 2)), doc=doc)  # fmt: skip
+
+
+triangle("tril", "Keep the lower triangle of the last two dims (j <= i + diagonal), zero the rest.")
+triangle("triu", "Keep the upper triangle of the last two dims (j >= i + diagonal), zero the rest.")
 
 
 def _one_hot_meta(x, num_classes, dtype="float32"):

@@ -44,7 +44,7 @@ from .. import symbolic as sym
 from ..dispatch import O
 from ..opspec import A, Kind, Meta, OpError, attr, defop, describe, get, optional, same_dtype
 from . import spmd as P
-from .contraction import _linear_meta, _linear_vjp, mm
+from .contraction import _flat, _linear_meta, _linear_vjp, mm
 from .indexed import _add_at
 
 
@@ -403,10 +403,6 @@ def _tiled_kernel(xp, x, weight, bias=None, rows=8, transposed=False, panel=0):
     return out.reshape(x.shape[:-1] + (n_out,))
 
 
-def _flat(t):
-    return O.reshape(t, [-1, t.shape[-1]])
-
-
 def _tiled_vjp(g, out, x, weight, bias=None, rows=8, transposed=False, panel=0):
     if not (transposed or panel):
         return _linear_vjp(g, out, x, weight, bias)
@@ -426,14 +422,10 @@ def _tiled_vjp(g, out, x, weight, bias=None, rows=8, transposed=False, panel=0):
     )
 
 
-def _tiled_spmd(swiglu: bool):
+def _tiled_strategies(ctx, swiglu):
     """tiled_linear(x, w, b) / tiled_linear_swiglu(x, w_gate, w_up) as ``...k,nk->...n``: batch rows,
     output features (the weight's out dim: 0, or 1 when transposed, 0 of the panels: a whole number
     of panels per rank) or, for tiled_linear, the inner dim (a Partial sum, the bias on one rank)."""
-    return lambda ctx: _tiled_strategies(ctx, swiglu)
-
-
-def _tiled_strategies(ctx, swiglu):
     x = ctx.metas[0]
     transposed, panel = ctx.attrs["transposed"], ctx.attrs["panel"]
     out_dim, in_dim = (0, 1) if panel else ((1, 0) if transposed else (0, 1))
@@ -468,7 +460,7 @@ engine_op(
     _tiled_meta,
     _tiled_kernel,
     vjp=_tiled_vjp,
-    spmd=P.Rule(_tiled_spmd(swiglu=False)),
+    spmd=P.Rule(lambda ctx: _tiled_strategies(ctx, swiglu=False)),
     doc="x @ weight.T + bias (as linear), computed in matrix products of exactly `rows` rows (the last "
     "zero-padded), so each row's result is independent of the number of rows: batch invariance (the "
     "C kernel computes each row alone, whatever `rows`). "
@@ -509,7 +501,7 @@ engine_op(
     _tls_meta,
     _tls_kernel,
     vjp=_tls_vjp,
-    spmd=P.Rule(_tiled_spmd(swiglu=True)),
+    spmd=P.Rule(lambda ctx: _tiled_strategies(ctx, swiglu=True)),
     doc="swiglu(tiled_linear(x, w_gate), tiled_linear(x, w_up)) as one op (the engine's MLP with "
     "both weights in panels: each thread finishes its own columns; the products are never stored). "
     "Weights and attributes as tiled_linear's, no bias.",

@@ -74,18 +74,18 @@ def _extreme_vjp(g, out, x, axis, keepdim):
     return (_keep(g, x, axis, keepdim) * hit / O.sum(hit, axis=axis, keepdim=True),)
 
 
-def _sum_kernel(xp, x, axis=None, keepdim=False):
-    acc = B.accumulation_dtype(x.dtype)
-    return xp.sum(x, axis=axis, keepdims=keepdim, dtype=acc).astype(x.dtype, copy=False)
+def _accumulating(name):
+    """The kernel of xp.<name> (sum, mean) run in the accumulation dtype, cast back to x's."""
+
+    def kernel(xp, x, axis=None, keepdim=False):
+        acc = B.accumulation_dtype(x.dtype)
+        return getattr(xp, name)(x, axis=axis, keepdims=keepdim, dtype=acc).astype(x.dtype, copy=False)
+
+    return kernel
 
 
-def _mean_kernel(xp, x, axis=None, keepdim=False):
-    acc = B.accumulation_dtype(x.dtype)
-    return xp.mean(x, axis=axis, keepdims=keepdim, dtype=acc).astype(x.dtype, copy=False)
-
-
-reduction("sum", _sum_kernel, _sum_vjp, reducer="sum")
-reduction("mean", _mean_kernel, _mean_vjp, floating=True, reducer="mean")
+reduction("sum", _accumulating("sum"), _sum_vjp, reducer="sum")
+reduction("mean", _accumulating("mean"), _mean_vjp, floating=True, reducer="mean")
 
 
 def extreme(name):

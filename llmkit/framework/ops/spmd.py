@@ -338,6 +338,18 @@ def broadcast_dims(out_shape: Sequence[Any], metas: Sequence[Any]) -> list[list[
     return table
 
 
+def partials(fixed: Sequence[Any], together: Sequence[int], ops: Sequence[str] = _LINEAR_OPS, n_out: int = 1):
+    """Partial strategies of an op linear in its inputs ``together`` jointly (max/min: monotone):
+    per op, those inputs ``Partial(op)``, the others as ``fixed``, the outputs ``Partial(op)``."""
+    ins = lambda op: [Partial(op) if i in together else p for i, p in enumerate(fixed)]
+    return [(ins(op), (Partial(op),) * n_out) for op in ops]
+
+
+def one_partial(fixed: Sequence[Any], positions: Sequence[int]) -> list:
+    """Partial strategies of an op linear in each input of ``positions`` alone (a product's factors)."""
+    return [s for op in _LINEAR_OPS for i in positions for s in partials(fixed, (i,), (op,))]
+
+
 def elementwise(partial: str | None = None, inputs: Sequence[int] | None = None) -> Rule:
     """Rule of an elementwise op (numpy broadcasting). ``partial``: None, "linear", "bilinear",
     "first" (linear in the first input only, like div), "max" or "min"; ``inputs``: the positions
@@ -352,17 +364,9 @@ def elementwise(partial: str | None = None, inputs: Sequence[int] | None = None)
         fixed = [R if m is not None else None for m in metas]
         parts = []
         if partial in ("linear", "max", "min"):
-            for op in _LINEAR_OPS if partial == "linear" else (partial,):
-                ins = list(fixed)
-                for i in idx:
-                    ins[i] = Partial(op)
-                parts.append((ins, (Partial(op),)))
+            parts = partials(fixed, idx, _LINEAR_OPS if partial == "linear" else (partial,))
         elif partial in ("bilinear", "first"):
-            for op in _LINEAR_OPS:
-                for i in idx if partial == "bilinear" else idx[:1]:
-                    ins = list(fixed)
-                    ins[i] = Partial(op)
-                    parts.append((ins, (Partial(op),)))
+            parts = one_partial(fixed, idx if partial == "bilinear" else idx[:1])
         return dim_map(ctx, groups, parts)
 
     return Rule(strategies, doc=f"elementwise (partial: {partial})")
@@ -475,19 +479,15 @@ class Einsum:
 
     def _letters(self, metas: Sequence[Any]) -> tuple[int, list[list[str]]]:
         """Batch rank and, per operand, one label per dim ("0", "1"... for the broadcast dims)."""
-        nb = 0
+        extras = []
         for t, m in zip(self.operands, metas):
-            core = t.replace("...", "")
-            extra = m.ndim - len(core)
+            extra = m.ndim - len(t.replace("...", ""))
             if extra < 0 or (extra and not t.startswith("...")):
                 raise OpError(f"einsum {self.text}: operand {describe(m)} has too few dims")
-            nb = max(nb, extra)
-        labels = []
-        for t, m in zip(self.operands, metas):
-            core = t.replace("...", "")
-            extra = m.ndim - len(core)
-            labels.append([str(nb - extra + k) for k in range(extra)] + list(core))
-        return nb, labels
+            extras.append(extra)
+        nb = max(extras, default=0)
+        cores = [t.replace("...", "") for t in self.operands]
+        return nb, [[str(nb - e + k) for k in range(e)] + list(c) for c, e in zip(cores, extras)]
 
     def meta(self, name: str, *metas: Any, flags: str = "") -> Meta:
         """The output Meta: operands of one dtype, each letter one size ("inner dims differ (3 vs
@@ -530,15 +530,8 @@ class Einsum:
                     d = None  # a broadcast batch dim stays replicated
                 ins.append(d)
             groups.append((ins, (j,)))
-        parts = []
-        for letter in self.contracted:
-            ins = [Shard(lab.index(letter)) for lab in labels]
-            parts.append((ins, (Partial("sum"),)))
-        for op in _LINEAR_OPS:  # linear in each operand: one Partial factor, the others replicated
-            for i in range(len(metas)):
-                ins = [R] * len(metas)
-                ins[i] = Partial(op)
-                parts.append((ins, (Partial(op),)))
+        parts = [([Shard(lab.index(c)) for lab in labels], (Partial("sum"),)) for c in self.contracted]
+        parts += one_partial([R] * len(metas), range(len(metas)))  # one Partial factor, the others R
         return dim_map(Ctx(ctx.mesh_shape, ctx.dim, metas, ctx.placements, ctx.attrs), groups, parts)
 
 

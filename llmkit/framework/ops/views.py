@@ -36,11 +36,7 @@ END = 2**63 - 1  # a slice end meaning "to the end of the axis"
 
 def linear(n_in: int, n_out: int = 1, among: Sequence[int] | None = None) -> list:
     """Partial strategies of an op linear in inputs ``among`` (all by default; others replicated)."""
-    pos = range(n_in) if among is None else among
-    return [
-        ([P.Partial(op) if i in pos else P.R for i in range(n_in)], (P.Partial(op),) * n_out)
-        for op in ("sum", "avg")
-    ]
+    return P.partials([P.R] * n_in, range(n_in) if among is None else among, n_out=n_out)
 
 
 def _moving(groups_of, shape_attr: str | None = None, extra=None, globalize=None) -> P.Rule:

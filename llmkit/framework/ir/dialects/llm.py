@@ -118,11 +118,9 @@ def make_opdef(spec: OpSpec) -> OpDef:
                 return f"attribute {k!r} = {have} is not in normal form for type {types[k]} (expected {want})"
         return None
 
-    interfaces: dict[str, Any] = {Interface.INFER_META: spec.infer_meta, Interface.KERNEL: spec.kernel}
-    if spec.vjp is not None:
-        interfaces[Interface.VJP] = spec.vjp
-    if spec.decompose is not None:
-        interfaces[Interface.DECOMPOSE] = spec.decompose
+    optional = {Interface.VJP: spec.vjp, Interface.DECOMPOSE: spec.decompose}
+    interfaces = {Interface.INFER_META: spec.infer_meta, Interface.KERNEL: spec.kernel}
+    interfaces.update({k: f for k, f in optional.items() if f is not None})
     return OpDef(
         full_name(spec),
         _traits(spec),
