@@ -52,7 +52,7 @@ def register_payload_kind(payload_type: type, kind: Any) -> None:
     _PAYLOAD_KINDS[payload_type] = kind
 
 
-@dataclass
+@dataclass(eq=False)
 class ConcreteProgram:
     """One traced signature: its program, the captured tensors, and how to run it (``runner``: what a
     payload kind prepared, else the program's executor, made on first use)."""
