@@ -41,6 +41,18 @@ def any_attr(a: Attribute) -> str | None:
     return None
 
 
+def must_end(parent: str) -> Callable[[Operation], str | None]:
+    """The verifier of a terminator that ends the body of a ``parent`` op (and nothing else)."""
+
+    def verify(op: Operation) -> str | None:
+        p = op.parent_op
+        if p is None or p.name != parent:
+            return f"{op.name} must end a {parent} body, not {p.name if p else 'nothing'}"
+        return None
+
+    return verify
+
+
 @dataclass(eq=False)
 class OpDef:
     """Everything PIR knows about one kind of operation.

@@ -15,7 +15,7 @@ from ...placement import check
 from ...types import TensorType, Type
 from ..attributes import DenseAttr, MeshAttr, StrAttr
 from ..core import BlockArgument, Operation, Value
-from ..opdef import Dialect, OpDef, OpView, any_attr, is_a
+from ..opdef import Dialect, OpDef, OpView, any_attr, is_a, must_end
 
 T = Trait
 
@@ -32,13 +32,6 @@ def _verify_module(op: Operation) -> str | None:
                     if name.value in seen:
                         return f"function @{name.value} is defined twice"
                     seen.add(name.value)
-    return None
-
-
-def _verify_return(op: Operation) -> str | None:
-    p = op.parent_op
-    if p is None or p.name != "builtin.func":
-        return f"builtin.return must end a builtin.func body, not {p.name if p else 'nothing'}"
     return None
 
 
@@ -92,7 +85,7 @@ RETURN = OpDef(
     frozenset({T.TERMINATOR, T.PURE}),
     max_operands=None,
     num_results=0,
-    verify=_verify_return,
+    verify=must_end("builtin.func"),
     doc="Ends a function body, returning its operands.",
 )
 PARAMETER = OpDef(

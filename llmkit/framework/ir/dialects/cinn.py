@@ -11,7 +11,7 @@ from __future__ import annotations
 from ...opspec import Trait
 from ..attributes import StrAttr
 from ..core import Operation
-from ..opdef import Dialect, OpDef, OpView, any_attr, is_a
+from ..opdef import Dialect, OpDef, OpView, any_attr, is_a, must_end
 
 T = Trait
 
@@ -33,13 +33,6 @@ def _verify_fusion(op: Operation) -> str | None:
     return None
 
 
-def _verify_yield(op: Operation) -> str | None:
-    p = op.parent_op
-    if p is None or p.name != "cinn.fusion":
-        return f"cinn.yield must end a cinn.fusion body, not {p.name if p else 'nothing'}"
-    return None
-
-
 FUSION = OpDef(
     "cinn.fusion",
     frozenset({T.RECURSIVELY_PURE}),
@@ -55,7 +48,7 @@ YIELD = OpDef(
     frozenset({T.TERMINATOR, T.PURE}),
     max_operands=None,
     num_results=0,
-    verify=_verify_yield,
+    verify=must_end("cinn.fusion"),
     doc="Ends a fusion group, giving its results.",
 )
 KERNEL = OpDef(
