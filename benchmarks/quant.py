@@ -235,10 +235,12 @@ def kernels(rounds: int, rows: list[int], info: dict) -> None:
     """The int8-activation kernel alone on the 134M model's shapes [out, in] at each number of rows
     (1, 8, 32: decode batches; 512: a prefill), on the panels the engine packs, against float32's
     ``tiled_linear`` on its panels (best of ``rounds * 5`` interleaved calls) and BLAS (numpy's matmul,
-    timed after them)."""
+    timed after them). Scales are float16 numbers, held as float32 (``packed=1``) and as float16
+    (``_f16``: ``packed=2``, the engine's layout for ``scale_dtype="float16"``; ``x_float32_scales``:
+    the same weights' float32-scale time / this one, same run)."""
     from llmkit.framework.compiler.native import NativeOp, build_c
     from llmkit.framework.ops.paged import pack_panels
-    from llmkit.framework.ops.quant import pack_qweight
+    from llmkit.framework.ops.quant import half_scales, pack_qweight
     from llmkit.framework.opspec import table
     from llmkit.quant import quantize_rtn
 
@@ -253,14 +255,14 @@ def kernels(rounds: int, rows: list[int], info: dict) -> None:
             "float32_tiled": lambda x: tl(np, x, panels, rows=x.shape[0], panel=16),
             "float32_blas": lambda x: x @ w.T,
         }
-        for bits, group in ((8, -1), (4, 32), (4, 128)):
-            qw = quantize_rtn(w, QuantConfig(bits, group, True, "rtn"))
+        for bits, group in ((8, -1), (8, 32), (4, 32), (4, 128)):
+            qw = quantize_rtn(w, QuantConfig(bits, group, True, "rtn", "float16"))
             p = pack_qweight(qw.qweight, bits, group)
-            calls[f"int{bits}_{'g' + str(group) if group > 0 else 'channel'}_act8"] = (
-                lambda x, p=p, s=qw.scales, b=bits, g=group: ql(
-                    np, x, p, s, bits=b, group_size=g, act_bits=8, packed=1
+            name = f"int{bits}_{'g' + str(group) if group > 0 else 'channel'}_act8"
+            for suffix, s, packed in (("", qw.scales, 1), ("_f16", half_scales(qw.scales), 2)):
+                calls[name + suffix] = lambda x, p=p, s=s, b=bits, g=group, pk=packed: ql(
+                    np, x, p, s, bits=b, group_size=g, act_bits=8, packed=pk
                 )
-            )
         for m in rows:
             x = rng.standard_normal((m, k)).astype(np.float32)
             best = {c: float("inf") for c in calls}
@@ -279,6 +281,8 @@ def kernels(rounds: int, rows: list[int], info: dict) -> None:
                 extra = (
                     {} if c == "float32_tiled" else {"x_float32_tiled": round(best["float32_tiled"] / t, 3)}
                 )
+                if c.endswith("_f16"):
+                    extra["x_float32_scales"] = round(best[c[: -len("_f16")]] / t, 3)
                 gops = round(2 * m * n * k / t / 1e9, 1)
                 emit(
                     "quant",
