@@ -457,7 +457,7 @@ static inline __attribute__((always_inline)) void KERNEL_FN_ahead(const KERNEL_F
                                                                  int64_t words, int64_t n0, int64_t gi) {
   if (!j->packed) return;
   for (int64_t t = 0; t < words; t++) _mm_prefetch((const char *)(w + 4096 + t * 64), _MM_HINT_T0);
-  if (n0 + 3 * KERNEL_FN_NR <= j->N)
+  if (n0 + 3 * KERNEL_FN_NR <= j->N && !(j->hs && gi % 2)) /* float16: a line holds two groups */
     _mm_prefetch((const char *)j->s + ((n0 + 2 * KERNEL_FN_NR) * j->G + gi * KERNEL_FN_NR) * (j->hs ? 2 : 4),
                  _MM_HINT_T0);
 }
