@@ -16,6 +16,10 @@ format the lm_head can take (int8 per channel; int4 in groups of 32, 64, 128 and
 weight-only and with int8 activations, against float32's ``tiled_linear`` kernel, one call at a
 time, interleaved.
 
+``--kernels``: the int8-activation kernel alone on the model's shapes (``kernels``), and float16
+against float32 scales of the same panels (``packed=2`` / ``packed=1``) in decode passes through
+the 134M model's 84 linears, weights streamed from memory (``decode_pass_*``, ``scale_passes``).
+
 The bound of each variant: a decode step reads every weight once (of the embedding table one row
 per sequence), ``weight_MB`` per step, so ``GB_per_s`` = weight bytes / median step time is the
 memory speed the step achieved. ``format_bound_x`` = float32's weight bytes / the variant's is the
@@ -296,6 +300,45 @@ def kernels(rounds: int, rows: list[int], info: dict) -> None:
                 )
 
 
+def scale_passes(rounds: int, info: dict) -> None:
+    """float16 against float32 scales where it counts, weights streamed from memory: one row through
+    the 134M model's 84 decoder linears (12 layers of q, k, v, o, gate, up, down; about 48 MB of int4
+    g32 panels, more than the caches hold, as a decode step reads them), the same panels with float32
+    scales (``packed=1``) and float16 (``packed=2``), passes alternated, ``rounds * 10`` of each."""
+    from llmkit.framework.compiler.native import NativeOp, build_c
+    from llmkit.framework.ops.quant import CODE_DTYPE, half_scales, pack_qweight
+    from llmkit.framework.opspec import table
+
+    ql = NativeOp(table()["quant_linear"], build_c(table()["quant_linear"].native.source))
+    rng = np.random.default_rng(0)
+    shapes = [(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]
+    for bits in (4, 8):
+        mats = []
+        for n, k in shapes * 12:  # speed does not depend on the values: random codes, float16 numbers
+            codes = rng.integers(0, 256, (n, k // (2 if bits == 4 else 1)), dtype=np.uint8)
+            s = rng.uniform(1e-3, 1e-2, (n, k // 32)).astype(np.float16).astype(np.float32)
+            mats.append((k, pack_qweight(codes.view(CODE_DTYPE[bits]), bits, 32), s, half_scales(s)))
+        xs = {k: rng.standard_normal((1, k)).astype(np.float32) for k in (768, 2048)}
+
+        def run(half: bool, mats=mats, xs=xs, bits=bits) -> float:
+            t = time.perf_counter()
+            for k, p, s, h in mats:
+                ql(np, xs[k], p, h if half else s, bits=bits, group_size=32, act_bits=8, packed=1 + half)
+            return time.perf_counter() - t
+
+        run(False), run(True)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for r in range(rounds * 10):
+            for half in (False, True) if r % 2 == 0 else (True, False):
+                times[half].append(run(half))
+        for half, ts in times.items():
+            emit("quant", f"decode_pass_int{bits}_g32_{'f16' if half else 'f32'}_scales_ms",
+                 float(np.median(ts)) * 1e3, "ms", load_1min=load(), **info)  # fmt: skip
+        note = "float32-scale time / float16-scale time, same panels"
+        emit_paired_ratio("quant", f"decode_pass_int{bits}_g32_f16_scales_speedup", times[False], times[True],
+                          load_1min=load(), note=note)  # fmt: skip
+
+
 def accuracy(model_dir: Path, samples: int) -> None:
     from llmkit.models.llama import LlamaTokenizer
     from llmkit.quant.cli import calibration_ids, resolve_model_dir
@@ -350,7 +393,9 @@ def main() -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--skip-head", action="store_true", help="no lm_head-alone figures")
     p.add_argument(
-        "--kernels", action="store_true", help="the int8-activation kernel alone (rows 1, 8, 32, 512)"
+        "--kernels",
+        action="store_true",
+        help="the int8-activation kernel alone (rows 1, 8, 32, 512), and float16 against float32 scales",
     )
     a = p.parse_args()
     spin_between_kernels()  # as llmkit serve runs
@@ -358,6 +403,7 @@ def main() -> None:
     emit("quant", "load_average_1min", os.getloadavg()[0], "load", **info)
     if a.kernels:
         kernels(a.rounds, [*a.batches, 512], info)
+        scale_passes(a.rounds, info)
     if not a.skip_head:
         head(a.rounds, a.batches, info)
     if not a.skip_speed:
