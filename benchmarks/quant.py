@@ -16,6 +16,10 @@ format the lm_head can take (int8 per channel; int4 in groups of 32, 64, 128 and
 weight-only and with int8 activations, against float32's ``tiled_linear`` kernel, one call at a
 time, interleaved.
 
+``--kernels``: the int8-activation kernel alone on the model's shapes (``kernels``), and float16
+against float32 scales of the same panels (``packed=2`` / ``packed=1``) in decode passes through
+the 134M model's 84 linears, weights streamed from memory (``decode_pass_*``, ``scale_passes``).
+
 The bound of each variant: a decode step reads every weight once (of the embedding table one row
 per sequence), ``weight_MB`` per step, so ``GB_per_s`` = weight bytes / median step time is the
 memory speed the step achieved. ``format_bound_x`` = float32's weight bytes / the variant's is the
@@ -235,10 +239,12 @@ def kernels(rounds: int, rows: list[int], info: dict) -> None:
     """The int8-activation kernel alone on the 134M model's shapes [out, in] at each number of rows
     (1, 8, 32: decode batches; 512: a prefill), on the panels the engine packs, against float32's
     ``tiled_linear`` on its panels (best of ``rounds * 5`` interleaved calls) and BLAS (numpy's matmul,
-    timed after them)."""
+    timed after them). Scales are float16 numbers, held as float32 (``packed=1``) and as float16
+    (``_f16``: ``packed=2``, the engine's layout for ``scale_dtype="float16"``; ``x_float32_scales``:
+    the same weights' float32-scale time / this one, same run)."""
     from llmkit.framework.compiler.native import NativeOp, build_c
     from llmkit.framework.ops.paged import pack_panels
-    from llmkit.framework.ops.quant import pack_qweight
+    from llmkit.framework.ops.quant import half_scales, pack_qweight
     from llmkit.framework.opspec import table
     from llmkit.quant import quantize_rtn
 
@@ -253,14 +259,14 @@ def kernels(rounds: int, rows: list[int], info: dict) -> None:
             "float32_tiled": lambda x: tl(np, x, panels, rows=x.shape[0], panel=16),
             "float32_blas": lambda x: x @ w.T,
         }
-        for bits, group in ((8, -1), (4, 32), (4, 128)):
-            qw = quantize_rtn(w, QuantConfig(bits, group, True, "rtn"))
+        for bits, group in ((8, -1), (8, 32), (4, 32), (4, 128)):
+            qw = quantize_rtn(w, QuantConfig(bits, group, True, "rtn", "float16"))
             p = pack_qweight(qw.qweight, bits, group)
-            calls[f"int{bits}_{'g' + str(group) if group > 0 else 'channel'}_act8"] = (
-                lambda x, p=p, s=qw.scales, b=bits, g=group: ql(
-                    np, x, p, s, bits=b, group_size=g, act_bits=8, packed=1
+            name = f"int{bits}_{'g' + str(group) if group > 0 else 'channel'}_act8"
+            for suffix, s, packed in (("", qw.scales, 1), ("_f16", half_scales(qw.scales), 2)):
+                calls[name + suffix] = lambda x, p=p, s=s, b=bits, g=group, pk=packed: ql(
+                    np, x, p, s, bits=b, group_size=g, act_bits=8, packed=pk
                 )
-            )
         for m in rows:
             x = rng.standard_normal((m, k)).astype(np.float32)
             best = {c: float("inf") for c in calls}
@@ -279,6 +285,8 @@ def kernels(rounds: int, rows: list[int], info: dict) -> None:
                 extra = (
                     {} if c == "float32_tiled" else {"x_float32_tiled": round(best["float32_tiled"] / t, 3)}
                 )
+                if c.endswith("_f16"):
+                    extra["x_float32_scales"] = round(best[c[: -len("_f16")]] / t, 3)
                 gops = round(2 * m * n * k / t / 1e9, 1)
                 emit(
                     "quant",
@@ -290,6 +298,45 @@ def kernels(rounds: int, rows: list[int], info: dict) -> None:
                     **extra,
                     **info,
                 )
+
+
+def scale_passes(rounds: int, info: dict) -> None:
+    """float16 against float32 scales where it counts, weights streamed from memory: one row through
+    the 134M model's 84 decoder linears (12 layers of q, k, v, o, gate, up, down; about 48 MB of int4
+    g32 panels, more than the caches hold, as a decode step reads them), the same panels with float32
+    scales (``packed=1``) and float16 (``packed=2``), passes alternated, ``rounds * 10`` of each."""
+    from llmkit.framework.compiler.native import NativeOp, build_c
+    from llmkit.framework.ops.quant import CODE_DTYPE, half_scales, pack_qweight
+    from llmkit.framework.opspec import table
+
+    ql = NativeOp(table()["quant_linear"], build_c(table()["quant_linear"].native.source))
+    rng = np.random.default_rng(0)
+    shapes = [(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]
+    for bits in (4, 8):
+        mats = []
+        for n, k in shapes * 12:  # speed does not depend on the values: random codes, float16 numbers
+            codes = rng.integers(0, 256, (n, k // (2 if bits == 4 else 1)), dtype=np.uint8)
+            s = rng.uniform(1e-3, 1e-2, (n, k // 32)).astype(np.float16).astype(np.float32)
+            mats.append((k, pack_qweight(codes.view(CODE_DTYPE[bits]), bits, 32), s, half_scales(s)))
+        xs = {k: rng.standard_normal((1, k)).astype(np.float32) for k in (768, 2048)}
+
+        def run(half: bool, mats=mats, xs=xs, bits=bits) -> float:
+            t = time.perf_counter()
+            for k, p, s, h in mats:
+                ql(np, xs[k], p, h if half else s, bits=bits, group_size=32, act_bits=8, packed=1 + half)
+            return time.perf_counter() - t
+
+        run(False), run(True)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for r in range(rounds * 10):
+            for half in (False, True) if r % 2 == 0 else (True, False):
+                times[half].append(run(half))
+        for half, ts in times.items():
+            emit("quant", f"decode_pass_int{bits}_g32_{'f16' if half else 'f32'}_scales_ms",
+                 float(np.median(ts)) * 1e3, "ms", load_1min=load(), **info)  # fmt: skip
+        note = "float32-scale time / float16-scale time, same panels"
+        emit_paired_ratio("quant", f"decode_pass_int{bits}_g32_f16_scales_speedup", times[False], times[True],
+                          load_1min=load(), note=note)  # fmt: skip
 
 
 def accuracy(model_dir: Path, samples: int) -> None:
@@ -346,7 +393,9 @@ def main() -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--skip-head", action="store_true", help="no lm_head-alone figures")
     p.add_argument(
-        "--kernels", action="store_true", help="the int8-activation kernel alone (rows 1, 8, 32, 512)"
+        "--kernels",
+        action="store_true",
+        help="the int8-activation kernel alone (rows 1, 8, 32, 512), and float16 against float32 scales",
     )
     a = p.parse_args()
     spin_between_kernels()  # as llmkit serve runs
@@ -354,6 +403,7 @@ def main() -> None:
     emit("quant", "load_average_1min", os.getloadavg()[0], "load", **info)
     if a.kernels:
         kernels(a.rounds, [*a.batches, 512], info)
+        scale_passes(a.rounds, info)
     if not a.skip_head:
         head(a.rounds, a.batches, info)
     if not a.skip_speed:

@@ -52,7 +52,7 @@ from llmkit.framework.ir.passes import QuantizeLinear
 from llmkit.framework.ir.rewriter import PatternRewriter, RewritePattern, apply_patterns
 from llmkit.framework.jit.compile import default_compiler
 from llmkit.framework.ops.paged import PANEL, pack_panels
-from llmkit.framework.ops.quant import pack_qweight, unpack_qweight
+from llmkit.framework.ops.quant import float_scales, half_scales, pack_qweight, unpack_qweight
 
 O = lf.ops
 
@@ -173,13 +173,13 @@ class _Relayout(RewritePattern):
     roots = ("llm.tiled_linear", "llm.quant_linear")
 
     def __init__(self, layouts: dict) -> None:
-        self.layouts = layouts  # weight value -> "T" | "P16" | "Q<bits>g<group>"
+        self.layouts = layouts  # weight value -> "T" | "P16" | "Q<bits>g<group>" | "H"
 
     def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
         layout = self.layouts.get(op.operands[1])
         if op.name == "llm.quant_linear":
             if layout is not None and not op.plain_attrs["packed"]:
-                attrs = {**op.plain_attrs, "packed": 1}
+                attrs = {**op.plain_attrs, "packed": 2 if self.layouts.get(op.operands[2]) == "H" else 1}
                 rewriter.replace_op(op, rewriter.create(op.name, list(op.operands), attrs))
             return
         if layout is None or op.plain_attrs["transposed"] or op.plain_attrs["panel"]:
@@ -200,13 +200,16 @@ class TransposeWeights(Pass):
     1.8x ``[in, out]`` at 8 rows, 1.3x at one row: its register tile streams one contiguous panel).
     With ``panels``, the codes of ``quant_linear`` weights with int8 activations become the panels
     its C kernel reads (``Q<bits>g<group>``, ``ops.quant.pack_qweight``; ``packed=1``), which it
-    otherwise packs at every call.
+    otherwise packs at every call; with ``half_scales`` (the model's scales are float16 numbers:
+    ``scale_dtype="float16"``) their scales become float16 ("H", ``ops.quant.half_scales``;
+    ``packed=2``): the same products from 4.5 bits a weight in groups of 32 instead of 5.
     Whoever feeds the program passes those weights so: ``layouts`` maps their argument positions
     after ``apply`` to the layout (:func:`relayout` makes it).
     """
 
     name = "transpose-weights"
     panels: bool = False
+    half_scales: bool = False
     layouts: dict[int, str] = field(default_factory=dict)
 
     def apply(self, program: Program) -> None:
@@ -225,7 +228,22 @@ class TransposeWeights(Pass):
                 fresh = not any(op.plain_attrs["packed"] for op, _ in uses)
                 if not more and act == 8 and fresh and all(isinstance(d, int) for d in a.shape):
                     chosen[a] = f"Q{bits}g{group}"
+        if self.half_scales:  # scales read only by packed products: float16
+            args = set(f.args)
+            for op, _ in [u for a, layout in chosen.items() if layout[0] == "Q" for u in a.uses]:
+                s = op.operands[2]
+                if (
+                    s in args
+                    and s.dtype == np.float32
+                    and all(
+                        o.name == "llm.quant_linear" and i == 2 and o.operands[1] in chosen for o, i in s.uses
+                    )
+                ):
+                    chosen[s] = "H"
         for a, layout in chosen.items():
+            if layout == "H":
+                a.type = TensorType(a.shape, np.dtype(np.float16))
+                continue
             n, k = a.shape
             if layout[0] == "Q":
                 shape = pack_qweight(np.zeros((1, k), a.dtype), *map(int, layout[1:].split("g"))).shape
@@ -244,6 +262,8 @@ def relayout(a: np.ndarray, layout: str) -> np.ndarray:
         return pack_panels(a.T)
     if layout[0] == "Q" and layout[1] in "48":
         return pack_qweight(a, *map(int, layout[1:].split("g")))
+    if layout == "H":
+        return half_scales(B.to_numpy(a))
     raise ValueError(f"unknown weight layout {layout!r}")
 
 
@@ -309,9 +329,10 @@ _PANEL_OPS = {"llm.tiled_linear": (1,), "llm.tiled_linear_swiglu": (1, 2)}  # op
 def unpack_panel_weights(functions: Any) -> int:
     """Loaded programs (``jit.load``'s functions) that will run without ``tiled_linear``'s C kernel
     (``compiler="none"``, or no C compiler here) take their panel-packed weights as ``[in, out]``
-    again, and packed quantized codes (``packed=1``) as ``[out, in / PACK]``, unpacked once here
-    rather than by the reference kernel at every call. Returns how many weights were unpacked (a
-    weight two programs share is unpacked once)."""
+    again, packed quantized codes (``packed=1`` or 2) as ``[out, in / PACK]`` and float16 scales
+    (``packed=2``) as float32 (exactly), unpacked once here rather than by the reference kernel at
+    every call. Returns how many weights were unpacked (a weight two programs share is unpacked
+    once)."""
     done: dict[int, np.ndarray] = {}
     for fn in functions:
         f = fn.program.function(fn.entry["function"])
@@ -332,6 +353,13 @@ def unpack_panel_weights(functions: Any) -> int:
                 done[id(w)] = unpack_qweight(np, w, n, k, at["bits"], at["group_size"])
             fn.weights[a.index - n_in] = done[id(w)]
             a.type = TensorType(done[id(w)].shape, done[id(w)].dtype)
+            s = op.operands[2]
+            if at["packed"] == 2 and s.dtype == np.float16:
+                w = fn.weights[s.index - n_in]
+                if id(w) not in done:
+                    done[id(w)] = float_scales(np, np.asarray(w))
+                fn.weights[s.index - n_in] = done[id(w)]
+                s.type = TensorType(s.shape, done[id(w)].dtype)
         for a in chosen:
             p, k, c = a.shape
             a.type = TensorType((k, p * c), a.dtype)
@@ -445,6 +473,8 @@ def trace_programs(
     spec = model_spec(model, block_size, prefill_tile, decode_tile)
     tiles = {"prefill": prefill_tile, "decode": decode_tile, "score": prefill_tile}
     native = runs_native(compiler)  # panel-packed weights where the executor runs the C kernel
+    qc = getattr(model.config, "extra", {}).get("quantization_config") or {}
+    half = qc.get("scale_dtype") == "float16"  # scales that are float16 numbers, stored so (packed=2)
     lm_weight = model.lm_weight
     head = None if model.config.tie_word_embeddings else getattr(model, "lm_head", None)
 
@@ -499,7 +529,7 @@ def trace_programs(
             TileLinear(tiles[pname]).apply(cp.program)
         QuantizeLinear().apply(cp.program)  # quantized layers: quant_linear, with the tiles
         if tiles[pname] and relayout:
-            relayout_pass = TransposeWeights(panels=native)
+            relayout_pass = TransposeWeights(panels=native, half_scales=half)
             relayout_pass.apply(cp.program)
             layouts = {i - cp.n_args: v for i, v in relayout_pass.layouts.items()}
             FuseSwiGLU().apply(cp.program)

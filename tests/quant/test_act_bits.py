@@ -125,6 +125,47 @@ def test_the_static_file_holds_int8_activation_products(quantized, tmp_path):
     assert "model_embed_tokens_qweight" in decode
 
 
+def test_float16_scales_are_stored_as_float16_and_old_files_give_the_same_bits(src, tmp_path):
+    """Weights quantized with float16 scales: the static file's products take them as float16
+    (``packed=2``, half the scales' bytes); a file of format version 1 of the same model (float32
+    scales, ``packed=1``) still loads, and the two give the same tokens and log-probs bit for bit,
+    compiled or not, alone or in a batch."""
+    from llmkit.quant.quantize import save_quantized
+
+    model = LlamaForCausalLM.from_pretrained(str(src))
+    cfg = QuantConfig(4, 32, True, "rtn", "float16", act_bits=8)
+    quantize_model(model, cfg, lm_head=True, progress=False)
+    d, new, old = tmp_path / "q", tmp_path / "new.llmkit", tmp_path / "old.llmkit"
+    save_quantized(model, src, d, {})
+    assert cli_main(["export", "--model", str(d), "--out", str(new), "--name", "q"]) == 0
+    hf = json.loads((d / "config.json").read_text())
+    hf["quantization_config"]["scale_dtype"] = "float32"  # what was exported before float16 scales
+    (d / "config.json").write_text(json.dumps(hf))
+    assert cli_main(["export", "--model", str(d), "--out", str(old), "--name", "q"]) == 0
+    manifest = json.loads((old / "manifest.json").read_text())
+    (old / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
+    native = runs_native(None)
+    assert (new / "decode.pir").read_text().count("packed = 2") == (15 if native else 0)
+    assert (old / "decode.pir").read_text().count("packed = 1") == (15 if native else 0)
+    if native:
+        scales = jit.load(new).weights["model.layers.0.mlp.down_proj.scales.H"]
+        want = model.model.layers[0].mlp.down_proj.scales.numpy()  # [out, groups], out % 16 == 0
+        lanes = want.reshape(-1, 16, want.shape[1]).transpose(0, 2, 1)  # per panel [groups, 16]
+        assert scales.dtype == np.float16 and np.array_equal(scales.astype(np.float32).ravel(), lanes.ravel())
+    rng = np.random.default_rng(5)
+    target, *others = [rng.integers(3, 4096, n).tolist() for n in (21, 7, 40)]
+    params = [SEEDED] + [SEEDED.replace(seed=k) for k in range(2)]
+    for compiler in ("cinn", "none"):
+        got = []
+        for path in (new, old):
+            eng = Engine.from_static(path, EngineConfig(max_batch=4, compiler=compiler))
+            got.append(eng.generate([target], SEEDED)[0])
+            got.append(eng.generate([target, *others], params)[0])
+        first = [(x.token_id, x.logprob) for x in got[0].logprobs]
+        assert all([(x.token_id, x.logprob) for x in g.logprobs] == first for g in got[1:]), compiler
+        assert all(g.token_ids == got[0].token_ids for g in got)
+
+
 def test_old_files_load_as_weight_only_and_newer_ones_are_clear_errors(quantized, tmp_path):
     import shutil
 

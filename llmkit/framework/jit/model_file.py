@@ -10,7 +10,9 @@ A directory (``model.llmkit/``)::
 
 The format is versioned apart from the package (``FORMAT_VERSION``); a loader reads the manifest
 first and never guesses a format from a file name. Loading needs only llmkit.framework: no model
-code. Truncated, corrupted or newer-version files fail with :class:`FormatError`.
+code. Truncated, corrupted or newer-version files fail with :class:`FormatError`. Versions: 1; 2,
+whose programs may hold ``quant_linear`` with ``packed=2`` (float16 scales). A loader reads every
+version up to its own.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ..tensor import Tensor
 from .static_function import ConcreteProgram
 
 FORMAT = "llmkit.static"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 

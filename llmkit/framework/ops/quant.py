@@ -47,6 +47,7 @@ CODE_DTYPE = {8: np.dtype(np.int8), 4: np.dtype(np.uint8)}  # qweight dtype per 
 PACK = {8: 1, 4: 2}  # input columns per qweight element
 SYM_ZERO = {8: 0, 4: 8}  # the zero point without a zeros tensor
 _U8 = np.dtype(np.uint8)
+_F16 = np.dtype(np.float16)
 
 
 def num_groups(in_features: sym.Dim, group_size: int) -> sym.Dim | None:
@@ -183,6 +184,32 @@ def pack_qweight(qweight: np.ndarray, bits: int, group_size: int) -> np.ndarray:
     return np.ascontiguousarray(p).reshape(p.shape[0], -1)
 
 
+def half_scales(scales: np.ndarray) -> np.ndarray:
+    """float32 scales [out, groups] as ``packed=2`` takes them (2 bytes a group where float32 takes
+    4): float16, in panels of 16 outputs, each panel's [groups, 16] (the last, of the n % 16 outputs
+    left, [groups, n % 16]), so the C kernel reads a panel's scales in its lanes' order. Only scales
+    that are float16 numbers already (``QuantConfig(scale_dtype="float16")``): the same products."""
+    half = np.asarray(scales).astype(np.float16)
+    if not np.array_equal(half.astype(np.float32), scales):
+        raise OpError(
+            "quant_linear: packed=2 needs scales that are float16 numbers; quantize with "
+            "--scale-dtype float16 (QuantConfig(scale_dtype='float16'))"
+        )
+    n, g = half.shape
+    full = n // PANEL * PANEL
+    panels = half[:full].reshape(-1, PANEL, g).transpose(0, 2, 1).reshape(-1)
+    return np.concatenate([panels, half[full:].T.reshape(-1)]).reshape(n, g)
+
+
+def float_scales(xp, half):
+    """The float32 scales [out, groups] that :func:`half_scales` stored."""
+    n, g = half.shape
+    full = n // PANEL * PANEL
+    flat = half.reshape(-1).astype(xp.float32)
+    panels = flat[: full * g].reshape(-1, g, PANEL).transpose(0, 2, 1).reshape(full, g)
+    return xp.concatenate([panels, flat[full * g :].reshape(g, n - full).T])
+
+
 def unpack_qweight(xp, packed, n: int, k: int, bits: int, group_size: int):
     """The qweight [n, k / PACK] that :func:`pack_qweight` packed."""
     at = _panel_bytes(k, bits, group_size)
@@ -197,11 +224,17 @@ def _ql_meta(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act
     if packed:  # panels of the [out, in] codes: check their shape, then the weight as the codes
         n, k = scales.shape[0], x.shape[-1]
         if not (isinstance(n, int) and isinstance(k, int)) or act_bits != 8:
-            raise OpError("quant_linear: packed=1 needs act_bits=8 and known in / out features", x, scales)
+            raise OpError(
+                f"quant_linear: packed={packed} needs act_bits=8 and known in / out features", x, scales
+            )
         want = (-(-n // PANEL), _panel_bytes(k, bits, group_size).size * PANEL)
         if tuple(qweight.shape) != want or qweight.dtype != _U8:
             raise OpError(f"quant_linear: a packed qweight must be uint8 {list(want)}", qweight)
         qweight = Meta((n, k // PACK[bits]), CODE_DTYPE[bits])
+    if packed == 2:  # float16 scales, float32 x
+        if scales.dtype != _F16 or x.dtype != np.float32:
+            raise OpError("quant_linear: packed=2 takes float16 scales and float32 x", x, scales)
+        scales = Meta(scales.shape, x.dtype)
     w = _weight_meta("quant_linear", qweight, scales, zeros, bits, group_size)
     if x.dtype != scales.dtype:
         raise OpError("quant_linear: x and scales must have one dtype", x, scales)
@@ -220,6 +253,8 @@ def _ql_vjp(g, out, x, qweight, scales, zeros=None, bits=4, group_size=128, rows
 def _ql_kernel(xp, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_bits=0, packed=0):
     if packed:
         qweight = unpack_qweight(xp, qweight, scales.shape[0], x.shape[-1], bits, group_size)
+    if packed == 2:
+        scales = float_scales(xp, scales)
     if act_bits == 8:  # exact in float64 (codes times scales), then one rounding to x's dtype
         x2 = x.reshape(-1, x.shape[-1]).astype(xp.float32)
         q, d = quantize_activations(xp, x2, group_size)
@@ -240,7 +275,7 @@ engine_op(
         *_quant_attrs(),
         attr("rows", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0"),
         attr("act_bits", A.INT, 0, lambda v: None if v in ACT_BITS else "must be 0 (float) or 8"),
-        attr("packed", A.INT, 0, lambda v: None if v in (0, 1) else "must be 0 or 1"),
+        attr("packed", A.INT, 0, lambda v: None if v in (0, 1, 2) else "must be 0, 1 or 2"),
     ],
     _ql_meta,
     _ql_kernel,
@@ -252,5 +287,6 @@ engine_op(
     "tiled_linear (each row's result independent of the others); 0: one product. act_bits=8: x "
     "quantized on the fly to int8 per row and weight group (quantize_activations), "
     "y = sum over groups of (d * scale) * the integer product; 0: x stays float. packed=1 (with "
-    "act_bits=8): qweight is pack_qweight's panels. Gradient: x only, g @ dequantize(...), with act_bits=0.",
+    "act_bits=8): qweight is pack_qweight's panels; packed=2: and scales float16 (half_scales). "
+    "Gradient: x only, g @ dequantize(...), with act_bits=0.",
 )

@@ -18,10 +18,12 @@ from llmkit.framework.compiler.native.quant_int import (
     INT_ISAS,
     IsaError,
     cpu_int_isas,
+    f16c_code,
     int_isa_code,
+    set_f16c,
     set_int_isa,
 )
-from llmkit.framework.ops.quant import pack_qweight, unpack_qweight
+from llmkit.framework.ops.quant import float_scales, half_scales, pack_qweight, unpack_qweight
 from llmkit.framework.opspec import table
 
 pytestmark = pytest.mark.skipif(not available(), reason="no working C compiler")
@@ -241,3 +243,78 @@ def test_packed_weights_give_the_same_bits_and_unpack_to_the_codes(op, isa, bits
             assert np.array_equal(ref, table()["quant_linear"].kernel(np, x, *w, **attrs))
         want, tol = reference(x, qz, w[1], col)
         assert np.all(np.abs(y - want) <= tol + 1e-30)
+
+
+@pytest.fixture(params=["f16c", "plain C"])
+def f16c(request):
+    set_f16c(request.param == "f16c")
+    yield request.param
+    set_f16c(None)
+
+
+def half_weights(rng, bits, out, n_in, group, asym):
+    """``weights`` with scales that are float16 numbers, a subnormal and a large one among them."""
+    qz, w, col = weights(rng, bits, out, n_in, group, asym)
+    s = w[1].astype(np.float16)
+    s[0, 0], s[-1, -1] = np.float16(3e-6), np.float16(1000.0)  # float16 subnormal (2^-24 steps), 2^9..
+    w[1] = s.astype(np.float32)
+    return qz, w, col
+
+
+@pytest.mark.parametrize("m", [1, 33])
+@pytest.mark.parametrize("bits,out,n_in,group,asym", CASES)
+def test_float16_scales_match_float64_and_give_the_float32_scales_bits(
+    op, isa, f16c, m, bits, out, n_in, group, asym
+):
+    """``packed=2`` (panels and float16 scales), on every path with and without F16C: the formula,
+    the bits of the same scales in float32 (the widening is exact), and rows independent."""
+    rng = np.random.default_rng(out + n_in + m)
+    qz, w, col = half_weights(rng, bits, out, n_in, group, asym)
+    half = half_scales(w[1])
+    assert half.dtype == np.float16 and half.shape == w[1].shape
+    assert np.array_equal(float_scales(np, half), w[1])
+    x = rng.standard_normal((m, n_in)).astype(np.float32)
+    attrs = {"bits": bits, "group_size": group, "act_bits": 8}
+    packed = pack_qweight(w[0], bits, group)
+    y = op(np, x, packed, half, *w[2:], packed=2, **attrs)
+    want, tol = reference(x, qz, w[1], col)
+    assert y.dtype == np.float32 and y.shape == (m, out)
+    assert np.all(np.abs(y - want) <= tol + 1e-30), np.abs(y - want).max()
+    assert np.array_equal(y, op(np, x, packed, *w[1:], packed=1, **attrs))
+    assert np.array_equal(op(np, x[-1:], packed, half, *w[2:], packed=2, **attrs), y[-1:])
+    ref = table()["quant_linear"].kernel(np, x, packed, half, *w[2:], packed=2, **attrs)
+    assert np.all(np.abs(ref - want) <= tol + 1e-30)
+
+
+def test_float16_scales_are_stored_panel_by_panel_in_lane_order():
+    """``half_scales``' layout, written out: for each panel of 16 outputs (the last of what is left),
+    group by group, the scale of each of its outputs."""
+    s = (np.arange(37 * 3).reshape(37, 3) + 1).astype(np.float32)  # float16 numbers
+    want = [s[p + lane, gi] for p in (0, 16, 32) for gi in range(3) for lane in range(min(16, 37 - p))]
+    half = half_scales(s)
+    assert half.shape == (37, 3) and half.reshape(-1).tolist() == want
+
+
+def test_float16_scales_must_be_float16_numbers_and_packed_2_takes_only_them(op):
+    from llmkit.framework.opspec import OpError
+
+    with pytest.raises(OpError, match="packed=2 needs scales that are float16 numbers; quantize with"):
+        half_scales(np.array([[0.1]], np.float32))
+    _, w, _ = weights(np.random.default_rng(0), 4, 16, 64, 32, False)
+    x = np.zeros((1, 64), np.float32)
+    packed = pack_qweight(w[0], 4, 32)
+    with pytest.raises(OpError, match="packed=2 takes float16 scales and float32 x"):
+        table()["quant_linear"].infer_meta(x, packed, w[1], bits=4, group_size=32, act_bits=8, packed=2)
+
+
+def test_f16c_is_switched_off_by_name(monkeypatch):
+    monkeypatch.setenv("LLMKIT_F16C", "off")
+    assert f16c_code() == 0
+    set_f16c(True)
+    assert f16c_code() == 1  # the function wins over the variable
+    set_f16c(None)
+    monkeypatch.setenv("LLMKIT_F16C", "auto")
+    assert f16c_code() == 1
+    monkeypatch.setenv("LLMKIT_F16C", "no")
+    with pytest.raises(IsaError, match="LLMKIT_F16C must be auto or off, got 'no'"):
+        f16c_code()

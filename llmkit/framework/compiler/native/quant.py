@@ -16,10 +16,11 @@ import math
 import numpy as np
 
 from .attach import native_kernel
-from .quant_int import QUANT_INT, int_isa_code
+from .quant_int import QUANT_INT, f16c_code, int_isa_code
 from .simd import VEC
 
 _F32 = np.dtype(np.float32)
+_F16 = np.dtype(np.float16)
 
 QUANT_LINEAR = (
     VEC
@@ -242,11 +243,11 @@ static void KERNEL_FN_float(void **bufs, const int64_t *sizes, int64_t nthreads)
     + QUANT_INT
     + r"""
 /* sizes: M, K, N, bits, group, has_zeros, act_bits (0: float x, 8: int8 blocks), isa (-1: auto),
-   packed (act_bits 8: qweight in panels) */
+   packed (act_bits 8: qweight in panels; 2: and scales float16), f16c (0: float16 scales widened in C) */
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   if (sizes[6] == 8)
     KERNEL_FN_int8(bufs, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[7], sizes[8],
-                   nthreads);
+                   sizes[9], nthreads);
   else
     KERNEL_FN_float(bufs, sizes, nthreads);
 }
@@ -266,6 +267,7 @@ def _sizes(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act_b
         act_bits,
         int_isa_code(),
         packed,
+        f16c_code(),
     ]
 
 
@@ -274,7 +276,9 @@ def _applies(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act
     # straddles two groups); the width known when the program is planned
     even = bits == 8 or group_size == -1 or group_size % 2 == 0
     k = x.shape[-1]
-    if not (x.dtype == _F32 and scales.dtype == _F32 and isinstance(k, int) and even):
+    if not (
+        x.dtype == _F32 and scales.dtype == (_F16 if packed == 2 else _F32) and isinstance(k, int) and even
+    ):
         return False
     return act_bits == 0 or (k if group_size == -1 else group_size) <= 65536  # int32 sums of a group
 

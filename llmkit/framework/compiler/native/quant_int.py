@@ -30,10 +30,18 @@ before one ``vpmaddwd``. The correction
 (``- zero * sum x``, from the row's code sums) starts each group's accumulator, so ``idot`` is exact
 on every path.
 
+Scales in float16 (``packed=2``: the engine's panels of weights quantized with float16 scales,
+4.5 bits a weight in groups of 32 where float32 scales make 5) come a panel at a time, in its
+lanes' order (``ops.quant.half_scales``), so they are widened to float32 without transposing,
+exactly (every float16 is a float32): the output bits are those of the float32 scales. With F16C's
+``vcvtph2ps`` where the CPU has it (CPUID, asked once) and the path is not the portable one, else
+in plain C.
+
 ``LLMKIT_INT_ISA`` (``auto``, ``avx512vnni``, ``avxvnni``, ``avx2``, ``c``) or :func:`set_int_isa`
 forces a path (the kernel never goes above what the CPU has); :func:`cpu_int_isas` lists what
-this CPU offers. AMX is not used (this project's Intel VMs advertise tiles that fault; its AMD ones
-have none).
+this CPU offers; ``LLMKIT_F16C=off`` or :func:`set_f16c` (False) converts float16 scales in C on
+every path, as a CPU without F16C does. AMX is not used (this project's Intel VMs advertise tiles
+that fault; its AMD ones have none).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ _FLAGS = {  # /proc/cpuinfo flags each path needs
     "avx512vnni": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
 }
 _forced: str | None = None
+_f16c: bool | None = None
 
 
 class IsaError(ValueError):
@@ -74,6 +83,23 @@ def int_isa_code() -> int:
     return INT_ISAS.index(name)
 
 
+def set_f16c(enabled: bool | None) -> None:
+    """False: float16 scales converted in plain C even where the CPU has F16C (None: back to
+    ``LLMKIT_F16C``, ``auto`` or ``off``). Takes effect for programs planned afterwards."""
+    global _f16c
+    _f16c = enabled
+
+
+def f16c_code() -> int:
+    """The kernel's ``f16c`` size: 1 (F16C where the CPU has it) or 0 (plain C)."""
+    if _f16c is not None:
+        return int(_f16c)
+    name = os.environ.get("LLMKIT_F16C", "auto")
+    if name not in ("auto", "off"):
+        raise IsaError(f"LLMKIT_F16C must be auto or off, got {name!r}")
+    return int(name == "auto")
+
+
 @cache
 def cpu_int_isas() -> tuple[str, ...]:
     """The paths this CPU runs (from /proc/cpuinfo; just ``c`` where it cannot be read)."""
@@ -93,6 +119,7 @@ QUANT_INT = r"""
 #include <math.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#include <cpuid.h>
 #define KERNEL_FN_X86 1
 #define KERNEL_FN_T2 __attribute__((target("avx2,fma")))
 #define KERNEL_FN_TV __attribute__((target("avx2,fma,avxvnni")))
@@ -117,7 +144,59 @@ typedef struct {
   int32_t *xs;
   uint8_t *pbuf;
   int64_t M, K, N, G, g, gb, GW, XB, KX, RB, bits, isa, off, flip, pstride, mr, nt, packed, pc;
+  int64_t hs, f16c; /* s holds float16 scales (packed=2); convert them with F16C */
 } KERNEL_FN_ijob;
+
+/* a float16 number as float32 (exact: every float16 is one), in plain C */
+static inline float KERNEL_FN_h2f(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, em = h & 0x7fffu;
+  uint32_t u;
+  float f;
+  if (em >= 0x7c00u) { /* inf, nan */
+    u = sign | 0x7f800000u | (em & 0x3ffu) << 13;
+  } else if (em >= 0x0400u) { /* normal: the exponent rebased from 15 to 127 */
+    u = sign | (em + ((127 - 15) << 10)) << 13;
+  } else { /* zero, subnormal: em * 2^-24 */
+    f = (float)em * 5.9604644775390625e-08f;
+    memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+#ifdef KERNEL_FN_X86
+__attribute__((target("avx,f16c"))) static void KERNEL_FN_widen_f16c(const uint16_t *h, int64_t n,
+                                                                     float *o) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(o + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+  for (; i < n; i++) o[i] = KERNEL_FN_h2f(h[i]);
+}
+
+/* F16C (CPUID.1:ECX bit 29), asked of the CPU the first time the kernel runs (CPUID traps to the
+   hypervisor in a VM: microseconds, too slow for every call) */
+static int64_t KERNEL_FN_has_f16c(void) {
+  static volatile int64_t known = -1;
+  if (known < 0) {
+    unsigned a, b, c, d;
+    known = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) ? 1 : 0;
+  }
+  return known;
+}
+#endif
+
+/* n float16 numbers at h as float32 at o */
+static void KERNEL_FN_widen(const KERNEL_FN_ijob *j, const uint16_t *h, int64_t n, float *o) {
+#ifdef KERNEL_FN_X86
+  if (j->f16c) {
+    KERNEL_FN_widen_f16c(h, n, o);
+    return;
+  }
+#endif
+  (void)j;
+  for (int64_t i = 0; i < n; i++) o[i] = KERNEL_FN_h2f(h[i]);
+}
 
 /* the byte of column c (of a group) among the group's activation codes */
 static inline int64_t KERNEL_FN_at(int64_t bits, int64_t c) {
@@ -233,11 +312,12 @@ static void KERNEL_FN_pack_c(const KERNEL_FN_ijob *j, int64_t n0, int64_t nn, ui
   }
 }
 
-/* the panel's scales [G][NR] and, with zeros, their negatives [G][NR] (int32); lanes >= nn 0 */
+/* the panel's float32 scales [G][NR] (ps NULL: not these) and, with zeros, their negatives [G][NR]
+   (int32); lanes >= nn 0 */
 static void KERNEL_FN_pack_meta(const KERNEL_FN_ijob *j, int64_t n0, int64_t nn, float *ps, int32_t *pz) {
   for (int64_t gi = 0; gi < j->G; gi++)
     for (int64_t l = 0; l < KERNEL_FN_NR; l++) {
-      ps[gi * KERNEL_FN_NR + l] = l < nn ? j->s[(n0 + l) * j->G + gi] : 0.0f;
+      if (ps) ps[gi * KERNEL_FN_NR + l] = l < nn ? j->s[(n0 + l) * j->G + gi] : 0.0f;
       if (j->z) pz[gi * KERNEL_FN_NR + l] = l < nn ? -(int32_t)j->z[(n0 + l) * j->G + gi] : 0;
     }
 }
@@ -371,14 +451,15 @@ KERNEL_FN_T2 static void KERNEL_FN_pack_256(const KERNEL_FN_ijob *j, int64_t n0,
 }
 
 /* one row (decode) streams the weights from memory once: as group gi's words are read, those 4 KiB
-   on are asked for (packed weights are one run of panels), and line gi of the scales two panels on
-   (a panel's scales are G lines) */
+   on are asked for (packed weights are one run of panels), and group gi's part of the scales two
+   panels on (a panel's scales are G lines of float32, G / 2 of float16) */
 static inline __attribute__((always_inline)) void KERNEL_FN_ahead(const KERNEL_FN_ijob *j, const uint8_t *w,
                                                                  int64_t words, int64_t n0, int64_t gi) {
   if (!j->packed) return;
   for (int64_t t = 0; t < words; t++) _mm_prefetch((const char *)(w + 4096 + t * 64), _MM_HINT_T0);
-  if (n0 + 3 * KERNEL_FN_NR <= j->N)
-    _mm_prefetch((const char *)(j->s + (n0 + 2 * KERNEL_FN_NR) * j->G) + gi * 64, _MM_HINT_T0);
+  if (n0 + 3 * KERNEL_FN_NR <= j->N && !(j->hs && gi % 2)) /* float16: a line holds two groups */
+    _mm_prefetch((const char *)j->s + ((n0 + 2 * KERNEL_FN_NR) * j->G + gi * KERNEL_FN_NR) * (j->hs ? 2 : 4),
+                 _MM_HINT_T0);
 }
 
 /* AVX-512 VNNI: rows m0 .. m0 + mb - 1 (mb a constant where inlined), one vector of 16 outputs */
@@ -649,13 +730,26 @@ static void KERNEL_FN_ipanel(const KERNEL_FN_ijob *j, int64_t c, int64_t worker)
   else if (fast && j->isa >= 1) KERNEL_FN_pack_256(j, n0, nn, pw);
 #endif
   else KERNEL_FN_pack_c(j, n0, nn, pw);
+  if (j->hs) { /* float16 scales, a panel's [G][nn] (ops.quant.half_scales): widened, no transposing */
+    const uint16_t *h = (const uint16_t *)j->s + n0 * j->G;
+    if (nn == KERNEL_FN_NR) {
+      KERNEL_FN_widen(j, h, KERNEL_FN_NR * j->G, ps);
+    } else {
+      float *wide = (float *)(pz + j->G * KERNEL_FN_NR);
+      KERNEL_FN_widen(j, h, nn * j->G, wide);
+      for (int64_t gi = 0; gi < j->G; gi++)
+        for (int64_t l = 0; l < KERNEL_FN_NR; l++)
+          ps[gi * KERNEL_FN_NR + l] = l < nn ? wide[gi * nn + l] : 0.0f;
+    }
+    if (j->z) KERNEL_FN_pack_meta(j, n0, nn, NULL, pz);
+  }
 #ifdef KERNEL_FN_X86
-  if (j->isa == 3 && !j->z) /* the scales: 16 rows of G dwords, transposed as the codes are */
+  else if (j->isa == 3 && !j->z) /* the scales: 16 rows of G dwords, transposed as the codes are */
     KERNEL_FN_t16((const uint8_t *)(j->s + n0 * j->G), j->G * 4, nn, j->G, (uint8_t *)ps);
   else if (j->isa >= 1 && !j->z)
     KERNEL_FN_t8((const uint8_t *)(j->s + n0 * j->G), j->G * 4, nn, j->G, (uint8_t *)ps);
-  else
 #endif
+  else
     KERNEL_FN_pack_meta(j, n0, nn, ps, pz);
   for (int64_t m = 0; m < j->M; m += j->mr) {
     const int64_t mb = j->M - m < j->mr ? j->M - m : j->mr;
@@ -678,9 +772,10 @@ static void KERNEL_FN_ipanels(void *arg, int64_t c, int64_t worker) {
 }
 
 /* bufs: x [M, K], qweight ([N, K] int8 | [N, K / 2] uint8, or with `packed` its panels [ceil(N / NR),
-   G * GW * 4 * NR] uint8), scales [N, G], zeros?, y [M, N], status; g: group columns */
+   G * GW * 4 * NR] uint8), scales [N, G] (float32; float16 with packed 2), zeros?, y [M, N], status;
+   g: group columns; f16c: 0 converts float16 scales in plain C even where the CPU has F16C */
 static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t bits, int64_t g,
-                           int64_t has_z, int64_t want, int64_t packed, int64_t nthreads) {
+                           int64_t has_z, int64_t want, int64_t packed, int64_t f16c, int64_t nthreads) {
   int64_t *status = (int64_t *)bufs[4 + has_z];
   const int64_t G = K > 0 ? (K + g - 1) / g : 0, gb = bits == 8 ? g : g / 2, GW = (gb + 3) / 4;
   const int64_t isa = KERNEL_FN_pick(want), XB = bits == 8 ? 4 : 8;
@@ -688,17 +783,22 @@ static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t
                       has_z ? (const uint8_t *)bufs[3] : NULL, (float *)bufs[3 + has_z], NULL, NULL, NULL,
                       NULL,
                       M, K, N, G, g, gb, GW, XB, G * GW * XB, bits == 8 ? K : K / 2, bits, isa,
-                      0, 0, 0, isa == 3 ? 8 : 4, 1, packed, 1};
+                      0, 0, 0, isa == 3 ? 8 : 4, 1, packed != 0, 1, packed == 2, 0};
   if (G == 0 || M == 0 || N == 0) {
     for (int64_t i = 0; i < M * N; i++) j.y[i] = 0.0f;
     return;
   }
+#ifdef KERNEL_FN_X86
+  j.f16c = j.hs && f16c && isa >= 1 && KERNEL_FN_has_f16c(); /* the portable path converts in C */
+#else
+  (void)f16c;
+#endif
   j.flip = bits == 8 && isa >= 2; /* vpdpbusd: unsigned codes q + 128, flipped as they are read */
   j.off = bits == 8 ? (j.flip ? 128 : 0) : (has_z ? 0 : 8);
   int64_t nt = M * N * K < (1 << 17) || nthreads < 1 ? 1 : nthreads;
   const int64_t panels = (N + KERNEL_FN_NR - 1) / KERNEL_FN_NR;
   if (nt > panels) nt = panels;
-  j.pstride = (G * GW * 4 * KERNEL_FN_NR + 2 * G * KERNEL_FN_NR * 4 + 63) / 64 * 64;
+  j.pstride = (G * GW * 4 * KERNEL_FN_NR + 3 * G * KERNEL_FN_NR * 4 + 63) / 64 * 64;
   const size_t rg = (size_t)M * (size_t)G;
   j.xq = (int8_t *)malloc((size_t)M * (size_t)j.KX + 64);
   j.xd = (float *)malloc(rg * sizeof(float));
