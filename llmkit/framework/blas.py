@@ -99,11 +99,14 @@ def blas_threads(n: int) -> Iterator[None]:
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (helpers, the pool)
 _pool_lock = threading.Lock()
+_single: list[int | None] = [0, None]  # matmul_rows calls in flight, the BLAS thread count before the first
+_claim_hook: Any = None  # tests: called as hook(helper) before every claim, to force other schedules
 
 
 def _forget_pool() -> None:  # a forked child has none of the parent's threads
     global _pool
     _pool = None
+    _single[:] = [0, None]
 
 
 os.register_at_fork(after_in_child=_forget_pool)
@@ -117,6 +120,26 @@ def _helpers(n: int) -> ThreadPoolExecutor:
         return _pool[1]
 
 
+@contextlib.contextmanager
+def _one_blas_thread() -> Iterator[None]:
+    """OpenBLAS on one thread while any ``matmul_rows`` runs: the first call in sets it, the last one
+    out restores the count from before the first. Counted, so that calls on several Python threads
+    at once (simulated ranks) never restore each other's 1, which would leave the process on one
+    thread and change the rounding of every later product."""
+    with _pool_lock:
+        if _single[0] == 0:
+            _single[1] = get_blas_threads()
+            set_blas_threads(1)
+        _single[0] += 1
+    try:
+        yield
+    finally:
+        with _pool_lock:
+            _single[0] -= 1
+            if _single[0] == 0 and _single[1] is not None:
+                set_blas_threads(_single[1])
+
+
 def matmul_rows(a: Any, b: Any, out: Any, threads: int, rows: int) -> Any:
     """``out[:] = a @ b`` (2D numpy arrays; ``a`` may be a transposed view): blocks of ``rows`` rows
     of ``out``, each one single-threaded BLAS call, claimed one at a time by this thread and
@@ -124,8 +147,9 @@ def matmul_rows(a: Any, b: Any, out: Any, threads: int, rows: int) -> Any:
     other at every block of the reduction, so a thread the OS sets aside (a shared machine) holds
     the others up many times per product; here a block is the only unit, and this thread waits only
     for blocks a helper claimed and has not finished (a helper that starts late finds none left).
-    A block's values do not depend on which thread computes it. OpenBLAS runs on one thread
-    meanwhile (the count is process-wide; the count before is restored)."""
+    Which thread computes a block varies with the machine's load; a block's values do not (the same
+    single-threaded call on the same rows: ``tests/framework/test_blas.py`` forces other schedules
+    and compares the bits). OpenBLAS runs on one thread meanwhile (process-wide; restored after)."""
     import numpy as np
 
     n = out.shape[0]
@@ -134,6 +158,8 @@ def matmul_rows(a: Any, b: Any, out: Any, threads: int, rows: int) -> Any:
 
     def work(helper: bool) -> None:
         while True:
+            if _claim_hook is not None:
+                _claim_hook(helper)
             with cond:
                 i = state["next"]
                 if i >= n:
@@ -151,19 +177,13 @@ def matmul_rows(a: Any, b: Any, out: Any, threads: int, rows: int) -> Any:
                         state["busy"] -= 1
                         cond.notify_all()
 
-    before = get_blas_threads()
-    set_blas_threads(1)
-    try:
-        pool = _helpers(threads - 1)
+    with _one_blas_thread():
         for _ in range(min(threads - 1, -(-n // rows) - 1)):
-            pool.submit(work, True)
+            _helpers(threads - 1).submit(work, True)
         work(False)
         with cond:
             while state["busy"]:
                 cond.wait()
         if state["error"] is not None:
             raise state["error"]
-    finally:
-        if before is not None:
-            set_blas_threads(before)
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -70,3 +72,75 @@ def test_matmul_rows_raises_what_a_block_raised():
     a, b = np.ones((64, 3), np.float32), np.ones((4, 2), np.float32)  # 3 != 4
     with pytest.raises(ValueError):
         blas.matmul_rows(a, b, np.empty((64, 2), np.float32), 2, 16)
+
+
+def _blocks_on_this_thread(a, b, rows):
+    """The reference schedule: every block on the calling thread, OpenBLAS on one thread."""
+    out = np.empty((a.shape[0], b.shape[1]), a.dtype)
+    with blas.blas_threads(1):
+        for i in range(0, a.shape[0], rows):
+            np.matmul(a[i : i + rows], b, out=out[i : i + rows])
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["alone", "helper_first", "random"])
+def test_matmul_rows_bits_do_not_depend_on_which_thread_computes_a_block(schedule, monkeypatch):
+    """The schedule follows the machine's load; the bits must not (resumed runs equal whole ones)."""
+    rng = np.random.default_rng(1)
+    y = rng.standard_normal((257, 130)).astype(np.float32)  # odd sizes: OpenBLAS's tail kernels
+    x = rng.standard_normal((257, 700)).astype(np.float32).T  # a weight gradient's g.T
+    want = _blocks_on_this_thread(x, y, 96)
+    claims = {True: 0, False: 0}
+    delay = np.random.default_rng(2)
+
+    def hook(helper):
+        claims[helper] += 1
+        if schedule == "helper_first" and not helper:
+            time.sleep(0.02)  # the caller arrives late at every block: helpers compute most
+        elif schedule == "random":
+            time.sleep(delay.uniform(0, 0.004))
+
+    monkeypatch.setattr(blas, "_claim_hook", hook)
+    threads = 1 if schedule == "alone" else 3
+    got = blas.matmul_rows(x, y, np.empty((700, 130), np.float32), threads, 96)
+    assert got.tobytes() == want.tobytes()
+    if schedule == "helper_first":
+        assert claims[True] >= 3  # helpers did claim blocks (a helper's last look finds none left)
+
+
+def test_matmul_rows_on_two_threads_at_once_restores_the_thread_count(monkeypatch):
+    """Two callers overlapping (simulated ranks): the one that ends first must not restore the count
+    while the other runs, nor the other restore the 1 it found (the process would stay on one thread)."""
+    before = blas.get_blas_threads()
+    if before is None or before < 2:
+        pytest.skip("needs OpenBLAS on several threads")
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def hook(helper):
+        name = threading.current_thread().name
+        if name == "A" and not a_in.is_set():
+            a_in.set()
+            assert b_in.wait(5)
+        elif name == "B" and not b_in.is_set():
+            b_in.set()
+            assert a_out.wait(5)
+            seen["after_a"] = blas.get_blas_threads()  # B still running: one thread
+
+    monkeypatch.setattr(blas, "_claim_hook", hook)
+    x, y = np.ones((64, 8), np.float32), np.ones((8, 4), np.float32)
+
+    def run_a():
+        blas.matmul_rows(x, y, np.empty((64, 4), np.float32), 1, 16)
+        a_out.set()
+
+    def run_b():
+        assert a_in.wait(5)
+        blas.matmul_rows(x, y, np.empty((64, 4), np.float32), 1, 16)
+
+    ts = [threading.Thread(target=run_a, name="A"), threading.Thread(target=run_b, name="B")]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert seen["after_a"] == 1 and blas.get_blas_threads() == before

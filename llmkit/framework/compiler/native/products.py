@@ -11,9 +11,10 @@ depend on the machine's load; they differ from OpenBLAS's whole-product call by 
 
 Only a product of two matrices (a batch of rows times a matrix: the linears and their gradients)
 large enough to pay for the hand-off takes this path; the others keep the reference kernel.
-Off unless ``LLMKIT_SPLIT_GEMMS=1``: with it on, three resume-exactness tests (a run stopped and
-resumed against one uninterrupted run in the same process) differed in the last float32 bit at one
-step under CI's load, and the cause is not found yet (benchmarks time both ways in one run).
+On by default; ``LLMKIT_SPLIT_GEMMS=0`` turns it off (benchmarks time both ways in one run). Which
+thread computes a block, and when, never changes its bits (``tests/framework/test_blas.py`` forces
+other schedules); OpenBLAS is held on one thread while any row product runs, counted across Python
+threads, so overlapping callers (simulated ranks) never leave the process on one thread.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ...blas import matmul_rows
 from ...ir import Operation
 from ..build import CPUS
 
-enabled = os.environ.get("LLMKIT_SPLIT_GEMMS", "0") == "1"
+enabled = os.environ.get("LLMKIT_SPLIT_GEMMS", "1") != "0"
 MIN_FLOPS = 1 << 24  # below: one BLAS call as it is (the hand-off costs tens of microseconds)
 ROWS = 64  # a block's rows at the least (a multiple of the BLAS kernels' row tiles)
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
