@@ -3,7 +3,7 @@
 ==============  ===============================================================================
 ``protocol``    OpenAI request models (pydantic) and response builders
 ``serving``     engine glue: requests -> engine requests -> JSON or SSE, usage, cancellation
-``app``         the FastAPI routes, errors, API key, /health, /metrics
+``app``         the Starlette routes, errors, API key, /health, /metrics
 ``metrics``     Prometheus metrics
 ``server``      ``llmkit serve``: uvicorn, graceful shutdown
 ``export``      ``llmkit export`` (the only module here that imports model code)

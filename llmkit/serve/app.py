@@ -1,5 +1,7 @@
-"""The HTTP routes: a thin FastAPI app over :class:`Serving` (``POST /v1/completions`` is served
-as plain ASGI by the gate below: scoring clients send it by the thousand).
+"""The HTTP routes: a thin Starlette app over :class:`Serving` (``POST /v1/completions`` is served
+as plain ASGI by the gate below: scoring clients send it by the thousand). Starlette, not FastAPI:
+importing FastAPI (its OpenAPI models) was a quarter of ``llmkit serve``'s start, for request
+parsing that pydantic's JSON reader does in one call here.
 
 =========================  ==========================================================
 ``GET  /v1/models``        the one model this server runs
@@ -25,12 +27,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
 from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from .metrics import CONTENT_TYPE
 from .protocol import (
@@ -54,8 +58,8 @@ def _has_key(headers: Headers, api_key: str) -> bool:
     return hmac.compare_digest(token.encode(), api_key.encode())
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
+    """The message and the field (``param``) of pydantic's first error."""
     if not errors:
         return "invalid request", None
     e = errors[0]
@@ -167,41 +171,30 @@ def build_app(
     api_key: str | None = None,
     drain_timeout: float = 30.0,
     max_request_bytes: int = MAX_REQUEST_BYTES,
-) -> FastAPI:
+) -> Starlette:
     """The app; its lifespan stops the engine thread (in-flight requests get ``drain_timeout`` s)."""
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key is empty: pass None to serve without one")
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         serving.closing = True
         serving.runner.stop(drain_timeout=drain_timeout)
 
-    app = FastAPI(title="llmkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.serving = serving
-
     def error(status: int, body: dict[str, Any]) -> JSONResponse:
         return JSONResponse(body, status_code=status)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
         return error(exc.status, exc.body())
 
-    def invalid(exc: RequestValidationError) -> JSONResponse:
-        msg, param = _validation_message(exc)
-        return error(400, error_body(msg, param=param))
+    async def _http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        body = error_body(str(exc.detail), type="invalid_request_error")
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return invalid(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error(exc.status_code, error_body(str(exc.detail), type="invalid_request_error"))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> Response:
         rid = new_id("req")
         log.error("request %s (%s %s) failed", rid, request.method, request.url.path, exc_info=exc)
         msg = f"internal server error; the server log has the details under request id {rid}"
@@ -211,36 +204,30 @@ def build_app(
             headers={"x-request-id": rid},
         )
 
+    async def parse(request: Request, schema: type[BaseModel]) -> Any:
+        """The request body read and validated in one pass by pydantic's JSON reader (whatever its
+        content type); a 400 naming the first bad field when it is not one."""
+        try:
+            return schema.model_validate_json(await request.body())
+        except ValidationError as e:
+            msg, param = _validation_message(e.errors(include_url=False))
+            raise APIError(400, msg, param=param) from None
+
     async def completions(scope: dict, receive: Any, send: Any) -> None:
-        """POST /v1/completions, as plain ASGI: FastAPI's routing, body parameter and middleware
-        were two fifths of an echo request's event-loop time (64 of them at once: lm-eval's
-        scoring). The body is read and validated in one pass by pydantic's JSON reader; errors
-        are the handlers' bodies above (any other exception reaches the 500 handler)."""
+        """POST /v1/completions, as plain ASGI: the routing and middleware of a framework were two
+        fifths of an echo request's event-loop time (64 of them at once: lm-eval's scoring).
+        Errors are the handlers' bodies above (any other exception reaches the 500 handler)."""
         request = Request(scope, receive)
         try:
-            try:
-                body = CompletionRequest.model_validate_json(await request.body())
-            except ValidationError as e:
-                raise RequestValidationError(e.errors(include_url=False)) from None
+            body = await parse(request, CompletionRequest)
             response = await respond(await serving.completions(body, gone(request)))
         except ClientGone:
             response = Response(status_code=499)
         except APIError as exc:
             response = error(exc.status, exc.body())
-        except RequestValidationError as exc:
-            response = invalid(exc)
         await response(scope, receive, send)
 
-    app.add_middleware(
-        _Gate,
-        serving=serving,
-        api_key=api_key,
-        max_request_bytes=max_request_bytes,
-        posts={"/v1/completions": completions},
-    )
-
-    @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
+    async def health(request: Request) -> Response:
         status = "closing" if serving.closing else "ok" if serving.runner.alive else "engine stopped"
         body: dict[str, Any] = {"status": status}
         if api_key is None or _has_key(request.headers, api_key):
@@ -255,13 +242,11 @@ def build_app(
             }
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return serving.models()
+    async def models(request: Request) -> Response:
+        return JSONResponse(serving.models())
 
     async def respond(result: Any) -> Response:
         if isinstance(result, dict):
@@ -279,11 +264,31 @@ def build_app(
 
         return wait
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat(request: Request) -> Response:
+        body = await parse(request, ChatCompletionRequest)  # an APIError goes to its handler
         try:
             return await respond(await serving.chat(body, gone(request)))
         except ClientGone:
             return Response(status_code=499)
 
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+        ],
+        middleware=[
+            Middleware(
+                _Gate,
+                serving=serving,
+                api_key=api_key,
+                max_request_bytes=max_request_bytes,
+                posts={"/v1/completions": completions},
+            )
+        ],
+        exception_handlers={APIError: _api_error, HTTPException: _http, Exception: _internal},
+        lifespan=lifespan,
+    )
+    app.state.serving = serving
     return app
