@@ -10,7 +10,6 @@ memory in the heap for the next allocation. This is process-wide and applied onc
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 _M_TRIM_THRESHOLD = -1
@@ -26,8 +25,8 @@ def keep_freed_memory(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 << 
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        # the process's own symbols (libc among them): find_library("c") runs `ldconfig -p`
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
