@@ -11,5 +11,3 @@
 
 Importing this package imports nothing: the server process must never load ``llmkit.models``.
 """
-
-MAX_REQUEST_BYTES = 4 << 20  # a request body's default limit (about a million tokens of text)

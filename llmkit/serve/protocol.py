@@ -22,10 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from llmkit.infer.sampling import PromptLogprobs
 
-from . import MAX_REQUEST_BYTES  # noqa: F401  (defined with the package: the CLI reads it before this module)
-
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_REQUEST_BYTES = 4 << 20  # a request body's default limit (about a million tokens of text)
 
 
 class APIError(Exception):

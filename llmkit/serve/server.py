@@ -13,14 +13,13 @@ import logging
 import os
 import re
 import signal
-import threading
 import time
 
 from llmkit.framework.blas import set_blas_threads
 from llmkit.framework.compiler.build import spin_between_kernels
 from llmkit.infer import Engine, EngineConfig, EngineThread, SamplingParams
 
-from . import MAX_REQUEST_BYTES
+from .protocol import MAX_REQUEST_BYTES
 
 log = logging.getLogger("llmkit.serve")
 
@@ -137,40 +136,16 @@ def load_engine(a: argparse.Namespace) -> Engine:
     return engine
 
 
-class _Loading(threading.Thread):
-    """``load_engine(a)`` on a thread of its own, while the caller imports the HTTP stack: the
-    engine's first runs wait on native kernels and page faults, not on the interpreter."""
-
-    def __init__(self, a: argparse.Namespace) -> None:
-        super().__init__(name="llmkit-load", daemon=True)
-        self.a, self.engine, self.error = a, None, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.engine = load_engine(self.a)
-        except BaseException as e:  # re-raised on the caller's thread by result()
-            self.error = e
-
-    def result(self) -> Engine:
-        self.join()
-        if self.error is not None:
-            raise self.error
-        assert self.engine is not None
-        return self.engine
-
-
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
-    t0 = time.perf_counter()
-    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    loading = _Loading(a)
     import uvicorn
 
     from .app import build_app
     from .serving import Serving
 
-    engine = loading.result()
+    t0 = time.perf_counter()
+    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = load_engine(a)
     runner = EngineThread(engine).start()
     app = build_app(
         Serving(runner, max_queue=a.max_queue),
