@@ -169,8 +169,11 @@ class TileLinear(Pass):
         apply_patterns(program, [_TileLinear(self.rows), _TileQuantLinear(self.rows)], erase_dead=False)
 
 
+_TILED = ("llm.tiled_linear", "llm.tiled_linear_logprobs")  # ops reading a weight as tiled_linear does
+
+
 class _Relayout(RewritePattern):
-    roots = ("llm.tiled_linear", "llm.quant_linear")
+    roots = (*_TILED, "llm.quant_linear")
 
     def __init__(self, layouts: dict) -> None:
         self.layouts = layouts  # weight value -> "T" | "P16" | "Q<bits>g<group>"
@@ -185,7 +188,7 @@ class _Relayout(RewritePattern):
         if layout is None or op.plain_attrs["transposed"] or op.plain_attrs["panel"]:
             return
         attrs = {**op.plain_attrs, **({"panel": PANEL} if layout == "P16" else {"transposed": True})}
-        rewriter.replace_op(op, rewriter.create("llm.tiled_linear", list(op.operands), attrs))
+        rewriter.replace_op(op, rewriter.create(op.name, list(op.operands), attrs))
 
 
 @register_pass
@@ -214,7 +217,7 @@ class TransposeWeights(Pass):
         chosen: dict = {}
         for a in f.args:
             uses = a.uses
-            if uses and a.ndim == 2 and all(op.name == "llm.tiled_linear" and i == 1 for op, i in uses):
+            if uses and a.ndim == 2 and all(op.name in _TILED and i == 1 for op, i in uses):
                 n, k = a.shape
                 packed = self.panels and isinstance(n, int) and n % PANEL == 0 and a.dtype == np.float32
                 chosen[a] = "P16" if packed else "T"
@@ -248,7 +251,7 @@ def relayout(a: np.ndarray, layout: str) -> np.ndarray:
 
 
 class _Unpanel(RewritePattern):
-    roots = ("llm.tiled_linear", "llm.tiled_linear_swiglu", "llm.quant_linear")
+    roots = (*_TILED, "llm.tiled_linear_swiglu", "llm.quant_linear")
 
     def __init__(self, args: set) -> None:
         self.args = args
@@ -303,7 +306,10 @@ def runs_native(compiler: str | None) -> bool:
     return (compiler or default_compiler()) == "cinn" and compiler_available()
 
 
-_PANEL_OPS = {"llm.tiled_linear": (1,), "llm.tiled_linear_swiglu": (1, 2)}  # ops reading panels: operands
+_PANEL_OPS = {
+    **dict.fromkeys(_TILED, (1,)),
+    "llm.tiled_linear_swiglu": (1, 2),
+}  # ops reading panels: operands
 
 
 def unpack_panel_weights(functions: Any) -> int:
@@ -461,6 +467,12 @@ def trace_programs(
         cache = PagedKVCache(pool, slots, block_tables, kv_len, q_start, q_len)
         hidden = model.model(input_ids, positions, None, cache)  # (1, N, H)
         flat = O.reshape(hidden, [-1, hidden.shape[-1]])  # (N, H)
+        if tiles["score"] and not isinstance(head, lf.nn.QuantizedLinear):
+            # the head, logsumexp, top-k and the picks in one op: its C kernel takes the (N, V)
+            # logits a block of columns at a time while in cache, never whole
+            top = O.tiled_linear_logprobs(flat, lm_weight(), targets, logit_rows, k=spec.score_top_k,
+                                          rows=tiles["score"])  # fmt: skip
+            return (*top, cache.pool)
         every = O.linear(flat, lm_weight())  # (N, V)
         # (R, V): prefill's bits, picked from every's rows (a tiled linear's row does not depend on
         # the rows beside it: the batch-invariance guarantee), not a second product

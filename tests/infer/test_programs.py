@@ -23,8 +23,11 @@ def test_programs_use_tiled_linears_with_relaid_weights(model, compiler):
     for name, p in programs.items():
         ops = [op.name for op in p.concrete.program.walk()]
         assert "llm.linear" not in ops
-        # 7 per layer + lm_head (score: once, at every row; the sampled rows are picked from it)
-        assert ops.count("llm.tiled_linear") == 2 * 7 + 1
+        # 7 per layer + lm_head (score: once, at every row, fused with its logsumexp, top-k and
+        # picks; the sampled rows are picked from it)
+        head = "llm.tiled_linear_logprobs" if name == "score" else "llm.tiled_linear"
+        assert ops.count("llm.tiled_linear") == 2 * 7 + (head == "llm.tiled_linear")
+        assert ops.count(head) >= 1 and not {"llm.logsumexp", "llm.topk", "llm.gather"} & set(ops)
         assert ops.count("llm.paged_kv_write") == ops.count("llm.paged_attention") == 2
         # BLAS's [in, out] for the reference kernels; when compiled, the C kernel's 16-column panels
         # where out_features is a multiple of 16 (not this model's MLP width, 344)
