@@ -502,8 +502,8 @@ static void KERNEL_FN_block(void *arg, int64_t b, int64_t worker) {
     int64_t c = 0;
     for (; c + 8 <= w; c += 8) KERNEL_FN_addd(acc, KERNEL_FN_exp(KERNEL_FN_ld(ym + c) - sh));
     if (c < w) { /* a short last run, as if padded with -inf */
-      float tail[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-      memcpy(tail, ym + c, sizeof(float) * (size_t)(w - c));
+      float tail[8];
+      for (int i = 0; i < 8; i++) tail[i] = i < w - c ? ym[c + i] : -INFINITY;
       KERNEL_FN_addd(acc, KERNEL_FN_exp(KERNEL_FN_ld(tail) - sh));
     }
     const KERNEL_FN_vd u = acc[0], h = acc[1];
