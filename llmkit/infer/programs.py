@@ -18,8 +18,9 @@ segment: a run of tokens of one sequence, see ``paged_attention``), and returns 
 row: with ``lse = logsumexp(z)`` of the row's logits ``z`` in float64, the log-prob ``z[t] - lse`` of
 ``targets[row]`` (the sequence's next token) and of the K most likely tokens (K =
 ``ModelSpec.score_top_k``), all by that one formula (a target that is the most likely token has
-exactly the top-1 value). Neither the log-softmax row nor ``z`` itself is formed: ``lse`` is one
-fused pass over the float32 logits, and ``z[t]`` is the float32 logit picked, then cast (exact). Its
+exactly the top-1 value). With a tile and an unquantized head, the head and all of that are one op,
+``tiled_linear_logprobs``, whose C kernel takes ``z`` 256 columns at a time and reduces each block
+while it is in cache (exp in float32, sums in float64): the (N, V) logits are never formed. Its
 ``logits`` at ``logit_rows`` are rows of the same tiled product, so prefill's bits (a scored prompt
 samples the same first token). ``pool`` is ``[layers, 2, NB, BS, Hkv, D]``
 with NB symbolic: the server sizes its pool at startup.
