@@ -98,6 +98,7 @@ def test_the_engines_ops_declare_it_and_have_their_kernels():
         "paged_kv_write",
         "quant_linear",
         "tiled_linear",
+        "tiled_linear_logprobs",
         "tiled_linear_swiglu",
     ]
     for name in engine:
