@@ -522,7 +522,8 @@ static void KERNEL_FN_block(void *arg, int64_t b, int64_t worker) {
         for (int u = 0; u < 16; u++) any |= (yc[u] >= kth) | (yc[u] != yc[u]);
         if (!any) { c = end; continue; }
       }
-      for (; c < end; c++) KERNEL_FN_keep(v, id, n, TK, ym[c], lo + c);
+      for (; c < end; c++)
+        if (*n < TK || !(ym[c] < v[TK - 1])) KERNEL_FN_keep(v, id, n, TK, ym[c], lo + c);
     }
     const int64_t t = j->targets[m] < 0 ? j->targets[m] + N : j->targets[m];
     if (t >= lo && t < lo + w) j->tz[m] = ym[t - lo];
