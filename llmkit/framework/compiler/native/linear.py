@@ -400,12 +400,13 @@ TILED_LINEAR_LOGPROBS = (
    which columns a partial sum covers depends on neither the rows nor the threads); a claim
    computes its block of z for every row into its thread's scratch with tiled_linear's code (the
    same bits as tiled_linear's z), then, while it is in cache, per row: the block's max m and sum
-   s = sum(exp(z - m)) in float64 (8 lanes in a fixed order; m taken as 0 when not finite, as the
-   reference's logsumexp does), the target's logit if the block holds it, the rows logit_rows asks
-   for, and the thread's running top K of the row (kept in the order of a stable sort of -z: larger
-   first, then the lower index, NaNs last by index; a total order, so the top K do not depend on
-   which thread saw which block). Then per row: lse = M + log(sum_b s_b exp(m_b - M)) over the
-   blocks in order (M: the row's max, 0 when not finite), the threads' top K merged, z - lse.
+   s = sum(exp(z - m)) (exp in float32, KERNEL_FN_exp; the sum in float64, 8 lanes in a fixed
+   order; m taken as 0 when not finite, as the reference's logsumexp does), the target's logit if
+   the block holds it, the rows logit_rows asks for, and the thread's running top K of the row
+   (kept in the order of a stable sort of -z: larger first, then the lower index, NaNs last by
+   index; a total order, so the top K do not depend on which thread saw which block). Then per
+   row: lse = M + log(sum_b s_b exp(m_b - M)) over the blocks in order (M: the row's max, 0 when
+   not finite), the threads' top K merged, z - lse.
    bufs: x [M, K], w (transposed 0: [N, K]; 2: panels), targets [M], logit_rows [R], logits [R, N],
    target_lp [M], top_lp [M, TK], top_ids [M, TK], status.
    sizes: M, K, N, mode (0 or 2), R, TK. */
@@ -445,19 +446,9 @@ static inline KERNEL_FN_v KERNEL_FN_exp(KERNEL_FN_v d) {
 /* the largest of y[0..w), NaN if one is */
 static inline float KERNEL_FN_max(const float *y, int64_t w) {
   float mx = -INFINITY;
-  int nan = 0, c = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 vm = _mm256_set1_ps(-INFINITY), vn = _mm256_setzero_ps();
-  for (; c + 8 <= w; c += 8) {
-    const __m256 v = _mm256_loadu_ps(y + c);
-    vm = _mm256_max_ps(v, vm), vn = _mm256_or_ps(vn, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  }
-  float l[8];
-  _mm256_storeu_ps(l, vm);
-  for (int i = 0; i < 8; i++) mx = l[i] > mx ? l[i] : mx;
-  nan = !_mm256_testz_ps(vn, vn);
-#endif
-  for (; c < w; c++) mx = y[c] > mx ? y[c] : mx, nan |= y[c] != y[c];
+  int nan = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+  for (int64_t c = 0; c < w; c++) mx = y[c] > mx ? y[c] : mx, nan |= y[c] != y[c];
   return nan ? NAN : mx;
 }
 
