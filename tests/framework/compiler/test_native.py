@@ -750,3 +750,27 @@ def test_tiled_linear_logprobs_ties_infinities_nans_and_threads(monkeypatch):
         got[nt] = op(np, *args, k=5, panel=16)
     for nt in (2, 3):
         assert all(np.array_equal(a, b) for a, b in zip(got[1], got[nt]))
+
+
+def test_tiled_linear_logprobs_names_bad_inputs():
+    meta = table()["tiled_linear_logprobs"].infer_meta
+    x, w, i3, r = (
+        Meta((3, 4), np.float32),
+        Meta((6, 4), np.float32),
+        Meta((3,), np.int64),
+        Meta((1,), np.int64),
+    )
+    with pytest.raises(OpError, match=r"x must be \[N, in_features\]"):
+        meta(Meta((1, 3, 4), np.float32), w, i3, r)
+    with pytest.raises(OpError, match="targets must have one id per row of x"):
+        meta(x, w, Meta((2,), np.int64), r)
+    with pytest.raises(OpError, match="targets must be a 1-D integer tensor"):
+        meta(x, w, Meta((3,), np.float32), r)
+    with pytest.raises(OpError, match="k=7 is out of range for 6 output features"):
+        meta(x, w, i3, r, k=7)
+    op, x1, w1 = native("tiled_linear_logprobs"), np.ones((3, 4), np.float32), np.ones((6, 4), np.float32)
+    # the kernel refuses before writing; the reference kernel's error names the index
+    with pytest.raises(IndexError, match="index 6 is out of bounds for axis 1 with size 6"):
+        op(np, x1, w1, np.array([0, 6, 1]), np.array([0]), k=2)
+    with pytest.raises(IndexError, match="index 3 is out of bounds"):  # a logit row past the rows
+        op(np, x1, w1, np.array([0, 5, 1]), np.array([3]), k=2)
