@@ -464,11 +464,16 @@ def trace_programs(
         rows = O.index_select(O.reshape(hidden, [-1, hidden.shape[-1]]), logit_rows)  # (R, H)
         return logits(rows), cache.pool  # (R, V)
 
+    # the fused head where its C kernel reads the weight (panels, or the tied embedding's rows); a
+    # quantized head, or one whose vocabulary is not in 16-column panels, keeps the separate ops
+    panels_or_rows = not native or model.config.tie_word_embeddings or spec.vocab_size % PANEL == 0
+    fused = bool(tiles["score"]) and not isinstance(head, lf.nn.QuantizedLinear) and panels_or_rows
+
     def score(input_ids, positions, slots, block_tables, kv_len, q_start, q_len, logit_rows, targets, pool):
         cache = PagedKVCache(pool, slots, block_tables, kv_len, q_start, q_len)
         hidden = model.model(input_ids, positions, None, cache)  # (1, N, H)
         flat = O.reshape(hidden, [-1, hidden.shape[-1]])  # (N, H)
-        if tiles["score"] and not isinstance(head, lf.nn.QuantizedLinear):
+        if fused:
             # the head, logsumexp, top-k and the picks in one op: its C kernel takes the (N, V)
             # logits a block of columns at a time while in cache, never whole
             top = O.tiled_linear_logprobs(flat, lm_weight(), targets, logit_rows, k=spec.score_top_k,
