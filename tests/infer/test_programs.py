@@ -109,3 +109,17 @@ def test_compiled_programs_fuse_the_mlp_and_generate_as_eager(tmp_path):
     assert [o.token_ids for o in served.generate(prompts, params)] == [
         o.token_ids for o in ref.generate(prompts, params)
     ]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_score_head_is_fused_where_its_kernel_reads_the_weight(tied):
+    """Compiled, the fused head reads 16-column panels or the tied embedding's rows: an untied head
+    of a vocabulary that is no multiple of 16 keeps tiled_linear and the separate reductions."""
+    if not available():
+        pytest.skip("no working C compiler")
+    from .conftest import tiny_model
+
+    model = tiny_model(vocab_size=4100, num_hidden_layers=1, tie_word_embeddings=tied)
+    programs, _ = trace_programs(model, programs=("score",), compiler="cinn")
+    ops = [op.name for op in programs["score"].concrete.program.walk()]
+    assert ("llm.tiled_linear_logprobs" in ops) == tied and ("llm.logsumexp" in ops) != tied
