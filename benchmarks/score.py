@@ -1,7 +1,9 @@
 """Scoring throughput: prompt tokens/s of echo requests through ``llmkit serve`` against the engine.
 
-Exports the bench model (random weights, the built-in tokenizer; ``serve_load.export_bench_model``)
-unless ``--model-file`` is given, starts ``llmkit serve`` on a free loopback port, and in each round
+Exports the bench model (random weights, the built-in tokenizer; ``serve_load.export_bench_model``),
+or with ``--model`` a larger shape of random weights (``SHAPES``: the LM head's share of the work,
+and so the bound on scoring against plain prefill, shrinks as the layers widen), unless
+``--model-file`` is given, starts ``llmkit serve`` on a free loopback port, and in each round
 measures, on the same 64 token-id prompts, three figures:
 
 - ``engine_prefill``: the engine the server loads (``Engine.from_static``, one BLAS thread and kernel
@@ -28,6 +30,7 @@ prefill, which is bounded by the work: the LM head at every position instead of 
 (docs/serve.md gives the arithmetic).
 
 Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/score.py [--rounds 5]
+     [--model 1B --requests 16 --prompt-len 64 --rounds 2]
 """
 
 from __future__ import annotations
@@ -46,6 +49,30 @@ from _common import emit, emit_paired_ratio, load_average, machine
 from serve_load import export_bench_model, free_port, start
 
 BENCH = "score"
+# --model: LlamaConfig fields of random-weight shapes besides the bench preset (vocabulary 32,000,
+# the Llama 2 tokenizer's size; the prompts use the built-in tokenizer's ids, which it contains)
+_LLAMA2 = dict(vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5)
+SHAPES = {
+    "134M": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4, **_LLAMA2),
+    "mid": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
+                num_key_value_heads=4, **_LLAMA2),
+    "1B": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=4, **_LLAMA2),  # TinyLlama-1.1B's shape
+}  # fmt: skip
+
+
+def export_shape(name: str, out: Path) -> Path:
+    """A random-weight Llama of shape ``SHAPES[name]`` with the built-in tokenizer, as a static file."""
+    import llmkit.framework as lf
+    from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
+    from llmkit.serve.export import export_model
+    from llmkit.train.corpus import builtin_tokenizer
+
+    lf.seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPES[name]))
+    model.eval()
+    return export_model(model, builtin_tokenizer(4096), out, model_name="bench")
 
 
 def process_cpu_s(pid: int | None = None, thread: bool = False) -> float:
@@ -93,6 +120,7 @@ async def server_tokens_per_s(url: str, prompts: list[list[int]], pid: int, cpu:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-file", type=Path, default=None)
+    ap.add_argument("--model", choices=["bench", *SHAPES], default="bench", help="the shape to export")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
@@ -104,11 +132,15 @@ def main() -> None:
     set_blas_threads(1)  # as llmkit serve runs (--blas-threads 1) ...
     spin_between_kernels()  # ... and its kernel threads
     tmp = tempfile.TemporaryDirectory()
-    model_file = a.model_file or export_bench_model(Path(tmp.name) / "bench.llmkit")
+    out = Path(tmp.name) / "bench.llmkit"
+    model_file = a.model_file or (
+        export_bench_model(out) if a.model == "bench" else export_shape(a.model, out)
+    )
     # max_batch 8 and the default 256 tokens a step, as the server below
     engine = Engine.from_static(model_file, EngineConfig(max_batch=8))
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, engine.spec.vocab_size, a.prompt_len).tolist() for _ in range(a.requests)]
+    vocab = min(engine.spec.vocab_size, engine.tokenizer.vocab_size)  # ids the server can echo as text
+    prompts = [rng.integers(3, vocab, a.prompt_len).tolist() for _ in range(a.requests)]
     prefill = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     score = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=1)
     engine_tokens_per_s(engine, prompts[:4], score)  # warm-up: first calls of both programs
@@ -135,7 +167,8 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    extra = {"requests": a.requests, "prompt_len": a.prompt_len, "rounds": a.rounds, **machine()}
+    extra = {"model": "file" if a.model_file else a.model, "requests": a.requests, "prompt_len": a.prompt_len}
+    extra.update(rounds=a.rounds, **machine())
     extra["load_1min"] = loads
     for name, values in figures.items():
         emit(BENCH, f"{name}_prompt_tokens_per_s", statistics.median(values), "tok/s", **extra)

@@ -18,8 +18,9 @@ segment: a run of tokens of one sequence, see ``paged_attention``), and returns 
 row: with ``lse = logsumexp(z)`` of the row's logits ``z`` in float64, the log-prob ``z[t] - lse`` of
 ``targets[row]`` (the sequence's next token) and of the K most likely tokens (K =
 ``ModelSpec.score_top_k``), all by that one formula (a target that is the most likely token has
-exactly the top-1 value). Neither the log-softmax row nor ``z`` itself is formed: ``lse`` is one
-fused pass over the float32 logits, and ``z[t]`` is the float32 logit picked, then cast (exact). Its
+exactly the top-1 value). With a tile and an unquantized head, the head and all of that are one op,
+``tiled_linear_logprobs``, whose C kernel takes ``z`` 256 columns at a time and reduces each block
+while it is in cache (exp in float32, sums in float64): the (N, V) logits are never formed. Its
 ``logits`` at ``logit_rows`` are rows of the same tiled product, so prefill's bits (a scored prompt
 samples the same first token). ``pool`` is ``[layers, 2, NB, BS, Hkv, D]``
 with NB symbolic: the server sizes its pool at startup.
@@ -169,8 +170,11 @@ class TileLinear(Pass):
         apply_patterns(program, [_TileLinear(self.rows), _TileQuantLinear(self.rows)], erase_dead=False)
 
 
+_TILED = ("llm.tiled_linear", "llm.tiled_linear_logprobs")  # ops reading a weight as tiled_linear does
+
+
 class _Relayout(RewritePattern):
-    roots = ("llm.tiled_linear", "llm.quant_linear")
+    roots = (*_TILED, "llm.quant_linear")
 
     def __init__(self, layouts: dict) -> None:
         self.layouts = layouts  # weight value -> "T" | "P16" | "Q<bits>g<group>" | "H"
@@ -185,7 +189,7 @@ class _Relayout(RewritePattern):
         if layout is None or op.plain_attrs["transposed"] or op.plain_attrs["panel"]:
             return
         attrs = {**op.plain_attrs, **({"panel": PANEL} if layout == "P16" else {"transposed": True})}
-        rewriter.replace_op(op, rewriter.create("llm.tiled_linear", list(op.operands), attrs))
+        rewriter.replace_op(op, rewriter.create(op.name, list(op.operands), attrs))
 
 
 @register_pass
@@ -217,7 +221,7 @@ class TransposeWeights(Pass):
         chosen: dict = {}
         for a in f.args:
             uses = a.uses
-            if uses and a.ndim == 2 and all(op.name == "llm.tiled_linear" and i == 1 for op, i in uses):
+            if uses and a.ndim == 2 and all(op.name in _TILED and i == 1 for op, i in uses):
                 n, k = a.shape
                 packed = self.panels and isinstance(n, int) and n % PANEL == 0 and a.dtype == np.float32
                 chosen[a] = "P16" if packed else "T"
@@ -268,7 +272,7 @@ def relayout(a: np.ndarray, layout: str) -> np.ndarray:
 
 
 class _Unpanel(RewritePattern):
-    roots = ("llm.tiled_linear", "llm.tiled_linear_swiglu", "llm.quant_linear")
+    roots = (*_TILED, "llm.tiled_linear_swiglu", "llm.quant_linear")
 
     def __init__(self, args: set) -> None:
         self.args = args
@@ -323,7 +327,10 @@ def runs_native(compiler: str | None) -> bool:
     return (compiler or default_compiler()) == "cinn" and compiler_available()
 
 
-_PANEL_OPS = {"llm.tiled_linear": (1,), "llm.tiled_linear_swiglu": (1, 2)}  # ops reading panels: operands
+_PANEL_OPS = {
+    **dict.fromkeys(_TILED, (1,)),
+    "llm.tiled_linear_swiglu": (1, 2),
+}  # ops reading panels: operands
 
 
 def unpack_panel_weights(functions: Any) -> int:
@@ -487,10 +494,21 @@ def trace_programs(
         rows = O.index_select(O.reshape(hidden, [-1, hidden.shape[-1]]), logit_rows)  # (R, H)
         return logits(rows), cache.pool  # (R, V)
 
+    # the fused head where its C kernel reads the weight (panels, or the tied embedding's rows); a
+    # quantized head, or one whose vocabulary is not in 16-column panels, keeps the separate ops
+    panels_or_rows = not native or model.config.tie_word_embeddings or spec.vocab_size % PANEL == 0
+    fused = bool(tiles["score"]) and not isinstance(head, lf.nn.QuantizedLinear) and panels_or_rows
+
     def score(input_ids, positions, slots, block_tables, kv_len, q_start, q_len, logit_rows, targets, pool):
         cache = PagedKVCache(pool, slots, block_tables, kv_len, q_start, q_len)
         hidden = model.model(input_ids, positions, None, cache)  # (1, N, H)
         flat = O.reshape(hidden, [-1, hidden.shape[-1]])  # (N, H)
+        if fused:
+            # the head, logsumexp, top-k and the picks in one op: its C kernel takes the (N, V)
+            # logits a block of columns at a time while in cache, never whole
+            top = O.tiled_linear_logprobs(flat, lm_weight(), targets, logit_rows, k=spec.score_top_k,
+                                          rows=tiles["score"])  # fmt: skip
+            return (*top, cache.pool)
         every = O.linear(flat, lm_weight())  # (N, V)
         # (R, V): prefill's bits, picked from every's rows (a tiled linear's row does not depend on
         # the rows beside it: the batch-invariance guarantee), not a second product

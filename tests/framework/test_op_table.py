@@ -833,6 +833,38 @@ case(
 )
 
 
+def _tll_ref(x, w, targets, logit_rows, k=5, rows=8, transposed=False, panel=0):
+    if panel:
+        z = np.einsum("ni,pic->npc", x, w).reshape(len(x), -1)
+    else:
+        z = np.einsum("ni,io->no" if transposed else "ni,oi->no", x, w)
+    z = z.astype(np.float64)
+    lse = z.max(1, keepdims=True) + np.log(np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True))
+    ids = np.array([sorted(range(z.shape[1]), key=lambda j: (-zr[j], j))[:k] for zr in z], np.int64)
+    picked = z[np.arange(len(z)), targets] - lse[:, 0]
+    return z[logit_rows], picked, np.take_along_axis(z, ids, 1) - lse, ids
+
+
+case(
+    "tiled_linear_logprobs",
+    lambda rng: [
+        S([r(rng, 4, 3), r(rng, 6, 3), ints(rng, 6, 4), np.array([3, 0])], {"k": 2}, fd=False),
+        S(
+            [r(rng, 3, 5), r(rng, 5, 7), ints(rng, 7, 3), np.array([1])],
+            {"k": 3, "rows": 1, "transposed": True},
+            fd=False,
+        ),
+        S(
+            [r(rng, 5, 4), r(rng, 2, 4, 16), ints(rng, 32, 5), np.array([4, 4, 2])],
+            {"k": 5, "rows": 2, "panel": 16},
+            fd=False,
+            keep=((1, 2),),
+        ),
+    ],
+    _tll_ref,
+)
+
+
 def _slot_of(table, pos, block_size):
     return table[pos // block_size] * block_size + pos % block_size
 

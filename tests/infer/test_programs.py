@@ -23,8 +23,11 @@ def test_programs_use_tiled_linears_with_relaid_weights(model, compiler):
     for name, p in programs.items():
         ops = [op.name for op in p.concrete.program.walk()]
         assert "llm.linear" not in ops
-        # 7 per layer + lm_head (score: once, at every row; the sampled rows are picked from it)
-        assert ops.count("llm.tiled_linear") == 2 * 7 + 1
+        # 7 per layer + lm_head (score: once, at every row, fused with its logsumexp, top-k and
+        # picks; the sampled rows are picked from it)
+        head = "llm.tiled_linear_logprobs" if name == "score" else "llm.tiled_linear"
+        assert ops.count("llm.tiled_linear") == 2 * 7 + (head == "llm.tiled_linear")
+        assert ops.count(head) >= 1 and not {"llm.logsumexp", "llm.topk", "llm.gather"} & set(ops)
         assert ops.count("llm.paged_kv_write") == ops.count("llm.paged_attention") == 2
         # BLAS's [in, out] for the reference kernels; when compiled, the C kernel's 16-column panels
         # where out_features is a multiple of 16 (not this model's MLP width, 344)
@@ -106,3 +109,17 @@ def test_compiled_programs_fuse_the_mlp_and_generate_as_eager(tmp_path):
     assert [o.token_ids for o in served.generate(prompts, params)] == [
         o.token_ids for o in ref.generate(prompts, params)
     ]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_score_head_is_fused_where_its_kernel_reads_the_weight(tied):
+    """Compiled, the fused head reads 16-column panels or the tied embedding's rows: an untied head
+    of a vocabulary that is no multiple of 16 keeps tiled_linear and the separate reductions."""
+    if not available():
+        pytest.skip("no working C compiler")
+    from .conftest import tiny_model
+
+    model = tiny_model(vocab_size=4100, num_hidden_layers=1, tie_word_embeddings=tied)
+    programs, _ = trace_programs(model, programs=("score",), compiler="cinn")
+    ops = [op.name for op in programs["score"].concrete.program.walk()]
+    assert ("llm.tiled_linear_logprobs" in ops) == tied and ("llm.logsumexp" in ops) != tied

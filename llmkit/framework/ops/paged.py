@@ -506,3 +506,53 @@ engine_op(
     "both weights in panels: each thread finishes its own columns; the products are never stored). "
     "Weights and attributes as tiled_linear's, no bias.",
 )
+
+
+# ---- tiled_linear_logprobs ------------------------------------------------------------------------
+
+
+def _tll_meta(x, weight, targets, logit_rows, k=5, rows=8, transposed=False, panel=0):
+    if x.ndim != 2:
+        raise OpError(f"tiled_linear_logprobs: x must be [N, in_features], got {describe(x)}", x)
+    _check_int("tiled_linear_logprobs", "targets", targets, 1)
+    _check_int("tiled_linear_logprobs", "logit_rows", logit_rows, 1)
+    z = _tiled_meta(x, weight, None, rows, transposed, panel, op="tiled_linear_logprobs")
+    n, v = z.shape
+    if _known_differ(targets.shape[0], n):
+        raise OpError("tiled_linear_logprobs: targets must have one id per row of x", x, targets)
+    if isinstance(v, int) and not 0 < k <= v:
+        raise OpError(f"tiled_linear_logprobs: k={k} is out of range for {v} output features")
+    f64 = B.DTYPES["float64"]
+    return (
+        Meta((logit_rows.shape[0], v), z.dtype),
+        Meta((n,), f64),
+        Meta((n, k), f64),
+        Meta((n, k), B.DTYPES["int64"]),
+    )
+
+
+def _tll_kernel(xp, x, weight, targets, logit_rows, k=5, rows=8, transposed=False, panel=0):
+    z = _tiled_kernel(xp, x, weight, None, rows, transposed, panel)  # (N, V)
+    lse = get("logsumexp").kernel(xp, z.astype("float64"), axis=-1, keepdim=True)
+    top, ids = get("topk").kernel(xp, z, k)
+    picked = get("gather").kernel(xp, z, targets.reshape(-1, 1), axis=-1)
+    f64 = lambda a: a.astype("float64")
+    logits = get("index_select").kernel(xp, z, logit_rows)
+    return logits, (f64(picked) - lse).reshape(-1), f64(top) - lse, ids
+
+
+engine_op(
+    "tiled_linear_logprobs",
+    ("x", "weight", "targets", "logit_rows"),
+    [attr("k", A.INT, 5, lambda v: None if v >= 1 else "must be >= 1"), *_TILED_ATTRS],
+    _tll_meta,
+    _tll_kernel,
+    multi_output=True,
+    spmd=P.Rule(
+        lambda ctx: P.dim_map(ctx, [([None] * 4, (None,) * 4)]), reason="whole rows of the vocabulary"
+    ),
+    doc="The score program's LM head: z = tiled_linear(x, weight) [N, V] (same attributes), and with "
+    "lse = logsumexp(z) in float64 per row: (z[logit_rows] [R, V], z[i, targets[i]] - lse [N], the "
+    "k largest z of each row (first index wins ties) - lse [N, k] in float64, their ids [N, k]). "
+    "The C kernel never forms z whole: a block of columns at a time, reduced while in cache.",
+)

@@ -98,6 +98,7 @@ def test_the_engines_ops_declare_it_and_have_their_kernels():
         "paged_kv_write",
         "quant_linear",
         "tiled_linear",
+        "tiled_linear_logprobs",
         "tiled_linear_swiglu",
     ]
     for name in engine:
@@ -670,3 +671,106 @@ def test_gather_last_axis_any_dtype_and_negative_indices():
     assert not applies("gather", np.zeros((3, 4)), np.zeros((1, 4), np.int64), axis=0)
     with pytest.raises(IndexError, match="out of bounds"):  # the reference kernel's own error
         native("gather")(np, np.zeros((2, 3)), np.array([[0], [3]], np.int64), axis=-1)
+
+
+def _logprobs64(z: np.ndarray, targets: np.ndarray, k: int):
+    """The score program's numbers from logits z, in float64 (the formula written out): z[t] - lse
+    and the k largest (first index wins ties, NaNs last) - lse, with lse's shift 0 where the max is
+    not finite."""
+    z = z.astype(np.float64)
+    m = z.max(1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    lse = np.log(np.exp(z - m).sum(1, keepdims=True)) + m
+    ids = np.argsort(-z, axis=-1, kind="stable")[:, :k]
+    with np.errstate(invalid="ignore"):  # inf - inf
+        return z[np.arange(len(z)), targets] - lse[:, 0], np.take_along_axis(z, ids, 1) - lse, ids
+
+
+@pytest.mark.parametrize("m", [1, 7, 40])
+@pytest.mark.parametrize("k,n,panel", [(64, 4144, 16), (33, 700, 0), (16, 16, 16), (5, 3, 0)])
+def test_tiled_linear_logprobs_matches_float64_and_rows_are_independent(m, k, n, panel):
+    """The score program's fused head: its logits are tiled_linear's bits, its logprobs and top-k
+    those of a float64 log-softmax of them, and no row's results depend on the other rows."""
+    rng = np.random.default_rng(m + k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((n, k)) / 4).astype(np.float32)
+    wl = _panels(np.ascontiguousarray(w.T)) if panel else w
+    targets = rng.integers(-n, n, m)
+    rows = np.array([m - 1, 0, -1])
+    kk = min(5, n)
+    args = (x, wl, targets, rows)
+    assert applies("tiled_linear_logprobs", *args, k=kk, panel=panel)
+    assert not applies("tiled_linear_logprobs", x, np.ascontiguousarray(w.T), targets, rows, transposed=True)
+    op = native("tiled_linear_logprobs")
+    logits, target_lp, top_lp, top_ids = op(np, *args, k=kk, panel=panel)
+    z = native("tiled_linear")(np, x, wl, panel=panel)
+    assert np.array_equal(logits, z[rows])
+    want = _logprobs64(z, targets % n, kk)  # exp in float32 (about 1e-7 a term), sums in float64
+    np.testing.assert_allclose(target_lp, want[0], rtol=0, atol=2e-7)
+    np.testing.assert_allclose(top_lp, want[1], rtol=0, atol=2e-7)
+    np.testing.assert_array_equal(top_ids, want[2])
+    z64 = x.astype(np.float64) @ w.astype(np.float64).T  # and against the float64 product
+    np.testing.assert_allclose(target_lp, _logprobs64(z64, targets % n, kk)[0], rtol=1e-5, atol=1e-5)
+    for i in (0, m - 1):
+        alone = op(np, x[i : i + 1], wl, targets[i : i + 1], np.array([0]), k=kk, panel=panel)
+        assert np.array_equal(alone[0][0], z[i]) and alone[1][0] == target_lp[i]
+        assert np.array_equal(alone[2][0], top_lp[i]) and np.array_equal(alone[3][0], top_ids[i])
+
+
+def test_tiled_linear_logprobs_ties_infinities_nans_and_threads(monkeypatch):
+    import llmkit.framework.compiler.native.run as native_mod
+
+    rng = np.random.default_rng(12)
+    n = 700  # three column blocks, the last one short
+    special = [
+        rng.integers(-2, 3, n).astype(np.float32),  # ties everywhere, across blocks
+        np.where(rng.random(n) < 0.5, -np.inf, rng.standard_normal(n)).astype(np.float32),
+        np.concatenate([np.full(300, -np.inf), rng.standard_normal(n - 300) - 800]).astype(
+            np.float32
+        ),  # exp(800): inf
+        np.where(np.arange(n) == 450, np.nan, rng.standard_normal(n)).astype(np.float32),
+        np.where(np.arange(n) == 3, np.inf, rng.standard_normal(n)).astype(np.float32),
+    ]
+    op = native("tiled_linear_logprobs")
+    for zrow in special:  # x = [[1]] and w = z as a column: the logits are z exactly
+        x, w = np.ones((1, 1), np.float32), zrow[:, None].copy()
+        for t in (0, 450, n - 1):
+            got = op(np, x, w, np.array([t]), np.array([0]), k=5)
+            want = _logprobs64(zrow[None], np.array([t]), 5)
+            np.testing.assert_array_equal(got[0][0], zrow)
+            np.testing.assert_allclose(got[1], want[0], rtol=0, atol=2e-7)
+            np.testing.assert_allclose(got[2], want[1], rtol=0, atol=2e-7)
+            np.testing.assert_array_equal(got[3], want[2])
+    wl = _panels((rng.standard_normal((48, 4096)) / 4).astype(np.float32))
+    x = rng.standard_normal((40, 48)).astype(np.float32)
+    args = (x, wl, rng.integers(0, 4096, 40), np.array([5, 39]))
+    got = {}
+    for nt in (1, 2, 3):
+        monkeypatch.setattr(native_mod, "_threads", lambda nt=nt: nt)
+        got[nt] = op(np, *args, k=5, panel=16)
+    for nt in (2, 3):
+        assert all(np.array_equal(a, b) for a, b in zip(got[1], got[nt]))
+
+
+def test_tiled_linear_logprobs_names_bad_inputs():
+    meta = table()["tiled_linear_logprobs"].infer_meta
+    x, w, i3, r = (
+        Meta((3, 4), np.float32),
+        Meta((6, 4), np.float32),
+        Meta((3,), np.int64),
+        Meta((1,), np.int64),
+    )
+    with pytest.raises(OpError, match=r"x must be \[N, in_features\]"):
+        meta(Meta((1, 3, 4), np.float32), w, i3, r)
+    with pytest.raises(OpError, match="targets must have one id per row of x"):
+        meta(x, w, Meta((2,), np.int64), r)
+    with pytest.raises(OpError, match="targets must be a 1-D integer tensor"):
+        meta(x, w, Meta((3,), np.float32), r)
+    with pytest.raises(OpError, match="k=7 is out of range for 6 output features"):
+        meta(x, w, i3, r, k=7)
+    op, x1, w1 = native("tiled_linear_logprobs"), np.ones((3, 4), np.float32), np.ones((6, 4), np.float32)
+    # the kernel refuses before writing; the reference kernel's error names the index
+    with pytest.raises(IndexError, match="index 6 is out of bounds for axis 1 with size 6"):
+        op(np, x1, w1, np.array([0, 6, 1]), np.array([0]), k=2)
+    with pytest.raises(IndexError, match="index 3 is out of bounds"):  # a logit row past the rows
+        op(np, x1, w1, np.array([0, 5, 1]), np.array([3]), k=2)

@@ -11,7 +11,8 @@ kernels is replayed in one C call; their threads come from the pool in ``par.py`
 ``run``         NativeOp (one op's kernel, called like its reference kernel), Replay(s); both
                 registered with the executor
 ``simd``        vector helpers the kernels share (AVX2 + FMA, else GCC vectors)
-``linear``      ``tiled_linear``, ``tiled_linear_swiglu``: the engine's batch-invariant products
+``linear``      ``tiled_linear``, ``tiled_linear_swiglu``: the engine's batch-invariant products;
+                ``tiled_linear_logprobs``: the score program's LM head and log-probs, fused
 ``paged``       ``paged_attention``, ``paged_kv_write``: the engine's KV cache
 ``quant``       ``quant_linear``: products with int8 / int4 weights, dequantized in the loop
 ``quant_int``   ``quant_linear`` with int8 activations: integer dot products, the ISA picked at run time

@@ -17,6 +17,7 @@ import numpy as np
 from ...ops.paged import PANEL
 from ...opspec import get
 from .attach import native_kernel
+from .gather import TOPK_MAX_K
 from .simd import VEC
 
 _F32 = np.dtype(np.float32)
@@ -391,6 +392,193 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
 )
 
 
+TILED_LINEAR_LOGPROBS = (
+    VEC
+    + _LINEAR
+    + r"""
+/* tiled_linear_logprobs: the score program's LM head. Threads claim blocks of CW columns (fixed:
+   which columns a partial sum covers depends on neither the rows nor the threads); a claim
+   computes its block of z for every row into its thread's scratch with tiled_linear's code (the
+   same bits as tiled_linear's z), then, while it is in cache, per row: the block's max m and sum
+   s = sum(exp(z - m)) (exp in float32, KERNEL_FN_exp; the sum in float64, 8 lanes in a fixed
+   order; m taken as 0 when not finite, as the reference's logsumexp does), the target's logit if
+   the block holds it, the rows logit_rows asks for, and the thread's running top K of the row
+   (kept in the order of a stable sort of -z: larger first, then the lower index, NaNs last by
+   index; a total order, so the top K do not depend on which thread saw which block). Then per
+   row: lse = M + log(sum_b s_b exp(m_b - M)) over the blocks in order (M: the row's max, 0 when
+   not finite), the threads' top K merged, z - lse.
+   bufs: x [M, K], w (transposed 0: [N, K]; 2: panels), targets [M], logit_rows [R], logits [R, N],
+   target_lp [M], top_lp [M, TK], top_ids [M, TK], status.
+   sizes: M, K, N, mode (0 or 2), R, TK. */
+enum { KERNEL_FN_CW = 256 };
+typedef struct {
+  const float *x, *w;
+  const int64_t *targets, *rows;
+  float *logits, *scratch, *bmax, *tz, *kv;
+  double *bsum;
+  int64_t *ki, *kn;
+  int64_t M, K, N, mode, R, TK;
+} KERNEL_FN_job;
+
+static inline float KERNEL_FN_shift(float m) { return isfinite(m) ? m : 0.0f; }
+
+typedef int32_t KERNEL_FN_vi __attribute__((vector_size(32)));
+typedef double KERNEL_FN_vd __attribute__((vector_size(32)));
+/* exp(d) in 8 float lanes: d = n ln2 + r (n by the 1.5 * 2^23 rounding trick, ln2 in two parts so
+   r is exact to float's rounding), exp(r) by its Taylor series to r^7 (|r| <= ln2 / 2: the next term
+   is below 3e-9 of the sum), times 2^n put into the exponent bits. d below -87 (where 2^n leaves
+   float's range, -inf included) gives 0, above 88 (past float's largest, +inf included) inf; NaN
+   stays NaN. */
+static inline KERNEL_FN_v KERNEL_FN_exp(KERNEL_FN_v d) {
+  const KERNEL_FN_v big = KERNEL_FN_splat(12582912.0f), one = KERNEL_FN_splat(1.0f);
+  const KERNEL_FN_v t = d * KERNEL_FN_splat(1.44269504088896341f) + big, n = t - big;
+  const KERNEL_FN_v r = (d - n * KERNEL_FN_splat(0.693359375f)) - n * KERNEL_FN_splat(-2.12194440e-4f);
+  KERNEL_FN_v p = KERNEL_FN_splat(1.0f / 5040);
+  p = p * r + KERNEL_FN_splat(1.0f / 720), p = p * r + KERNEL_FN_splat(1.0f / 120);
+  p = p * r + KERNEL_FN_splat(1.0f / 24), p = p * r + KERNEL_FN_splat(1.0f / 6);
+  p = p * r + KERNEL_FN_splat(0.5f), p = p * r + one, p = p * r + one;
+  const KERNEL_FN_vi e = (((KERNEL_FN_vi)t - (KERNEL_FN_vi)big) + 127) << 23;
+  const KERNEL_FN_vi low = d < KERNEL_FN_splat(-87.0f), high = d > KERNEL_FN_splat(88.0f);
+  const KERNEL_FN_vi out = (KERNEL_FN_vi)(p * (KERNEL_FN_v)e) & ~(low | high);
+  return (KERNEL_FN_v)(out | ((KERNEL_FN_vi)KERNEL_FN_splat(INFINITY) & high));
+}
+
+/* the largest of y[0..w), NaN if one is */
+static inline float KERNEL_FN_max(const float *y, int64_t w) {
+  float mx = -INFINITY;
+  int nan = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+  for (int64_t c = 0; c < w; c++) mx = y[c] > mx ? y[c] : mx, nan |= y[c] != y[c];
+  return nan ? NAN : mx;
+}
+
+/* acc[0], acc[1] (lanes 0-3, 4-7) += e's 8 lanes, in float64 */
+static inline void KERNEL_FN_addd(KERNEL_FN_vd *acc, KERNEL_FN_v e) {
+#if defined(__AVX2__) && defined(__FMA__)
+  acc[0] += _mm256_cvtps_pd(_mm256_castps256_ps128(e));
+  acc[1] += _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1));
+#else
+  float l[8];
+  KERNEL_FN_st(l, e);
+  for (int i = 0; i < 4; i++) acc[0][i] += l[i], acc[1][i] += l[4 + i];
+#endif
+}
+
+/* (a, i) comes before (b, j) in a stable sort of -z */
+static inline int KERNEL_FN_before(float a, int64_t i, float b, int64_t j) {
+  if (b != b) return a == a || i < j;
+  return a == a && (a > b || (a == b && i < j));
+}
+
+/* (a, i) into a row's top K (values v, ids id, n kept so far) */
+static inline void KERNEL_FN_keep(float *v, int64_t *id, int64_t *n, int64_t K, float a, int64_t i) {
+  if (*n == K && !KERNEL_FN_before(a, i, v[K - 1], id[K - 1])) return;
+  int64_t p = *n < K ? (*n)++ : K - 1;
+  for (; p > 0 && KERNEL_FN_before(a, i, v[p - 1], id[p - 1]); p--) v[p] = v[p - 1], id[p] = id[p - 1];
+  v[p] = a, id[p] = i;
+}
+
+static void KERNEL_FN_block(void *arg, int64_t b, int64_t worker) {
+  const KERNEL_FN_job *j = (const KERNEL_FN_job *)arg;
+  const int64_t M = j->M, K = j->K, N = j->N, TK = j->TK, lo = b * KERNEL_FN_CW;
+  const int64_t w = N - lo < KERNEL_FN_CW ? N - lo : KERNEL_FN_CW;
+  float *y = j->scratch + worker * M * KERNEL_FN_CW;
+  if (j->mode == 2) KERNEL_FN_pp(j->x, j->w + lo * K, y, M, K, w, KERNEL_FN_CW);
+  else KERNEL_FN_nk(j->x, j->w + lo * K, y, M, K, w, KERNEL_FN_CW);
+  for (int64_t m = 0; m < M; m++) {
+    const float *ym = y + m * KERNEL_FN_CW;
+    float mx = KERNEL_FN_max(ym, w);
+    const KERNEL_FN_v sh = KERNEL_FN_splat(KERNEL_FN_shift(mx));
+    KERNEL_FN_vd acc[2] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+    int64_t c = 0;
+    for (; c + 8 <= w; c += 8) KERNEL_FN_addd(acc, KERNEL_FN_exp(KERNEL_FN_ld(ym + c) - sh));
+    if (c < w) { /* a short last run, as if padded with -inf */
+      float tail[8];
+      for (int i = 0; i < 8; i++) tail[i] = i < w - c ? ym[c + i] : -INFINITY;
+      KERNEL_FN_addd(acc, KERNEL_FN_exp(KERNEL_FN_ld(tail) - sh));
+    }
+    const KERNEL_FN_vd u = acc[0], h = acc[1];
+    const double s = ((u[0] + h[0]) + (u[2] + h[2])) + ((u[1] + h[1]) + (u[3] + h[3]));
+    j->bmax[b * M + m] = mx, j->bsum[b * M + m] = s; /* a block's partials together */
+    float *v = j->kv + (worker * M + m) * TK;
+    int64_t *id = j->ki + (worker * M + m) * TK, *n = j->kn + worker * M + m;
+    /* 16 at a time; a run none of which can enter is passed over, and the block whose max is below
+       the K-th kept */
+    for (c = *n == TK && mx < v[TK - 1] ? w : 0; c < w;) {
+      const int64_t end = c + 16 < w ? c + 16 : w;
+      if (*n == TK && end - c == 16 && v[TK - 1] == v[TK - 1]) {
+        const float kth = v[TK - 1], *yc = ym + c;
+        int any = 0;
+#pragma omp simd reduction(| : any)
+        for (int u = 0; u < 16; u++) any |= (yc[u] >= kth) | (yc[u] != yc[u]);
+        if (!any) { c = end; continue; }
+      }
+      for (; c < end; c++)
+        if (*n < TK || !(ym[c] < v[TK - 1])) KERNEL_FN_keep(v, id, n, TK, ym[c], lo + c);
+    }
+    const int64_t t = j->targets[m] < 0 ? j->targets[m] + N : j->targets[m];
+    if (t >= lo && t < lo + w) j->tz[m] = ym[t - lo];
+  }
+  for (int64_t r = 0; r < j->R; r++) {
+    const int64_t row = j->rows[r] < 0 ? j->rows[r] + M : j->rows[r];
+    memcpy(j->logits + r * N + lo, y + row * KERNEL_FN_CW, sizeof(float) * w);
+  }
+}
+
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  const int64_t M = sizes[0], K = sizes[1], N = sizes[2], mode = sizes[3], R = sizes[4], TK = sizes[5];
+  const int64_t *targets = (const int64_t *)bufs[2], *rows = (const int64_t *)bufs[3];
+  double *target_lp = (double *)bufs[5], *top_lp = (double *)bufs[6];
+  int64_t *top_ids = (int64_t *)bufs[7], *status = (int64_t *)bufs[8];
+  for (int64_t m = 0; m < M; m++)
+    if (targets[m] < -N || targets[m] >= N) { status[0] = 1; status[1] = m; return; }
+  for (int64_t r = 0; r < R; r++)
+    if (rows[r] < -M || rows[r] >= M) { status[0] = 2; status[1] = r; return; }
+  const int64_t blocks = (N + KERNEL_FN_CW - 1) / KERNEL_FN_CW;
+  int64_t nt = M * N * K < (1 << 17) || nthreads < 1 ? 1 : nthreads;
+  if (nt > blocks) nt = blocks;
+  KERNEL_FN_job job = {(const float *)bufs[0], (const float *)bufs[1], targets, rows, (float *)bufs[4],
+                       NULL, NULL, NULL, NULL, NULL, NULL, NULL, M, K, N, mode, R, TK};
+  job.scratch = (float *)malloc(sizeof(float) * (size_t)(nt * M * KERNEL_FN_CW));
+  job.bmax = (float *)malloc(sizeof(float) * (size_t)(blocks * M));
+  job.bsum = (double *)malloc(sizeof(double) * (size_t)(blocks * M));
+  job.tz = (float *)malloc(sizeof(float) * (size_t)M);
+  job.kv = (float *)malloc(sizeof(float) * (size_t)(nt * M * TK));
+  job.ki = (int64_t *)malloc(sizeof(int64_t) * (size_t)(nt * M * TK));
+  job.kn = (int64_t *)calloc((size_t)(nt * M), sizeof(int64_t));
+  if (!job.scratch || !job.bmax || !job.bsum || !job.tz || !job.kv || !job.ki || !job.kn) {
+    status[0] = 3;
+  } else {
+    llmkit_par_run(blocks, nt, KERNEL_FN_block, &job);
+    for (int64_t m = 0; m < M; m++) {
+      float mx = -INFINITY;
+      int nan = 0;
+      for (int64_t b = 0; b < blocks; b++) {
+        const float v = job.bmax[b * M + m];
+        nan |= v != v, mx = v > mx ? v : mx;
+      }
+      const double sh = nan ? 0.0 : KERNEL_FN_shift(mx);
+      double s = 0.0;
+      for (int64_t b = 0; b < blocks; b++) { /* an all -inf block adds nothing (not 0 * inf) */
+        const double sb = job.bsum[b * M + m];
+        if (sb != 0.0) s += sb * exp((double)KERNEL_FN_shift(job.bmax[b * M + m]) - sh);
+      }
+      const double lse = log(s) + sh;
+      float *v = job.kv + m * TK; /* thread 0's top K, then the others' merged in */
+      int64_t *id = job.ki + m * TK, *n = job.kn + m;
+      for (int64_t t = 1; t < nt; t++)
+        for (int64_t k = 0; k < job.kn[t * M + m]; k++)
+          KERNEL_FN_keep(v, id, n, TK, job.kv[(t * M + m) * TK + k], job.ki[(t * M + m) * TK + k]);
+      for (int64_t k = 0; k < TK; k++) top_lp[m * TK + k] = (double)v[k] - lse, top_ids[m * TK + k] = id[k];
+      target_lp[m] = (double)job.tz[m] - lse;
+    }
+  }
+  free(job.scratch), free(job.bmax), free(job.bsum), free(job.tz), free(job.kv), free(job.ki), free(job.kn);
+}
+"""
+)
+
+
 def _linear_sizes(x, weight, bias=None, rows=8, transposed=False, panel=0):
     k = x.shape[-1]
     rows = math.prod(x.shape[:-1])  # (not x.size // k: k may be 0)
@@ -417,4 +605,27 @@ native_kernel(
     TILED_LINEAR_SWIGLU.replace("@SIGMOID@", get("sigmoid").c.format("gm[j]")),
     sizes=_swiglu_sizes,
     applies=_swiglu_applies,
+)
+
+
+def _tll_applies(x, weight, targets, logit_rows, k=5, rows=8, transposed=False, panel=0):
+    # [N, K] or panels ([K, N] would need tiled_linear's shared-stride code: the reference runs it)
+    return (
+        x.ndim == 2
+        and not transposed
+        and k <= TOPK_MAX_K
+        and _linear_applies(x, weight, None, rows, False, panel)
+    )
+
+
+native_kernel(
+    "tiled_linear_logprobs",
+    TILED_LINEAR_LOGPROBS,
+    sizes=lambda x, weight, targets, logit_rows, k=5, rows=8, transposed=False, panel=0: [
+        *_linear_sizes(x, weight, None, rows, transposed, panel)[:3],
+        2 if panel else 0,
+        logit_rows.shape[0],
+        k,
+    ],
+    applies=_tll_applies,
 )
