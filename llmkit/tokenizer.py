@@ -47,13 +47,8 @@ TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"  # transformers 5: <name>.jinja per named template
 # What from_pretrained reads from a directory (besides TEMPLATE_DIR/*.jinja).
 FILES = (MODEL_FILE, JSON_FILE, CONFIG_FILE, SPECIAL_MAP_FILE, GENERATION_FILE, TEMPLATE_FILE)
-SPECIAL_NAMES = ("bos", "eos", "unk", "pad")
-MODEL_TYPES = (
-    "BPE",
-    "Unigram",
-    "WordPiece",
-    "WordLevel",
-)  # the tokenizers library's models  # <name>_token in tokenizer_config.json
+SPECIAL_NAMES = ("bos", "eos", "unk", "pad")  # <name>_token in tokenizer_config.json
+MODEL_TYPES = ("BPE", "Unigram", "WordPiece", "WordLevel")  # the tokenizers library's models
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SPACE = "\u2581"
 
@@ -115,6 +110,12 @@ def _token_ids(value: Any, where: str) -> list[int]:
     return ids
 
 
+def _piece_bytes(piece: str) -> bytes:
+    """A sentencepiece-style piece's bytes: a byte-fallback piece (<0xNN>) its byte, else its text."""
+    m = _BYTE_PIECE.match(piece)
+    return bytes([int(m.group(1), 16)]) if m else piece.replace(_SPACE, " ").encode()
+
+
 def _added_token(content: str, special: bool) -> dict[str, Any]:
     """An AddedToken object as transformers writes it."""
     return {
@@ -165,9 +166,7 @@ class _SentencePiece:
         return out
 
     def default_token(self, name: str) -> str | None:
-        i = {"bos": self.sp.bos_id, "eos": self.sp.eos_id, "unk": self.sp.unk_id, "pad": self.sp.pad_id}[
-            name
-        ]()
+        i = getattr(self.sp, f"{name}_id")()  # bos_id, eos_id, unk_id, pad_id
         return None if i < 0 else self.pieces[i]
 
     def encode(self, texts: list[str], num_threads: int) -> list[list[int]]:
@@ -177,9 +176,7 @@ class _SentencePiece:
         return self.sp.decode(ids)
 
     def piece_bytes(self, i: int) -> bytes:
-        piece = self.pieces[i]
-        m = _BYTE_PIECE.match(piece)
-        return bytes([int(m.group(1), 16)]) if m else piece.replace(_SPACE, " ").encode()
+        return _piece_bytes(self.pieces[i])
 
 
 class _Tokenizers:
@@ -245,8 +242,7 @@ class _Tokenizers:
             return b""
         if self.byte_level:
             return bytes(BYTE_DECODER[c] if c in BYTE_DECODER else ord(c) for c in piece)
-        m = _BYTE_PIECE.match(piece)
-        return bytes([int(m.group(1), 16)]) if m else piece.replace(_SPACE, " ").encode()
+        return _piece_bytes(piece)
 
 
 class Tokenizer:
@@ -333,13 +329,10 @@ class Tokenizer:
                 f"{where[GENERATION_FILE]}: eos_token_id {bad[0]} is out of range "
                 f"for a vocabulary of {self._vocab_size}"
             )
-        self.eos_ids: list[int] = list(
-            dict.fromkeys([*([self.eos_id] if self.eos_id is not None else []), *gen_eos])
-        )
+        own_eos = [] if self.eos_id is None else [self.eos_id]
+        self.eos_ids: list[int] = list(dict.fromkeys([*own_eos, *gen_eos]))
         # generation_config.json's ids, kept (in files()) only where they add stop ids to the eos
-        self._generation_eos = (
-            gen_eos if self.eos_ids != ([self.eos_id] if self.eos_id is not None else []) else []
-        )
+        self._generation_eos = gen_eos if self.eos_ids != own_eos else []
 
         def flag(key: str, default: bool) -> bool:
             v = config.get(key, default)
@@ -352,11 +345,8 @@ class Tokenizer:
         self.add_eos_token: bool = flag("add_eos_token", False)
         self.chat_templates: dict[str, str] = self._read_templates(config, files, where)
         managed = {"added_tokens_decoder", "chat_template", "add_bos_token", "add_eos_token"}
-        self._config_extra = {
-            k: v
-            for k, v in config.items()
-            if k not in managed and k not in {f"{n}_token" for n in SPECIAL_NAMES}
-        }
+        managed |= {f"{n}_token" for n in SPECIAL_NAMES}
+        self._config_extra = {k: v for k, v in config.items() if k not in managed}
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -391,11 +381,7 @@ class Tokenizer:
             templates["default"] = value
         elif isinstance(value, list):
             for k, t in enumerate(value):
-                if not (
-                    isinstance(t, dict)
-                    and isinstance(t.get("name"), str)
-                    and isinstance(t.get("template"), str)
-                ):
+                if not (isinstance(t, dict) and all(isinstance(t.get(k), str) for k in ("name", "template"))):
                     raise _unloadable(f'{at}[{k}]: expected {{"name": ..., "template": ...}}')
                 templates[t["name"]] = t["template"]
         elif value is not None:
@@ -486,12 +472,9 @@ class Tokenizer:
             )
         out[CONFIG_FILE] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()
         out[SPECIAL_MAP_FILE] = (json.dumps(special_map, indent=2, ensure_ascii=False) + "\n").encode()
-        if self._generation_eos:
-            gen = {
-                "eos_token_id": self._generation_eos
-                if len(self._generation_eos) > 1
-                else self._generation_eos[0]
-            }
+        eos = self._generation_eos
+        if eos:
+            gen = {"eos_token_id": eos[0] if len(eos) == 1 else eos}
             out[GENERATION_FILE] = (json.dumps(gen, indent=2) + "\n").encode()
         return out
 

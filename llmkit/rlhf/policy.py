@@ -31,6 +31,7 @@ import llmkit.framework as lf
 from llmkit.framework import jit, nn, optim
 from llmkit.framework.distributed.parallelize import all_reduce_grads
 from llmkit.framework.ir.passes import QuantizeLinear
+from llmkit.framework.jit.model_file import trace_specs
 from llmkit.infer.programs import PREFILL_TILE, TileLinear
 from llmkit.models.llama import LlamaForCausalLM
 from llmkit.models.llama.lora import adapters_disabled, lora_layers
@@ -108,9 +109,7 @@ def compile_function(
     """``fn`` traced once (symbolic dims) and compiled; ``tile``: the engine's ``tile-linear`` and
     ``quantize-linear`` passes (exact forwards). Returns a function of numpy arrays -> the outputs
     as numpy arrays / floats."""
-    sf = jit.to_static(fn, input_spec=specs, names=names)
-    dummies = [np.zeros([d if isinstance(d, int) else 1 for d in s.shape], s.dtype) for s in specs]
-    cp = sf.get_concrete_program(*dummies)
+    cp = trace_specs(jit.to_static(fn, input_spec=specs, names=names))
     if tile:
         TileLinear(PREFILL_TILE).apply(cp.program)
         QuantizeLinear().apply(cp.program)  # a quantized base (QLoRA): the engine's quant_linear

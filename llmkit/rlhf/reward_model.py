@@ -25,7 +25,7 @@ from llmkit.train.trainer import state_names
 
 from . import algorithms
 from .config import RewardModelConfig
-from .data import Prompt, encode_pair, encode_prompt, load_pairs, split_heldout
+from .data import Prompt, TokenBatch, encode_pair, encode_prompt, load_pairs, split_heldout
 from .policy import compile_function, compile_update
 from .run import Run
 
@@ -75,17 +75,10 @@ class LlamaRewardModel(nn.Layer):
         save_pretrained(self, path)
 
 
-def _rows(lengths: np.ndarray, width: int) -> np.ndarray:
-    """Each sequence's last token in the flattened [B, width] batch."""
-    return np.arange(len(lengths), dtype=np.int64) * width + lengths - 1
-
-
-def _pad(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
-    ids = np.zeros((len(seqs), int(lengths.max())), np.int64)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = s
-    return ids, lengths
+def _batch(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded ``ids`` [B, S] and each sequence's last token in the flattened batch (``rows``)."""
+    tb = TokenBatch.of(seqs, [[]] * len(seqs))
+    return tb.ids, np.arange(len(seqs), dtype=np.int64) * tb.ids.shape[1] + tb.lengths - 1
 
 
 class RewardModelScorer:
@@ -110,8 +103,7 @@ class RewardModelScorer:
     def scores(self, seqs: list[list[int]]) -> np.ndarray:
         out = []
         for i in range(0, len(seqs), self.batch_size):
-            ids, lengths = _pad(seqs[i : i + self.batch_size])
-            out.append(np.asarray(self.program(ids, _rows(lengths, ids.shape[1])), dtype=np.float64))
+            out.append(np.asarray(self.program(*_batch(seqs[i : i + self.batch_size])), dtype=np.float64))
         return np.concatenate(out) if out else np.zeros(0)
 
     def __call__(self, prompts: list[Prompt], completions: list[str], **kwargs: Any) -> list[float]:
@@ -179,8 +171,8 @@ class RewardModelTrainer(Run):
 
     def train_step(self) -> dict[str, Any]:
         pairs = self.step_pairs()
-        ids, lengths = _pad([c for c, _ in pairs] + [r for _, r in pairs])
-        return self.update(ids, _rows(lengths, ids.shape[1]), *pair_selectors(len(pairs)))
+        seqs = [c for c, _ in pairs] + [r for _, r in pairs]  # chosen (rows 0..P-1), then rejected
+        return self.update(*_batch(seqs), *pair_selectors(len(pairs)))
 
     def evaluate(self) -> dict[str, float]:
         """Held-out ``eval_accuracy`` (chosen scored above rejected) and ``eval_margin``."""

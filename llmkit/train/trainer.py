@@ -290,10 +290,6 @@ class Trainer(Loop):
         loss, norm, self.state_bytes = self.pipe.step(*batches[0], self.clip)
         return loss, norm
 
-    def state_names(self) -> dict[int, str]:
-        """Readable names of every tensor a traced step captures (for programs and errors)."""
-        return state_names(self.model, self.optimizer)
-
     def _static_step(self):
         """The whole step — micro-batches, backward, gradient reduction, clipping, update — as one
         traced program; over several ranks, partitioned into one program per rank."""
@@ -313,8 +309,8 @@ class Trainer(Loop):
         # One program: symbolic batch dims in one process; the placed batches' shapes over several
         # ranks (partitioned programs take static shapes).
         spec = None if self.par is not None else [jit.InputSpec(["B", "S"], "int64")] * (2 * t.grad_accum)
-        compiled = jit.to_static(step, input_spec=spec, compiler=t.compiler, names=self.state_names())
-        self.static_step = compiled
+        names = state_names(self.model, self.optimizer)
+        self.static_step = compiled = jit.to_static(step, input_spec=spec, compiler=t.compiler, names=names)
         # gradients live inside the program: count them in the layout they are reduced to
         named = self.model.named_parameters()
         shapes = {n: p.shape for n, p in named if p.requires_grad}  # a LoRA run: its adapters

@@ -34,7 +34,7 @@ from ..ir import Program, parse
 from ..ir.errors import IRError
 from ..serialization import SafetensorsError, load, save
 from ..tensor import Tensor
-from .static_function import ConcreteProgram
+from .static_function import ConcreteProgram, InputSpec, StaticFunction, to_static
 
 FORMAT = "llmkit.static"
 FORMAT_VERSION = 1
@@ -433,8 +433,6 @@ def save_static(
     Each needs an input signature: a StaticFunction already traced, or ``input_spec`` (all dims
     given as ints or symbols) to trace it now.
     """
-    from .static_function import InputSpec, StaticFunction, to_static
-
     objs = obj if isinstance(obj, Mapping) else {"forward": obj}
     programs: dict[str, ConcreteProgram] = {}
     names: dict[int, str] = {}
@@ -443,15 +441,17 @@ def save_static(
         if sf.input_spec is None and input_spec is not None:
             sf.input_spec = list(input_spec)
         if sf._last is None:
-            specs = sf.input_spec
-            if specs is None:
+            if sf.input_spec is None:
                 raise ValueError(f"jit.save: {pname!r} has not been traced; pass input_spec")
-            dummies = []
-            for s in specs:
-                s = s if isinstance(s, InputSpec) else InputSpec(*s)
-                shape = [d if isinstance(d, int) else 2 for d in s.shape]
-                dummies.append(Tensor(np.zeros(shape, dtype=B.dtype(s.dtype))))
-            sf.get_concrete_program(*dummies)
+            trace_specs(sf)
         programs[pname] = sf._last
         names.update(sf._state_names())
     return save_programs(path, programs, names, metadata, extra_files)
+
+
+def trace_specs(sf: StaticFunction) -> ConcreteProgram:
+    """Trace StaticFunction ``sf`` for every input its ``input_spec`` allows (InputSpecs, or their
+    fields as tuples): on zeros of those shapes and dtypes, a symbolic dim at size 1."""
+    specs = [s if isinstance(s, InputSpec) else InputSpec(*s) for s in sf.input_spec]
+    zeros = [np.zeros([d if isinstance(d, int) else 1 for d in s.shape], B.dtype(s.dtype)) for s in specs]
+    return sf.get_concrete_program(*(Tensor(z) for z in zeros))
