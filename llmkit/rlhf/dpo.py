@@ -45,11 +45,9 @@ class DPOTrainer(Run):
         rows = load_pairs(cfg.data.pairs, t.seed)
         train, held = split_heldout(rows, cfg.data.val_fraction, t.seed)
         reference = policy.reference_scorer(self.model, self.src, self.exact, self.temperature)
-        self.train_pairs = self._with_reference(
-            [encode_pair(self.tokenizer, r, t.max_length) for r in train], reference
-        )
-        self.held_pairs = self._with_reference(
-            [encode_pair(self.tokenizer, r, t.max_length) for r in held], reference
+        self.train_pairs, self.held_pairs = (
+            self._with_reference([encode_pair(self.tokenizer, r, t.max_length) for r in rows], reference)
+            for rows in (train, held)
         )
         self.optimizer = build_optimizer(cfg.optim, self.model)
         self.step_fn = policy.train_step(
@@ -121,8 +119,5 @@ class DPOTrainer(Run):
         loss, stats = algorithms.dpo_loss(
             *(lf.tensor(a) for a in (pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1])), r.beta, r.dpo_loss
         )
-        return {
-            "eval_loss": float(loss.item()),
-            "eval_accuracy": float(stats["accuracy"].item()),
-            "eval_margin": float(stats["margin"].item()),
-        }
+        shown = {"loss": loss, "accuracy": stats["accuracy"], "margin": stats["margin"]}
+        return {f"eval_{k}": float(v.item()) for k, v in shown.items()}

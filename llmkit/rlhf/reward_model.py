@@ -182,7 +182,4 @@ class RewardModelTrainer(Run):
         c = self.dp.gather(self.scorer.scores([c for c, _ in held]), sizes, "held-out scores")
         r = self.dp.gather(self.scorer.scores([r for _, r in held]), sizes, "held-out scores")
         _, stats = algorithms.bradley_terry_loss(lf.tensor(c), lf.tensor(r))
-        return {
-            "eval_accuracy": float(stats["accuracy"].item()),
-            "eval_margin": float(stats["margin"].item()),
-        }
+        return {f"eval_{k}": float(stats[k].item()) for k in ("accuracy", "margin")}

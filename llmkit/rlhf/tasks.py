@@ -46,21 +46,19 @@ class AvoidLetter:
     """Share of the completion's words without ``letter`` (a lipogram)."""
 
     letter: str = "e"
+    wanted = False  # whether the words scored are those with the letter (UseLetter)
 
     def score(self, text: str) -> float:
         words = _words(text)
-        return sum(self.letter not in w.lower() for w in words) / len(words) if words else 0.0
+        return sum((self.letter in w.lower()) == self.wanted for w in words) / len(words) if words else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
-class UseLetter:
+class UseLetter(AvoidLetter):
     """Share of the completion's words containing ``letter``."""
 
     letter: str = "s"
-
-    def score(self, text: str) -> float:
-        words = _words(text)
-        return sum(self.letter in w.lower() for w in words) / len(words) if words else 0.0
+    wanted = True
 
 
 @dataclasses.dataclass(frozen=True)

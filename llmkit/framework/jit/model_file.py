@@ -171,8 +171,7 @@ def save_programs(
                 "save an inference function instead"
             )
         f = cp.program.function()
-        args = f.args
-        user, captured = args[: cp.n_args], args[cp.n_args :]
+        user, captured = f.args[: cp.n_args], f.args[cp.n_args :]
         bindings = []
         for t, a in zip(cp.captures, captured):
             key = key_of.get(id(t))
@@ -191,7 +190,6 @@ def save_programs(
             "outputs": [_spec(v.type) for v in f.outputs],
         }
     with atomic_dir(path) as tmp:
-        files: dict[str, str] = {}
         for pname, cp in programs.items():
             (tmp / entries[pname]["file"]).write_text(str(cp.program))
         save(weights, tmp / WEIGHTS)
@@ -199,14 +197,12 @@ def save_programs(
             if "/" in name or name in (MANIFEST, WEIGHTS) or name.endswith(".pir"):
                 raise ValueError(f"jit.save: bad extra file name {name!r}")
             (tmp / name).write_bytes(data)
-        for f in sorted(tmp.iterdir()):
-            files[f.name] = sha256(f)
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "programs": entries,
             "weights": WEIGHTS,
-            "files": files,
+            "files": {f.name: sha256(f) for f in sorted(tmp.iterdir())},
             "metadata": dict(metadata or {}),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

@@ -71,11 +71,8 @@ class LlamaAttention(nn.Layer):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            d,
-        )
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = d
         bias = config.attention_bias
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
@@ -84,10 +81,9 @@ class LlamaAttention(nn.Layer):
 
     def forward(self, x, cos, sin, position_ids, layer_idx: int, attention_mask=None, kv_cache=None):
         b, s = x.shape[0], x.shape[1]
-        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)  # (B, Hq, S, D)
-        k = (
-            self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        )  # (B, Hkv, S, D)
+        # q: (B, Hq, S, D); k, v: (B, Hkv, S, D)
+        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         q = O.rotary_embedding(q, cos, sin, position_ids)
         k = O.rotary_embedding(k, cos, sin, position_ids)
