@@ -141,12 +141,8 @@ def corpus_sentences() -> tuple[str, ...]:
     """Plain prose sentences of the built-in corpus (letters, spaces and commas), in corpus order."""
     from llmkit.train.corpus import builtin_documents
 
-    out = []
-    for doc in builtin_documents():
-        for sentence in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())):
-            if _PROSE.fullmatch(sentence):
-                out.append(sentence)
-    return tuple(dict.fromkeys(out))
+    sentences = (s for doc in builtin_documents() for s in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())))
+    return tuple(dict.fromkeys(s for s in sentences if _PROSE.fullmatch(s)))
 
 
 def _split(sentence: str, words: int) -> tuple[str, str]:

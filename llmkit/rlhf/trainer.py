@@ -103,19 +103,8 @@ def make_loss(cfg: RLHFConfig, algo: Algorithm) -> Callable[..., tuple[Any, dict
     PPO); stats include the entropy of the policy at the rollout temperature."""
     r, temperature = cfg.rlhf, cfg.rollout.temperature
 
-    def loss_fn(
-        logp,
-        logits,
-        values,
-        mask,
-        old_logp,
-        advantages,
-        tokens,
-        sequences,
-        ref_logp=None,
-        old_values=None,
-        returns=None,
-    ):
+    # optional: ref_logp (GRPO's KL term), old_values and returns (PPO's value loss)
+    def loss_fn(logp, logits, values, mask, old_logp, advantages, tokens, sequences, **optional):
         counts = {"token": tokens, "sequence": sequences}
         loss, stats = algorithms.clipped_policy_loss(
             logp,
@@ -124,7 +113,7 @@ def make_loss(cfg: RLHFConfig, algo: Algorithm) -> Callable[..., tuple[Any, dict
             mask,
             r.clip_low,
             r.clip_high,
-            ref_logp=ref_logp,
+            ref_logp=optional.get("ref_logp"),
             kl_coef=r.kl_coef,
             kl_estimator=r.kl_estimator,
             aggregation=r.loss_aggregation,
@@ -134,9 +123,8 @@ def make_loss(cfg: RLHFConfig, algo: Algorithm) -> Callable[..., tuple[Any, dict
         ent = algorithms.masked_mean(O.cast(algorithms.entropy(logits, temperature), "float64"), mask, counts)
         stats["entropy"] = ent
         if values is not None:
-            vloss, vstats = algorithms.clipped_value_loss(
-                O.cast(values, "float64"), old_values, returns, mask, r.value_clip, counts
-            )
+            args = (optional["old_values"], optional["returns"], mask, r.value_clip, counts)
+            vloss, vstats = algorithms.clipped_value_loss(O.cast(values, "float64"), *args)
             loss = loss + r.vf_coef * vloss
             stats.update(vstats, value_loss=vloss)
         if r.entropy_coef:
