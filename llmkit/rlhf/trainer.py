@@ -238,9 +238,7 @@ class PolicyTrainer(Run):
             "logprob_diff_max": float(worst[0]),
             "response_len_mean": float(lengths.mean()),
             "gen_tokens_per_s": float(gen_tokens / worst[1]),
-            "gen_s": float(worst[1]),
-            "train_s": float(worst[2]),
-            "sync_s": float(worst[3]),
+            **{k: float(v) for k, v in zip(("gen_s", "train_s", "sync_s"), worst[1:], strict=True)},
         }
 
     def _update(

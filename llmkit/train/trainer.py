@@ -118,27 +118,23 @@ class Trainer(Loop):
         self.tokenizer = build_tokenizer(cfg)
         self.model_config: LlamaConfig = resolve_model_config(cfg, self.tokenizer.vocab_size)
         validate_against_model(cfg, self.model_config)
-        self.data = load_token_data(
-            cfg.data.sources, self.tokenizer, cfg.data.val_fraction, cfg.data.cache_dir
-        )
+        d = cfg.data
+        self.data = load_token_data(d.sources, self.tokenizer, d.val_fraction, d.cache_dir)
         self.sampler = BatchSampler(self.data.train, t.batch_size, t.seq_len, t.seed, self.data.train_mask)
         # Weights about to be loaded (a checkpoint; a pretrained model over several ranks, each
         # reading its slices) are not initialized first: building the model keeps its memory untouched.
+        init = cfg.model.init_from
         load_init = (
-            cfg.model.init_from is not None
+            init is not None
             and self.backend is not None
             and self.plan.pp == 1
             and cfg.lora is None  # a LoRA run's base is read whole, then laid out with its adapters
         )
         base_dir = self._lora_base_dir(saved is not None)
-        if (
-            base_dir is not None
-            and base_dir.is_dir()
-            and (cfg.model.init_from is not None or saved is not None)
-        ):
+        if base_dir is not None and base_dir.is_dir() and (init is not None or saved is not None):
             self.model = LlamaForCausalLM.from_pretrained(base_dir)  # a LoRA run's frozen base
-        elif cfg.model.init_from is not None and not load_init:
-            self.model = LlamaForCausalLM.from_pretrained(cfg.model.init_from)
+        elif init is not None and not load_init:
+            self.model = LlamaForCausalLM.from_pretrained(init)
         else:
             with nn.init.skip_init() if saved is not None or load_init else contextlib.nullcontext():
                 self.model = LlamaForCausalLM(self.model_config)
@@ -179,7 +175,7 @@ class Trainer(Loop):
         self.tokens_seen = 0
         self.clip = math.inf if cfg.optim.grad_clip is None else cfg.optim.grad_clip  # the grad-norm clip
         if load_init and saved is None:
-            checkpoint.load_weights(self.run_state(), Path(cfg.model.init_from))
+            checkpoint.load_weights(self.run_state(), Path(init))
         self.flops_per_token = self.model_config.flops_per_token(t.seq_len)
         self.peak_flops = matmul_peak_flops(t.device) * self.plan.world_size
         self.state_bytes = 0  # parameter + gradient + optimizer bytes of the fullest rank, last step
