@@ -606,13 +606,8 @@ class Tokenizer:
         written as their text ("<s>", "</s>"). Ids past the vocabulary (the rows of a padded
         embedding) have no text, as in the tokenizers library; a negative id is a ValueError."""
         ids = [int(i) for i in ids]
-        if not ids:
-            return ""
-        if min(ids) < 0:
-            self._check_ids([i for i in ids if i < 0])
-        n = self.vocab_size
-        if max(ids) >= n:
-            ids = [i for i in ids if i < n]
+        self._check_ids([i for i in ids if i < 0])
+        ids = [i for i in ids if i < self.vocab_size]
         b = self._backend
         if isinstance(b, _Tokenizers):
             return b.tk.decode(ids, skip_special_tokens=skip_special)

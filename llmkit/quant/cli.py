@@ -195,9 +195,7 @@ def quantize_main(argv: list[str]) -> int:
         where = f"plan {plan.describe()} from {found}" if plan else "no parallel plan"
         print(f"llmkit quantize: {where}; {ranks.size} rank(s) on {ranks.comm.name}", flush=True)
     start = time.perf_counter()
-    calib = (
-        calibration_ids(tok, a.calib, a.calib_samples, a.seq_len, a.seed) if cfg.method == "gptq" else None
-    )
+    calib = calibration_ids(tok, a.calib, a.calib_samples, a.seq_len, a.seed) if a.method == "gptq" else None
     paths = quantize_model(model, cfg, calib, a.lm_head, a.act_order, a.damp, not a.quiet, ranks, a.embed)
     seconds = time.perf_counter() - start
     if not ranks.is_first:

@@ -68,15 +68,9 @@ class DPOTrainer(Run):
         ref = O.unsqueeze(ref_seq_logp, axis=-1)
         pick = lambda sel, x: O.squeeze(O.matmul(sel, x), axis=-1)
         r, count = self.cfg.rlhf, float(self.cfg.train.batch_size)  # the whole step's pairs
-        return algorithms.dpo_loss(
-            pick(chosen, seq),
-            pick(rejected, seq),
-            pick(chosen, ref),
-            pick(rejected, ref),
-            r.beta,
-            r.dpo_loss,
-            count,
-        )
+        # the policy's chosen and rejected log-probs, then the reference's
+        logps = [pick(sel, x) for x in (seq, ref) for sel in (chosen, rejected)]
+        return algorithms.dpo_loss(*logps, r.beta, r.dpo_loss, count)
 
     @staticmethod
     def _batch(pairs: list[tuple]) -> TokenBatch:

@@ -31,6 +31,7 @@ from .run import Run
 
 O = lf.ops
 ARCHITECTURE = "LlamaForSequenceClassification"
+SCORE_INPUTS = [jit.InputSpec(["B", "S"], "int64", "ids"), jit.InputSpec(["B"], "int64", "rows")]  # score's
 
 
 class LlamaRewardModel(nn.Layer):
@@ -87,13 +88,12 @@ class RewardModelScorer:
 
     def __init__(self, model: LlamaRewardModel, tokenizer: Any, batch_size: int = 64) -> None:
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
-        specs = [jit.InputSpec(["B", "S"], "int64", "ids"), jit.InputSpec(["B"], "int64", "rows")]
 
         def score(ids, rows):
             with lf.no_grad():
                 return model(ids, rows)
 
-        self.program = compile_function(score, specs, state_names(model))
+        self.program = compile_function(score, SCORE_INPUTS, state_names(model))
 
     @classmethod
     def load(cls, path: str, tokenizer: Any = None) -> RewardModelScorer:
@@ -160,12 +160,7 @@ class RewardModelTrainer(Run):
             c, r = O.squeeze(O.matmul(chosen, s), axis=-1), O.squeeze(O.matmul(rejected, s), axis=-1)
             return algorithms.bradley_terry_loss(c, r, count)
 
-        specs = [
-            jit.InputSpec(["B", "S"], "int64", "ids"),
-            jit.InputSpec(["B"], "int64", "rows"),
-            jit.InputSpec(["P", "B"], "float64", "chosen"),
-            jit.InputSpec(["P", "B"], "float64", "rejected"),
-        ]
+        specs = SCORE_INPUTS + [jit.InputSpec(["P", "B"], "float64", n) for n in ("chosen", "rejected")]
         opt, clip = self.optimizer, self.cfg.optim.grad_clip  # LoRA: the adapters and the head train
         return compile_update(forward, specs, state_names(model, opt), [model], opt, clip, self.dp.group)
 

@@ -153,17 +153,8 @@ class PolicyTrainer(Run):
             self.extra_layers["value_head"] = self.value_head
         self.reward = build_reward(cfg.reward, self.tokenizer)
         self.prompts = load_prompts(cfg.data.prompts, cfg.train.seed)
-        self.rollouts = Rollouts(
-            self.model,
-            self.tokenizer,
-            ro.max_tokens,
-            ro.temperature,
-            ro.top_k,
-            ro.top_p,
-            ro.max_batch,
-            ro.max_prompt_tokens,
-            exact=self.exact,
-        )
+        sampling = ro.model_dump(exclude={"prompts_per_step", "n"})  # Rollouts' settings, by name
+        self.rollouts = Rollouts(self.model, self.tokenizer, **sampling, exact=self.exact)
         layers = [self.model] + ([self.value_head] if self.value_head is not None else [])
         self.optimizer = build_optimizer(cfg.optim, *layers)
         self.inputs = ("mask", "old_logp", "advantages")  # per row; then the minibatch's counts

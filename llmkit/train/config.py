@@ -274,16 +274,8 @@ class ParallelSection(Section):
     def build(self) -> ParallelPlan:
         """The ParallelPlan of these settings; ValueError names the key at fault."""
         try:
-            return ParallelPlan.make(
-                self.plan,
-                dp=self.dp,
-                tp=self.tp,
-                sp=self.sp,
-                zero=self.zero,
-                pipeline=self.pipeline(),
-                recompute=self.recompute,
-                recompute_every=self.recompute_every,
-            )
+            keys = self.model_dump(include={"dp", "tp", "sp", "zero", "recompute", "recompute_every"})
+            return ParallelPlan.make(self.plan, pipeline=self.pipeline(), **keys)
         except PlanError as e:
             key = {"zero": "zero", "sp": "sp", "mesh": "dp"}.get(e.key, "plan")
             raise ValueError(
@@ -434,8 +426,7 @@ def load_config(
             where = f" at line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}"
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
-    if raw is None:
-        raw = {}
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
     for override in overrides:

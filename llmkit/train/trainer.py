@@ -423,13 +423,8 @@ class Trainer(Loop):
     def sample_text(self, model: LlamaForCausalLM, prompt: str = "The", max_new_tokens: int = 48) -> str:
         ids = self.tokenizer.encode(prompt, add_bos=True)
         room = self.model_config.max_position_embeddings - len(ids)
-        new = generate(
-            model,
-            [ids],
-            min(max_new_tokens, room),
-            SamplingParams(temperature=0.8, top_k=40, seed=0),
-            eos_token_id=self.tokenizer.eos_id,
-        )[0]
+        params = SamplingParams(temperature=0.8, top_k=40, seed=0)
+        new = generate(model, [ids], min(max_new_tokens, room), params, eos_token_id=self.tokenizer.eos_id)[0]
         return prompt + self.tokenizer.decode(new)
 
     # ---- checkpoints -----------------------------------------------------------------------------

@@ -226,8 +226,7 @@ class LoadedFunction:
         self.weights = weights  # the arrays bound to the function arguments after the inputs
         self._compiler, self._text, self._compiled = compiler, text, compiled
         self._executor = None
-        self.input_specs = entry["inputs"]
-        self.output_specs = entry["outputs"]
+        self.input_specs, self.output_specs = entry["inputs"], entry["outputs"]
 
     @property
     def executor(self):

@@ -234,13 +234,10 @@ def save_pretrained(
             lf.save(state, tmp / WEIGHTS, metadata={"format": "pt"})
             return
         shards: list[dict[str, np.ndarray]] = [{}]
-        size = 0
         for name, a in state.items():
-            if shards[-1] and size + a.nbytes > max_shard_size:
+            if shards[-1] and sum(x.nbytes for x in shards[-1].values()) + a.nbytes > max_shard_size:
                 shards.append({})
-                size = 0
             shards[-1][name] = a
-            size += a.nbytes
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"

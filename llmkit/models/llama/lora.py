@@ -64,9 +64,8 @@ class LoraConfig:
     init: str = "kaiming"  # PEFT's default: A ~ Kaiming-uniform(a=sqrt(5)) as nn.Linear, B = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "targets", (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
-        )
+        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+        object.__setattr__(self, "targets", targets)
         if not isinstance(self.r, int) or self.r <= 0:
             raise LoraError("r", f"r must be a positive integer (the adapter rank), got {self.r!r}")
         if not 0.0 <= self.dropout < 1.0:
