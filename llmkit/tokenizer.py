@@ -454,8 +454,7 @@ class Tokenizer:
             config["tokenizer_class"] = "PreTrainedTokenizerFast"
             config["clean_up_tokenization_spaces"] = False
         config.update(self._config_extra)
-        config["add_bos_token"] = self.add_bos_token
-        config["add_eos_token"] = self.add_eos_token
+        config.update(add_bos_token=self.add_bos_token, add_eos_token=self.add_eos_token)
         config["added_tokens_decoder"] = {
             str(i): _added_token(content, special) for i, (content, special) in sorted(self._added.items())
         }

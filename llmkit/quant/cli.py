@@ -70,13 +70,10 @@ def _table(cfg: QuantConfig, r: dict[str, Any]) -> str:
     fp, b = r["perplexity"]["float"], r["bytes"]
     cols = [(bits, r["variants"][v]) for bits, v in ACT_NAMES.items()]
     ratio = f"{_mb(b['layers_quant'])}  ({b['layers_quant'] / b['layers_float']:.3f}x)"
+    ppl = [f"{v['quant']:.3f}  ({100 * (v['quant'] / fp - 1):+.2f}%)" for _, v in cols]
     rows = [
         ("", "float32", *(f"{name}, {ACT_NAMES[a]}{' *' if a == cfg.act_bits else ''}" for a, _ in cols)),
-        (
-            "perplexity",
-            f"{fp:.3f}",
-            *(f"{v['quant']:.3f}  ({100 * (v['quant'] / fp - 1):+.2f}%)" for _, v in cols),
-        ),
+        ("perplexity", f"{fp:.3f}", *ppl),
         ("mean KL (nats/token)", "-", *(f"{v['kl']:.3g}" for _, v in cols)),
         ("top-1 agreement", "-", *(f"{100 * v['top1']:.2f}%" for _, v in cols)),
         ("quantized linears", _mb(b["layers_float"]), *(ratio for _ in cols)),

@@ -67,9 +67,8 @@ class LlamaRewardModel(nn.Layer):
         rm = cls(config)
         rm.model.load_state_dict(lm.model.state_dict())
         w = rm.score.weight
-        w.set_value(
-            np.random.default_rng(seed).normal(0.0, config.initializer_range, w.shape).astype(w.dtype)
-        )
+        head = np.random.default_rng(seed).normal(0.0, config.initializer_range, w.shape)
+        w.set_value(head.astype(w.dtype))
         return rm
 
     def save_pretrained(self, path: str | Path) -> None:

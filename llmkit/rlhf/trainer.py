@@ -155,8 +155,7 @@ class PolicyTrainer(Run):
         self.prompts = load_prompts(cfg.data.prompts, cfg.train.seed)
         sampling = ro.model_dump(exclude={"prompts_per_step", "n"})  # Rollouts' settings, by name
         self.rollouts = Rollouts(self.model, self.tokenizer, **sampling, exact=self.exact)
-        layers = [self.model] + ([self.value_head] if self.value_head is not None else [])
-        self.optimizer = build_optimizer(cfg.optim, *layers)
+        self.optimizer = build_optimizer(cfg.optim, self.model, *self.extra_layers.values())
         self.inputs = ("mask", "old_logp", "advantages")  # per row; then the minibatch's counts
         if self.algo.kl_in_loss and r.kl_coef > 0:
             self.inputs += ("ref_logp",)
@@ -176,11 +175,9 @@ class PolicyTrainer(Run):
         self.ref_score = None  # no reference without a KL term
         if r.kl_coef > 0:
             self.ref_score = policy.reference_scorer(self.model, self.src, self.exact, ro.temperature)
-        self.pre_score = (
-            policy.scorer(self.model, self.exact, ro.temperature, self.value_head)
-            if self.value_head
-            else None
-        )
+        self.pre_score = None  # PPO: the values (and log-probs) before the update
+        if self.value_head is not None:
+            self.pre_score = policy.scorer(self.model, self.exact, ro.temperature, self.value_head)
         self.setup()
 
     # ---- one step ----------------------------------------------------------------------------------

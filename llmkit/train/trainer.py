@@ -335,13 +335,11 @@ class Trainer(Loop):
         t = self.cfg.train
         batches = eval_batches(self.data.val, t.eval_steps, t.batch_size, t.seq_len, self.data.val_mask)
         if self.pipe is not None:
-            val = float(np.mean([self.pipe.evaluate(x, y) for x, y in batches]))
-        else:
-            losses = [
-                self.value(self.model.loss(*self.place(lambda rows, x=x, y=y: (x[rows], y[rows]))))
-                for x, y in batches
-            ]
-            val = float(np.mean(losses))
+            losses = [self.pipe.evaluate(x, y) for x, y in batches]
+        else:  # each batch placed as it comes (each rank reads its rows)
+            placed = (self.place(lambda rows, x=x, y=y: (x[rows], y[rows])) for x, y in batches)
+            losses = [self.value(self.model.loss(*xy)) for xy in placed]
+        val = float(np.mean(losses))
         return {"eval_loss": val, "eval_ppl": math.exp(min(val, 50.0))}
 
     # ---- the loop's hooks ------------------------------------------------------------------------------

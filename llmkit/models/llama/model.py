@@ -124,9 +124,8 @@ class LlamaDecoderLayer(nn.Layer):
         self.mlp = LlamaMLP(config)
 
     def forward(self, x, cos, sin, position_ids, attention_mask=None, kv_cache=None):
-        x = x + self.self_attn(
-            self.input_layernorm(x), cos, sin, position_ids, self.layer_idx, attention_mask, kv_cache
-        )
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin, position_ids, self.layer_idx, attention_mask, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -165,10 +164,8 @@ class LlamaModel(nn.Layer):
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = causal_positions(b, s, 0 if kv_cache is None else kv_cache.past_length)
-        mask = None
-        if attention_mask is not None:
-            # [B, T] with 1 = attend, 0 = padding -> a bool mask [B, 1, 1, T] (causality is added by sdpa)
-            mask = O.unsqueeze(O.not_equal(attention_mask, 0), axis=[1, 2])
+        # attention_mask [B, T] with 1 = attend, 0 = padding -> a bool mask [B, 1, 1, T] (sdpa adds causality)
+        mask = None if attention_mask is None else O.unsqueeze(O.not_equal(attention_mask, 0), axis=[1, 2])
         x = self.embed_tokens(input_ids)  # (B, S, H)
         cos, sin = self.rope(x.dtype)
         for layer in self.layers:
@@ -215,9 +212,7 @@ class LlamaForCausalLM(nn.Layer):
         """
         hidden = self.model(input_ids, position_ids, attention_mask, kv_cache)
         logits = self.head(hidden)  # (B, S, V)
-        loss = None
-        if labels is not None:
-            loss = O.cross_entropy(logits[:, :-1], labels[:, 1:])
+        loss = None if labels is None else O.cross_entropy(logits[:, :-1], labels[:, 1:])
         return CausalLMOutput(logits=logits, loss=loss, kv_cache=kv_cache)
 
     def loss(self, input_ids, labels):
