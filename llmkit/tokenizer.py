@@ -118,14 +118,8 @@ def _piece_bytes(piece: str) -> bytes:
 
 def _added_token(content: str, special: bool) -> dict[str, Any]:
     """An AddedToken object as transformers writes it."""
-    return {
-        "content": content,
-        "lstrip": False,
-        "normalized": False,
-        "rstrip": False,
-        "single_word": False,
-        "special": special,
-    }
+    flags = dict.fromkeys(("lstrip", "normalized", "rstrip", "single_word"), False)
+    return {"content": content, **flags, "special": special}
 
 
 def write_generation_config(
@@ -458,12 +452,8 @@ class Tokenizer:
         config["added_tokens_decoder"] = {
             str(i): _added_token(content, special) for i, (content, special) in sorted(self._added.items())
         }
-        special_map = {}
-        for name in SPECIAL_NAMES:
-            token = self._tokens[name]
-            config[f"{name}_token"] = token
-            if token is not None:
-                special_map[f"{name}_token"] = _added_token(token, True)
+        config.update({f"{name}_token": token for name, token in self._tokens.items()})
+        special_map = {f"{n}_token": _added_token(t, True) for n, t in self._tokens.items() if t is not None}
         if self.chat_templates:
             t = self.chat_templates
             config["chat_template"] = (
