@@ -47,13 +47,8 @@ TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"  # transformers 5: <name>.jinja per named template
 # What from_pretrained reads from a directory (besides TEMPLATE_DIR/*.jinja).
 FILES = (MODEL_FILE, JSON_FILE, CONFIG_FILE, SPECIAL_MAP_FILE, GENERATION_FILE, TEMPLATE_FILE)
-SPECIAL_NAMES = ("bos", "eos", "unk", "pad")
-MODEL_TYPES = (
-    "BPE",
-    "Unigram",
-    "WordPiece",
-    "WordLevel",
-)  # the tokenizers library's models  # <name>_token in tokenizer_config.json
+SPECIAL_NAMES = ("bos", "eos", "unk", "pad")  # <name>_token in tokenizer_config.json
+MODEL_TYPES = ("BPE", "Unigram", "WordPiece", "WordLevel")  # the tokenizers library's models
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SPACE = "\u2581"
 
@@ -115,16 +110,16 @@ def _token_ids(value: Any, where: str) -> list[int]:
     return ids
 
 
+def _piece_bytes(piece: str) -> bytes:
+    """A sentencepiece-style piece's bytes: a byte-fallback piece (<0xNN>) its byte, else its text."""
+    m = _BYTE_PIECE.match(piece)
+    return bytes([int(m.group(1), 16)]) if m else piece.replace(_SPACE, " ").encode()
+
+
 def _added_token(content: str, special: bool) -> dict[str, Any]:
     """An AddedToken object as transformers writes it."""
-    return {
-        "content": content,
-        "lstrip": False,
-        "normalized": False,
-        "rstrip": False,
-        "single_word": False,
-        "special": special,
-    }
+    flags = dict.fromkeys(("lstrip", "normalized", "rstrip", "single_word"), False)
+    return {"content": content, **flags, "special": special}
 
 
 def write_generation_config(
@@ -165,9 +160,7 @@ class _SentencePiece:
         return out
 
     def default_token(self, name: str) -> str | None:
-        i = {"bos": self.sp.bos_id, "eos": self.sp.eos_id, "unk": self.sp.unk_id, "pad": self.sp.pad_id}[
-            name
-        ]()
+        i = getattr(self.sp, f"{name}_id")()  # bos_id, eos_id, unk_id, pad_id
         return None if i < 0 else self.pieces[i]
 
     def encode(self, texts: list[str], num_threads: int) -> list[list[int]]:
@@ -177,9 +170,7 @@ class _SentencePiece:
         return self.sp.decode(ids)
 
     def piece_bytes(self, i: int) -> bytes:
-        piece = self.pieces[i]
-        m = _BYTE_PIECE.match(piece)
-        return bytes([int(m.group(1), 16)]) if m else piece.replace(_SPACE, " ").encode()
+        return _piece_bytes(self.pieces[i])
 
 
 class _Tokenizers:
@@ -245,8 +236,7 @@ class _Tokenizers:
             return b""
         if self.byte_level:
             return bytes(BYTE_DECODER[c] if c in BYTE_DECODER else ord(c) for c in piece)
-        m = _BYTE_PIECE.match(piece)
-        return bytes([int(m.group(1), 16)]) if m else piece.replace(_SPACE, " ").encode()
+        return _piece_bytes(piece)
 
 
 class Tokenizer:
@@ -333,13 +323,10 @@ class Tokenizer:
                 f"{where[GENERATION_FILE]}: eos_token_id {bad[0]} is out of range "
                 f"for a vocabulary of {self._vocab_size}"
             )
-        self.eos_ids: list[int] = list(
-            dict.fromkeys([*([self.eos_id] if self.eos_id is not None else []), *gen_eos])
-        )
+        own_eos = [] if self.eos_id is None else [self.eos_id]
+        self.eos_ids: list[int] = list(dict.fromkeys([*own_eos, *gen_eos]))
         # generation_config.json's ids, kept (in files()) only where they add stop ids to the eos
-        self._generation_eos = (
-            gen_eos if self.eos_ids != ([self.eos_id] if self.eos_id is not None else []) else []
-        )
+        self._generation_eos = gen_eos if self.eos_ids != own_eos else []
 
         def flag(key: str, default: bool) -> bool:
             v = config.get(key, default)
@@ -352,11 +339,8 @@ class Tokenizer:
         self.add_eos_token: bool = flag("add_eos_token", False)
         self.chat_templates: dict[str, str] = self._read_templates(config, files, where)
         managed = {"added_tokens_decoder", "chat_template", "add_bos_token", "add_eos_token"}
-        self._config_extra = {
-            k: v
-            for k, v in config.items()
-            if k not in managed and k not in {f"{n}_token" for n in SPECIAL_NAMES}
-        }
+        managed |= {f"{n}_token" for n in SPECIAL_NAMES}
+        self._config_extra = {k: v for k, v in config.items() if k not in managed}
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -391,11 +375,7 @@ class Tokenizer:
             templates["default"] = value
         elif isinstance(value, list):
             for k, t in enumerate(value):
-                if not (
-                    isinstance(t, dict)
-                    and isinstance(t.get("name"), str)
-                    and isinstance(t.get("template"), str)
-                ):
+                if not (isinstance(t, dict) and all(isinstance(t.get(k), str) for k in ("name", "template"))):
                     raise _unloadable(f'{at}[{k}]: expected {{"name": ..., "template": ...}}')
                 templates[t["name"]] = t["template"]
         elif value is not None:
@@ -468,17 +448,12 @@ class Tokenizer:
             config["tokenizer_class"] = "PreTrainedTokenizerFast"
             config["clean_up_tokenization_spaces"] = False
         config.update(self._config_extra)
-        config["add_bos_token"] = self.add_bos_token
-        config["add_eos_token"] = self.add_eos_token
+        config.update(add_bos_token=self.add_bos_token, add_eos_token=self.add_eos_token)
         config["added_tokens_decoder"] = {
             str(i): _added_token(content, special) for i, (content, special) in sorted(self._added.items())
         }
-        special_map = {}
-        for name in SPECIAL_NAMES:
-            token = self._tokens[name]
-            config[f"{name}_token"] = token
-            if token is not None:
-                special_map[f"{name}_token"] = _added_token(token, True)
+        config.update({f"{name}_token": token for name, token in self._tokens.items()})
+        special_map = {f"{n}_token": _added_token(t, True) for n, t in self._tokens.items() if t is not None}
         if self.chat_templates:
             t = self.chat_templates
             config["chat_template"] = (
@@ -486,12 +461,9 @@ class Tokenizer:
             )
         out[CONFIG_FILE] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()
         out[SPECIAL_MAP_FILE] = (json.dumps(special_map, indent=2, ensure_ascii=False) + "\n").encode()
-        if self._generation_eos:
-            gen = {
-                "eos_token_id": self._generation_eos
-                if len(self._generation_eos) > 1
-                else self._generation_eos[0]
-            }
+        eos = self._generation_eos
+        if eos:
+            gen = {"eos_token_id": eos[0] if len(eos) == 1 else eos}
             out[GENERATION_FILE] = (json.dumps(gen, indent=2) + "\n").encode()
         return out
 
@@ -623,13 +595,8 @@ class Tokenizer:
         written as their text ("<s>", "</s>"). Ids past the vocabulary (the rows of a padded
         embedding) have no text, as in the tokenizers library; a negative id is a ValueError."""
         ids = [int(i) for i in ids]
-        if not ids:
-            return ""
-        if min(ids) < 0:
-            self._check_ids([i for i in ids if i < 0])
-        n = self.vocab_size
-        if max(ids) >= n:
-            ids = [i for i in ids if i < n]
+        self._check_ids([i for i in ids if i < 0])
+        ids = [i for i in ids if i < self.vocab_size]
         b = self._backend
         if isinstance(b, _Tokenizers):
             return b.tk.decode(ids, skip_special_tokens=skip_special)

@@ -30,6 +30,7 @@ _TRAINER, _NORMALIZER = 2, 3
 _MODEL_TYPE, _BYTE_FALLBACK = 3, 35  # TrainerSpec
 _CHARSMAP, _DUMMY_PREFIX, _EXTRA_WS = 2, 3, 4  # NormalizerSpec
 _UNIGRAM, _BPE = 1, 2
+_MODEL_TYPES = {_UNIGRAM: "unigram", _BPE: "bpe"}  # TrainerSpec.model_type (the others: "other")
 
 
 def _varint(buf: bytes, i: int) -> tuple[int, int]:
@@ -72,9 +73,7 @@ def spm_settings(model_proto: bytes) -> dict[str, Any]:
     trainer = proto_fields(top.get(_TRAINER, [b""])[-1])
     norm = proto_fields(top.get(_NORMALIZER, [b""])[-1])
     return {
-        "model_type": {_UNIGRAM: "unigram", _BPE: "bpe"}.get(
-            trainer.get(_MODEL_TYPE, [_UNIGRAM])[-1], "other"
-        ),
+        "model_type": _MODEL_TYPES.get(trainer.get(_MODEL_TYPE, [_UNIGRAM])[-1], "other"),
         "byte_fallback": bool(trainer.get(_BYTE_FALLBACK, [0])[-1]),
         "precompiled_charsmap": norm.get(_CHARSMAP, [b""])[-1],
         "add_dummy_prefix": bool(norm.get(_DUMMY_PREFIX, [1])[-1]),

@@ -52,6 +52,7 @@ from llmkit.framework.ir.pass_manager import Pass, register_pass
 from llmkit.framework.ir.passes import QuantizeLinear
 from llmkit.framework.ir.rewriter import PatternRewriter, RewritePattern, apply_patterns
 from llmkit.framework.jit.compile import default_compiler
+from llmkit.framework.jit.model_file import trace_specs
 from llmkit.framework.ops.paged import PANEL, pack_panels
 from llmkit.framework.ops.quant import float_scales, half_scales, pack_qweight, unpack_qweight
 
@@ -532,16 +533,9 @@ def trace_programs(
     out: dict[str, EngineProgram] = {}
     fns = {"prefill": prefill, "decode": decode, "score": score}
     for pname in programs:
-        fn = fns[pname]
-        specs = input_specs(spec)[pname]
-        kw = {} if compiler is None else {"compiler": compiler}
-        sf = jit.to_static(fn, input_spec=specs, names=names, **kw)
-        dummies = [
-            lf.Tensor(np.zeros([d if isinstance(d, int) else 1 for d in s.shape], B.dtype(s.dtype)))
-            for s in specs
-        ]
+        sf = jit.to_static(fns[pname], input_spec=input_specs(spec)[pname], compiler=compiler, names=names)
         with lf.no_grad():
-            cp = sf.get_concrete_program(*dummies)
+            cp = trace_specs(sf)
         layouts: dict[int, str] = {}
         if tiles[pname]:
             TileLinear(tiles[pname]).apply(cp.program)

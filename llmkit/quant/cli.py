@@ -70,13 +70,10 @@ def _table(cfg: QuantConfig, r: dict[str, Any]) -> str:
     fp, b = r["perplexity"]["float"], r["bytes"]
     cols = [(bits, r["variants"][v]) for bits, v in ACT_NAMES.items()]
     ratio = f"{_mb(b['layers_quant'])}  ({b['layers_quant'] / b['layers_float']:.3f}x)"
+    ppl = [f"{v['quant']:.3f}  ({100 * (v['quant'] / fp - 1):+.2f}%)" for _, v in cols]
     rows = [
         ("", "float32", *(f"{name}, {ACT_NAMES[a]}{' *' if a == cfg.act_bits else ''}" for a, _ in cols)),
-        (
-            "perplexity",
-            f"{fp:.3f}",
-            *(f"{v['quant']:.3f}  ({100 * (v['quant'] / fp - 1):+.2f}%)" for _, v in cols),
-        ),
+        ("perplexity", f"{fp:.3f}", *ppl),
         ("mean KL (nats/token)", "-", *(f"{v['kl']:.3g}" for _, v in cols)),
         ("top-1 agreement", "-", *(f"{100 * v['top1']:.2f}%" for _, v in cols)),
         ("quantized linears", _mb(b["layers_float"]), *(ratio for _ in cols)),
@@ -195,9 +192,7 @@ def quantize_main(argv: list[str]) -> int:
         where = f"plan {plan.describe()} from {found}" if plan else "no parallel plan"
         print(f"llmkit quantize: {where}; {ranks.size} rank(s) on {ranks.comm.name}", flush=True)
     start = time.perf_counter()
-    calib = (
-        calibration_ids(tok, a.calib, a.calib_samples, a.seq_len, a.seed) if cfg.method == "gptq" else None
-    )
+    calib = calibration_ids(tok, a.calib, a.calib_samples, a.seq_len, a.seed) if a.method == "gptq" else None
     paths = quantize_model(model, cfg, calib, a.lm_head, a.act_order, a.damp, not a.quiet, ranks, a.embed)
     seconds = time.perf_counter() - start
     if not ranks.is_first:

@@ -78,8 +78,7 @@ def gae(
     """
     r, v, m = (np.asarray(a, dtype=np.float64) for a in (rewards, values, mask))
     adv = np.zeros_like(r)
-    next_v = np.zeros(r.shape[0])
-    next_a = np.zeros(r.shape[0])
+    next_v, next_a = np.zeros(r.shape[0]), np.zeros(r.shape[0])
     for t in range(r.shape[1] - 1, -1, -1):
         on = m[:, t] > 0
         delta = r[:, t] + gamma * next_v - v[:, t]

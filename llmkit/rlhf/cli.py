@@ -3,47 +3,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from llmkit.train.cli import job_main, relaunch, run_job
 
+# job -> (description, its config loader in config.py)
+JOBS: dict[str, tuple[str, str]] = {
+    "rlhf": ("Align a policy with GRPO, PPO, RLOO or DPO (algorithm: in the config).", "load_rlhf_config"),
+    "reward": ("Train a Bradley-Terry reward model on preference pairs.", "load_reward_config"),
+}
 
-def _policy_job(cfg: Any, resume: bool, quiet: bool) -> Any:
-    if cfg.algorithm == "dpo":
+
+def _build(job: str, cfg: Any, resume: bool, quiet: bool) -> Any:
+    """The job's trainer: the reward model's, DPO's or the online algorithms'."""
+    if job == "reward":
+        from .reward_model import RewardModelTrainer as Trainer
+    elif cfg.algorithm == "dpo":
         from .dpo import DPOTrainer as Trainer
     else:
         from .trainer import PolicyTrainer as Trainer
     return Trainer(cfg, resume=resume, quiet=quiet)
-
-
-def _reward_job(cfg: Any, resume: bool, quiet: bool) -> Any:
-    from .reward_model import RewardModelTrainer
-
-    return RewardModelTrainer(cfg, resume=resume, quiet=quiet)
-
-
-def _load_rlhf(path: str, overrides: list[str]) -> Any:
-    from .config import load_rlhf_config
-
-    return load_rlhf_config(path, overrides)
-
-
-def _load_reward(path: str, overrides: list[str]) -> Any:
-    from .config import load_reward_config
-
-    return load_reward_config(path, overrides)
-
-
-# job -> (description, config loader, trainer factory)
-JOBS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
-    "rlhf": (
-        "Align a policy with GRPO, PPO, RLOO or DPO (algorithm: in the config).",
-        _load_rlhf,
-        _policy_job,
-    ),
-    "reward": ("Train a Bradley-Terry reward model on preference pairs.", _load_reward, _reward_job),
-}
 
 
 def _check_nproc(cfg: Any, nproc: int) -> None:
@@ -55,14 +34,21 @@ def _check_nproc(cfg: Any, nproc: int) -> None:
 
 def main(argv: list[str]) -> int:
     job = "reward" if argv[:1] == ["reward"] else "rlhf"
-    description, load, build = JOBS[job]
+    description, loader = JOBS[job]
     command = ["rlhf", "reward"] if job == "reward" else ["rlhf"]
     prog = "llmkit " + " ".join(command)
+
+    def load(path: str, overrides: list[str], nproc: int | None) -> tuple[Any, list[str]]:
+        from . import config
+
+        return getattr(config, loader)(path, overrides), overrides
 
     def run(cfg: Any, resume: bool, quiet: bool) -> int:
         from .data_parallel import run_on_ranks
 
-        return run_on_ranks(lambda stop: run_job(build(cfg, resume, quiet), prog, stop), cfg.parallel.dp)
+        return run_on_ranks(
+            lambda stop: run_job(_build(job, cfg, resume, quiet), prog, stop), cfg.parallel.dp
+        )
 
     from llmkit.framework.distributed.comm import launched_by_mpi
 
@@ -70,7 +56,7 @@ def main(argv: list[str]) -> int:
         argv[1:] if job == "reward" else argv,
         prog,
         description + " Overrides use dotted keys: rollout.n=4 train.steps=50.",
-        lambda path, overrides, nproc: (load(path, overrides), overrides),
+        load,
         run,
         _check_nproc,
         command,

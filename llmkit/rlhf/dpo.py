@@ -45,11 +45,9 @@ class DPOTrainer(Run):
         rows = load_pairs(cfg.data.pairs, t.seed)
         train, held = split_heldout(rows, cfg.data.val_fraction, t.seed)
         reference = policy.reference_scorer(self.model, self.src, self.exact, self.temperature)
-        self.train_pairs = self._with_reference(
-            [encode_pair(self.tokenizer, r, t.max_length) for r in train], reference
-        )
-        self.held_pairs = self._with_reference(
-            [encode_pair(self.tokenizer, r, t.max_length) for r in held], reference
+        self.train_pairs, self.held_pairs = (
+            self._with_reference([encode_pair(self.tokenizer, r, t.max_length) for r in rows], reference)
+            for rows in (train, held)
         )
         self.optimizer = build_optimizer(cfg.optim, self.model)
         self.step_fn = policy.train_step(
@@ -70,15 +68,9 @@ class DPOTrainer(Run):
         ref = O.unsqueeze(ref_seq_logp, axis=-1)
         pick = lambda sel, x: O.squeeze(O.matmul(sel, x), axis=-1)
         r, count = self.cfg.rlhf, float(self.cfg.train.batch_size)  # the whole step's pairs
-        return algorithms.dpo_loss(
-            pick(chosen, seq),
-            pick(rejected, seq),
-            pick(chosen, ref),
-            pick(rejected, ref),
-            r.beta,
-            r.dpo_loss,
-            count,
-        )
+        # the policy's chosen and rejected log-probs, then the reference's
+        logps = [pick(sel, x) for x in (seq, ref) for sel in (chosen, rejected)]
+        return algorithms.dpo_loss(*logps, r.beta, r.dpo_loss, count)
 
     @staticmethod
     def _batch(pairs: list[tuple]) -> TokenBatch:
@@ -121,8 +113,5 @@ class DPOTrainer(Run):
         loss, stats = algorithms.dpo_loss(
             *(lf.tensor(a) for a in (pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1])), r.beta, r.dpo_loss
         )
-        return {
-            "eval_loss": float(loss.item()),
-            "eval_accuracy": float(stats["accuracy"].item()),
-            "eval_margin": float(stats["margin"].item()),
-        }
+        shown = {"loss": loss, "accuracy": stats["accuracy"], "margin": stats["margin"]}
+        return {f"eval_{k}": float(v.item()) for k, v in shown.items()}

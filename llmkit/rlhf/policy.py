@@ -31,6 +31,8 @@ import llmkit.framework as lf
 from llmkit.framework import jit, nn, optim
 from llmkit.framework.distributed.parallelize import all_reduce_grads
 from llmkit.framework.ir.passes import QuantizeLinear
+from llmkit.framework.jit import pytree
+from llmkit.framework.jit.model_file import trace_specs
 from llmkit.infer.programs import PREFILL_TILE, TileLinear
 from llmkit.models.llama import LlamaForCausalLM
 from llmkit.models.llama.lora import adapters_disabled, lora_layers
@@ -98,9 +100,6 @@ class PolicyForward:
     def logits(self, hidden):
         return O.linear(hidden, self.model.lm_weight())  # (B, S, V)
 
-    def compile(self, fn: Callable, specs: list[jit.InputSpec], names: dict[int, str]) -> Callable:
-        return compile_function(fn, specs, names, tile=self.exact)
-
 
 def compile_function(
     fn: Callable, specs: list[jit.InputSpec], names: dict[int, str], tile: bool = False
@@ -108,9 +107,7 @@ def compile_function(
     """``fn`` traced once (symbolic dims) and compiled; ``tile``: the engine's ``tile-linear`` and
     ``quantize-linear`` passes (exact forwards). Returns a function of numpy arrays -> the outputs
     as numpy arrays / floats."""
-    sf = jit.to_static(fn, input_spec=specs, names=names)
-    dummies = [np.zeros([d if isinstance(d, int) else 1 for d in s.shape], s.dtype) for s in specs]
-    cp = sf.get_concrete_program(*dummies)
+    cp = trace_specs(jit.to_static(fn, input_spec=specs, names=names))
     if tile:
         TileLinear(PREFILL_TILE).apply(cp.program)
         QuantizeLinear().apply(cp.program)  # a quantized base (QLoRA): the engine's quant_linear
@@ -124,14 +121,10 @@ def compile_function(
 
 
 def _to_host(x: Any) -> Any:
-    if isinstance(x, lf.Tensor):
-        a = x.numpy()
-        return float(a) if a.ndim == 0 else a
-    if isinstance(x, dict):
-        return {k: _to_host(v) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to_host(v) for v in x)
-    return x
+    """Outputs with their tensors as numpy arrays, a 0-d one as a float."""
+    leaves, tree = pytree.flatten(x)
+    arrays = [t.numpy() for t in leaves]
+    return pytree.unflatten(tree, [float(a) if a.ndim == 0 else a for a in arrays])
 
 
 def scorer(model: Any, exact: bool, temperature: float, value_head: ValueHead | None = None) -> Callable:
@@ -148,7 +141,7 @@ def scorer(model: Any, exact: bool, temperature: float, value_head: ValueHead | 
             return out
 
     extra = {"value_head": value_head} if value_head is not None else None
-    return fwd.compile(score, _specs(_SEQ + _SEG), state_names(model, extra=extra))
+    return compile_function(score, _specs(_SEQ + _SEG), state_names(model, extra=extra), tile=exact)
 
 
 def reference_scorer(model: Any, src: Path, exact: bool, temperature: float) -> Callable:

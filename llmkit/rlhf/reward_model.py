@@ -25,12 +25,13 @@ from llmkit.train.trainer import state_names
 
 from . import algorithms
 from .config import RewardModelConfig
-from .data import Prompt, encode_pair, encode_prompt, load_pairs, split_heldout
+from .data import Prompt, TokenBatch, encode_pair, encode_prompt, load_pairs, split_heldout
 from .policy import compile_function, compile_update
 from .run import Run
 
 O = lf.ops
 ARCHITECTURE = "LlamaForSequenceClassification"
+SCORE_INPUTS = [jit.InputSpec(["B", "S"], "int64", "ids"), jit.InputSpec(["B"], "int64", "rows")]  # score's
 
 
 class LlamaRewardModel(nn.Layer):
@@ -66,26 +67,18 @@ class LlamaRewardModel(nn.Layer):
         rm = cls(config)
         rm.model.load_state_dict(lm.model.state_dict())
         w = rm.score.weight
-        w.set_value(
-            np.random.default_rng(seed).normal(0.0, config.initializer_range, w.shape).astype(w.dtype)
-        )
+        head = np.random.default_rng(seed).normal(0.0, config.initializer_range, w.shape)
+        w.set_value(head.astype(w.dtype))
         return rm
 
     def save_pretrained(self, path: str | Path) -> None:
         save_pretrained(self, path)
 
 
-def _rows(lengths: np.ndarray, width: int) -> np.ndarray:
-    """Each sequence's last token in the flattened [B, width] batch."""
-    return np.arange(len(lengths), dtype=np.int64) * width + lengths - 1
-
-
-def _pad(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
-    ids = np.zeros((len(seqs), int(lengths.max())), np.int64)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = s
-    return ids, lengths
+def _batch(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded ``ids`` [B, S] and each sequence's last token in the flattened batch (``rows``)."""
+    tb = TokenBatch.of(seqs, [[]] * len(seqs))
+    return tb.ids, np.arange(len(seqs), dtype=np.int64) * tb.ids.shape[1] + tb.lengths - 1
 
 
 class RewardModelScorer:
@@ -94,13 +87,12 @@ class RewardModelScorer:
 
     def __init__(self, model: LlamaRewardModel, tokenizer: Any, batch_size: int = 64) -> None:
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
-        specs = [jit.InputSpec(["B", "S"], "int64", "ids"), jit.InputSpec(["B"], "int64", "rows")]
 
         def score(ids, rows):
             with lf.no_grad():
                 return model(ids, rows)
 
-        self.program = compile_function(score, specs, state_names(model))
+        self.program = compile_function(score, SCORE_INPUTS, state_names(model))
 
     @classmethod
     def load(cls, path: str, tokenizer: Any = None) -> RewardModelScorer:
@@ -110,8 +102,7 @@ class RewardModelScorer:
     def scores(self, seqs: list[list[int]]) -> np.ndarray:
         out = []
         for i in range(0, len(seqs), self.batch_size):
-            ids, lengths = _pad(seqs[i : i + self.batch_size])
-            out.append(np.asarray(self.program(ids, _rows(lengths, ids.shape[1])), dtype=np.float64))
+            out.append(np.asarray(self.program(*_batch(seqs[i : i + self.batch_size])), dtype=np.float64))
         return np.concatenate(out) if out else np.zeros(0)
 
     def __call__(self, prompts: list[Prompt], completions: list[str], **kwargs: Any) -> list[float]:
@@ -168,19 +159,14 @@ class RewardModelTrainer(Run):
             c, r = O.squeeze(O.matmul(chosen, s), axis=-1), O.squeeze(O.matmul(rejected, s), axis=-1)
             return algorithms.bradley_terry_loss(c, r, count)
 
-        specs = [
-            jit.InputSpec(["B", "S"], "int64", "ids"),
-            jit.InputSpec(["B"], "int64", "rows"),
-            jit.InputSpec(["P", "B"], "float64", "chosen"),
-            jit.InputSpec(["P", "B"], "float64", "rejected"),
-        ]
+        specs = SCORE_INPUTS + [jit.InputSpec(["P", "B"], "float64", n) for n in ("chosen", "rejected")]
         opt, clip = self.optimizer, self.cfg.optim.grad_clip  # LoRA: the adapters and the head train
         return compile_update(forward, specs, state_names(model, opt), [model], opt, clip, self.dp.group)
 
     def train_step(self) -> dict[str, Any]:
         pairs = self.step_pairs()
-        ids, lengths = _pad([c for c, _ in pairs] + [r for _, r in pairs])
-        return self.update(ids, _rows(lengths, ids.shape[1]), *pair_selectors(len(pairs)))
+        seqs = [c for c, _ in pairs] + [r for _, r in pairs]  # chosen (rows 0..P-1), then rejected
+        return self.update(*_batch(seqs), *pair_selectors(len(pairs)))
 
     def evaluate(self) -> dict[str, float]:
         """Held-out ``eval_accuracy`` (chosen scored above rejected) and ``eval_margin``."""
@@ -190,7 +176,4 @@ class RewardModelTrainer(Run):
         c = self.dp.gather(self.scorer.scores([c for c, _ in held]), sizes, "held-out scores")
         r = self.dp.gather(self.scorer.scores([r for _, r in held]), sizes, "held-out scores")
         _, stats = algorithms.bradley_terry_loss(lf.tensor(c), lf.tensor(r))
-        return {
-            "eval_accuracy": float(stats["accuracy"].item()),
-            "eval_margin": float(stats["margin"].item()),
-        }
+        return {f"eval_{k}": float(stats[k].item()) for k in ("accuracy", "margin")}

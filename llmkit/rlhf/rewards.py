@@ -15,15 +15,13 @@ import importlib
 import importlib.util
 import math
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .tasks import make_task
-
-RewardFn = Callable[..., list[float]]
+from .tasks import RewardFn, make_task
 
 
 class RewardError(ValueError):

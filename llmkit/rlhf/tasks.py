@@ -46,21 +46,19 @@ class AvoidLetter:
     """Share of the completion's words without ``letter`` (a lipogram)."""
 
     letter: str = "e"
+    wanted = False  # whether the words scored are those with the letter (UseLetter)
 
     def score(self, text: str) -> float:
         words = _words(text)
-        return sum(self.letter not in w.lower() for w in words) / len(words) if words else 0.0
+        return sum((self.letter in w.lower()) == self.wanted for w in words) / len(words) if words else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
-class UseLetter:
+class UseLetter(AvoidLetter):
     """Share of the completion's words containing ``letter``."""
 
     letter: str = "s"
-
-    def score(self, text: str) -> float:
-        words = _words(text)
-        return sum(self.letter in w.lower() for w in words) / len(words) if words else 0.0
+    wanted = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,12 +141,8 @@ def corpus_sentences() -> tuple[str, ...]:
     """Plain prose sentences of the built-in corpus (letters, spaces and commas), in corpus order."""
     from llmkit.train.corpus import builtin_documents
 
-    out = []
-    for doc in builtin_documents():
-        for sentence in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())):
-            if _PROSE.fullmatch(sentence):
-                out.append(sentence)
-    return tuple(dict.fromkeys(out))
+    sentences = (s for doc in builtin_documents() for s in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())))
+    return tuple(dict.fromkeys(s for s in sentences if _PROSE.fullmatch(s)))
 
 
 def _split(sentence: str, words: int) -> tuple[str, str]:

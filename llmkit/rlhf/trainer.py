@@ -103,19 +103,8 @@ def make_loss(cfg: RLHFConfig, algo: Algorithm) -> Callable[..., tuple[Any, dict
     PPO); stats include the entropy of the policy at the rollout temperature."""
     r, temperature = cfg.rlhf, cfg.rollout.temperature
 
-    def loss_fn(
-        logp,
-        logits,
-        values,
-        mask,
-        old_logp,
-        advantages,
-        tokens,
-        sequences,
-        ref_logp=None,
-        old_values=None,
-        returns=None,
-    ):
+    # optional: ref_logp (GRPO's KL term), old_values and returns (PPO's value loss)
+    def loss_fn(logp, logits, values, mask, old_logp, advantages, tokens, sequences, **optional):
         counts = {"token": tokens, "sequence": sequences}
         loss, stats = algorithms.clipped_policy_loss(
             logp,
@@ -124,7 +113,7 @@ def make_loss(cfg: RLHFConfig, algo: Algorithm) -> Callable[..., tuple[Any, dict
             mask,
             r.clip_low,
             r.clip_high,
-            ref_logp=ref_logp,
+            ref_logp=optional.get("ref_logp"),
             kl_coef=r.kl_coef,
             kl_estimator=r.kl_estimator,
             aggregation=r.loss_aggregation,
@@ -134,9 +123,8 @@ def make_loss(cfg: RLHFConfig, algo: Algorithm) -> Callable[..., tuple[Any, dict
         ent = algorithms.masked_mean(O.cast(algorithms.entropy(logits, temperature), "float64"), mask, counts)
         stats["entropy"] = ent
         if values is not None:
-            vloss, vstats = algorithms.clipped_value_loss(
-                O.cast(values, "float64"), old_values, returns, mask, r.value_clip, counts
-            )
+            args = (optional["old_values"], optional["returns"], mask, r.value_clip, counts)
+            vloss, vstats = algorithms.clipped_value_loss(O.cast(values, "float64"), *args)
             loss = loss + r.vf_coef * vloss
             stats.update(vstats, value_loss=vloss)
         if r.entropy_coef:
@@ -165,19 +153,9 @@ class PolicyTrainer(Run):
             self.extra_layers["value_head"] = self.value_head
         self.reward = build_reward(cfg.reward, self.tokenizer)
         self.prompts = load_prompts(cfg.data.prompts, cfg.train.seed)
-        self.rollouts = Rollouts(
-            self.model,
-            self.tokenizer,
-            ro.max_tokens,
-            ro.temperature,
-            ro.top_k,
-            ro.top_p,
-            ro.max_batch,
-            ro.max_prompt_tokens,
-            exact=self.exact,
-        )
-        layers = [self.model] + ([self.value_head] if self.value_head is not None else [])
-        self.optimizer = build_optimizer(cfg.optim, *layers)
+        sampling = ro.model_dump(exclude={"prompts_per_step", "n"})  # Rollouts' settings, by name
+        self.rollouts = Rollouts(self.model, self.tokenizer, **sampling, exact=self.exact)
+        self.optimizer = build_optimizer(cfg.optim, self.model, *self.extra_layers.values())
         self.inputs = ("mask", "old_logp", "advantages")  # per row; then the minibatch's counts
         if self.algo.kl_in_loss and r.kl_coef > 0:
             self.inputs += ("ref_logp",)
@@ -197,11 +175,9 @@ class PolicyTrainer(Run):
         self.ref_score = None  # no reference without a KL term
         if r.kl_coef > 0:
             self.ref_score = policy.reference_scorer(self.model, self.src, self.exact, ro.temperature)
-        self.pre_score = (
-            policy.scorer(self.model, self.exact, ro.temperature, self.value_head)
-            if self.value_head
-            else None
-        )
+        self.pre_score = None  # PPO: the values (and log-probs) before the update
+        if self.value_head is not None:
+            self.pre_score = policy.scorer(self.model, self.exact, ro.temperature, self.value_head)
         self.setup()
 
     # ---- one step ----------------------------------------------------------------------------------
@@ -250,9 +226,7 @@ class PolicyTrainer(Run):
             "logprob_diff_max": float(worst[0]),
             "response_len_mean": float(lengths.mean()),
             "gen_tokens_per_s": float(gen_tokens / worst[1]),
-            "gen_s": float(worst[1]),
-            "train_s": float(worst[2]),
-            "sync_s": float(worst[3]),
+            **{k: float(v) for k, v in zip(("gen_s", "train_s", "sync_s"), worst[1:], strict=True)},
         }
 
     def _update(

@@ -194,12 +194,9 @@ def host_memory() -> float:
 
 def resolve_auto(cfg: TrainConfig, nproc: int | None, say: Any = print) -> list[str]:
     """``parallel: auto``: plan for ``--nproc`` ranks (one without it) with this host's memory shared
-    among them, print the report, and return the overrides that run the choice. Only what the
-    trainer runs is enumerated (a pipeline once the config has ``parallel.pp``). Under mpiexec every
+    among them, print the report, and return the overrides that run the choice. Under mpiexec every
     rank would plan on its own probe: refused (plan first, then launch)."""
     from llmkit.framework.distributed.comm import launched_by_mpi
-
-    from .config import ParallelSection
 
     if launched_by_mpi():
         raise ConfigError(
@@ -207,10 +204,8 @@ def resolve_auto(cfg: TrainConfig, nproc: int | None, say: Any = print) -> list[
             "llmkit plan and give mpiexec its overrides"
         )
     world = nproc or 1
-    mem = host_memory() / world
-    pipelines = ("1f1b", "zero_bubble") if "pp" in ParallelSection.model_fields else ()
     try:
-        choice, report = run_planner(cfg, world, mem, schedules=pipelines)
+        choice, report = run_planner(cfg, world, host_memory() / world)
     except PlanError as e:
         raise ConfigError(f"parallel: auto: {e}") from None
     say(report)

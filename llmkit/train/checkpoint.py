@@ -356,9 +356,10 @@ def load(s: RunState, path: Path, state: TrainerState) -> tuple[int, int, int]:
         except (KeyError, TypeError, ValueError) as e:
             raise ResumeError(f"{path / TRAINER_STATE}: rng: {e!r}") from None
     if s.base is not None:
-        total = sum(f.stat().st_size for f in (path / ADAPTER).iterdir()) + moments.total_bytes
-        read = total
-    elif s.pipe is None:
+        read = total = sum(f.stat().st_size for f in (path / ADAPTER).iterdir()) + moments.total_bytes
+    else:
+        total = weights.total_bytes + moments.total_bytes
+    if s.base is None and s.pipe is None:
         _set_weights(s, weights, names)
         per_rank = [weights.rank_bytes.get(r, 0) + moments.rank_bytes.get(r, 0) for r in weights.rank_bytes]
         read = max(per_rank) if per_rank else weights.bytes_read + moments.bytes_read
@@ -366,9 +367,7 @@ def load(s: RunState, path: Path, state: TrainerState) -> tuple[int, int, int]:
         layer.load_state_dict(layers[name])
     # The schedule is a closed form of the step: this run's settings, the checkpoint's step.
     s.schedule.load_state_dict({**s.schedule.state_dict(), "last_step": state.step})
-    if s.base is not None:
-        return read, total, peak_rss_bytes()
-    return read, weights.total_bytes + moments.total_bytes, peak_rss_bytes()
+    return read, total, peak_rss_bytes()
 
 
 def _check_base(base: dict[str, Any], path: Path) -> None:

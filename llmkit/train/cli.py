@@ -76,8 +76,13 @@ def run_job(job: Any, prog: str, stop: Any = None) -> int:
     job.report_start(say)
     try:
         last = job.fit(stop)
-    except Interrupted as e:
-        return report_interrupted(e, prog, say)
+    except Interrupted as e:  # stopped by SIGINT or SIGTERM
+        name = signal.Signals(e.signum).name
+        say(
+            f"{prog}: stopped by {name} at step {e.step}; saved {e.path} (continue with --resume)",
+            file=sys.stderr,
+        )
+        return 128 + e.signum
     say(f"done: step {job.step}, {job.summary(last)}; {job.written()}")
     return 0
 
@@ -117,16 +122,6 @@ def _train(cfg: Any, resume: bool, quiet: bool) -> int:
     from .trainer import Trainer
 
     return run_job(Trainer(cfg, resume=resume, quiet=quiet), "llmkit train")
-
-
-def report_interrupted(e: Any, prog: str, say: Any = print) -> int:
-    """The line of a job stopped by SIGINT or SIGTERM (``Interrupted``), and its exit status."""
-    say(
-        f"{prog}: stopped by {signal.Signals(e.signum).name} at step {e.step}; saved {e.path} "
-        "(continue with --resume)",
-        file=sys.stderr,
-    )
-    return 128 + e.signum
 
 
 def relaunch(cmd: list[str], env: dict[str, str]) -> int:

@@ -60,15 +60,14 @@ def _moved_key(raw: Any, key: str, message: str) -> Any:
     return raw
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """The base of every config section (other jobs' schemas build on it)."""
+
     # strict: no silent coercions (true -> 1, "10" -> 10); YAML already gives ints, floats and bools.
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-Section = _Section  # the base of every config section (other jobs' schemas build on it)
-
-
-class _ModelSectionBase(_Section):
+class _ModelSectionBase(Section):
     preset: str | None = None  # a name in llmkit.models.llama.config.PRESETS
     init_from: str | None = None  # a Hugging Face checkpoint directory (config.json + weights)
 
@@ -113,7 +112,7 @@ ModelSection = create_model(
 )
 
 
-class TokenizerSection(_Section):
+class TokenizerSection(Section):
     path: str = "builtin"  # "builtin" (trained on the built-in corpus) or an HF tokenizer directory
     vocab_size: int = Field(4096, gt=259)  # builtin only: 3 specials + 256 bytes + merges
     kind: Literal[tuple(TOKENIZER_KINDS)] = "sentencepiece"  # builtin only: models/llama/tokenizer.py
@@ -126,7 +125,7 @@ class TokenizerSection(_Section):
         return self
 
 
-class DataSection(_Section):
+class DataSection(Section):
     sources: list[str] = ["builtin"]  # "builtin", files or globs; .jsonl files use their "text" field
     val_fraction: float = Field(0.05, ge=0, lt=1)  # the last part of the packed stream (see data.py)
     cache_dir: str | None = None  # token cache; null = $LLMKIT_CACHE_DIR or ~/.cache/llmkit
@@ -137,7 +136,7 @@ class DataSection(_Section):
         return [value] if isinstance(value, str) else value
 
 
-class OptimSection(_Section):
+class OptimSection(Section):
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(3e-4, gt=0)  # peak learning rate (after warmup)
     betas: tuple[float, float] = Field((0.9, 0.95), strict=False)  # adamw; strict=False: YAML lists
@@ -154,13 +153,13 @@ class OptimSection(_Section):
         return betas
 
 
-class ScheduleSection(_Section):
+class ScheduleSection(Section):
     name: Literal["constant", "cosine", "linear"] = "cosine"  # decay after warmup
     warmup_steps: int = Field(0, ge=0)  # linear warmup from 0 to optim.lr
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine/linear end at min_lr_ratio * optim.lr
 
 
-class TrainSection(_Section):
+class TrainSection(Section):
     steps: int = Field(1000, gt=0)  # optimizer steps
     batch_size: int = Field(8, gt=0)  # sequences per micro-batch
     grad_accum: int = Field(1, gt=0)  # micro-batches per optimizer step
@@ -194,7 +193,7 @@ class TrainSection(_Section):
         return self
 
 
-class ParallelSection(_Section):
+class ParallelSection(Section):
     """How the run spreads over ranks: pp x dp x tp processes (``llmkit train --nproc N`` or
     ``mpiexec -n N``; in one process the whole mesh is simulated), laid out by a ParallelPlan."""
 
@@ -275,16 +274,8 @@ class ParallelSection(_Section):
     def build(self) -> ParallelPlan:
         """The ParallelPlan of these settings; ValueError names the key at fault."""
         try:
-            return ParallelPlan.make(
-                self.plan,
-                dp=self.dp,
-                tp=self.tp,
-                sp=self.sp,
-                zero=self.zero,
-                pipeline=self.pipeline(),
-                recompute=self.recompute,
-                recompute_every=self.recompute_every,
-            )
+            keys = self.model_dump(include={"dp", "tp", "sp", "zero", "recompute", "recompute_every"})
+            return ParallelPlan.make(self.plan, pipeline=self.pipeline(), **keys)
         except PlanError as e:
             key = {"zero": "zero", "sp": "sp", "mesh": "dp"}.get(e.key, "plan")
             raise ValueError(
@@ -292,7 +283,7 @@ class ParallelSection(_Section):
             ) from None
 
 
-class LoraSection(_Section):
+class LoraSection(Section):
     """Low-rank adapters on the frozen model (models/llama/lora.py): only they train, and
     checkpoints hold them in PEFT's format. ``model.init_from`` may be a quantized model (QLoRA)."""
 
@@ -331,7 +322,7 @@ def check_warmup(schedule: ScheduleSection, steps: int) -> None:
         )
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     """The root of a job's config (training, RLHF, the reward model): what every root refuses."""
 
     @model_validator(mode="before")
@@ -435,8 +426,7 @@ def load_config(
             where = f" at line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}"
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
-    if raw is None:
-        raw = {}
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
     for override in overrides:
@@ -577,17 +567,12 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     node[name] = value
 
 
-_EXPECTED = {
-    "int_type": "an integer",
-    "int_parsing": "an integer",
-    "int_from_float": "an integer",
-    "float_type": "a number",
-    "float_parsing": "a number",
-    "bool_type": "true or false",
-    "bool_parsing": "true or false",
+_EXPECTED = {  # pydantic's error type -> what the key takes
+    **dict.fromkeys(("int_type", "int_parsing", "int_from_float"), "an integer"),
+    **dict.fromkeys(("float_type", "float_parsing"), "a number"),
+    **dict.fromkeys(("bool_type", "bool_parsing"), "true or false"),
+    **dict.fromkeys(("list_type", "tuple_type"), "a list"),
     "string_type": "a string",
-    "list_type": "a list",
-    "tuple_type": "a list",
     "dict_type": "a mapping",
     "model_type": "a mapping (a config section)",
 }

@@ -160,11 +160,8 @@ def _live_docstrings(name: str) -> list[str]:
                 objects += [m for a, m in sorted(vars(obj).items()) if _is_public_method(a, m)]
             elif inspect.isroutine(obj):
                 objects.append(obj)
-    docs = []
-    for obj in objects:
-        doc = getattr(obj, "__doc__", None)
-        docs.append(inspect.cleandoc(doc) if isinstance(doc, str) else "")
-    return docs
+    docs = [getattr(obj, "__doc__", None) for obj in objects]
+    return [inspect.cleandoc(doc) if isinstance(doc, str) else "" for doc in docs]
 
 
 def _is_public_method(name: str, member: object) -> bool:

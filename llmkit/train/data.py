@@ -107,13 +107,8 @@ def tokenizer_train(
 ) -> LlamaTokenizer:
     """`llmkit tokenizer train`: train a tokenizer of `kind` ("sentencepiece" or "bpe") on data
     sources, write its Hugging Face files into `out`."""
-    docs = read_documents(input)
-    return train_tokenizer(
-        [d if isinstance(d, str) else "\n".join(m["content"] for m in d) for d in docs],
-        vocab_size,
-        out,
-        kind=kind,
-    )
+    texts = [d if isinstance(d, str) else "\n".join(m["content"] for m in d) for d in read_documents(input)]
+    return train_tokenizer(texts, vocab_size, out, kind=kind)
 
 
 @dataclass(frozen=True)

@@ -118,27 +118,23 @@ class Trainer(Loop):
         self.tokenizer = build_tokenizer(cfg)
         self.model_config: LlamaConfig = resolve_model_config(cfg, self.tokenizer.vocab_size)
         validate_against_model(cfg, self.model_config)
-        self.data = load_token_data(
-            cfg.data.sources, self.tokenizer, cfg.data.val_fraction, cfg.data.cache_dir
-        )
+        d = cfg.data
+        self.data = load_token_data(d.sources, self.tokenizer, d.val_fraction, d.cache_dir)
         self.sampler = BatchSampler(self.data.train, t.batch_size, t.seq_len, t.seed, self.data.train_mask)
         # Weights about to be loaded (a checkpoint; a pretrained model over several ranks, each
         # reading its slices) are not initialized first: building the model keeps its memory untouched.
+        init = cfg.model.init_from
         load_init = (
-            cfg.model.init_from is not None
+            init is not None
             and self.backend is not None
             and self.plan.pp == 1
             and cfg.lora is None  # a LoRA run's base is read whole, then laid out with its adapters
         )
         base_dir = self._lora_base_dir(saved is not None)
-        if (
-            base_dir is not None
-            and base_dir.is_dir()
-            and (cfg.model.init_from is not None or saved is not None)
-        ):
+        if base_dir is not None and base_dir.is_dir() and (init is not None or saved is not None):
             self.model = LlamaForCausalLM.from_pretrained(base_dir)  # a LoRA run's frozen base
-        elif cfg.model.init_from is not None and not load_init:
-            self.model = LlamaForCausalLM.from_pretrained(cfg.model.init_from)
+        elif init is not None and not load_init:
+            self.model = LlamaForCausalLM.from_pretrained(init)
         else:
             with nn.init.skip_init() if saved is not None or load_init else contextlib.nullcontext():
                 self.model = LlamaForCausalLM(self.model_config)
@@ -179,7 +175,7 @@ class Trainer(Loop):
         self.tokens_seen = 0
         self.clip = math.inf if cfg.optim.grad_clip is None else cfg.optim.grad_clip  # the grad-norm clip
         if load_init and saved is None:
-            checkpoint.load_weights(self.run_state(), Path(cfg.model.init_from))
+            checkpoint.load_weights(self.run_state(), Path(init))
         self.flops_per_token = self.model_config.flops_per_token(t.seq_len)
         self.peak_flops = matmul_peak_flops(t.device) * self.plan.world_size
         self.state_bytes = 0  # parameter + gradient + optimizer bytes of the fullest rank, last step
@@ -290,10 +286,6 @@ class Trainer(Loop):
         loss, norm, self.state_bytes = self.pipe.step(*batches[0], self.clip)
         return loss, norm
 
-    def state_names(self) -> dict[int, str]:
-        """Readable names of every tensor a traced step captures (for programs and errors)."""
-        return state_names(self.model, self.optimizer)
-
     def _static_step(self):
         """The whole step — micro-batches, backward, gradient reduction, clipping, update — as one
         traced program; over several ranks, partitioned into one program per rank."""
@@ -313,8 +305,8 @@ class Trainer(Loop):
         # One program: symbolic batch dims in one process; the placed batches' shapes over several
         # ranks (partitioned programs take static shapes).
         spec = None if self.par is not None else [jit.InputSpec(["B", "S"], "int64")] * (2 * t.grad_accum)
-        compiled = jit.to_static(step, input_spec=spec, compiler=t.compiler, names=self.state_names())
-        self.static_step = compiled
+        names = state_names(self.model, self.optimizer)
+        self.static_step = compiled = jit.to_static(step, input_spec=spec, compiler=t.compiler, names=names)
         # gradients live inside the program: count them in the layout they are reduced to
         named = self.model.named_parameters()
         shapes = {n: p.shape for n, p in named if p.requires_grad}  # a LoRA run: its adapters
@@ -343,13 +335,11 @@ class Trainer(Loop):
         t = self.cfg.train
         batches = eval_batches(self.data.val, t.eval_steps, t.batch_size, t.seq_len, self.data.val_mask)
         if self.pipe is not None:
-            val = float(np.mean([self.pipe.evaluate(x, y) for x, y in batches]))
-        else:
-            losses = [
-                self.value(self.model.loss(*self.place(lambda rows, x=x, y=y: (x[rows], y[rows]))))
-                for x, y in batches
-            ]
-            val = float(np.mean(losses))
+            losses = [self.pipe.evaluate(x, y) for x, y in batches]
+        else:  # each batch placed as it comes (each rank reads its rows)
+            placed = (self.place(lambda rows, x=x, y=y: (x[rows], y[rows])) for x, y in batches)
+            losses = [self.value(self.model.loss(*xy)) for xy in placed]
+        val = float(np.mean(losses))
         return {"eval_loss": val, "eval_ppl": math.exp(min(val, 50.0))}
 
     # ---- the loop's hooks ------------------------------------------------------------------------------
@@ -431,13 +421,8 @@ class Trainer(Loop):
     def sample_text(self, model: LlamaForCausalLM, prompt: str = "The", max_new_tokens: int = 48) -> str:
         ids = self.tokenizer.encode(prompt, add_bos=True)
         room = self.model_config.max_position_embeddings - len(ids)
-        new = generate(
-            model,
-            [ids],
-            min(max_new_tokens, room),
-            SamplingParams(temperature=0.8, top_k=40, seed=0),
-            eos_token_id=self.tokenizer.eos_id,
-        )[0]
+        params = SamplingParams(temperature=0.8, top_k=40, seed=0)
+        new = generate(model, [ids], min(max_new_tokens, room), params, eos_token_id=self.tokenizer.eos_id)[0]
         return prompt + self.tokenizer.decode(new)
 
     # ---- checkpoints -----------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from ..ir import Program, parse
 from ..ir.errors import IRError
 from ..serialization import SafetensorsError, load, save
 from ..tensor import Tensor
-from .static_function import ConcreteProgram
+from .static_function import ConcreteProgram, InputSpec, StaticFunction, to_static
 
 FORMAT = "llmkit.static"
 FORMAT_VERSION = 2
@@ -173,8 +173,7 @@ def save_programs(
                 "save an inference function instead"
             )
         f = cp.program.function()
-        args = f.args
-        user, captured = args[: cp.n_args], args[cp.n_args :]
+        user, captured = f.args[: cp.n_args], f.args[cp.n_args :]
         bindings = []
         for t, a in zip(cp.captures, captured):
             key = key_of.get(id(t))
@@ -193,7 +192,6 @@ def save_programs(
             "outputs": [_spec(v.type) for v in f.outputs],
         }
     with atomic_dir(path) as tmp:
-        files: dict[str, str] = {}
         for pname, cp in programs.items():
             (tmp / entries[pname]["file"]).write_text(str(cp.program))
         save(weights, tmp / WEIGHTS)
@@ -201,14 +199,12 @@ def save_programs(
             if "/" in name or name in (MANIFEST, WEIGHTS) or name.endswith(".pir"):
                 raise ValueError(f"jit.save: bad extra file name {name!r}")
             (tmp / name).write_bytes(data)
-        for f in sorted(tmp.iterdir()):
-            files[f.name] = sha256(f)
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "programs": entries,
             "weights": WEIGHTS,
-            "files": files,
+            "files": {f.name: sha256(f) for f in sorted(tmp.iterdir())},
             "metadata": dict(metadata or {}),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -232,8 +228,7 @@ class LoadedFunction:
         self.weights = weights  # the arrays bound to the function arguments after the inputs
         self._compiler, self._text, self._compiled = compiler, text, compiled
         self._executor = None
-        self.input_specs = entry["inputs"]
-        self.output_specs = entry["outputs"]
+        self.input_specs, self.output_specs = entry["inputs"], entry["outputs"]
 
     @property
     def executor(self):
@@ -435,8 +430,6 @@ def save_static(
     Each needs an input signature: a StaticFunction already traced, or ``input_spec`` (all dims
     given as ints or symbols) to trace it now.
     """
-    from .static_function import InputSpec, StaticFunction, to_static
-
     objs = obj if isinstance(obj, Mapping) else {"forward": obj}
     programs: dict[str, ConcreteProgram] = {}
     names: dict[int, str] = {}
@@ -445,15 +438,17 @@ def save_static(
         if sf.input_spec is None and input_spec is not None:
             sf.input_spec = list(input_spec)
         if sf._last is None:
-            specs = sf.input_spec
-            if specs is None:
+            if sf.input_spec is None:
                 raise ValueError(f"jit.save: {pname!r} has not been traced; pass input_spec")
-            dummies = []
-            for s in specs:
-                s = s if isinstance(s, InputSpec) else InputSpec(*s)
-                shape = [d if isinstance(d, int) else 2 for d in s.shape]
-                dummies.append(Tensor(np.zeros(shape, dtype=B.dtype(s.dtype))))
-            sf.get_concrete_program(*dummies)
+            trace_specs(sf)
         programs[pname] = sf._last
         names.update(sf._state_names())
     return save_programs(path, programs, names, metadata, extra_files)
+
+
+def trace_specs(sf: StaticFunction) -> ConcreteProgram:
+    """Trace StaticFunction ``sf`` for every input its ``input_spec`` allows (InputSpecs, or their
+    fields as tuples): on zeros of those shapes and dtypes, a symbolic dim at size 1."""
+    specs = [s if isinstance(s, InputSpec) else InputSpec(*s) for s in sf.input_spec]
+    zeros = [np.zeros([d if isinstance(d, int) else 1 for d in s.shape], B.dtype(s.dtype)) for s in specs]
+    return sf.get_concrete_program(*(Tensor(z) for z in zeros))

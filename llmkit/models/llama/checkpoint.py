@@ -88,11 +88,8 @@ def check_weights(
     """The names of ``expected`` to read from ``reader``; CheckpointError lists every missing,
     unexpected or mis-shaped tensor, and every one of ``dtypes`` (quantized codes, whose dtype is
     part of the format) stored in another dtype."""
-    names = {
-        n
-        for n in reader.names()
-        if not n.endswith(_IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")
-    }
+    ignored = {"lm_head.weight"} if tied else set()  # a tied head is the embedding
+    names = {n for n in reader.names() if not n.endswith(_IGNORED_SUFFIXES) and n not in ignored}
     missing = sorted(set(expected) - names)
     unexpected = sorted(names - set(expected))
     wrong = [
@@ -216,13 +213,10 @@ def save_pretrained(
         for k, v in model.state_dict().items()
     }
     with atomic_dir(path) as tmp:
-        if path.is_dir():  # keep companions such as tokenizer.model
+        if path.is_dir():  # keep companions such as tokenizer.model (not the old weights and config)
+            own = (WEIGHTS, INDEX, "config.json")
             for f in path.iterdir():
-                if (
-                    f.is_file()
-                    and f.name not in (WEIGHTS, INDEX, "config.json")
-                    and not f.name.startswith("model-")
-                ):
+                if f.is_file() and f.name not in own and not f.name.startswith("model-"):
                     (tmp / f.name).write_bytes(f.read_bytes())
         arch = getattr(model, "architecture", "LlamaForCausalLM")
         floats = [a.dtype for a in state.values() if B.is_floating(a.dtype)]  # codes come first if quantized
@@ -234,13 +228,10 @@ def save_pretrained(
             lf.save(state, tmp / WEIGHTS, metadata={"format": "pt"})
             return
         shards: list[dict[str, np.ndarray]] = [{}]
-        size = 0
         for name, a in state.items():
-            if shards[-1] and size + a.nbytes > max_shard_size:
+            if shards[-1] and sum(x.nbytes for x in shards[-1].values()) + a.nbytes > max_shard_size:
                 shards.append({})
-                size = 0
             shards[-1][name] = a
-            size += a.nbytes
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"

@@ -181,11 +181,8 @@ class LlamaConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The Hugging Face `config.json` dict, in the classic spelling every loader reads."""
-        d: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **self.extra}
-        for f in dataclasses.fields(self):
-            if f.name != "extra":
-                d[f.name] = getattr(self, f.name)
-        return d
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **self.extra, **fields}
 
     def to_json_file(self, path: str | os.PathLike[str]) -> None:
         """Write `to_dict()` as JSON, atomically."""

@@ -64,9 +64,8 @@ class LoraConfig:
     init: str = "kaiming"  # PEFT's default: A ~ Kaiming-uniform(a=sqrt(5)) as nn.Linear, B = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "targets", (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
-        )
+        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+        object.__setattr__(self, "targets", targets)
         if not isinstance(self.r, int) or self.r <= 0:
             raise LoraError("r", f"r must be a positive integer (the adapter rank), got {self.r!r}")
         if not 0.0 <= self.dropout < 1.0:
@@ -81,17 +80,12 @@ class LoraConfig:
         return self.alpha / self.r
 
 
-def _kaiming_a(layer: LoraLinear) -> None:
-    nn.init.kaiming_uniform_(layer.lora_A, a=math.sqrt(5))  # nn.Linear's default: U(±1/sqrt(in))
-    nn.init.zeros_(layer.lora_B)
-
-
-def _gaussian(layer: LoraLinear) -> None:  # PEFT's init_lora_weights="gaussian": A ~ N(0, 1/r²)
-    nn.init.normal_(layer.lora_A, 0.0, 1.0 / layer.r)
-    nn.init.zeros_(layer.lora_B)
-
-
-INITS = {"kaiming": _kaiming_a, "gaussian": _gaussian}
+# How A is drawn (B starts at zero: step 0 is the base): nn.Linear's default, U(±1/sqrt(in)); PEFT's
+# init_lora_weights="gaussian", N(0, 1/r²)
+INITS = {
+    "kaiming": lambda layer: nn.init.kaiming_uniform_(layer.lora_A, a=math.sqrt(5)),
+    "gaussian": lambda layer: nn.init.normal_(layer.lora_A, 0.0, 1.0 / layer.r),
+}
 
 
 class LoraLinear(nn.Layer):
@@ -113,10 +107,8 @@ class LoraLinear(nn.Layer):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.r, self.alpha, self.scale, self.p = r, alpha, alpha / r, dropout
         self.enabled = True
-        for name, t in base._parameters.items():
-            self._parameters[name] = t
-        for name, t in base._buffers.items():
-            self._buffers[name] = t
+        self._parameters.update(base._parameters)
+        self._buffers.update(base._buffers)
         dtype = base.scales.dtype if isinstance(base, nn.QuantizedLinear) else base.weight.dtype
         self.lora_A = lf.Parameter(lf.zeros(r, self.in_features, dtype=dtype))
         self.lora_B = lf.Parameter(lf.zeros(self.out_features, r, dtype=dtype))
@@ -270,6 +262,18 @@ def peft_name(path: str) -> str:
     return f"{PEFT_PREFIX}{path}.weight"
 
 
+_UNSUPPORTED = {  # PEFT features llmkit's adapters do not have: key -> the value that means "off"
+    "use_dora": False,
+    "use_rslora": False,
+    "fan_in_fan_out": False,
+    "bias": "none",
+    "modules_to_save": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "layers_to_transform": None,
+}
+
+
 def peft_config(cfg: LoraConfig, base_model: str | None = None) -> dict[str, Any]:
     """adapter_config.json as PEFT writes it (the fields its LoraConfig needs to rebuild ours)."""
     targets = ALL_LINEAR if cfg.targets == (ALL_LINEAR,) else sorted(cfg.targets)
@@ -281,28 +285,10 @@ def peft_config(cfg: LoraConfig, base_model: str | None = None) -> dict[str, Any
         "lora_alpha": cfg.alpha,
         "lora_dropout": cfg.dropout,
         "target_modules": targets,
-        "bias": "none",
-        "fan_in_fan_out": False,
         "init_lora_weights": True if cfg.init == "kaiming" else cfg.init,
-        "use_rslora": False,
-        "use_dora": False,
-        "modules_to_save": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        **_UNSUPPORTED,  # every feature off
         "inference_mode": True,
     }
-
-
-_UNSUPPORTED = {  # PEFT features llmkit's adapters do not have: key -> the value that means "off"
-    "use_dora": False,
-    "use_rslora": False,
-    "fan_in_fan_out": False,
-    "bias": "none",
-    "modules_to_save": None,
-    "rank_pattern": {},
-    "alpha_pattern": {},
-    "layers_to_transform": None,
-}
 
 
 def read_config(directory: str | os.PathLike[str]) -> LoraConfig:

@@ -71,11 +71,8 @@ class LlamaAttention(nn.Layer):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            d,
-        )
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = d
         bias = config.attention_bias
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
@@ -84,10 +81,9 @@ class LlamaAttention(nn.Layer):
 
     def forward(self, x, cos, sin, position_ids, layer_idx: int, attention_mask=None, kv_cache=None):
         b, s = x.shape[0], x.shape[1]
-        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)  # (B, Hq, S, D)
-        k = (
-            self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        )  # (B, Hkv, S, D)
+        # q: (B, Hq, S, D); k, v: (B, Hkv, S, D)
+        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         q = O.rotary_embedding(q, cos, sin, position_ids)
         k = O.rotary_embedding(k, cos, sin, position_ids)
@@ -128,9 +124,8 @@ class LlamaDecoderLayer(nn.Layer):
         self.mlp = LlamaMLP(config)
 
     def forward(self, x, cos, sin, position_ids, attention_mask=None, kv_cache=None):
-        x = x + self.self_attn(
-            self.input_layernorm(x), cos, sin, position_ids, self.layer_idx, attention_mask, kv_cache
-        )
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin, position_ids, self.layer_idx, attention_mask, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -169,10 +164,8 @@ class LlamaModel(nn.Layer):
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = causal_positions(b, s, 0 if kv_cache is None else kv_cache.past_length)
-        mask = None
-        if attention_mask is not None:
-            # [B, T] with 1 = attend, 0 = padding -> a bool mask [B, 1, 1, T] (causality is added by sdpa)
-            mask = O.unsqueeze(O.not_equal(attention_mask, 0), axis=[1, 2])
+        # attention_mask [B, T] with 1 = attend, 0 = padding -> a bool mask [B, 1, 1, T] (sdpa adds causality)
+        mask = None if attention_mask is None else O.unsqueeze(O.not_equal(attention_mask, 0), axis=[1, 2])
         x = self.embed_tokens(input_ids)  # (B, S, H)
         cos, sin = self.rope(x.dtype)
         for layer in self.layers:
@@ -219,9 +212,7 @@ class LlamaForCausalLM(nn.Layer):
         """
         hidden = self.model(input_ids, position_ids, attention_mask, kv_cache)
         logits = self.head(hidden)  # (B, S, V)
-        loss = None
-        if labels is not None:
-            loss = O.cross_entropy(logits[:, :-1], labels[:, 1:])
+        loss = None if labels is None else O.cross_entropy(logits[:, :-1], labels[:, 1:])
         return CausalLMOutput(logits=logits, loss=loss, kv_cache=kv_cache)
 
     def loss(self, input_ids, labels):

@@ -44,8 +44,7 @@ def pipeline_parts(model: LlamaForCausalLM, seq_len: int | None = None) -> Pipel
         return Piece((name, *ROPE), run, layer_flops)
 
     def last(layers, x, labels):
-        w = layers[head].weight
-        return lm_loss(layers["model.norm"](x), w, labels)
+        return lm_loss(layers["model.norm"](x), layers[head].weight, labels)
 
     def boundary(shape: tuple[int, ...]) -> Meta:
         return Meta((*shape, c.hidden_size), model.model.embed_tokens.weight.dtype)
