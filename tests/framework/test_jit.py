@@ -319,6 +319,19 @@ def saved(tmp_path):
     return path, model
 
 
+def test_example_inputs_trace_the_saved_program(tmp_path):
+    lf.seed(6)
+    model = LlamaForCausalLM(tiny())
+    ids = np.random.default_rng(3).integers(0, 128, (2, 5))
+    path = jit.save(Logits(model), tmp_path / "m.llmkit", example_inputs=[ids])
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["programs"]["forward"]["inputs"] == [{"name": "arg0", "shape": [2, 5], "dtype": "int64"}]
+    loaded = jit.load(path, compiler="none")
+    np.testing.assert_array_equal(loaded(ids), model(lf.tensor(ids)).logits.numpy())
+    with pytest.raises(ValueError, match="pass input_spec or example_inputs"):
+        jit.save(Logits(model), tmp_path / "n.llmkit")
+
+
 def test_load_in_a_fresh_process_without_model_code(saved, tmp_path):
     path, model = saved
     ids = np.random.default_rng(7).integers(0, 128, (2, 6))
@@ -360,7 +373,7 @@ def test_corrupted_truncated_and_future_files(saved):
     m = json.loads((path / "manifest.json").read_text())
     m["format_version"] = 99
     (path / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(jit.FormatError, match="format version 99.*reads up to version 1"):
+    with pytest.raises(jit.FormatError, match=f"format version 99.*reads up to version {jit.FORMAT_VERSION}"):
         jit.load(path)
     (path / "manifest.json").write_text("{not json")
     with pytest.raises(jit.FormatError, match="not valid JSON"):

@@ -427,8 +427,9 @@ def save_static(
 ) -> Path:
     """``jit.save``: a Layer, a StaticFunction, or a dict of them (name -> program), to ``path``.
 
-    Each needs an input signature: a StaticFunction already traced, or ``input_spec`` (all dims
-    given as ints or symbols) to trace it now.
+    Each needs an input signature: a StaticFunction already traced, ``input_spec`` (all dims
+    given as ints or symbols) to trace it now, or ``example_inputs`` to trace it on (their shapes
+    become the saved program's fixed input shapes).
     """
     objs = obj if isinstance(obj, Mapping) else {"forward": obj}
     programs: dict[str, ConcreteProgram] = {}
@@ -437,9 +438,15 @@ def save_static(
         sf = o if isinstance(o, StaticFunction) else to_static(o, input_spec=input_spec)
         if sf.input_spec is None and input_spec is not None:
             sf.input_spec = list(input_spec)
-        if sf._last is None:
+        if sf._last is None and example_inputs is not None:
+            sf.get_concrete_program(
+                *(x if isinstance(x, Tensor) else Tensor(np.asarray(x)) for x in example_inputs)
+            )
+        elif sf._last is None:
             if sf.input_spec is None:
-                raise ValueError(f"jit.save: {pname!r} has not been traced; pass input_spec")
+                raise ValueError(
+                    f"jit.save: {pname!r} has not been traced; pass input_spec or example_inputs"
+                )
             trace_specs(sf)
         programs[pname] = sf._last
         names.update(sf._state_names())
