@@ -30,7 +30,7 @@ import numpy as np
 
 from . import backend as B
 from .opspec import REQUIRED, OpError, OpSpec, describe, get
-from .tape import Node, is_grad_enabled
+from .tape import Node, grad_mode
 from .tensor import Tensor, register_value_error
 
 
@@ -112,43 +112,82 @@ class EagerWorld(World):
     name = "eager"
 
     def run(self, spec: OpSpec, arrays: list[Any], attrs: dict[str, Any], inputs: tuple = ()) -> Any:
-        # infer_meta validates the call: one clear error naming the op and the shapes.
-        spec.infer_meta(*arrays, **attrs)
         xp = np if arrays else B.xp_for(B.get_device())  # no inputs (arange): the current device
         for a in arrays:
             if a is not None and type(a) is not np.ndarray:
                 xp = B.xp_of(a)
                 break
-        if xp is not np:  # an op on the GPU: host arrays among its inputs move there
-            arrays = [xp.asarray(a) if type(a) is np.ndarray else a for a in arrays]
-        kernel = spec.kernel
-        if spec.native is not None and _native is not None and xp is np:
-            kernel = _native(spec, arrays, attrs) or kernel
-        table = profile_table
-        t0 = time.perf_counter() if table is not None else 0.0
-        try:
-            out = kernel(xp, *arrays, **attrs)
-        except OpError:
-            raise
-        except Exception as e:
-            shown = ", ".join(describe(a) for a in arrays)
-            raise OpError(f"{spec.name}: kernel failed on ({shown}): {e}") from e
-        if table is not None:
-            record(table, f"llm.{spec.name}", time.perf_counter() - t0, spec.kind, arrays, attrs, out)
-        # numpy reductions and 0-d arithmetic return numpy scalars; payloads are always arrays.
-        if spec.multi_output:
-            return tuple(o if type(o) is np.ndarray else xp.asarray(o) for o in out)
-        return out if type(out) is np.ndarray else xp.asarray(out)
+        if xp is np:
+            return run_host(spec, arrays, attrs)
+        spec.infer_meta(*arrays, **attrs)  # validates the call: one clear error naming op and shapes
+        # an op on the GPU: host arrays among its inputs move there
+        arrays = [xp.asarray(a) if type(a) is np.ndarray else a for a in arrays]
+        return _call_kernel(spec, xp, spec.kernel, arrays, attrs)
 
     def constant(self, value: Any, dtype: np.dtype, like: Any = None) -> Any:
         xp = B.xp_of(like) if like is not None else B.xp_for(B.get_device())
         return xp.asarray(value, dtype=dtype)
 
 
+def run_host(spec: OpSpec, arrays: list[Any], attrs: dict[str, Any]) -> Any:
+    """An eager op on numpy arrays: validated by its ``infer_meta`` (one clear error naming the op
+    and the shapes), which runs once per op for each combination of input shapes, dtypes and
+    attributes it accepted (it reads nothing else), then its C kernel where one applies, else its
+    reference kernel."""
+    key: Any = tuple([(a.shape, a.dtype) for a in arrays])
+    if attrs:
+        key = (key, *attrs.items())
+    seen = spec.validated
+    try:
+        known = key in seen
+    except TypeError:  # an unhashable attribute: validate every call
+        known, key = False, None
+    if not known:
+        spec.infer_meta(*arrays, **attrs)
+        if key is not None:
+            if len(seen) >= _VALIDATED_MAX:
+                seen.clear()
+            seen.add(key)
+    kernel = spec.kernel
+    if spec.native is not None and _native is not None:
+        kernel = _native(spec, arrays, attrs) or kernel
+    return _call_kernel(spec, np, kernel, arrays, attrs)
+
+
+_VALIDATED_MAX = 4096  # signatures remembered per op (inference sees many sequence lengths)
+
+
+def _call_kernel(
+    spec: OpSpec, xp: Any, kernel: Callable[..., Any], arrays: list[Any], attrs: dict[str, Any]
+) -> Any:
+    table = profile_table
+    t0 = time.perf_counter() if table is not None else 0.0
+    try:
+        out = kernel(xp, *arrays, **attrs)
+    except OpError:
+        raise
+    except Exception as e:
+        shown = ", ".join(describe(a) for a in arrays)
+        raise OpError(f"{spec.name}: kernel failed on ({shown}): {e}") from e
+    if table is not None:
+        record(table, f"llm.{spec.name}", time.perf_counter() - t0, spec.kind, arrays, attrs, out)
+    # numpy reductions and 0-d arithmetic return numpy scalars; payloads are always arrays.
+    if spec.multi_output:
+        return tuple(o if type(o) is np.ndarray else xp.asarray(o) for o in out)
+    return out if type(out) is np.ndarray else xp.asarray(out)
+
+
 EAGER = EagerWorld()
 _BOOL = np.dtype(np.bool_)
 _WORLDS: dict[type, World] = {}
-_local = threading.local()
+
+
+class _Ambient(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[World] = []  # this thread's ambient worlds, innermost last
+
+
+_local = _Ambient()
 
 
 def register_world(payload_type: type, world: World) -> None:
@@ -167,7 +206,7 @@ register_value_error(lambda what, t: world_of(t._data).concrete_error(what, t))
 @contextlib.contextmanager
 def ambient(world: World):
     """Ops with no world-specific inputs (constants, creation ops) run in ``world`` inside."""
-    stack = _local.__dict__.setdefault("stack", [])
+    stack = _local.stack
     stack.append(world)
     try:
         yield world
@@ -176,7 +215,7 @@ def ambient(world: World):
 
 
 def current_world() -> World:
-    stack = _local.__dict__.get("stack")
+    stack = _local.stack
     return stack[-1] if stack else EAGER
 
 
@@ -196,14 +235,30 @@ def _scalar_dtype(spec: OpSpec, value: Any, ref: Any) -> np.dtype:
 def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
     """Apply an op to tensors (or Python scalars / arrays, lifted to constants) and return Tensors."""
     spec = op if type(op) is OpSpec else get(op)  # type: ignore[arg-type]
-    attrs = spec.bind(attrs)
+    if attrs or spec.attrs:
+        attrs = spec.bind(attrs)
     n = len(inputs)
     while n > spec.min_inputs and inputs[n - 1] is None:  # omitted trailing optional inputs
         n -= 1
     if n != len(inputs):
         inputs = inputs[:n]
-    spec.check_arity(n)
+    if n < spec.min_inputs or (spec.max_inputs is not None and n > spec.max_inputs):
+        spec.check_arity(n)
+    # The common case first: every input a Tensor on numpy, outside any trace.
+    payloads: list[Any] = []
+    for x in inputs:
+        if not isinstance(x, Tensor) or type(x._data) is not np.ndarray:
+            break
+        payloads.append(x._data)
+    else:
+        stack = _local.stack
+        if not stack:
+            return _record(spec, inputs, run_host(spec, payloads, attrs), attrs)
+    return _apply_general(spec, inputs, attrs)
 
+
+def _apply_general(spec: OpSpec, inputs: tuple, attrs: dict[str, Any]) -> Any:
+    """``apply`` with scalars to lift, tensors of other worlds, or an ambient world."""
     world: World | None = None
     ref = None
     like = None  # a payload not in numpy (on the GPU, or a tracer): where lifted constants go
@@ -243,36 +298,39 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
                 payloads.append(world.constant(arr, B.dtype(arr.dtype), like))
             else:
                 payloads.append(world.constant(x, _scalar_dtype(spec, x, ref), like))
-
     outs = world.run(spec, payloads, attrs, inputs)
+    return _record(spec, inputs, outs, attrs, payloads if lifted else None)
 
+
+def _record(spec: OpSpec, inputs: tuple, outs: Any, attrs: dict[str, Any], lifted: list | None = None) -> Any:
+    """Wrap an op's payloads in Tensors; record its autograd node where an input needs a gradient
+    (``lifted``: the payloads of inputs that were lifted constants, which the node holds as Tensors)."""
     if spec.multi_output:
-        result: Any = tuple(Tensor._wrap(o) for o in outs)
+        result: Any = tuple(_wrap(o) for o in outs)
         wrapped = result
     else:
-        result = Tensor._wrap(outs)
+        result = _wrap(outs)
         wrapped = (result,)
-
-    if spec.vjp is not None and is_grad_enabled():
-        nondiff = spec.nondiff
-        needs = False
-        for i, x in enumerate(inputs):
-            if isinstance(x, Tensor) and x.requires_grad and i not in nondiff:
-                needs = True
-                break
-        if needs:
-            node_inputs = (
-                tuple(x if isinstance(x, Tensor) else Tensor._wrap(p) for x, p in zip(inputs, payloads))
-                if lifted
-                else inputs
-            )
-            node = Node(spec, node_inputs, attrs, tuple(Tensor._wrap(t._data) for t in wrapped))
-            for i, t in enumerate(wrapped):
-                if t._data.dtype in B.FLOAT_DTYPES:
-                    t.requires_grad = True
-                    t._node = node
-                    t._out_idx = i
+    if spec.vjp is None or not grad_mode.enabled:
+        return result
+    nondiff = spec.nondiff
+    for i, x in enumerate(inputs):
+        if isinstance(x, Tensor) and x.requires_grad and i not in nondiff:
+            break
+    else:
+        return result
+    if lifted is not None:
+        inputs = tuple(x if isinstance(x, Tensor) else _wrap(p) for x, p in zip(inputs, lifted))
+    node = Node(spec, inputs, attrs, tuple(_wrap(t._data) for t in wrapped))
+    for i, t in enumerate(wrapped):
+        if t._data.dtype in B.FLOAT_DTYPES:
+            t.requires_grad = True
+            t._node = node
+            t._out_idx = i
     return result
+
+
+_wrap = Tensor._wrap
 
 
 # ------------------------------------------------------------------------------ op functions
