@@ -117,24 +117,29 @@ class EagerWorld(World):
             if a is not None and type(a) is not np.ndarray:
                 xp = B.xp_of(a)
                 break
-        if xp is np:
-            return run_host(spec, arrays, attrs)
-        spec.infer_meta(*arrays, **attrs)  # validates the call: one clear error naming op and shapes
-        # an op on the GPU: host arrays among its inputs move there
-        arrays = [xp.asarray(a) if type(a) is np.ndarray else a for a in arrays]
-        return _call_kernel(spec, xp, spec.kernel, arrays, attrs)
+        if xp is not np:  # an op on the GPU: host arrays among its inputs move there
+            arrays = [xp.asarray(a) if type(a) is np.ndarray else a for a in arrays]
+        return run_arrays(spec, xp, arrays, attrs)
 
     def constant(self, value: Any, dtype: np.dtype, like: Any = None) -> Any:
         xp = B.xp_of(like) if like is not None else B.xp_for(B.get_device())
         return xp.asarray(value, dtype=dtype)
 
 
-def run_host(spec: OpSpec, arrays: list[Any], attrs: dict[str, Any]) -> Any:
-    """An eager op on numpy arrays: validated by its ``infer_meta`` (one clear error naming the op
-    and the shapes), which runs once per op for each combination of input shapes, dtypes and
-    attributes it accepted (it reads nothing else), then its C kernel where one applies, else its
-    reference kernel."""
-    key: Any = tuple([(a.shape, a.dtype) for a in arrays])
+def run_arrays(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) -> Any:
+    """An eager op on arrays of ``xp``: validated by its ``infer_meta`` (one clear error naming the
+    op and the shapes), which runs once per op for each combination of input shapes, dtypes and
+    attributes it accepted (it reads nothing else); then on host arrays its C kernel where one
+    applies, else its reference kernel."""
+    n = len(arrays)
+    if n == 2:
+        a, b = arrays
+        key: Any = (a.shape, a.dtype, b.shape, b.dtype)
+    elif n == 1:
+        a = arrays[0]
+        key = (a.shape, a.dtype)
+    else:
+        key = tuple([(a.shape, a.dtype) for a in arrays])
     if attrs:
         key = (key, *attrs.items())
     seen = spec.validated
@@ -149,17 +154,8 @@ def run_host(spec: OpSpec, arrays: list[Any], attrs: dict[str, Any]) -> Any:
                 seen.clear()
             seen.add(key)
     kernel = spec.kernel
-    if spec.native is not None and _native is not None:
+    if spec.native is not None and _native is not None and xp is np:
         kernel = _native(spec, arrays, attrs) or kernel
-    return _call_kernel(spec, np, kernel, arrays, attrs)
-
-
-_VALIDATED_MAX = 4096  # signatures remembered per op (inference sees many sequence lengths)
-
-
-def _call_kernel(
-    spec: OpSpec, xp: Any, kernel: Callable[..., Any], arrays: list[Any], attrs: dict[str, Any]
-) -> Any:
     table = profile_table
     t0 = time.perf_counter() if table is not None else 0.0
     try:
@@ -175,6 +171,9 @@ def _call_kernel(
     if spec.multi_output:
         return tuple(o if type(o) is np.ndarray else xp.asarray(o) for o in out)
     return out if type(out) is np.ndarray else xp.asarray(out)
+
+
+_VALIDATED_MAX = 4096  # signatures remembered per op (inference sees many sequence lengths)
 
 
 EAGER = EagerWorld()
@@ -221,6 +220,8 @@ def current_world() -> World:
 
 def _scalar_dtype(spec: OpSpec, value: Any, ref: Any) -> np.dtype:
     """The dtype a Python scalar takes: the dtype of the op's first non-bool tensor input."""
+    if type(value) is float and ref in B.FLOAT_DTYPES:
+        return ref
     if isinstance(value, (bool, np.bool_)):
         return B.DTYPES["bool"]
     if ref is None:
@@ -246,14 +247,19 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
         spec.check_arity(n)
     # The common case first: every input a Tensor on numpy, outside any trace.
     payloads: list[Any] = []
+    grad = False
     for x in inputs:
         if not isinstance(x, Tensor) or type(x._data) is not np.ndarray:
             break
         payloads.append(x._data)
+        if x.requires_grad:
+            grad = True
     else:
-        stack = _local.stack
-        if not stack:
-            return _record(spec, inputs, run_host(spec, payloads, attrs), attrs)
+        if not _local.stack:
+            out = run_arrays(spec, np, payloads, attrs)
+            if grad or spec.multi_output:
+                return _record(spec, inputs, out, attrs)
+            return _wrap(out)  # no input requires grad: nothing to record
     return _apply_general(spec, inputs, attrs)
 
 
@@ -350,10 +356,14 @@ def public(spec: OpSpec) -> Callable[..., Any]:
 def _make_public(spec: OpSpec) -> Callable[..., Any]:
     names = spec.input_names
     attr_names = tuple(a.name for a in spec.attrs)
-    n_in = 1 if spec.variadic else len(names)
+    variadic = spec.variadic
+    n_in = 1 if variadic else len(names)
 
     def fn(*args: Any, **kw: Any) -> Any:
-        if len(args) > n_in:
+        n = len(args)
+        if n == n_in and not variadic:  # the common call: the inputs, attributes by keyword
+            return apply(spec, *args, **kw)
+        if n > n_in:
             extra = args[n_in:]
             if len(extra) > len(attr_names):
                 raise OpError(f"{spec.name}: too many positional arguments ({len(args)})")
@@ -400,7 +410,9 @@ class _OpFunctions:
     others that may be declared after it)."""
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        return public(get(name))
+        fn = public(get(name))
+        setattr(self, name, fn)  # found without this lookup from now on
+        return fn
 
 
 O = _OpFunctions()
