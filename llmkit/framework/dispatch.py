@@ -245,20 +245,33 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
         inputs = inputs[:n]
     if n < spec.min_inputs or (spec.max_inputs is not None and n > spec.max_inputs):
         spec.check_arity(n)
-    # The common case first: every input a Tensor on numpy, outside any trace.
+    # The common case first: every input a Tensor on numpy or a Python number, outside any trace.
     payloads: list[Any] = []
-    grad = False
+    grad = lifted = False
     for x in inputs:
-        if not isinstance(x, Tensor) or type(x._data) is not np.ndarray:
+        if isinstance(x, Tensor):
+            d = x._data
+            if type(d) is not np.ndarray:
+                break
+            if x.requires_grad:
+                grad = True
+        elif type(x) is float or type(x) is int:  # (not bool: its type is not int)
+            lifted = True
+            d = x
+        else:
             break
-        payloads.append(x._data)
-        if x.requires_grad:
-            grad = True
+        payloads.append(d)
     else:
-        if not _local.stack:
+        if not _local.stack and (not lifted or B.get_device() == "cpu"):
+            if lifted:  # numbers become host constants, as EagerWorld.constant makes them here
+                ref = next((p.dtype for p in payloads if type(p) is np.ndarray and p.dtype != _BOOL), None)
+                payloads = [
+                    p if type(p) is np.ndarray else np.asarray(p, dtype=_scalar_dtype(spec, p, ref))
+                    for p in payloads
+                ]
             out = run_arrays(spec, np, payloads, attrs)
             if grad or spec.multi_output:
-                return _record(spec, inputs, out, attrs)
+                return _record(spec, inputs, out, attrs, payloads if lifted else None)
             return _wrap(out)  # no input requires grad: nothing to record
     return _apply_general(spec, inputs, attrs)
 
