@@ -325,7 +325,7 @@ def _record(spec: OpSpec, inputs: tuple, outs: Any, attrs: dict[str, Any], lifte
     """Wrap an op's payloads in Tensors; record its autograd node where an input needs a gradient
     (``lifted``: the payloads of inputs that were lifted constants, which the node holds as Tensors)."""
     if spec.multi_output:
-        result: Any = tuple(_wrap(o) for o in outs)
+        result: Any = tuple([_wrap(o) for o in outs])
         wrapped = result
     else:
         result = _wrap(outs)
@@ -340,9 +340,10 @@ def _record(spec: OpSpec, inputs: tuple, outs: Any, attrs: dict[str, Any], lifte
         return result
     if lifted is not None:
         inputs = tuple(x if isinstance(x, Tensor) else _wrap(p) for x, p in zip(inputs, lifted))
-    node = Node(spec, inputs, attrs, tuple(_wrap(t._data) for t in wrapped))
+    node = Node(spec, inputs, attrs, tuple([_wrap(t._data) for t in wrapped]))
+    floating = B.FLOAT_DTYPES
     for i, t in enumerate(wrapped):
-        if t._data.dtype in B.FLOAT_DTYPES:
+        if t._data.dtype in floating:
             t.requires_grad = True
             t._node = node
             t._out_idx = i
