@@ -90,7 +90,7 @@ reduction("mean", _accumulating("mean"), _mean_vjp, floating=True, reducer="mean
 
 
 def extreme(name):
-    """max or min over axes: xp.<name>, the gradient shared between tied extremes."""
+    """max or min over axes: x.<name>, the gradient shared between tied extremes."""
 
     def kernel(xp, x, axis=None, keepdim=False):
         return getattr(x, name)(axis=axis, keepdims=keepdim)
