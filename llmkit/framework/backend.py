@@ -85,12 +85,20 @@ def accumulation_dtype(d: Any) -> np.dtype:
     return DTYPES["float32"] if d in FLOAT_DTYPES and d.itemsize < 4 else d
 
 
-_state = threading.local()
+class _State(threading.local):
+    """Per-thread settings; the class attributes are the defaults (read without a lookup miss)."""
+
+    default_dtype = DTYPES["float32"]
+    device = "cpu"
+    rng: Any = None
+
+
+_state = _State()
 
 
 def get_default_dtype() -> np.dtype:
     """The dtype of new floating tensors (float32 unless changed)."""
-    return getattr(_state, "default_dtype", DTYPES["float32"])
+    return _state.default_dtype
 
 
 def set_default_dtype(d: Any) -> None:
@@ -163,7 +171,7 @@ def xp_of(array: Any) -> Any:
 
 def get_device() -> str:
     """The device new tensors are created on."""
-    return getattr(_state, "device", "cpu")
+    return _state.device
 
 
 def set_device(device: str) -> None:
@@ -197,7 +205,7 @@ _shared_rng = _Rng()  # every thread's, but for one that took its own (``adopt``
 
 
 def _rng() -> _Rng:
-    return getattr(_state, "rng", None) or _shared_rng
+    return _state.rng or _shared_rng
 
 
 def seed(n: int) -> None:

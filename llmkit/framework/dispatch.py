@@ -30,7 +30,7 @@ import numpy as np
 
 from . import backend as B
 from .opspec import REQUIRED, OpError, OpSpec, describe, get
-from .tape import Node, is_grad_enabled
+from .tape import Node, grad_mode
 from .tensor import Tensor, register_value_error
 
 
@@ -112,8 +112,6 @@ class EagerWorld(World):
     name = "eager"
 
     def run(self, spec: OpSpec, arrays: list[Any], attrs: dict[str, Any], inputs: tuple = ()) -> Any:
-        # infer_meta validates the call: one clear error naming the op and the shapes.
-        spec.infer_meta(*arrays, **attrs)
         xp = np if arrays else B.xp_for(B.get_device())  # no inputs (arange): the current device
         for a in arrays:
             if a is not None and type(a) is not np.ndarray:
@@ -121,34 +119,74 @@ class EagerWorld(World):
                 break
         if xp is not np:  # an op on the GPU: host arrays among its inputs move there
             arrays = [xp.asarray(a) if type(a) is np.ndarray else a for a in arrays]
-        kernel = spec.kernel
-        if spec.native is not None and _native is not None and xp is np:
-            kernel = _native(spec, arrays, attrs) or kernel
-        table = profile_table
-        t0 = time.perf_counter() if table is not None else 0.0
-        try:
-            out = kernel(xp, *arrays, **attrs)
-        except OpError:
-            raise
-        except Exception as e:
-            shown = ", ".join(describe(a) for a in arrays)
-            raise OpError(f"{spec.name}: kernel failed on ({shown}): {e}") from e
-        if table is not None:
-            record(table, f"llm.{spec.name}", time.perf_counter() - t0, spec.kind, arrays, attrs, out)
-        # numpy reductions and 0-d arithmetic return numpy scalars; payloads are always arrays.
-        if spec.multi_output:
-            return tuple(o if type(o) is np.ndarray else xp.asarray(o) for o in out)
-        return out if type(out) is np.ndarray else xp.asarray(out)
+        return run_arrays(spec, xp, arrays, attrs)
 
     def constant(self, value: Any, dtype: np.dtype, like: Any = None) -> Any:
         xp = B.xp_of(like) if like is not None else B.xp_for(B.get_device())
         return xp.asarray(value, dtype=dtype)
 
 
+def run_arrays(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) -> Any:
+    """An eager op on arrays of ``xp``: validated by its ``infer_meta`` (one clear error naming the
+    op and the shapes), which runs once per op for each combination of input shapes, dtypes and
+    attributes it accepted (it reads nothing else); then on host arrays its C kernel where one
+    applies, else its reference kernel."""
+    n = len(arrays)
+    if n == 2:
+        a, b = arrays
+        key: Any = (a.shape, a.dtype, b.shape, b.dtype)
+    elif n == 1:
+        a = arrays[0]
+        key = (a.shape, a.dtype)
+    else:
+        key = tuple([(a.shape, a.dtype) for a in arrays])
+    if attrs:
+        key = (key, *attrs.items())
+    seen = spec.validated
+    try:
+        known = key in seen
+    except TypeError:  # an unhashable attribute: validate every call
+        known, key = False, None
+    if not known:
+        spec.infer_meta(*arrays, **attrs)
+        if key is not None:
+            if len(seen) >= _VALIDATED_MAX:
+                seen.clear()
+            seen.add(key)
+    kernel = spec.kernel
+    if spec.native is not None and _native is not None and xp is np:
+        kernel = _native(spec, arrays, attrs) or kernel
+    table = profile_table
+    t0 = time.perf_counter() if table is not None else 0.0
+    try:
+        out = kernel(xp, *arrays, **attrs)
+    except OpError:
+        raise
+    except Exception as e:
+        shown = ", ".join(describe(a) for a in arrays)
+        raise OpError(f"{spec.name}: kernel failed on ({shown}): {e}") from e
+    if table is not None:
+        record(table, f"llm.{spec.name}", time.perf_counter() - t0, spec.kind, arrays, attrs, out)
+    # numpy reductions and 0-d arithmetic return numpy scalars; payloads are always arrays.
+    if spec.multi_output:
+        return tuple(o if type(o) is np.ndarray else xp.asarray(o) for o in out)
+    return out if type(out) is np.ndarray else xp.asarray(out)
+
+
+_VALIDATED_MAX = 4096  # signatures remembered per op (inference sees many sequence lengths)
+
+
 EAGER = EagerWorld()
 _BOOL = np.dtype(np.bool_)
 _WORLDS: dict[type, World] = {}
-_local = threading.local()
+
+
+class _Ambient(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[World] = []  # this thread's ambient worlds, innermost last
+
+
+_local = _Ambient()
 
 
 def register_world(payload_type: type, world: World) -> None:
@@ -167,7 +205,7 @@ register_value_error(lambda what, t: world_of(t._data).concrete_error(what, t))
 @contextlib.contextmanager
 def ambient(world: World):
     """Ops with no world-specific inputs (constants, creation ops) run in ``world`` inside."""
-    stack = _local.__dict__.setdefault("stack", [])
+    stack = _local.stack
     stack.append(world)
     try:
         yield world
@@ -176,12 +214,14 @@ def ambient(world: World):
 
 
 def current_world() -> World:
-    stack = _local.__dict__.get("stack")
+    stack = _local.stack
     return stack[-1] if stack else EAGER
 
 
 def _scalar_dtype(spec: OpSpec, value: Any, ref: Any) -> np.dtype:
     """The dtype a Python scalar takes: the dtype of the op's first non-bool tensor input."""
+    if type(value) is float and ref in B.FLOAT_DTYPES:
+        return ref
     if isinstance(value, (bool, np.bool_)):
         return B.DTYPES["bool"]
     if ref is None:
@@ -196,14 +236,48 @@ def _scalar_dtype(spec: OpSpec, value: Any, ref: Any) -> np.dtype:
 def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
     """Apply an op to tensors (or Python scalars / arrays, lifted to constants) and return Tensors."""
     spec = op if type(op) is OpSpec else get(op)  # type: ignore[arg-type]
-    attrs = spec.bind(attrs)
+    if attrs or spec.attrs:
+        attrs = spec.bind(attrs)
     n = len(inputs)
     while n > spec.min_inputs and inputs[n - 1] is None:  # omitted trailing optional inputs
         n -= 1
     if n != len(inputs):
         inputs = inputs[:n]
-    spec.check_arity(n)
+    if n < spec.min_inputs or (spec.max_inputs is not None and n > spec.max_inputs):
+        spec.check_arity(n)
+    # The common case first: every input a Tensor on numpy or a Python number, outside any trace.
+    payloads: list[Any] = []
+    grad = lifted = False
+    for x in inputs:
+        if isinstance(x, Tensor):
+            d = x._data
+            if type(d) is not np.ndarray:
+                break
+            if x.requires_grad:
+                grad = True
+        elif type(x) is float or type(x) is int:  # (not bool: its type is not int)
+            lifted = True
+            d = x
+        else:
+            break
+        payloads.append(d)
+    else:
+        if not _local.stack and (not lifted or B.get_device() == "cpu"):
+            if lifted:  # numbers become host constants, as EagerWorld.constant makes them here
+                ref = next((p.dtype for p in payloads if type(p) is np.ndarray and p.dtype != _BOOL), None)
+                payloads = [
+                    p if type(p) is np.ndarray else np.asarray(p, dtype=_scalar_dtype(spec, p, ref))
+                    for p in payloads
+                ]
+            out = run_arrays(spec, np, payloads, attrs)
+            if grad or spec.multi_output:
+                return _record(spec, inputs, out, attrs, payloads if lifted else None)
+            return _wrap(out)  # no input requires grad: nothing to record
+    return _apply_general(spec, inputs, attrs)
 
+
+def _apply_general(spec: OpSpec, inputs: tuple, attrs: dict[str, Any]) -> Any:
+    """``apply`` with scalars to lift, tensors of other worlds, or an ambient world."""
     world: World | None = None
     ref = None
     like = None  # a payload not in numpy (on the GPU, or a tracer): where lifted constants go
@@ -243,36 +317,40 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
                 payloads.append(world.constant(arr, B.dtype(arr.dtype), like))
             else:
                 payloads.append(world.constant(x, _scalar_dtype(spec, x, ref), like))
-
     outs = world.run(spec, payloads, attrs, inputs)
+    return _record(spec, inputs, outs, attrs, payloads if lifted else None)
 
+
+def _record(spec: OpSpec, inputs: tuple, outs: Any, attrs: dict[str, Any], lifted: list | None = None) -> Any:
+    """Wrap an op's payloads in Tensors; record its autograd node where an input needs a gradient
+    (``lifted``: the payloads of inputs that were lifted constants, which the node holds as Tensors)."""
     if spec.multi_output:
-        result: Any = tuple(Tensor._wrap(o) for o in outs)
+        result: Any = tuple([_wrap(o) for o in outs])
         wrapped = result
     else:
-        result = Tensor._wrap(outs)
+        result = _wrap(outs)
         wrapped = (result,)
-
-    if spec.vjp is not None and is_grad_enabled():
-        nondiff = spec.nondiff
-        needs = False
-        for i, x in enumerate(inputs):
-            if isinstance(x, Tensor) and x.requires_grad and i not in nondiff:
-                needs = True
-                break
-        if needs:
-            node_inputs = (
-                tuple(x if isinstance(x, Tensor) else Tensor._wrap(p) for x, p in zip(inputs, payloads))
-                if lifted
-                else inputs
-            )
-            node = Node(spec, node_inputs, attrs, tuple(Tensor._wrap(t._data) for t in wrapped))
-            for i, t in enumerate(wrapped):
-                if t._data.dtype in B.FLOAT_DTYPES:
-                    t.requires_grad = True
-                    t._node = node
-                    t._out_idx = i
+    if spec.vjp is None or not grad_mode.enabled:
+        return result
+    nondiff = spec.nondiff
+    for i, x in enumerate(inputs):
+        if isinstance(x, Tensor) and x.requires_grad and i not in nondiff:
+            break
+    else:
+        return result
+    if lifted is not None:
+        inputs = tuple(x if isinstance(x, Tensor) else _wrap(p) for x, p in zip(inputs, lifted))
+    node = Node(spec, inputs, attrs, tuple([_wrap(t._data) for t in wrapped]))
+    floating = B.FLOAT_DTYPES
+    for i, t in enumerate(wrapped):
+        if t._data.dtype in floating:
+            t.requires_grad = True
+            t._node = node
+            t._out_idx = i
     return result
+
+
+_wrap = Tensor._wrap
 
 
 # ------------------------------------------------------------------------------ op functions
@@ -292,10 +370,14 @@ def public(spec: OpSpec) -> Callable[..., Any]:
 def _make_public(spec: OpSpec) -> Callable[..., Any]:
     names = spec.input_names
     attr_names = tuple(a.name for a in spec.attrs)
-    n_in = 1 if spec.variadic else len(names)
+    variadic = spec.variadic
+    n_in = 1 if variadic else len(names)
 
     def fn(*args: Any, **kw: Any) -> Any:
-        if len(args) > n_in:
+        n = len(args)
+        if n == n_in and not variadic:  # the common call: the inputs, attributes by keyword
+            return apply(spec, *args, **kw)
+        if n > n_in:
             extra = args[n_in:]
             if len(extra) > len(attr_names):
                 raise OpError(f"{spec.name}: too many positional arguments ({len(args)})")
@@ -342,7 +424,9 @@ class _OpFunctions:
     others that may be declared after it)."""
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        return public(get(name))
+        fn = public(get(name))
+        setattr(self, name, fn)  # found without this lookup from now on
+        return fn
 
 
 O = _OpFunctions()

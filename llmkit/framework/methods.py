@@ -36,13 +36,13 @@ class _Written:
 
     def astype(self, dtype: Any) -> Tensor:
         dt = B.dtype(dtype)
-        return self if dt == self.dtype else O.cast(self, dt)
+        return self if dt == self.dtype else O.cast(self, dtype=dt)
 
     cast = astype
 
     def reshape(self, *shape: Any) -> Tensor:
         """``x.reshape(2, -1)`` or ``x.reshape((2, -1))``."""
-        return O.reshape(self, _shape_args(shape))
+        return O.reshape(self, shape=_shape_args(shape))
 
     view = reshape
 
@@ -54,21 +54,21 @@ class _Written:
             full = list(range(self.ndim))
             full[i], full[j] = full[j], full[i]
             p = tuple(full)
-        return O.transpose(self, p)
+        return O.transpose(self, perm=p)
 
     def permute(self, *perm: Any) -> Tensor:
-        return O.transpose(self, _shape_args(perm))
+        return O.transpose(self, perm=_shape_args(perm))
 
     def expand(self, *shape: Any) -> Tensor:
-        return O.expand(self, _shape_args(shape))
+        return O.expand(self, shape=_shape_args(shape))
 
     broadcast_to = expand
 
     def unsqueeze(self, axis: int | Sequence[int]) -> Tensor:
-        return O.unsqueeze(self, axis)
+        return O.unsqueeze(self, axis=axis)
 
     def chunk(self, n: int, axis: int = 0) -> tuple[Tensor, ...]:
-        return O.split(self, n, axis=axis)
+        return O.split(self, sections=n, axis=axis)
 
     __getitem__ = getitem
 

@@ -97,18 +97,24 @@ class AttrType:
 
 
 def _int(v: Any) -> int:
+    if type(v) is int:
+        return v
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
         raise TypeError("an integer")
     return int(v)
 
 
 def _float(v: Any) -> float:
+    if type(v) is float:
+        return v
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise TypeError("a number")
     return float(v)
 
 
 def _bool(v: Any) -> bool:
+    if v is True or v is False:
+        return v
     if not isinstance(v, (bool, np.bool_)):
         raise TypeError("a bool")
     return bool(v)
@@ -128,6 +134,8 @@ def _dtype(v: Any) -> np.dtype:
 
 
 def _dim(v: Any) -> Dim:
+    if type(v) is int:
+        return v
     if isinstance(v, str):
         try:
             return sym.canonical(v)
@@ -136,18 +144,25 @@ def _dim(v: Any) -> Dim:
     return _int(v)
 
 
+def _is_sequence(v: Any) -> bool:
+    """A list, tuple or array (the ABC check last: it is slow)."""
+    return type(v) in (tuple, list) or (
+        not isinstance(v, (str, bytes)) and isinstance(v, (Sequence, np.ndarray))
+    )
+
+
 def _shape(v: Any) -> tuple:
-    if isinstance(v, (str, bytes)) or not isinstance(v, (Sequence, np.ndarray)):
+    if not _is_sequence(v):
         raise TypeError("a shape (a list of ints or symbols)")
-    return tuple(_dim(d) for d in v)
+    return tuple([_dim(d) for d in v])
 
 
 def _ints(v: Any) -> tuple:
     if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
         return (int(v),)
-    if isinstance(v, (str, bytes)) or not isinstance(v, (Sequence, np.ndarray)):
+    if not _is_sequence(v):
         raise TypeError("a list of integers")
-    return tuple(_int(d) for d in v)
+    return tuple([_int(d) for d in v])
 
 
 def _axes(v: Any) -> tuple | None:
@@ -335,6 +350,7 @@ class OpSpec:
         self.variadic = bool(self.inputs) and self.inputs[0].startswith("*")
         self.min_inputs = sum(1 for n in self.inputs if not n.endswith("?") and not n.startswith("*"))
         self.max_inputs = None if self.variadic else len(self.inputs)
+        self.validated: set = set()  # eager calls' (shapes, dtypes, attributes) infer_meta accepted
 
     @property
     def differentiable(self) -> bool:

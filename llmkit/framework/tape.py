@@ -10,11 +10,16 @@ import contextlib
 import threading
 from typing import Any
 
-_state = threading.local()
+
+class _GradState(threading.local):
+    enabled = True  # the class default: a thread that never set it reads True without a miss
+
+
+grad_mode = _GradState()
 
 
 def is_grad_enabled() -> bool:
-    return getattr(_state, "enabled", True)
+    return grad_mode.enabled
 
 
 class set_grad_enabled(contextlib.ContextDecorator):
@@ -25,10 +30,10 @@ class set_grad_enabled(contextlib.ContextDecorator):
 
     def __enter__(self) -> None:
         self.prev = is_grad_enabled()
-        _state.enabled = self.mode
+        grad_mode.enabled = self.mode
 
     def __exit__(self, *exc: Any) -> None:
-        _state.enabled = self.prev
+        grad_mode.enabled = self.prev
 
 
 def no_grad() -> set_grad_enabled:

@@ -153,3 +153,39 @@ def test_saved_bytes_counts_the_tape_activations_once():
     assert saved_bytes([loss]) == 2 * 4 * 3 * 8 + 8  # h, t, and the loss's own scalar
     ckpt = lf.autograd.checkpoint(lambda a: (a @ w).tanh(), x, params=[w]).sum()
     assert saved_bytes([ckpt]) == 4 * 3 * 8 + 8  # the segment keeps its output only
+
+
+def test_grad_mode_is_per_thread_and_on_by_default():
+    import threading
+
+    seen = {}
+
+    def other():
+        x = lf.tensor(np.ones(2, np.float32), requires_grad=True)
+        seen["enabled"] = lf.is_grad_enabled()
+        seen["recorded"] = (x * 2.0).requires_grad
+        with lf.no_grad():
+            seen["inner"] = (x * 2.0).requires_grad
+
+    with lf.no_grad():  # this thread's setting does not reach a thread started inside
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert not (lf.tensor(np.ones(2), requires_grad=True) * 2.0).requires_grad
+    assert seen == {"enabled": True, "recorded": True, "inner": False}
+    assert lf.is_grad_enabled()
+
+
+def test_a_validated_signature_does_not_hide_errors_of_others():
+    x, y = lf.tensor(np.ones(3, np.float32)), lf.tensor(np.ones(3, np.float32))
+    for _ in range(2):  # the second call finds (shapes, dtypes) already validated
+        np.testing.assert_allclose((x + y).numpy(), 2.0)
+        with pytest.raises(
+            lf.ops.OpError, match=r"add: shapes cannot be broadcast.*\[3\] float32, \[2\] float32"
+        ):
+            x + lf.tensor(np.ones(2, np.float32))
+        with pytest.raises(lf.ops.OpError, match="dtype mismatch"):
+            x + lf.tensor(np.ones(3, np.float64))
+        with pytest.raises(lf.ops.OpError, match="softmax: axis 1 is out of range"):
+            lf.ops.softmax(x, axis=1)
+        np.testing.assert_allclose(lf.ops.softmax(x, axis=0).numpy(), 1 / 3, rtol=1e-6)

@@ -19,7 +19,8 @@ def __getattr__(name: str) -> Callable[..., Any]:
     spec = table().get(name)
     if spec is None:
         raise AttributeError(f"module 'llmkit.framework.ops' has no op {name!r}")
-    return public(spec)
+    fn = globals()[name] = public(spec)  # found without this hook from now on
+    return fn
 
 
 def __dir__() -> list[str]:

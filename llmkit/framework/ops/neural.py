@@ -74,8 +74,10 @@ def normalizer(name, kernel, decompose, vjp, doc):
 
 def _softmax_kernel(xp, x, axis=-1):
     dtype, x = x.dtype, x.astype(B.accumulation_dtype(x.dtype), copy=False)
-    e = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
-    return (e / xp.sum(e, axis=axis, keepdims=True)).astype(dtype, copy=False)
+    e = x - x.max(axis=axis, keepdims=True)  # array methods and in place: cheap on small arrays too
+    xp.exp(e, out=e)
+    e /= e.sum(axis=axis, keepdims=True)
+    return e.astype(dtype, copy=False)
 
 
 def _softmax_decompose(x, axis=-1):
@@ -169,8 +171,10 @@ def _ce_kernel(xp, logits, labels, ignore_index=-100, label_smoothing=0.0, reduc
     dtype, logits = logits.dtype, logits.astype(B.accumulation_dtype(logits.dtype), copy=False)
     valid = labels != ignore_index
     safe = xp.where(valid, labels, 0)
-    m = xp.max(logits, axis=-1, keepdims=True)
-    lse = xp.log(xp.sum(xp.exp(logits - m), axis=-1, keepdims=True)) + m
+    m = logits.max(axis=-1, keepdims=True)
+    e = logits - m
+    xp.exp(e, out=e)
+    lse = xp.log(e.sum(axis=-1, keepdims=True)) + m
     picked = xp.take_along_axis(logits, safe[..., None], axis=-1)
     nll = (lse - picked)[..., 0]
     if label_smoothing:

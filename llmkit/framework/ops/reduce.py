@@ -75,11 +75,12 @@ def _extreme_vjp(g, out, x, axis, keepdim):
 
 
 def _accumulating(name):
-    """The kernel of xp.<name> (sum, mean) run in the accumulation dtype, cast back to x's."""
+    """The kernel of x.<name> (sum, mean: the array method, cheaper than xp.<name> on small
+    arrays) run in the accumulation dtype, cast back to x's."""
 
     def kernel(xp, x, axis=None, keepdim=False):
         acc = B.accumulation_dtype(x.dtype)
-        return getattr(xp, name)(x, axis=axis, keepdims=keepdim, dtype=acc).astype(x.dtype, copy=False)
+        return getattr(x, name)(axis=axis, keepdims=keepdim, dtype=acc).astype(x.dtype, copy=False)
 
     return kernel
 
@@ -89,10 +90,10 @@ reduction("mean", _accumulating("mean"), _mean_vjp, floating=True, reducer="mean
 
 
 def extreme(name):
-    """max or min over axes: xp.<name>, the gradient shared between tied extremes."""
+    """max or min over axes: x.<name>, the gradient shared between tied extremes."""
 
     def kernel(xp, x, axis=None, keepdim=False):
-        return getattr(xp, name)(x, axis=axis, keepdims=keepdim)
+        return getattr(x, name)(axis=axis, keepdims=keepdim)
 
     return reduction(name, kernel, _extreme_vjp, reducer=name, empty=False)
 

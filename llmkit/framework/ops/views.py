@@ -133,7 +133,7 @@ defop(
     Kind.MOVEMENT,
     attrs=[attr("shape", A.SHAPE)],
     infer_meta=_reshape_meta,
-    kernel=lambda xp, x, shape: xp.reshape(x, shape),
+    kernel=lambda xp, x, shape: x.reshape(shape),
     vjp=lambda g, out, x, shape: (O.reshape(g, x.shape),),
     index_map=_view_index,
     traits={"same_type_noop", "shape_attr"},
