@@ -18,7 +18,7 @@ pytestmark = [needs_cc, pytest.mark.skipif(products.CPUS < 2, reason="one kernel
 
 @pytest.fixture(autouse=True)
 def row_products(monkeypatch):
-    monkeypatch.setattr(products, "enabled", True)  # as by default (LLMKIT_SPLIT_GEMMS=0 turns it off)
+    monkeypatch.setattr(products, "enabled", True)  # as with LLMKIT_SPLIT_GEMMS=1 (off by default)
 
 
 @pytest.mark.parametrize("rows", [300, 7])
