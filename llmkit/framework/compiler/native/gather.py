@@ -107,21 +107,39 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
 }
 """
 
-TOPK_LAST = r"""
-#include <math.h>
+TOPK_KEEP = r"""
+/* The order of a stable sort of -x: larger first, the lower index first among equal values, NaNs
+   last in index order. A total order, so a top K kept by it does not depend on the order in which
+   the candidates come (linear.py's scoring head merges blocks from several threads). */
+static inline int KERNEL_FN_before(double a, int64_t i, double b, int64_t j) { /* (a, i) before (b, j) */
+  if (b != b) return a == a || i < j;
+  return a == a && (a > b || (a == b && i < j));
+}
+/* (a, i) into a top K kept in that order (values v, ids id, n kept so far) */
+#define KERNEL_FN_KEEP(T)                                                                          \
+  static inline void KERNEL_FN_keep_##T(T *v, int64_t *id, int64_t *n, int64_t K, T a, int64_t i) { \
+    if (*n == K && !KERNEL_FN_before(a, i, v[K - 1], id[K - 1])) return;                         \
+    int64_t p = *n < K ? (*n)++ : K - 1;                                                         \
+    for (; p > 0 && KERNEL_FN_before(a, i, v[p - 1], id[p - 1]); p--) v[p] = v[p - 1], id[p] = id[p - 1]; \
+    v[p] = a, id[p] = i;                                                                         \
+  }
+"""
+
+TOPK_LAST = (
+    TOPK_KEEP
+    + r"""
 /* topk (largest) along the last axis, float32 (itemsize 4) or float64 (8): each row's K largest
-   values, largest first, the lower index first among equal values (the order of a stable sort of
-   -x); NaNs, which a sort of -x puts last, fill what is left in index order. One pass per row
-   keeps the K best in order (an insertion after every kept value >= the new one); once K are
+   values in TOPK_KEEP's order. One pass per row keeps the K best in order; once K (none NaN) are
    kept, a block of 16 values none of which beats the K-th (nor is NaN) is passed over by one
    vectorized test. Rows are independent: threads take whole rows (the same result on any count).
    bufs: x [R, V], values [R, K], indices [R, K] (int64), status. sizes: R, V, K, itemsize. */
 #define KERNEL_FN_BLOCK 16
 #define KERNEL_FN_ROW(T)                                                                         \
+  KERNEL_FN_KEEP(T)                                                                              \
   static void KERNEL_FN_row_##T(const T *x, int64_t V, int64_t K, T *val, int64_t *idx) {       \
     int64_t n = 0, v = 0;                                                                        \
     while (v < V) {                                                                              \
-      if (n == K && v + KERNEL_FN_BLOCK <= V) {                                                  \
+      if (n == K && v + KERNEL_FN_BLOCK <= V && val[K - 1] == val[K - 1]) {                      \
         const T kth = val[K - 1];                                                                \
         int any = 0;                                                                             \
         _Pragma("omp simd reduction(|:any)")                                                     \
@@ -129,17 +147,8 @@ TOPK_LAST = r"""
         if (!any) { v += KERNEL_FN_BLOCK; continue; }                                            \
       }                                                                                          \
       const int64_t end = v + KERNEL_FN_BLOCK < V ? v + KERNEL_FN_BLOCK : V;                     \
-      for (; v < end; v++) {                                                                     \
-        const T a = x[v];                                                                        \
-        if (a != a || (n == K && !(a > val[K - 1]))) continue;                                   \
-        int64_t p = n < K ? n : K - 1;                                                           \
-        while (p > 0 && val[p - 1] < a) { val[p] = val[p - 1]; idx[p] = idx[p - 1]; p--; }       \
-        val[p] = a; idx[p] = v;                                                                  \
-        if (n < K) n++;                                                                          \
-      }                                                                                          \
+      for (; v < end; v++) KERNEL_FN_keep_##T(val, idx, &n, K, x[v], v);                         \
     }                                                                                            \
-    for (int64_t u = 0; u < V && n < K; u++)                                                     \
-      if (x[u] != x[u]) { val[n] = x[u]; idx[n] = u; n++; }                                      \
   }
 KERNEL_FN_ROW(float)
 KERNEL_FN_ROW(double)
@@ -161,6 +170,7 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   llmkit_par_run(R, nt, KERNEL_FN_one, &job);
 }
 """
+)
 TOPK_MAX_K = 64  # the insertion keeps K values in order: small K (scoring's 5), not a sort
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from ...ops.paged import PANEL
 from ...opspec import get
 from .attach import native_kernel
-from .gather import TOPK_MAX_K
+from .gather import TOPK_KEEP, TOPK_MAX_K
 from .simd import VEC
 
 _F32 = np.dtype(np.float32)
@@ -395,6 +395,7 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
 TILED_LINEAR_LOGPROBS = (
     VEC
     + _LINEAR
+    + TOPK_KEEP
     + r"""
 /* tiled_linear_logprobs: the score program's LM head. Threads claim blocks of CW columns (fixed:
    which columns a partial sum covers depends on neither the rows nor the threads); a claim
@@ -464,19 +465,7 @@ static inline void KERNEL_FN_addd(KERNEL_FN_vd *acc, KERNEL_FN_v e) {
 #endif
 }
 
-/* (a, i) comes before (b, j) in a stable sort of -z */
-static inline int KERNEL_FN_before(float a, int64_t i, float b, int64_t j) {
-  if (b != b) return a == a || i < j;
-  return a == a && (a > b || (a == b && i < j));
-}
-
-/* (a, i) into a row's top K (values v, ids id, n kept so far) */
-static inline void KERNEL_FN_keep(float *v, int64_t *id, int64_t *n, int64_t K, float a, int64_t i) {
-  if (*n == K && !KERNEL_FN_before(a, i, v[K - 1], id[K - 1])) return;
-  int64_t p = *n < K ? (*n)++ : K - 1;
-  for (; p > 0 && KERNEL_FN_before(a, i, v[p - 1], id[p - 1]); p--) v[p] = v[p - 1], id[p] = id[p - 1];
-  v[p] = a, id[p] = i;
-}
+KERNEL_FN_KEEP(float)
 
 static void KERNEL_FN_block(void *arg, int64_t b, int64_t worker) {
   const KERNEL_FN_job *j = (const KERNEL_FN_job *)arg;
@@ -514,7 +503,7 @@ static void KERNEL_FN_block(void *arg, int64_t b, int64_t worker) {
         if (!any) { c = end; continue; }
       }
       for (; c < end; c++)
-        if (*n < TK || !(ym[c] < v[TK - 1])) KERNEL_FN_keep(v, id, n, TK, ym[c], lo + c);
+        if (*n < TK || !(ym[c] < v[TK - 1])) KERNEL_FN_keep_float(v, id, n, TK, ym[c], lo + c);
     }
     const int64_t t = j->targets[m] < 0 ? j->targets[m] + N : j->targets[m];
     if (t >= lo && t < lo + w) j->tz[m] = ym[t - lo];
@@ -568,7 +557,7 @@ void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
       int64_t *id = job.ki + m * TK, *n = job.kn + m;
       for (int64_t t = 1; t < nt; t++)
         for (int64_t k = 0; k < job.kn[t * M + m]; k++)
-          KERNEL_FN_keep(v, id, n, TK, job.kv[(t * M + m) * TK + k], job.ki[(t * M + m) * TK + k]);
+          KERNEL_FN_keep_float(v, id, n, TK, job.kv[(t * M + m) * TK + k], job.ki[(t * M + m) * TK + k]);
       for (int64_t k = 0; k < TK; k++) top_lp[m * TK + k] = (double)v[k] - lse, top_ids[m * TK + k] = id[k];
       target_lp[m] = (double)job.tz[m] - lse;
     }
