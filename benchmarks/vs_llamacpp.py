@@ -3,18 +3,32 @@
 The model: 134M parameters (hidden 768, 12 layers, 12 heads, MLP 2048, vocab 32000, untied head),
 random weights (speed does not depend on the values), saved with the built-in tokenizer. Each
 variant is quantized by llmkit (RTN, ``quantize_model`` + ``save_quantized`` as ``llmkit quantize``
-writes it) in the layout that is exactly a GGUF block type (int8 / symmetric int4 in groups of 32
-with float16 scales: Q8_0 / Q4_0), then written by ``llmkit export`` twice: as the static model
-file ``llmkit serve`` runs and as GGUF (``--format gguf``). Both sides run those files' weights:
+writes it; float16 scales) and written by ``llmkit export`` as the static model file ``llmkit
+serve`` runs. The GGUF file llama.cpp runs is made one of three ways (``gguf_made_by``):
 
-    variant      llmkit                               GGUF
-    float32      float32                              F32
-    int8         int8 g32 linears                     Q8_0 linears; token_embd, output F32
-    int4_g32     int4 g32 linears                     Q4_0 linears; token_embd, output F32
-    int8_all     + lm_head and embedding quantized    Q8_0, all tensors
-    int4_g32_all + lm_head and embedding quantized    Q4_0, all tensors
+- ``export``: ``llmkit export --format gguf`` of the same directory, where llmkit's layout is exactly
+  a GGUF block type (int8 / symmetric int4 in groups of 32 with float16 scales: Q8_0 / Q4_0): the
+  same weights on both sides;
+- ``blocks32``: int4 in groups of 128 written as Q4_0 blocks, each group's codes as they are and its
+  scale repeated over its four blocks (``as_blocks32``): the same weights again, llama.cpp reading
+  4.5 bits a weight where llmkit reads 4.125 (the head and linears) or 4.25 (the embedding);
+- ``q4_k_m``: llama.cpp's own quantizer (``llama_model_quantize``, as ``llama-quantize`` runs it) turns
+  the float32 model's F32 GGUF into Q4_K_M: the same float weights, each tool's own method at about
+  the same bits (Q4_K super-blocks of 256 with 6-bit sub-block scales and minima; Q6_K for the head
+  and half the V and down projections): not the same quantized weights, so ``greedy_agree`` is low.
 
-(llama.cpp's Q4_K_M has no llmkit layout that is the same weights: a line says so.)
+    variant             llmkit                               GGUF                          made by
+    float32             float32                              F32                           export
+    int8                int8 g32 linears                     Q8_0 linears; embd, head F32  export
+    int4_g32            int4 g32 linears                     Q4_0 linears; embd, head F32  export
+    int8_all            + lm_head and embedding quantized    Q8_0, all tensors             export
+    int4_g32_all        + lm_head and embedding quantized    Q4_0, all tensors             export
+    int4_g128_all       int4 g128 + lm_head and embedding    Q4_K_M                        q4_k_m
+    int4_g128_all_q4_0  the same file as int4_g128_all       Q4_0, all tensors             blocks32
+
+Every line carries both sides' bits per weight (``llmkit_bits_per_weight``: the static file's
+weight matrices as the engine's decode reads them; ``gguf_bits_per_weight``: the GGUF's 2-D
+tensors), over the float model's weights (linears, embedding, head; norms excluded).
 
 llmkit: ``Engine.from_static`` on the exported file (``llmkit serve``'s engine; its ``step`` is what
 ``Engine.generate`` runs), default EngineConfig but ``max_batch``; greedy, EOS ignored. llama.cpp:
@@ -36,7 +50,8 @@ Figures (one JSON line each, every line with the 1-minute load average):
 - ``<v>_greedy_agree``: the fraction of the batch-1 greedy tokens the two sides chose alike (a check
   that the files hold the same model; near-ties of random weights can split them).
 
-Without llama_cpp importable, one line says the peer is missing and llmkit is measured alone.
+Without llama_cpp importable, one line says the peer is missing and llmkit is measured alone (the
+Q4_K_M file, which llama.cpp makes, is then not written).
 
 Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/vs_llamacpp.py
 (llama-cpp-python in another environment: ``--peer-python /work/venv-llamacpp/bin/python``
@@ -53,18 +68,31 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from _common import emit, emit_paired_ratio, llama_134m, load_average, machine
 
-VARIANTS = {  # name -> (bits, quantize lm_head and embedding) or None for float32
-    "float32": None,
-    "int8": (8, False),
-    "int4_g32": (4, False),
-    "int8_all": (8, True),
-    "int4_g32_all": (4, True),
+
+class Variant(NamedTuple):
+    bits: int  # 0: float32
+    group: int  # input columns per scale
+    everything: bool  # lm_head and embedding quantized too
+    gguf: str  # the GGUF side's name
+    peer: str  # how its GGUF is made: "export" (llmkit export: the same weights), "blocks32" (the
+    # same weights as Q4_0 blocks: each group's codes and float16 scale as its 128 / 32 blocks),
+    # "q4_k_m" (llama.cpp quantizes the F32 GGUF itself: the same float source, its own method)
+
+
+VARIANTS = {
+    "float32": Variant(0, 0, False, "F32", "export"),
+    "int8": Variant(8, 32, False, "Q8_0", "export"),
+    "int4_g32": Variant(4, 32, False, "Q4_0", "export"),
+    "int8_all": Variant(8, 32, True, "Q8_0_all", "export"),
+    "int4_g32_all": Variant(4, 32, True, "Q4_0_all", "export"),
+    "int4_g128_all": Variant(4, 128, True, "Q4_K_M", "q4_k_m"),
+    "int4_g128_all_q4_0": Variant(4, 128, True, "Q4_0_all_from_g128", "blocks32"),
 }
-GGUF_NAMES = {"float32": "F32", "int8": "Q8_0", "int4_g32": "Q4_0", "int8_all": "Q8_0_all"}
-GGUF_NAMES["int4_g32_all"] = "Q4_0_all"
+LLMKIT_FILE = {"int4_g128_all_q4_0": "int4_g128_all"}  # variants that share another's llmkit file
 
 
 def set_threads(n: int) -> None:
@@ -86,10 +114,71 @@ def peer_available() -> str | None:
 # ---- the files --------------------------------------------------------------------------------------
 
 
-def build_files(work: Path, variants: list[str], act_bits: int) -> dict[str, tuple[Path, Path]]:
-    """Every variant's (static llmkit file, GGUF file), written once into ``work`` (kept across runs)."""
-    import llmkit.framework as lf
+def _export(d: Path, out: Path, fmt: str, name: str) -> None:
     from llmkit.cli import main as cli_main
+
+    args = ["export", "--model", str(d), "--format", fmt, "--out", str(out), "--name", name]
+    if not out.exists() and cli_main(args) != 0:
+        raise RuntimeError(f"llmkit {' '.join(args)} failed")
+
+
+def _quiet_llama(L) -> object:
+    """llama.cpp's log off; the callback returned must stay referenced."""
+    import ctypes
+
+    cb = L.llama_log_callback(lambda level, text, data: None)
+    L.llama_log_set(cb, ctypes.c_void_p(0))
+    return cb
+
+
+def llama_quantize(src: Path, out: Path, ftype: int, threads: int) -> None:
+    """llama.cpp's own quantizer (``llama-quantize``'s function) from ``src`` to ``out``, atomically."""
+    import ctypes
+
+    import llama_cpp as L
+
+    from llmkit.framework.files import atomic_path
+
+    keep = _quiet_llama(L)
+    p = L.llama_model_quantize_default_params()
+    p.ftype, p.nthread = ftype, threads
+    with atomic_path(out) as tmp:
+        if L.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(p)) != 0:
+            raise RuntimeError(f"llama_model_quantize {src} -> {out} failed")
+    del keep
+
+
+def as_blocks32(model, base: Path):
+    """Quantized ``model`` (symmetric int4 in groups of 128) in groups of 32: each group's codes as
+    they are and its scale repeated over its four blocks, the rest from the float model ``base``:
+    the same weights in Q4_0's layout."""
+    import dataclasses
+
+    from llmkit.framework import nn
+    from llmkit.models.llama import LlamaForCausalLM
+    from llmkit.quant import QuantConfig
+    from llmkit.quant.format import QuantizedWeight
+    from llmkit.quant.quantize import install
+
+    cfg = QuantConfig.from_hf(model.config.extra["quantization_config"])
+    if cfg.bits != 4 or not cfg.sym or cfg.group_size % 32:
+        raise ValueError(f"as_blocks32: symmetric int4 in groups of a multiple of 32, not {cfg}")
+    weights = {
+        p: QuantizedWeight(m.qweight.numpy(), m.scales.numpy().repeat(cfg.group_size // 32, axis=1), None)
+        for p, m in model.named_sublayers()
+        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+    }
+    copy = LlamaForCausalLM.from_pretrained(str(base))
+    install(copy, weights, dataclasses.replace(cfg, group_size=32))
+    return copy
+
+
+def build_files(
+    work: Path, variants: list[str], act_bits: int, peer: bool, threads: int
+) -> dict[str, tuple[Path, Path | None]]:
+    """Every variant's (static llmkit file, GGUF file or None: made by llama.cpp, which is missing),
+    written once into ``work`` (kept across runs)."""
+    import llmkit.framework as lf
     from llmkit.models.llama import LlamaForCausalLM
     from llmkit.quant import QuantConfig, quantize_model
     from llmkit.quant.quantize import save_quantized
@@ -104,20 +193,71 @@ def build_files(work: Path, variants: list[str], act_bits: int) -> dict[str, tup
         builtin_tokenizer(4096, cache_dir=work / "cache").save_pretrained(base)
     out = {}
     for v in variants:
-        d = base if VARIANTS[v] is None else work / f"{v}_act{act_bits}"
+        spec, name = VARIANTS[v], LLMKIT_FILE.get(v, v)
+        d = base if spec.bits == 0 else work / f"{name}_act{act_bits}"
         if not (d / "config.json").is_file():
-            bits, everything = VARIANTS[v]
             model = LlamaForCausalLM.from_pretrained(str(base))
-            cfg = QuantConfig(bits, 32, True, "rtn", "float16", act_bits=act_bits)
-            quantize_model(model, cfg, lm_head=everything, embed=everything, progress=False)
+            cfg = QuantConfig(spec.bits, spec.group, True, "rtn", "float16", act_bits=act_bits)
+            quantize_model(model, cfg, lm_head=spec.everything, embed=spec.everything, progress=False)
             save_quantized(model, base, d, {})
-        files = (d.with_suffix(".llmkit"), d.with_suffix(".gguf"))
-        if not files[0].exists():
-            assert cli_main(["export", "--model", str(d), "--out", str(files[0]), "--name", v]) == 0
-        if not files[1].exists():
-            args = ["export", "--model", str(d), "--format", "gguf", "--out", str(files[1]), "--name", v]
-            assert cli_main(args) == 0
-        out[v] = files
+        _export(d, d.with_suffix(".llmkit"), "llmkit", name)
+        gguf = d.with_suffix(".gguf")
+        if spec.peer == "blocks32":
+            gguf = work / f"{v}.gguf"
+            d32 = work / f"{v}_blocks32"
+            if not gguf.exists() and not (d32 / "config.json").is_file():
+                save_quantized(as_blocks32(LlamaForCausalLM.from_pretrained(str(d)), base), base, d32, {})
+            _export(d32, gguf, "gguf", v)
+        elif spec.peer == "q4_k_m":
+            gguf = work / f"{v}_{spec.gguf}.gguf"
+            if not gguf.exists() and peer:
+                import llama_cpp
+
+                _export(base, base.with_suffix(".gguf"), "gguf", "float32")
+                llama_quantize(base.with_suffix(".gguf"), gguf, llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, threads)
+        else:
+            _export(d, gguf, "gguf", name)
+        out[v] = (d.with_suffix(".llmkit"), gguf if gguf.exists() else None)
+    return out
+
+
+def _matrices(path: Path) -> dict:
+    """A safetensors file's 2-D tensors but the rotary tables, by name (memory-mapped)."""
+    from llmkit.framework.serialization import safe_open
+
+    with safe_open(path) as f:
+        return {k: f[k].numpy() for k in f if len(f.shape(k)) == 2 and "rope_" not in k}
+
+
+def llmkit_bits(path: Path, base: Path) -> float:
+    """Bits per weight of the static file ``path``'s weight matrices (linears, lm_head, embedding;
+    ``base``: the float model's directory, whose matrices are the weights counted) as the engine's
+    decode reads them: a weight relaid for the kernels (``X.qweight.Q4g128``, ``X.scales.H``: codes
+    in panels, float16 scales) counted in that form, not the plain one kept beside it for others."""
+    arrays = _matrices(path / "weights.safetensors")
+    relaid = {k.rsplit(".", 1)[0] for k in arrays if not k.endswith((".qweight", ".scales", ".weight"))}
+    nbytes = sum(a.nbytes for k, a in arrays.items() if k not in relaid)
+    return nbytes * 8 / sum(a.size for a in _matrices(base / "model.safetensors").values())
+
+
+def gguf_bits(path: Path) -> float:
+    """Bits per weight of the GGUF file's matrices (its 2-D tensors), in their block types."""
+    import gguf
+
+    ts = [t for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2]
+    return sum(int(t.n_bytes) for t in ts) * 8 / sum(int(t.n_elements) for t in ts)
+
+
+def describe(v: str, files: tuple[Path, Path | None]) -> dict:
+    """What every figure of variant ``v`` carries: the GGUF, how it was made, both bits/weight."""
+    spec = VARIANTS[v]
+    out = dict(
+        gguf=spec.gguf,
+        gguf_made_by=spec.peer,
+        llmkit_bits_per_weight=round(llmkit_bits(files[0], files[0].parent / "float32"), 3),
+    )
+    if files[1] is not None:
+        out["gguf_bits_per_weight"] = round(gguf_bits(files[1]), 3)
     return out
 
 
@@ -163,13 +303,10 @@ class LlamaCpp:
     """llama.cpp through llama-cpp-python's C API: one context of ``max_batch`` sequences."""
 
     def __init__(self, path: Path, max_batch: int, ctx: int, threads: int) -> None:
-        import ctypes
-
         import llama_cpp as L
 
         self.L = L
-        self._log = L.llama_log_callback(lambda level, text, data: None)  # quiet; kept referenced
-        L.llama_log_set(self._log, ctypes.c_void_p(0))
+        self._log = _quiet_llama(L)
         L.llama_backend_init()
         self.model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
         if not self.model:
@@ -244,10 +381,11 @@ def prompts(batch: int, length: int, seed: int) -> list[list[int]]:
 def speed(v: str, files: tuple[Path, Path], a: argparse.Namespace, peer: bool, info: dict) -> None:
     batches = sorted(set(a.batches))
     ctx = max(a.prefill, a.prompt_len + a.new_tokens) + 16
+    peer = peer and files[1] is not None
     sides = {"llmkit": Llmkit(files[0], max(batches), ctx)}
     if peer:
         sides["llamacpp"] = LlamaCpp(files[1], max(batches), ctx, a.threads)
-    names = dict(info, gguf=GGUF_NAMES[v])
+    names = dict(info, **describe(v, files))
     long_prompt = prompts(1, a.prefill, 1)[0]
     for s in sides.values():  # warm: plan the programs, touch the caches
         s.generate(long_prompt, 2)
@@ -319,6 +457,7 @@ def child(a: argparse.Namespace) -> None:
 
 
 def load_and_memory(v: str, files: tuple[Path, Path], a: argparse.Namespace, peer: bool, info: dict) -> None:
+    peer = peer and files[1] is not None
     sides = {"llmkit": files[0], **({"llamacpp": files[1]} if peer else {})}
     got: dict[str, list[dict]] = {k: [] for k in sides}
     loads = []
@@ -331,7 +470,7 @@ def load_and_memory(v: str, files: tuple[Path, Path], a: argparse.Namespace, pee
                 raise RuntimeError(f"{k} child failed: {res.stderr[-2000:]}")
             got[k].append(json.loads(res.stdout.strip().splitlines()[-1]))
         loads.append(load_average())
-    names = dict(info, gguf=GGUF_NAMES[v], kv_cache_tokens=a.ctx)
+    names = dict(info, **describe(v, files), kv_cache_tokens=a.ctx)
     for key, unit in (("load_s", "s"), ("first_answer_s", "s"), ("rss_MB", "MB"), ("peak_MB", "MB")):
         for k in sides:
             vals = [g[key] for g in got[k]]
@@ -370,9 +509,7 @@ def main() -> None:
     if version is None:
         emit("vs_llamacpp", "peer_missing", 0, "", note="llama_cpp not importable (pip install "
              "llama-cpp-python==0.3.36, docs/quantize.md) or --no-peer: llmkit measured alone")  # fmt: skip
-    emit("vs_llamacpp", "Q4_K_M_skipped", 0, "", note="llama.cpp's Q4_K_M (6-bit-scaled super-blocks of "
-         "256) is no llmkit layout: no same-weights pair")  # fmt: skip
-    files = build_files(Path(a.work), a.variants, a.act_bits)
+    files = build_files(Path(a.work), a.variants, a.act_bits, version is not None, a.threads)
     for v in a.variants:
         if not a.skip_speed:
             speed(v, files[v], a, version is not None, info)
