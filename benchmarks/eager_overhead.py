@@ -1,8 +1,9 @@
 """Eager-mode overhead.
 
-1. Dispatch overhead per op on tiny tensors (µs): ``x + y`` (also with grad), softmax, ``x * 2.0``
-   and a 4x4 matmul through ``apply`` vs numpy's own add, and against PyTorch's eager dispatch of
-   the same ops in the same run where torch is installed (each side's time less numpy's add).
+1. Dispatch overhead per op on tiny tensors (µs): ``x + y`` (also with grad), softmax, ``x * 2.0``,
+   a 4x4 matmul, rms_norm, silu, cross-entropy, views (transpose, reshape), reductions (sum, mean)
+   and a row index, vs numpy's own add, and against PyTorch's eager dispatch of the same ops in the
+   same run where torch is installed (each side's time less numpy's add; the issue's target: <= 2x).
 2. Forward + backward of a 4-layer MLP (d=1024, batch 256) against the same math hand-written in
    numpy in the same run; the issue's target is a ratio <= 1.2.
 
@@ -21,48 +22,75 @@ from _common import emit, machine, median_time
 import llmkit.framework as lf
 
 
-def dispatch_overhead() -> None:
+def tiny_ops() -> tuple[dict, dict]:
+    """op -> a call of it on tiny tensors, ours and torch's (None without torch); the 4x4 ones'
+    last axis is a row."""
     a, b = np.ones(2, np.float32), np.ones(2, np.float32)
     x, y = lf.tensor(a), lf.tensor(b)
     xg = lf.tensor(a, requires_grad=True)
-    n = 2000
-    t_np = median_time(lambda: a + b, number=n)
-    t_lf = median_time(lambda: x + y, number=n)
-    t_grad = median_time(lambda: xg + y, number=n)
-    t_soft = median_time(lambda: lf.ops.softmax(x, axis=-1), number=n)
-    t_scalar = median_time(lambda: x * 2.0, number=n)
-    m = lf.tensor(np.ones((4, 4), np.float32))
-    t_mm = median_time(lambda: m @ m, number=n)
-    emit("eager_overhead", "numpy_add_us", t_np * 1e6, "us")
-    emit("eager_overhead", "dispatch_add_us", t_lf * 1e6, "us", overhead_us=round((t_lf - t_np) * 1e6, 2))
-    emit("eager_overhead", "dispatch_add_with_grad_us", t_grad * 1e6, "us")
-    emit("eager_overhead", "dispatch_softmax_us", t_soft * 1e6, "us")
-    emit("eager_overhead", "dispatch_mul_scalar_us", t_scalar * 1e6, "us")
-    emit("eager_overhead", "dispatch_matmul_4x4_us", t_mm * 1e6, "us")
+    m4 = np.ones((4, 4), np.float32)
+    m, w = lf.tensor(m4), lf.tensor(np.ones(4, np.float32))
+    labels = lf.tensor(np.zeros(4, np.int64))
+    F = lf.ops
+    ours = {
+        "add": lambda: x + y,
+        "add_with_grad": lambda: xg + y,
+        "softmax": lambda: F.softmax(x, axis=-1),
+        "mul_scalar": lambda: x * 2.0,
+        "matmul_4x4": lambda: m @ m,
+        "rms_norm_4x4": lambda: F.rms_norm(m, w, eps=1e-6),
+        "silu": lambda: F.silu(x),
+        "cross_entropy_4x4": lambda: F.cross_entropy(m, labels),
+        "transpose_4x4": lambda: m.T,
+        "reshape_4x4": lambda: m.reshape(16),
+        "sum_4x4_rows": lambda: F.sum(m, axis=-1),
+        "mean_4x4": lambda: F.mean(m),
+        "index_row": lambda: m[1],
+    }
     try:
         import torch
+        import torch.nn.functional as tF
     except ImportError:
-        return
+        return ours, None
     ta, tb = torch.ones(2), torch.ones(2)
     tg = torch.ones(2, requires_grad=True)
-    tm = torch.ones(4, 4)
-    ours = {"add": t_lf, "add_with_grad": t_grad, "softmax": t_soft}
-    ours.update(mul_scalar=t_scalar, matmul_4x4=t_mm)
+    tm, tw, tl = torch.ones(4, 4), torch.ones(4), torch.zeros(4, dtype=torch.int64)
     theirs = {
-        "add": median_time(lambda: ta + tb, number=n),
-        "add_with_grad": median_time(lambda: tg + tb, number=n),
-        "softmax": median_time(lambda: torch.softmax(ta, -1), number=n),
-        "mul_scalar": median_time(lambda: ta * 2.0, number=n),
-        "matmul_4x4": median_time(lambda: tm @ tm, number=n),
+        "add": lambda: ta + tb,
+        "add_with_grad": lambda: tg + tb,
+        "softmax": lambda: torch.softmax(ta, -1),
+        "mul_scalar": lambda: ta * 2.0,
+        "matmul_4x4": lambda: tm @ tm,
+        "rms_norm_4x4": lambda: tF.rms_norm(tm, (4,), tw, eps=1e-6),
+        "silu": lambda: tF.silu(ta),
+        "cross_entropy_4x4": lambda: tF.cross_entropy(tm, tl),
+        "transpose_4x4": lambda: tm.T,
+        "reshape_4x4": lambda: tm.reshape(16),
+        "sum_4x4_rows": lambda: tm.sum(-1),
+        "mean_4x4": lambda: tm.mean(),
+        "index_row": lambda: tm[1],
     }
-    for op, t in theirs.items():  # the per-op cost over numpy's own add, ours against torch's
+    return ours, theirs
+
+
+def dispatch_overhead() -> None:
+    a, b = np.ones(2, np.float32), np.ones(2, np.float32)
+    ours, theirs = tiny_ops()
+    n = 2000
+    t_np = median_time(lambda: a + b, number=n)
+    emit("eager_overhead", "numpy_add_us", t_np * 1e6, "us")
+    times = {op: median_time(fn, number=n) for op, fn in ours.items()}
+    for op, t in times.items():
+        emit("eager_overhead", f"dispatch_{op}_us", t * 1e6, "us", overhead_us=round((t - t_np) * 1e6, 2))
+    for op, fn in (theirs or {}).items():  # the per-op cost over numpy's own add, ours against torch's
+        t = median_time(fn, number=n)
         emit("eager_overhead", f"torch_{op}_us", t * 1e6, "us")
         emit(
             "eager_overhead",
             f"{op}_overhead_over_torch",
-            (ours[op] - t_np) / max(t - t_np, 1e-9),
+            (times[op] - t_np) / max(t - t_np, 1e-9),
             "x",
-            ours_us=round((ours[op] - t_np) * 1e6, 2),
+            ours_us=round((times[op] - t_np) * 1e6, 2),
             torch_us=round((t - t_np) * 1e6, 2),
             target="<= 2",
         )

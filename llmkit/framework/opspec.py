@@ -363,6 +363,8 @@ class OpSpec:
     def bind(self, attrs: dict[str, Any]) -> dict[str, Any]:
         """Validate attributes and fill defaults; one clear error for anything wrong."""
         out = dict(self._defaults)
+        if not attrs and len(out) == len(self.attrs):  # nothing to check (``x @ y``)
+            return out
         index = self._attr_index
         for k, v in attrs.items():
             a = index.get(k)

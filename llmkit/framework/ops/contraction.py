@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .. import backend as B
 from ..dispatch import O
 from ..opspec import A, Kind, OpError, attr, defop
@@ -36,8 +38,17 @@ def _matmul_meta(x, y, transpose_x=False, transpose_y=False):
     return matmul_einsum(transpose_x, transpose_y).meta("matmul", x, y, flags=flags)
 
 
+_GEMM = (B.DTYPES["float32"], B.DTYPES["float64"])
+
+
 def mm(xp, x, y):
-    """``xp.matmul`` in the dtype of ``x``: numpy multiplies bfloat16 (ml_dtypes) into float32."""
+    """``xp.matmul`` in the dtype of ``x``: numpy multiplies bfloat16 (ml_dtypes) into float32.
+    Two C-contiguous float matrices of one dtype, no dim below 2, go through ``ndarray.dot``: the
+    same BLAS gemm call as ``matmul`` (so the same bits), without the ufunc's setup (~0.7 µs)."""
+    if x.ndim == 2 == y.ndim and x.dtype in _GEMM and y.dtype == x.dtype and xp is np:
+        (m, k), n = x.shape, y.shape[1]
+        if m > 1 and k > 1 and n > 1 and x.flags.c_contiguous and y.flags.c_contiguous:
+            return x.dot(y)
     out = xp.matmul(x, y)
     return out if out.dtype == x.dtype else out.astype(x.dtype)
 

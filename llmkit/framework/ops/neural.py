@@ -73,11 +73,13 @@ def normalizer(name, kernel, decompose, vjp, doc):
 
 
 def _softmax_kernel(xp, x, axis=-1):
-    dtype, x = x.dtype, x.astype(B.accumulation_dtype(x.dtype), copy=False)
-    e = x - x.max(axis=axis, keepdims=True)  # array methods and in place: cheap on small arrays too
-    xp.exp(e, out=e)
-    e /= e.sum(axis=axis, keepdims=True)
-    return e.astype(dtype, copy=False)
+    dtype = x.dtype
+    if dtype.itemsize < 4:  # 16-bit floats run in float32 (B.accumulation_dtype)
+        x = x.astype(np.float32)
+    e = x - x.max(axis, keepdims=True)  # array methods and in place: cheap on small arrays too
+    xp.exp(e, e)
+    e /= e.sum(axis, keepdims=True)
+    return e if e.dtype == dtype else e.astype(dtype)
 
 
 def _softmax_decompose(x, axis=-1):
