@@ -24,7 +24,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -243,6 +243,16 @@ class LoadedFunction:
                 else executor_for(self.program, self._compiler, func, key=self._text)
             )
         return self._executor
+
+    def rewrite(self, edit: Callable[[Program], None]) -> None:
+        """Change the program before its first call: ``edit`` changes the stored text's program in
+        place; the result is compiled (and cached) as its own text."""
+        program = parse(self._text)
+        edit(program)
+        program.verify()
+        self._text = str(program)
+        compiled = _compiled(self._text, self._compiler)
+        self.program, self._compiled = compiled or program, compiled is not None
 
     def __call__(self, *inputs: Any) -> Any:
         if len(inputs) != len(self.input_specs):
