@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from llmkit.framework.compiler import available
-from llmkit.framework.opspec import OpError, table
 from llmkit.framework.ops.paged import dequantize_kv, quantize_kv
+from llmkit.framework.opspec import OpError, table
 from llmkit.infer import Engine, EngineConfig, SamplingParams
 from llmkit.infer.engine import EngineConfigError
 
@@ -48,7 +48,7 @@ def test_quantize_rows_match_the_float64_formula():
 
 def attention64(q, keys, values, kv_len, starts, lens, scale):
     """float64 causal attention of q [B, Hq, S, D] (token-major segments) over keys/values [seg][T, Hk, D]."""
-    b, hq, s, d = q.shape
+    hq, s = q.shape[1], q.shape[2]
     out = np.zeros(q.shape)
     for i, (t, st, m) in enumerate(zip(kv_len, starts, lens)):
         hk = keys[i].shape[1]
@@ -71,7 +71,8 @@ def test_int8_pool_write_and_attention_match_float64(kernel, d, bs, hq, hk):
     from llmkit.framework.compiler.native import NativeOp, build_c
 
     spec = {n: table()[n] for n in ("paged_kv_write", "paged_attention")}
-    op = {n: (NativeOp(s, build_c(s.native.source)) if kernel == "cinn" else s.kernel) for n, s in spec.items()}
+    c = kernel == "cinn"
+    op = {n: NativeOp(s, build_c(s.native.source)) if c else s.kernel for n, s in spec.items()}
     rng = np.random.default_rng(d + bs)
     nb, lens = 8, [1, bs + 3, 2 * bs + 1]
     tables = np.array([[5, 0, 0], [2, 7, 0], [1, 4, 6]], np.int64)
@@ -145,9 +146,10 @@ def test_a_static_file_serves_an_int8_cache_as_its_model_does(tmp_path, tok):
     path = export_model(model, tok, tmp_path / "m.llmkit", model_name="m")
     config = EngineConfig(max_batch=4, kv_dtype="int8")
     served = Engine.from_static(path, config)
-    assert served.runner.pool.dtype == np.int8 and served.spec.block_bytes * 4 > Engine.from_static(
-        path, EngineConfig(max_batch=4)
-    ).spec.block_bytes  # int8 rows (and their scales) in a quarter of the bytes, or a little more
+    assert (
+        served.runner.pool.dtype == np.int8
+        and served.spec.block_bytes * 4 > Engine.from_static(path, EngineConfig(max_batch=4)).spec.block_bytes
+    )  # int8 rows (and their scales) in a quarter of the bytes, or a little more
     prompts = prompts_of([6, 21], seed=9)
     live = Engine.from_model(model, config=config)
     assert [signature(o) for o in served.generate(prompts, SEEDED)] == [
