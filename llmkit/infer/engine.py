@@ -79,7 +79,7 @@ class EngineConfig:
     # "none": the op table's reference kernels; None: to_static's default (cinn where cc works).
     compiler: str | None = None
     # the KV cache's: None, the model's dtype; "int8" (float32 models): int8 codes and a float32
-    # scale per (token, kv head) row, quantized as stored (docs/serve.md, "int8 KV cache")
+    # scale per (token, kv head) row, quantized as stored (docs/serve.md, "The paged KV cache")
     kv_dtype: str | None = None
 
 
