@@ -401,7 +401,7 @@ def retype_pool(functions: Any, spec: ModelSpec) -> None:
                 if op.name == "llm.paged_kv_write":
                     op.results[0].type = pool.type
 
-        fn.rewrite(edit)
+        fn.rewrite(f"retype_pool {dtype}{spec.pool_shape('NB')}", edit)
 
 
 # ---- tracing --------------------------------------------------------------------------------------

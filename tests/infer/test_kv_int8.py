@@ -151,9 +151,9 @@ def test_a_static_file_serves_an_int8_cache_as_its_model_does(tmp_path, tok):
         and served.spec.block_bytes * 4 > Engine.from_static(path, EngineConfig(max_batch=4)).spec.block_bytes
     )  # int8 rows (and their scales) in a quarter of the bytes, or a little more
     prompts = prompts_of([6, 21], seed=9)
-    live = Engine.from_model(model, config=config)
-    assert [signature(o) for o in served.generate(prompts, SEEDED)] == [
-        signature(o) for o in live.generate(prompts, SEEDED)
-    ]
+    live = [signature(o) for o in Engine.from_model(model, config=config).generate(prompts, SEEDED)]
+    assert [signature(o) for o in served.generate(prompts, SEEDED)] == live
+    again = Engine.from_static(path, config)  # the retyped programs as compiled and cached
+    assert [signature(o) for o in again.generate(prompts, SEEDED)] == live
     with pytest.raises(EngineConfigError, match="kv_dtype.*float32.*int8, got 'int4'"):
         Engine.from_static(path, EngineConfig(kv_dtype="int4"))

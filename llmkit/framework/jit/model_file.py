@@ -244,15 +244,18 @@ class LoadedFunction:
             )
         return self._executor
 
-    def rewrite(self, edit: Callable[[Program], None]) -> None:
+    def rewrite(self, tag: str, edit: Callable[[Program], None]) -> None:
         """Change the program before its first call: ``edit`` changes the stored text's program in
-        place; the result is compiled (and cached) as its own text."""
-        program = parse(self._text)
-        edit(program)
-        program.verify()
-        self._text = str(program)
-        compiled = _compiled(self._text, self._compiler)
-        self.program, self._compiled = compiled or program, compiled is not None
+        place, the same way for the same ``tag``; compiled programs are cached under text and tag
+        (a hit needs no parse, and no edit)."""
+        key = f"{self._text}\0{tag}"
+        program = _compiled(key, self._compiler)
+        self._compiled = program is not None
+        if program is None:
+            program = parse(self._text)
+            edit(program)
+            program.verify()
+        self.program, self._text = program, key
 
     def __call__(self, *inputs: Any) -> Any:
         if len(inputs) != len(self.input_specs):
