@@ -12,7 +12,8 @@ sleep at once, as in training); their spinning after an engine step can take a c
 step that follows for up to a few hundred microseconds.
 
 ``--device gpu`` runs the model (weights initialized on the CPU, then moved), the eager loop and the
-engines on the GPU; ``--batches 1,8,32`` picks the batch sizes.
+engines on the GPU; ``--batches 1,8,32`` picks the batch sizes. ``--kv-int8`` adds the default engine
+with an int8 KV cache (``kv_dtype="int8"``) and its ratio to the float32 cache's, same run.
 
 Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/decode.py
 """
@@ -61,6 +62,7 @@ def main() -> None:
     p.add_argument(
         "--no-spin", action="store_true", help="kernel threads sleep at once after a kernel (as in training)"
     )
+    p.add_argument("--kv-int8", action="store_true", help="also the engine with an int8 KV cache")
     a = p.parse_args()
     set_blas_threads(a.blas_threads)
     spun = not a.no_spin
@@ -76,6 +78,7 @@ def main() -> None:
         "engine": dict(),
         "engine_reference_kernels": dict(compiler="none"),
         "engine_plain_gemm": dict(compiler="none", prefill_tile=0, decode_tile=0),
+        **({"engine_kv_int8": dict(kv_dtype="int8")} if a.kv_int8 else {}),
     }
     cfg = dict(max_batch=max(batches))
     engines = {k: Engine.from_model(model, None, EngineConfig(**cfg, **v)) for k, v in variants.items()}
@@ -123,6 +126,14 @@ def main() -> None:
             "x",
             note="reference-kernel engine step time (batch-invariant) over plain GEMMs (no guarantee)",
         )
+        if a.kv_int8:
+            emit(
+                "decode",
+                f"kv_int8_over_float_batch{batch}",
+                med["engine"] / med["engine_kv_int8"],
+                "x",
+                note="the default engine's tokens/s with an int8 KV cache over a float32 one, same run",
+            )
     ref = {1: (499.0, 707.0), 8: (2654.0, 4580.0)} if a.device == "cpu" else {}  # this CPU kind's
     for batch, (shipped, tuned) in ref.items():
         emit(

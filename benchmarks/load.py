@@ -17,6 +17,9 @@ llmkit's source again, about 0.25 s of a server's start on a Zen 3 core), median
 - ``serve_rss_MiB`` after start, and ``serve_rss_32_MiB`` after 32 concurrent streams (32-token
   prompts, ``--max-tokens`` new tokens, ``--max-batch 32``) with ``serve_peak_rss_MiB`` (VmHWM).
 
+``--kv-int8``: each server also started with ``--kv-dtype int8`` (its figures ``<variant>_kv_int8_*``,
+with the ratios to the float KV cache's of the same round).
+
 ``--baseline PATH``: a second source tree (a worktree of main) measured in the same rounds,
 alternated with this one (its subprocesses get ``PYTHONPATH=PATH``), with the ratios this / that.
 Every line carries the 1-minute load average.
@@ -106,12 +109,12 @@ def rss_mib(pid: int, field: str = "VmRSS") -> float:
     raise RuntimeError(f"no {field} for process {pid}")
 
 
-def serve(tree: str, model: Path, streams: int, max_tokens: int) -> dict[str, float]:
+def serve(tree: str, model: Path, streams: int, max_tokens: int, extra: tuple = ()) -> dict[str, float]:
     """Spawn `llmkit serve`, time it to the first answered completion, then its memory before and
     after ``streams`` concurrent streams."""
     port = free_port()
     args = [sys.executable, "-m", "llmkit.cli", "serve", str(model), "--port", str(port)]
-    args += ["--max-batch", str(streams), "--served-model-name", "bench"]
+    args += ["--max-batch", str(streams), "--served-model-name", "bench", *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         args, env=env_for(tree), cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
@@ -145,6 +148,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--baseline", default=None, help="another source tree measured alternately")
+    p.add_argument("--kv-int8", action="store_true", help="each server also with --kv-dtype int8")
     a = p.parse_args()
     a.files.mkdir(parents=True, exist_ok=True)
     models = {v: export(a.files, v) for v in a.variants}
@@ -159,6 +163,9 @@ def main() -> None:
         for v, m in models.items():
             for name, tree in trees.items():
                 figures = {**load_times(tree, m), **serve(tree, m, a.streams, a.max_tokens)}
+                if a.kv_int8:
+                    kv8 = serve(tree, m, a.streams, a.max_tokens, ("--kv-dtype", "int8"))
+                    figures.update({f"kv_int8_{k}": x for k, x in kv8.items()})
                 for k, x in figures.items():
                     got.setdefault((v, k, name), []).append(x)
                 loads.append(load_average())
@@ -175,6 +182,8 @@ def main() -> None:
             samples=[round(x, 3) for x in xs],
             **info,
         )
+        if k.startswith("kv_int8_"):
+            emit_paired_ratio("load", f"{v}_{k}_vs_float_kv", xs, got[(v, k[8:], name)], tree=name, **info)
         if name == "this" and a.baseline:
             emit_paired_ratio("load", f"{v}_{k}_vs_baseline", xs, got[(v, k, "baseline")], **info)
 

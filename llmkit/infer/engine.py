@@ -21,6 +21,7 @@ runs alone, in a batch, or after a prefix-cache hit.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import threading
@@ -43,6 +44,7 @@ from .programs import (
     PREFILL_TILE,
     ModelSpec,
     model_spec,
+    retype_pool,
     runs_native,
     unpack_panel_weights,
 )
@@ -76,6 +78,9 @@ class EngineConfig:
     # "cinn": fused compiled kernels, the ops' C kernels and one-call replays of the decode step;
     # "none": the op table's reference kernels; None: to_static's default (cinn where cc works).
     compiler: str | None = None
+    # the KV cache's: None, the model's dtype; "int8" (float32 models): int8 codes and a float32
+    # scale per (token, kv head) row, quantized as stored (docs/serve.md, "The paged KV cache")
+    kv_dtype: str | None = None
 
 
 class Engine:
@@ -134,6 +139,18 @@ class Engine:
             )
         return cap // spec.block_bytes
 
+    @staticmethod
+    def _kv_spec(config: EngineConfig, spec: ModelSpec) -> ModelSpec:
+        """``spec`` with the KV dtype of ``config`` (checked)."""
+        if config.kv_dtype in (None, spec.dtype):
+            return spec
+        if config.kv_dtype != "int8" or spec.dtype != "float32":
+            raise EngineConfigError(
+                f"the KV cache dtype (--kv-dtype, kv_dtype) must be the model's ({spec.dtype})"
+                f"{' or int8' if spec.dtype == 'float32' else ''}, got {config.kv_dtype!r}"
+            )
+        return dataclasses.replace(spec, kv_dtype=config.kv_dtype)
+
     @classmethod
     def from_model(
         cls, model: Any, tokenizer: Any = None, config: EngineConfig | None = None, model_name: str = "model"
@@ -147,14 +164,16 @@ class Engine:
         max_len = min(
             config.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
         )
+        spec = cls._kv_spec(config, model_spec(model, config.block_size))
         runner = ModelRunner.from_model(
             model,
-            cls._num_blocks(config, max_len, model_spec(model, config.block_size)),
+            cls._num_blocks(config, max_len, spec),
             config.block_size,
             config.prefill_tile,
             config.decode_tile,
             config.compiler,
             config.relayout_weights,
+            spec.kv_dtype,
         )
         tok = None if tokenizer is None else Tokenizer.of(tokenizer)
         return cls(runner, tok, config, model_name=model_name, eos_token_ids=model.config.eos_ids)
@@ -167,11 +186,14 @@ class Engine:
         config = config or EngineConfig()
         sm = jit.load(path, compiler=config.compiler)
         spec, tokenizer = _check_static(sm)
+        spec = cls._kv_spec(config, spec)
+        if spec.kv_dtype:
+            retype_pool(sm.programs.values(), spec)
         if not runs_native(config.compiler):
             unpack_panel_weights(sm.programs.values())  # the reference kernels read [in, out]
         meta = sm.metadata
         max_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
-        runner = ModelRunner.from_static(sm, cls._num_blocks(config, max_len, spec))
+        runner = ModelRunner.from_static(sm, cls._num_blocks(config, max_len, spec), spec)
         return cls(
             runner,
             tokenizer,

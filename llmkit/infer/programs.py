@@ -53,7 +53,7 @@ from llmkit.framework.ir.passes import QuantizeLinear
 from llmkit.framework.ir.rewriter import PatternRewriter, RewritePattern, apply_patterns
 from llmkit.framework.jit.compile import default_compiler
 from llmkit.framework.jit.model_file import trace_specs
-from llmkit.framework.ops.paged import PANEL, pack_panels
+from llmkit.framework.ops.paged import KV_SCALE_BYTES, PANEL, pack_panels
 from llmkit.framework.ops.quant import float_scales, half_scales, pack_qweight, unpack_qweight
 
 O = lf.ops
@@ -78,19 +78,26 @@ class ModelSpec:
     head_dim: int
     vocab_size: int
     max_model_len: int  # positions the model supports (its RoPE table)
-    dtype: str  # of the weights and the KV pool
+    dtype: str  # of the weights (and the KV pool)
     block_size: int = BLOCK_SIZE
     prefill_tile: int = PREFILL_TILE
     decode_tile: int = DECODE_TILE
     score_top_k: int = SCORE_TOP_K  # K of the score program's top_logprobs (at most the vocabulary)
+    # the KV pool's when not dtype: "int8" (codes and a float32 scale per row, see ops.paged)
+    kv_dtype: str | None = None
 
-    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+    @property
+    def pool_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
+
+    def pool_shape(self, num_blocks: Any) -> tuple[Any, ...]:
+        d = self.head_dim + (KV_SCALE_BYTES if self.pool_dtype == "int8" else 0)
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, d)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one KV block in the pool (keys and values of every layer)."""
-        return int(np.prod(self.pool_shape(1))) * np.dtype(B.dtype(self.dtype)).itemsize
+        return int(np.prod(self.pool_shape(1))) * np.dtype(B.dtype(self.pool_dtype)).itemsize
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -380,6 +387,23 @@ def unpack_panel_weights(functions: Any) -> int:
     return len(done)
 
 
+def retype_pool(functions: Any, spec: ModelSpec) -> None:
+    """Loaded programs (``jit.load``'s functions) made to take ``spec``'s KV pool (an int8 one): the
+    pool argument and the pools ``paged_kv_write`` returns change type (the ops' kernels follow)."""
+    dtype = np.dtype(B.dtype(spec.pool_dtype))
+    for fn in functions:
+
+        def edit(program: Program, fn: Any = fn) -> None:
+            f = program.function(fn.entry["function"])
+            pool = f.args[len(fn.input_specs) - 1]
+            pool.type = TensorType(spec.pool_shape(pool.shape[2]), dtype)  # (blocks stay symbolic)
+            for op in f.walk():
+                if op.name == "llm.paged_kv_write":
+                    op.results[0].type = pool.type
+
+        fn.rewrite(f"retype_pool {dtype}{spec.pool_shape('NB')}", edit)
+
+
 # ---- tracing --------------------------------------------------------------------------------------
 
 _I64 = "int64"
@@ -387,9 +411,7 @@ _I64 = "int64"
 
 def input_specs(spec: ModelSpec) -> dict[str, list[jit.InputSpec]]:
     """The InputSpecs of the programs (names as they appear in the PIR and the manifest)."""
-    pool = jit.InputSpec(
-        [spec.num_layers, 2, "NB", spec.block_size, spec.num_kv_heads, spec.head_dim], spec.dtype, "pool"
-    )
+    pool = jit.InputSpec(list(spec.pool_shape("NB")), spec.pool_dtype, "pool")
     prefill = [
         jit.InputSpec([1, "N"], _I64, "input_ids"),
         jit.InputSpec([1, "N"], _I64, "positions"),
@@ -415,7 +437,11 @@ def input_specs(spec: ModelSpec) -> dict[str, list[jit.InputSpec]]:
 
 
 def model_spec(
-    model: Any, block_size: int = BLOCK_SIZE, prefill_tile: int = PREFILL_TILE, decode_tile: int = DECODE_TILE
+    model: Any,
+    block_size: int = BLOCK_SIZE,
+    prefill_tile: int = PREFILL_TILE,
+    decode_tile: int = DECODE_TILE,
+    kv_dtype: str | None = None,
 ) -> ModelSpec:
     """The ModelSpec of a Llama-style causal LM (``model.config`` with Hugging Face field names)."""
     c = model.config
@@ -430,6 +456,7 @@ def model_spec(
         prefill_tile=prefill_tile,
         decode_tile=decode_tile,
         score_top_k=min(SCORE_TOP_K, c.vocab_size),
+        kv_dtype=kv_dtype,
     )
 
 
@@ -468,6 +495,7 @@ def trace_programs(
     compiler: str | None = None,
     relayout: bool = True,
     programs: tuple[str, ...] = PROGRAMS,
+    kv_dtype: str | None = None,
 ) -> tuple[dict[str, EngineProgram], ModelSpec]:
     """Trace ``programs`` (of :data:`PROGRAMS`) from ``model`` (its parameters stay live program inputs).
 
@@ -476,9 +504,10 @@ def trace_programs(
     With a tile (rows per BLAS call) the program's linears become ``tiled_linear`` and take their
     weights relaid (see the passes above); with ``relayout=False`` they read the parameters'
     own ``[out, in]`` arrays (no copies to refresh when training changes them: RLHF).
-    ``compiler`` is passed to ``to_static`` ("cinn", "none"; None: to_static's default).
+    ``compiler`` is passed to ``to_static`` ("cinn", "none"; None: to_static's default); ``kv_dtype``
+    is the pool's (None: the model's dtype; "int8").
     """
-    spec = model_spec(model, block_size, prefill_tile, decode_tile)
+    spec = model_spec(model, block_size, prefill_tile, decode_tile, kv_dtype)
     tiles = {"prefill": prefill_tile, "decode": decode_tile, "score": prefill_tile}
     native = runs_native(compiler)  # panel-packed weights where the executor runs the C kernel
     qc = getattr(model.config, "extra", {}).get("quantization_config") or {}

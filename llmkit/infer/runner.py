@@ -125,7 +125,7 @@ class ModelRunner:
         self._score, self._lazy_score = score, lazy_score
         self.spec = spec
         self.num_blocks = num_blocks
-        self.pool = np.zeros(spec.pool_shape(num_blocks), B.dtype(spec.dtype))
+        self.pool = np.zeros(spec.pool_shape(num_blocks), B.dtype(spec.pool_dtype))
         self._weight_cache: dict[int, tuple[Any, Any]] = {}  # live models: derived weight copies
         self._live: list[EngineProgram] = []  # live models: the programs reading them
 
@@ -151,10 +151,11 @@ class ModelRunner:
         decode_tile: int = DECODE_TILE,
         compiler: str | None = None,
         relayout: bool = True,
+        kv_dtype: str | None = None,
     ) -> ModelRunner:
         """Programs traced from a live model: every call reads the model's current parameters."""
         args = (model, block_size, prefill_tile, decode_tile, compiler, relayout)
-        programs, spec = trace_programs(*args, programs=("prefill", "decode"))
+        programs, spec = trace_programs(*args, programs=("prefill", "decode"), kv_dtype=kv_dtype)
         cache: dict[tuple[int, str], tuple[Any, Any]] = {}  # relaid weights, shared by the programs
 
         def bind(p: EngineProgram) -> ProgramFn:
@@ -162,7 +163,7 @@ class ModelRunner:
             return lambda arrays: tuple(executor.run([*arrays, *p.capture_arrays(cache)]))
 
         def trace_score() -> ProgramFn:
-            p = trace_programs(*args, programs=("score",))[0]["score"]
+            p = trace_programs(*args, programs=("score",), kv_dtype=kv_dtype)[0]["score"]
             runner._live.append(p)
             return bind(p)
 
@@ -173,9 +174,10 @@ class ModelRunner:
         return runner
 
     @classmethod
-    def from_static(cls, static_model: Any, num_blocks: int) -> ModelRunner:
-        """Programs of a static model file (``jit.load``); needs no model code."""
-        spec = ModelSpec.from_dict(static_model.metadata["engine"])
+    def from_static(cls, static_model: Any, num_blocks: int, spec: ModelSpec | None = None) -> ModelRunner:
+        """Programs of a static model file (``jit.load``); needs no model code. ``spec``: the file's,
+        or with another KV dtype (the programs retyped: ``retype_pool``)."""
+        spec = spec or ModelSpec.from_dict(static_model.metadata["engine"])
 
         def bind(fn) -> ProgramFn:
             return lambda arrays: tuple(fn(*arrays))

@@ -59,6 +59,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="or: as many KV cache blocks as fit in this memory, in bytes or with a unit: 512MiB, 2GiB",
     )
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="the KV cache's dtype: int8 stores a float32 model's keys and values as int8 with a "
+        "float32 scale per token and kv head (68 bytes a row instead of 256 at head dim 64; logits "
+        "move slightly, see docs/serve.md); default: the model's dtype",
+    )
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the file's)")
     p.add_argument("--blas-threads", type=int, default=1, help="OpenBLAS threads of this process")
@@ -121,6 +128,7 @@ def load_engine(a: argparse.Namespace) -> Engine:
         kv_memory_bytes=a.kv_memory,
         enable_prefix_caching=not a.no_prefix_caching,
         compiler=a.compiler,
+        kv_dtype=a.kv_dtype,
     )
     engine = Engine.from_static(a.model, config)
     if a.served_model_name:

@@ -24,7 +24,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -243,6 +243,19 @@ class LoadedFunction:
                 else executor_for(self.program, self._compiler, func, key=self._text)
             )
         return self._executor
+
+    def rewrite(self, tag: str, edit: Callable[[Program], None]) -> None:
+        """Change the program before its first call: ``edit`` changes the stored text's program in
+        place, the same way for the same ``tag``; compiled programs are cached under text and tag
+        (a hit needs no parse, and no edit)."""
+        key = f"{self._text}\0{tag}"
+        program = _compiled(key, self._compiler)
+        self._compiled = program is not None
+        if program is None:
+            program = parse(self._text)
+            edit(program)
+            program.verify()
+        self.program, self._text = program, key
 
     def __call__(self, *inputs: Any) -> Any:
         if len(inputs) != len(self.input_specs):

@@ -27,6 +27,12 @@ gradient rules (``paged_attention_grad``: each segment's attention backward, the
 gradients added into a pool-shaped gradient): RLHF's trainer differentiates a forward that runs
 these kernels, so that its log-probs are the engine's bit for bit (``llmkit.rlhf.policy``).
 
+int8 pools (the engine's ``kv_dtype="int8"``): the keys and values are stored as int8 codes with one
+float32 scale per (token, kv head) row, the row's last 4 bytes (``pool[..., D + 4]`` int8):
+``paged_kv_write`` quantizes each row on its own (:func:`quantize_kv`), ``paged_attention`` reads
+the dequantized rows (:func:`dequantize_kv`); a token's stored bits depend on its own row only, so
+batch invariance holds. Queries, keys and values given to the ops stay float32.
+
 SPMD (tensor-parallel serving): the kv heads shard with the query heads that share them (when
 both split evenly), and the tiled products shard like ``linear`` (batch rows, output features, or
 the inner dim into a Partial sum; the swiglu pair only by output features). The rest is
@@ -58,11 +64,47 @@ def _check_int(name: str, what: str, x, ndim: int) -> None:
         raise OpError(f"{name}: {what} must be a {ndim}-D integer tensor, got {describe(x)}")
 
 
+KV_SCALE_BYTES = 4  # an int8 pool's row: head_dim int8 codes, then the row's float32 scale
+
+
+def is_int8_pool(pool) -> bool:
+    return B.dtype(pool.dtype) == np.int8
+
+
+def kv_head_dim(pool) -> sym.Dim:
+    """The head dim of a pool's rows (an int8 pool's rows end with their scale's bytes)."""
+    return sym.add(pool.shape[5], -KV_SCALE_BYTES) if is_int8_pool(pool) else pool.shape[5]
+
+
+def quantize_kv(xp, x):
+    """Float32 rows [..., D] as an int8 pool's rows [..., D + 4]: codes q = rint(x / s) (ties to
+    even) with s = max|x| / 127 in float32 (q = 0 where s is 0 or not finite), then s's bytes."""
+    s = (xp.abs(x).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    ok = (s > 0) & (s < np.inf)
+    q = xp.clip(xp.where(ok, xp.rint(x / xp.where(ok, s, 1)), 0), -127, 127).astype(np.int8)
+    return xp.concatenate([q, s.view(np.int8)], axis=-1)
+
+
+def dequantize_kv(xp, rows):
+    """An int8 pool's rows [..., D + 4] as float32 [..., D]: code * scale."""
+    return rows[..., :-KV_SCALE_BYTES].astype(np.float32) * xp.ascontiguousarray(
+        rows[..., -KV_SCALE_BYTES:]
+    ).view(np.float32)
+
+
+def _check_kv(name: str, pool, *xs) -> None:
+    """The float tensors an op stores in or reads with ``pool``: its dtype, or float32 for an int8 pool."""
+    if not is_int8_pool(pool):
+        same_dtype(name, pool, *xs)
+    elif any(B.dtype(x.dtype) != np.float32 for x in xs):
+        raise OpError(f"{name}: an int8 pool stores and attends float32 tensors", pool, *xs)
+
+
 def _check_pool(name: str, pool, layer: int) -> None:
-    if not B.is_floating(pool.dtype) or pool.ndim != 6:
+    if not (B.is_floating(pool.dtype) or is_int8_pool(pool)) or pool.ndim != 6:
         raise OpError(
-            f"{name}: pool must be a floating [layers, 2, blocks, block_size, kv_heads, head_dim] tensor, "
-            f"got {describe(pool)}"
+            f"{name}: pool must be a floating (or int8) [layers, 2, blocks, block_size, kv_heads, "
+            f"head_dim] tensor, got {describe(pool)}"
         )
     if _known_differ(pool.shape[1], 2):
         raise OpError(f"{name}: pool axis 1 holds keys and values and must have size 2, got {describe(pool)}")
@@ -110,10 +152,10 @@ _LAYER = attr("layer", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0")
 
 def _write_meta(pool, k, v, slots, layer=0, inplace=False):
     _check_pool("paged_kv_write", pool, layer)
-    same_dtype("paged_kv_write", pool, k, v)
+    _check_kv("paged_kv_write", pool, k, v)
     if k.ndim != 4 or tuple(k.shape) != tuple(v.shape):
         raise OpError("paged_kv_write: k and v must both be [batch, kv_heads, seq, head_dim]", k, v)
-    if _known_differ(k.shape[1], pool.shape[4]) or _known_differ(k.shape[3], pool.shape[5]):
+    if _known_differ(k.shape[1], pool.shape[4]) or _known_differ(k.shape[3], kv_head_dim(pool)):
         raise OpError("paged_kv_write: k/v heads and head dim must match the pool's", pool, k)
     _check_int("paged_kv_write", "slots", slots, 1)
     n = sym.mul(k.shape[0], k.shape[2])
@@ -125,6 +167,7 @@ def _write_meta(pool, k, v, slots, layer=0, inplace=False):
 def _write_kernel(xp, pool, k, v, slots, layer=0, inplace=False):
     out = pool if inplace and pool.flags.c_contiguous else xp.ascontiguousarray(pool).copy()
     nb, bs, h, d = pool.shape[2:]
+    q8 = is_int8_pool(pool)
     idx = _host(slots)
     lo, hi = (int(idx.min()), int(idx.max())) if idx.size else (0, 0)
     if hi >= nb * bs:
@@ -134,8 +177,9 @@ def _write_kernel(xp, pool, k, v, slots, layer=0, inplace=False):
         idx = idx[keep]
     flat = out[layer].reshape(2, nb * bs, h, d)  # a view of the pool (it is C-contiguous)
     for j, x in ((0, k), (1, v)):
-        rows = x.transpose(0, 2, 1, 3).reshape(-1, h, d)  # (B*S, H, D), token-major
-        flat[j, idx] = rows if keep is None else rows[keep]
+        rows = x.transpose(0, 2, 1, 3).reshape(-1, h, x.shape[3])  # (B*S, H, D), token-major
+        rows = rows if keep is None else rows[keep]
+        flat[j, idx] = quantize_kv(xp, rows) if q8 else rows
     return out
 
 
@@ -158,13 +202,13 @@ engine_op(
 
 def _attn_meta(q, pool, block_tables, kv_len, q_start=None, q_len=None, layer=0, scale=None):
     _check_pool("paged_attention", pool, layer)
-    same_dtype("paged_attention", q, pool)
+    _check_kv("paged_attention", pool, q)
     if q.ndim != 4:
         raise OpError("paged_attention: q must be [batch, heads, seq, head_dim]", q)
     hq, hk = q.shape[1], pool.shape[4]
     if isinstance(hq, int) and isinstance(hk, int) and hq % hk:
         raise OpError("paged_attention: q heads must be a multiple of the pool's kv heads", q, pool)
-    if _known_differ(q.shape[3], pool.shape[5]):
+    if _known_differ(q.shape[3], kv_head_dim(pool)):
         raise OpError("paged_attention: q head dim must match the pool's", q, pool)
     _check_int("paged_attention", "block_tables", block_tables, 2)
     _check_int("paged_attention", "kv_len", kv_len, 1)
@@ -227,7 +271,7 @@ def _attn_groups(q, pool, block_tables, kv_len, q_start, q_len):
 def _attn_group(xp, qt, pool, tables, starts, m, t, members, layer, scale):
     """One group of C segments of m queries over t keys: (rows of qt, blocks, keys, values
     [C, T, Hkv, D], stacked queries [C, Hkv, G*M, D], probabilities [C, Hkv, G*M, T])."""
-    bs, hk, d = pool.shape[3], pool.shape[4], pool.shape[5]
+    bs, hk, d = pool.shape[3], pool.shape[4], qt.shape[2]
     c, nblk, g = len(members), -(-t // bs), qt.shape[1] // hk
     if c == 1:  # (the common case in serving: a slice instead of an index array)
         i = members[0]
@@ -239,8 +283,9 @@ def _attn_group(xp, qt, pool, tables, starts, m, t, members, layer, scale):
         rows = (np.asarray(starts)[idx][:, None] + np.arange(m)).reshape(-1)  # (C*M,)
     kv = pool[layer]  # (2, NB, BS, Hkv, D)
     # Gathering along the pool's first axis gives contiguous copies: (C, T, Hkv, D) each.
-    keys = kv[0][blocks].reshape(c, -1, hk, d)[:, :t]
-    values = kv[1][blocks].reshape(c, -1, hk, d)[:, :t]
+    keys, values = (kv[j][blocks].reshape(c, -1, hk, kv.shape[-1])[:, :t] for j in (0, 1))
+    if is_int8_pool(pool):  # (the blocks read only)
+        keys, values = dequantize_kv(xp, keys), dequantize_kv(xp, values)
     # Query heads sharing a kv head are stacked as rows: (C, Hkv, G*M, D), row = (group, token).
     qs = qt[rows].reshape(c, m, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(c, hk, g * m, d)
     scores = xp.matmul(qs, keys.transpose(0, 2, 3, 1))  # (C, Hkv, G*M, T)
@@ -286,6 +331,8 @@ def _attn_vjp(g, out, q, pool, block_tables, kv_len, q_start=None, q_len=None, l
 
 def _attn_grad_meta(g, q, pool, block_tables, kv_len, q_start=None, q_len=None, layer=0, scale=None):
     _attn_meta(q, pool, block_tables, kv_len, q_start, q_len, layer, scale)
+    if is_int8_pool(pool):
+        raise OpError("paged_attention_grad: no gradient through an int8 pool", pool)
     if tuple(g.shape) != tuple(q.shape) or g.dtype != q.dtype:
         raise OpError("paged_attention_grad: g must be [B, Hq, S, D] like q", g, q)
     return Meta(q.shape, q.dtype), Meta(pool.shape, pool.dtype)
