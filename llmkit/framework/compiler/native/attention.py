@@ -106,6 +106,7 @@ static void NAME(int64_t M, int64_t K, int64_t N, const @T@ *restrict A, int64_t
     if (j < N) NAME##_1x1(i, j, K, A, lda, B, ldb, C, ldc, acc);                                   \
   }                                                                                                \
 }
+#define CW_@S@(cols) (((cols) + @W@ - 1) / @W@ * @W@)  /* score columns computed: whole vectors */
 #define ATTN_A(r) A[(i + (r)) * lda + k]
 #define ATTN_AT(r) A[k * lda + i + (r)]
 ATTN_MM(attn_mm_@S@, ATTN_A)
@@ -281,7 +282,7 @@ _FORWARD = dict(
       memset(sc.acc, 0, sizeof(@T@) * BR * DVP);
       for (int64_t j0 = 0; j0 < kend; j0 += BC) {
         const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-        attn_mm_@S@(rows, D, BC, sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
+        attn_mm_@S@(rows, D, CW_@S@(cols), sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
         for (int64_t r = 0; r < rows; r++) {
           const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
           const @T@ alpha = KERNEL_FN_online(sc.sb + r * BC, n, &m[r], &l[r]);
@@ -360,7 +361,7 @@ _BACKWARD = dict(
       } else {
         for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 1: each row's log-sum-exp */
           const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-          attn_mm_@S@(rows, D, BC, sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
+          attn_mm_@S@(rows, D, CW_@S@(cols), sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
           for (int64_t r = 0; r < rows; r++) {
             const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
             KERNEL_FN_online(sc.sb + r * BC, n, &m[r], &l[r]);
@@ -370,8 +371,8 @@ _BACKWARD = dict(
       }
       for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 2: the gradients */
         const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-        attn_mm_@S@(rows, D, BC, sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
-        attn_mm_@S@(rows, DV, BC, sc.gb, DVP, sc.vT + j0, LT, sc.pb, BC, 0);
+        attn_mm_@S@(rows, D, CW_@S@(cols), sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
+        attn_mm_@S@(rows, DV, CW_@S@(cols), sc.gb, DVP, sc.vT + j0, LT, sc.pb, BC, 0);
         for (int64_t r = 0; r < rows; r++) {
           @T@ *sr = sc.sb + r * BC, *dr = sc.pb + r * BC;
           const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
