@@ -15,10 +15,12 @@ kernels never materialize it: a tile of ``BR`` query rows meets ``BC`` keys at a
   the keys), then per key tile ``P = exp(S - lse)``, ``dS = P * (g v^T - rowsum(g * out))``,
   ``dv += P^T g``, ``dk += dS^T (q * scale)``, ``dq += dS k`` (times scale at the end).
 
-The GEMM-like products are one register-tiled micro-kernel (``mm``: 4 rows x 2 vectors of
-accumulators, GCC/Clang vector extensions; ``mmt`` reads its left operand transposed). Rows are
-padded to whole vectors in the kernel's own scratch buffers, so any head dim works; q, k, v, g
-and out are read through their strides (the model's transposed views are not copied first).
+The GEMM-like products are one register-tiled micro-kernel (``mm``: 6 rows x 2 vectors of
+accumulators, fused multiply-adds where the CPU has FMA, GCC/Clang vector extensions; ``mmt`` reads
+its left operand transposed); score tiles are computed over whole vectors of their visible keys
+only. Rows are padded to whole vectors in the kernel's own scratch buffers, so any head dim works;
+q, k, v, g and out are read through their strides (the model's transposed views are not copied
+first). exp is ``simd.EXP``'s polynomial in float32 (libm's in float64), a vector at a time.
 Numerics: sums run in a different order than BLAS and the reference softmax (float32 within
 ~1e-6 relative); NaN in a row spreads through that row as in the reference.
 
