@@ -86,6 +86,7 @@ static inline void NAME(int64_t i, int64_t j, int64_t K, const @T@ *restrict A, 
 }
 #define ATTN_MM(NAME, AT)                                                                          \
 ATTN_TILE(NAME##_6x2, 6, 2, AT) ATTN_TILE(NAME##_6x1, 6, 1, AT)                                    \
+ATTN_TILE(NAME##_4x2, 4, 2, AT) ATTN_TILE(NAME##_4x1, 4, 1, AT)                                    \
 ATTN_TILE(NAME##_2x2, 2, 2, AT) ATTN_TILE(NAME##_2x1, 2, 1, AT)                                    \
 ATTN_TILE(NAME##_1x2, 1, 2, AT) ATTN_TILE(NAME##_1x1, 1, 1, AT)                                    \
 static void NAME(int64_t M, int64_t K, int64_t N, const @T@ *restrict A, int64_t lda,             \
@@ -96,6 +97,12 @@ static void NAME(int64_t M, int64_t K, int64_t N, const @T@ *restrict A, int64_t
     int64_t j = 0;                                                                                 \
     for (; j + 2 * W <= N; j += 2 * W) NAME##_6x2(i, j, K, A, lda, B, ldb, C, ldc, acc);           \
     if (j < N) NAME##_6x1(i, j, K, A, lda, B, ldb, C, ldc, acc);                                   \
+  }                                                                                                \
+  if (i + 4 <= M) {                                                                                \
+    int64_t j = 0;                                                                                 \
+    for (; j + 2 * W <= N; j += 2 * W) NAME##_4x2(i, j, K, A, lda, B, ldb, C, ldc, acc);           \
+    if (j < N) NAME##_4x1(i, j, K, A, lda, B, ldb, C, ldc, acc);                                   \
+    i += 4;                                                                                        \
   }                                                                                                \
   for (; i + 2 <= M; i += 2) {                                                                     \
     int64_t j = 0;                                                                                 \
