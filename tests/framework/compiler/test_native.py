@@ -18,6 +18,8 @@ from test_op_table import (
     _dequant_ref,
     _paged_attention_ref,
     _paged_write_ref,
+    _sdpa_grad_ref,
+    _sdpa_lse_ref,
 )  # tests/framework is on sys.path
 
 from llmkit.framework import ir
@@ -29,9 +31,13 @@ from llmkit.framework.opspec import Meta, OpError, table
 pytestmark = pytest.mark.skipif(not available(), reason="no working C compiler")
 
 
-def native(name: str) -> NativeOp:
+def native(name: str, *arrays, **attrs) -> NativeOp:
+    """``name``'s kernel (one rendered for ``arrays`` and ``attrs`` where its source depends on them)."""
     spec = table()[name]
-    return NativeOp(spec, build_c(spec.native.source))
+    src = spec.native.source
+    return NativeOp(
+        spec, build_c(src(*[Meta(a.shape, a.dtype) for a in arrays], **attrs) if callable(src) else src)
+    )
 
 
 def applies(name: str, *arrays, **attrs) -> bool:
@@ -242,6 +248,32 @@ def test_paged_attention_decode_matches_float64(d, bs, hq, hk):
     got = native("paged_attention")(np, q, pool, tables, kv_len, layer=1)
     want = _paged_attention_ref(q.astype(np.float64), pool.astype(np.float64), tables, kv_len, layer=1)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "b,hq,hk,s,t,d,dv,causal",
+    [(1, 4, 2, 77, 77, 5, 12, True), (2, 3, 1, 40, 150, 5, 12, True), (1, 2, 2, 33, 70, 5, 12, False)],
+)
+def test_flash_attention_over_many_tiles_matches_float64(dt, b, hq, hk, s, t, d, dv, causal):
+    """The flash kernels (forward with its log-sum-exp, backward with and without it) over several
+    query and key tiles, register-tile edges and padded head dims, q/k/v/g as transposed views."""
+    rng = np.random.default_rng(s * t + d)
+    q, k, v, g = (rng.standard_normal((b, n, h, e)).astype(dt).transpose(0, 2, 1, 3)
+                  for n, h, e in ((s, hq, d), (t, hk, d), (t, hk, dv), (s, hq, dv)))  # fmt: skip
+    out, lse = native("scaled_dot_product_attention_lse", q, k, v, is_causal=causal)(
+        np, q, k, v, is_causal=causal
+    )
+    want_out, want_lse = _sdpa_lse_ref(*(x.astype(np.float64) for x in (q, k, v)), is_causal=causal)
+    want = _sdpa_grad_ref(*(x.astype(np.float64) for x in (g, want_out, q, k, v)), is_causal=causal)
+    ins = (g, out, lse, q, k, v)
+    got = native("scaled_dot_product_attention_lse_grad", *ins, is_causal=causal)(np, *ins, is_causal=causal)
+    ins = (g, out, q, k, v)
+    got2 = native("scaled_dot_product_attention_grad", *ins, is_causal=causal)(np, *ins, is_causal=causal)
+    tol = dict(rtol=1e-4, atol=1e-5) if dt == np.float32 else dict(rtol=1e-10, atol=1e-11)
+    for x, w in zip((out, lse, *got, *got2), (want_out, want_lse, *want, *want)):
+        assert x.dtype == dt
+        np.testing.assert_allclose(x, w, **tol)
 
 
 def test_paged_attention_threads_and_batch_do_not_change_a_bit(monkeypatch):

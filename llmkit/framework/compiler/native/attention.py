@@ -15,10 +15,12 @@ kernels never materialize it: a tile of ``BR`` query rows meets ``BC`` keys at a
   the keys), then per key tile ``P = exp(S - lse)``, ``dS = P * (g v^T - rowsum(g * out))``,
   ``dv += P^T g``, ``dk += dS^T (q * scale)``, ``dq += dS k`` (times scale at the end).
 
-The GEMM-like products are one register-tiled micro-kernel (``mm``: 4 rows x 2 vectors of
-accumulators, GCC/Clang vector extensions; ``mmt`` reads its left operand transposed). Rows are
-padded to whole vectors in the kernel's own scratch buffers, so any head dim works; q, k, v, g
-and out are read through their strides (the model's transposed views are not copied first).
+The GEMM-like products are one register-tiled micro-kernel (``mm``: 6 rows x 2 vectors of
+accumulators, fused multiply-adds where the CPU has FMA, GCC/Clang vector extensions; ``mmt`` reads
+its left operand transposed); score tiles are computed over whole vectors of their visible keys
+only. Rows are padded to whole vectors in the kernel's own scratch buffers, so any head dim works;
+q, k, v, g and out are read through their strides (the model's transposed views are not copied
+first). exp is ``simd.EXP``'s polynomial in float32 (libm's in float64), a vector at a time.
 Numerics: sums run in a different order than BLAS and the reference softmax (float32 within
 ~1e-6 relative); NaN in a row spreads through that row as in the reference.
 
@@ -35,6 +37,7 @@ import math
 import numpy as np
 
 from .attach import native_kernel
+from .simd import EXP, VEC
 
 BR, BC = 32, 64  # query rows and keys per tile: the score tile (8 KiB in float32) stays in L1
 VECTOR_BYTES = 32  # AVX2 / NEON x2; wider machines still vectorize each half
@@ -49,57 +52,70 @@ typedef @T@ attn_uvec_@S@ __attribute__((vector_size(@VB@), aligned(sizeof(@T@))
 #define LD_@S@(p) (*(const attn_uvec_@S@ *)(p))
 #define ST_@S@(p, x) (*(attn_uvec_@S@ *)(p) = (x))
 
+/* a * b + c, fused (one rounding) where the CPU has FMA: the build's -ffp-contract=off keeps
+   a * b + c apart everywhere else */
+#if defined(__FMA__) && @VB@ == 32
+#include <immintrin.h>
+#define FMA_@S@(a, b, c) ((attn_vec_@S@)_mm256_fmadd_@PS@((a), (b), (c)))
+#else
+#define FMA_@S@(a, b, c) ((a) * (b) + (c))
+#endif
+
 /* C[M][N] = (acc ? C : 0) + A B, A[i][k] at A[i*lda + k] (mm) or A[k*lda + i] (mmt), B[K][N]
-   row-major, N a multiple of the vector width W. Tiles of 4 rows x 2 vectors in registers. */
+   row-major, N a multiple of the vector width W. Register tiles of R rows x V vectors (6 x 2: 12
+   accumulators, 2 of B and 1 broadcast of A in the 16 vector registers), then smaller at the edges. */
+#define ATTN_TILE(NAME, R, V, AT)                                                                   \
+static inline void NAME(int64_t i, int64_t j, int64_t K, const @T@ *restrict A, int64_t lda,      \
+                        const @T@ *restrict B, int64_t ldb, @T@ *restrict C, int64_t ldc, int acc) { \
+  const int64_t W = @W@;                                                                           \
+  attn_vec_@S@ s[R][V];                                                                            \
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                              \
+    _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                            \
+      s[r][v] = acc ? LD_@S@(C + (i + r) * ldc + j + v * W) : (attn_vec_@S@){0};                  \
+  const @T@ *b = B + j;                                                                            \
+  for (int64_t k = 0; k < K; k++, b += ldb) {                                                      \
+    attn_vec_@S@ bv[V];                                                                            \
+    _Pragma("GCC unroll 4") for (int v = 0; v < V; v++) bv[v] = LD_@S@(b + v * W);                \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                          \
+      const attn_vec_@S@ x = AT(r) - (attn_vec_@S@){0};                                            \
+      _Pragma("GCC unroll 4") for (int v = 0; v < V; v++) s[r][v] = FMA_@S@(x, bv[v], s[r][v]);  \
+    }                                                                                              \
+  }                                                                                                \
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                              \
+    _Pragma("GCC unroll 4") for (int v = 0; v < V; v++) ST_@S@(C + (i + r) * ldc + j + v * W, s[r][v]); \
+}
 #define ATTN_MM(NAME, AT)                                                                          \
+ATTN_TILE(NAME##_6x2, 6, 2, AT) ATTN_TILE(NAME##_6x1, 6, 1, AT)                                    \
+ATTN_TILE(NAME##_4x2, 4, 2, AT) ATTN_TILE(NAME##_4x1, 4, 1, AT)                                    \
+ATTN_TILE(NAME##_2x2, 2, 2, AT) ATTN_TILE(NAME##_2x1, 2, 1, AT)                                    \
+ATTN_TILE(NAME##_1x2, 1, 2, AT) ATTN_TILE(NAME##_1x1, 1, 1, AT)                                    \
 static void NAME(int64_t M, int64_t K, int64_t N, const @T@ *restrict A, int64_t lda,             \
                  const @T@ *restrict B, int64_t ldb, @T@ *restrict C, int64_t ldc, int acc) {      \
   const int64_t W = @W@;                                                                           \
   int64_t i = 0;                                                                                   \
-  for (; i + 4 <= M; i += 4) {                                                                     \
-    @T@ *c0 = C + i * ldc, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc;                        \
+  for (; i + 6 <= M; i += 6) {                                                                     \
     int64_t j = 0;                                                                                 \
-    for (; j + 2 * W <= N; j += 2 * W) {                                                           \
-      attn_vec_@S@ s00 = {0}, s01 = {0}, s10 = {0}, s11 = {0}, s20 = {0}, s21 = {0}, s30 = {0},    \
-                   s31 = {0};                                                                      \
-      if (acc) {                                                                                   \
-        s00 = LD_@S@(c0 + j); s01 = LD_@S@(c0 + j + W); s10 = LD_@S@(c1 + j);                      \
-        s11 = LD_@S@(c1 + j + W); s20 = LD_@S@(c2 + j); s21 = LD_@S@(c2 + j + W);                  \
-        s30 = LD_@S@(c3 + j); s31 = LD_@S@(c3 + j + W);                                            \
-      }                                                                                            \
-      const @T@ *b = B + j;                                                                        \
-      for (int64_t k = 0; k < K; k++, b += ldb) {                                                  \
-        const attn_vec_@S@ b0 = LD_@S@(b), b1 = LD_@S@(b + W);                                     \
-        const @T@ x0 = AT(0), x1 = AT(1), x2 = AT(2), x3 = AT(3);                                  \
-        s00 += x0 * b0; s01 += x0 * b1; s10 += x1 * b0; s11 += x1 * b1;                            \
-        s20 += x2 * b0; s21 += x2 * b1; s30 += x3 * b0; s31 += x3 * b1;                            \
-      }                                                                                            \
-      ST_@S@(c0 + j, s00); ST_@S@(c0 + j + W, s01); ST_@S@(c1 + j, s10);                           \
-      ST_@S@(c1 + j + W, s11); ST_@S@(c2 + j, s20); ST_@S@(c2 + j + W, s21);                       \
-      ST_@S@(c3 + j, s30); ST_@S@(c3 + j + W, s31);                                                \
-    }                                                                                              \
-    for (; j < N; j += W) {                                                                        \
-      attn_vec_@S@ s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                         \
-      if (acc) { s0 = LD_@S@(c0 + j); s1 = LD_@S@(c1 + j); s2 = LD_@S@(c2 + j); s3 = LD_@S@(c3 + j); } \
-      const @T@ *b = B + j;                                                                        \
-      for (int64_t k = 0; k < K; k++, b += ldb) {                                                  \
-        const attn_vec_@S@ b0 = LD_@S@(b);                                                         \
-        s0 += AT(0) * b0; s1 += AT(1) * b0; s2 += AT(2) * b0; s3 += AT(3) * b0;                    \
-      }                                                                                            \
-      ST_@S@(c0 + j, s0); ST_@S@(c1 + j, s1); ST_@S@(c2 + j, s2); ST_@S@(c3 + j, s3);              \
-    }                                                                                              \
+    for (; j + 2 * W <= N; j += 2 * W) NAME##_6x2(i, j, K, A, lda, B, ldb, C, ldc, acc);           \
+    if (j < N) NAME##_6x1(i, j, K, A, lda, B, ldb, C, ldc, acc);                                   \
   }                                                                                                \
-  for (; i < M; i++) {                                                                             \
-    @T@ *c0 = C + i * ldc;                                                                         \
-    for (int64_t j = 0; j < N; j += W) {                                                           \
-      attn_vec_@S@ s0 = {0};                                                                       \
-      if (acc) s0 = LD_@S@(c0 + j);                                                                \
-      const @T@ *b = B + j;                                                                        \
-      for (int64_t k = 0; k < K; k++, b += ldb) s0 += AT(0) * LD_@S@(b);                           \
-      ST_@S@(c0 + j, s0);                                                                          \
-    }                                                                                              \
+  if (i + 4 <= M) {                                                                                \
+    int64_t j = 0;                                                                                 \
+    for (; j + 2 * W <= N; j += 2 * W) NAME##_4x2(i, j, K, A, lda, B, ldb, C, ldc, acc);           \
+    if (j < N) NAME##_4x1(i, j, K, A, lda, B, ldb, C, ldc, acc);                                   \
+    i += 4;                                                                                        \
+  }                                                                                                \
+  for (; i + 2 <= M; i += 2) {                                                                     \
+    int64_t j = 0;                                                                                 \
+    for (; j + 2 * W <= N; j += 2 * W) NAME##_2x2(i, j, K, A, lda, B, ldb, C, ldc, acc);           \
+    if (j < N) NAME##_2x1(i, j, K, A, lda, B, ldb, C, ldc, acc);                                   \
+  }                                                                                                \
+  if (i < M) {                                                                                     \
+    int64_t j = 0;                                                                                 \
+    for (; j + 2 * W <= N; j += 2 * W) NAME##_1x2(i, j, K, A, lda, B, ldb, C, ldc, acc);           \
+    if (j < N) NAME##_1x1(i, j, K, A, lda, B, ldb, C, ldc, acc);                                   \
   }                                                                                                \
 }
+#define CW_@S@(cols) (((cols) + @W@ - 1) / @W@ * @W@)  /* score columns computed: whole vectors */
 #define ATTN_A(r) A[(i + (r)) * lda + k]
 #define ATTN_AT(r) A[k * lda + i + (r)]
 ATTN_MM(attn_mm_@S@, ATTN_A)
@@ -107,6 +123,7 @@ ATTN_MM(attn_mmt_@S@, ATTN_AT)
 #undef ATTN_A
 #undef ATTN_AT
 #undef ATTN_MM
+#undef ATTN_TILE
 
 /* n elements of scratch, 64-byte aligned, zeroed (padding lanes must hold finite values) */
 static @T@ *attn_scratch_@S@(int64_t n) {
@@ -137,33 +154,45 @@ static inline int64_t attn_visible(int causal, int64_t row, int64_t off, int64_t
   return lim < 0 ? 0 : lim < n ? lim : n;
 }
 
-/* One online-softmax step of a score row s[0..n): running max *m and sum *l take the row in.
-   With p, s becomes exp(s - m_new) (zero past n, up to bc). Returns the factor earlier partial
+#endif
+
+/* exp of each lane: float's polynomial (simd.EXP), double's libm lane by lane */
+static inline attn_vec_@S@ KERNEL_FN_exp_@S@(attn_vec_@S@ x) {
+#if @F32@
+  return (attn_vec_@S@)KERNEL_FN_exp((KERNEL_FN_v)x);
+#else
+  for (int i = 0; i < @W@; i++) x[i] = exp(x[i]);
+  return x;
+#endif
+}
+
+/* One online-softmax step of a score row s[0..BC), its first n keys visible: the running max *m and
+   sum *l take them in, and s becomes exp(s - m_new) (0 past n). Returns the factor earlier partial
    sums must be scaled by. */
-static inline @T@ attn_online_@S@(@T@ *restrict s, int64_t n, int64_t bc, @T@ *m, @T@ *l, int p) {
+static inline @T@ KERNEL_FN_online(@T@ *restrict s, int64_t n, @T@ *m, @T@ *l) {
+  for (int64_t c = n; c < @BC@; c++) s[c] = -INFINITY;
   @T@ mx = -INFINITY;
   #pragma omp simd reduction(max:mx)
-  for (int64_t c = 0; c < n; c++) mx = s[c] > mx ? s[c] : mx;
+  for (int64_t c = 0; c < @BC@; c++) mx = s[c] > mx ? s[c] : mx;
   const @T@ mnew = mx > *m ? mx : *m;
   if (mnew == -INFINITY) {  /* nothing visible yet */
-    if (p) for (int64_t c = 0; c < bc; c++) s[c] = 0;
+    memset(s, 0, sizeof(@T@) * @BC@);
     return 1;
   }
-  @T@ sum = 0;
-  if (p) {
-    #pragma omp simd reduction(+:sum)
-    for (int64_t c = 0; c < n; c++) { const @T@ e = exp(s[c] - mnew); s[c] = e; sum += e; }
-    for (int64_t c = n; c < bc; c++) s[c] = 0;
-  } else {
-    #pragma omp simd reduction(+:sum)
-    for (int64_t c = 0; c < n; c++) sum += exp(s[c] - mnew);
+  const attn_vec_@S@ mv = mnew - (attn_vec_@S@){0};
+  attn_vec_@S@ acc = {0};
+  for (int64_t c = 0; c < @BC@; c += @W@) {
+    const attn_vec_@S@ e = KERNEL_FN_exp_@S@(LD_@S@(s + c) - mv);
+    ST_@S@(s + c, e);
+    acc += e;
   }
+  @T@ sum = 0;
+  for (int i = 0; i < @W@; i++) sum += acc[i];
   const @T@ alpha = exp(*m - mnew);
   *l = *l * alpha + sum;
   *m = mnew;
   return alpha;
 }
-#endif
 """
 
 _PARAMS = r"""
@@ -262,10 +291,10 @@ _FORWARD = dict(
       memset(sc.acc, 0, sizeof(@T@) * BR * DVP);
       for (int64_t j0 = 0; j0 < kend; j0 += BC) {
         const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-        attn_mm_@S@(rows, D, BC, sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
+        attn_mm_@S@(rows, D, CW_@S@(cols), sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
         for (int64_t r = 0; r < rows; r++) {
           const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
-          const @T@ alpha = attn_online_@S@(sc.sb + r * BC, n, BC, &m[r], &l[r], 1);
+          const @T@ alpha = KERNEL_FN_online(sc.sb + r * BC, n, &m[r], &l[r]);
           if (alpha != 1)
             for (int64_t d = 0; d < DVP; d++) sc.acc[r * DVP + d] *= alpha;
         }
@@ -341,27 +370,26 @@ _BACKWARD = dict(
       } else {
         for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 1: each row's log-sum-exp */
           const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-          attn_mm_@S@(rows, D, BC, sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
+          attn_mm_@S@(rows, D, CW_@S@(cols), sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
           for (int64_t r = 0; r < rows; r++) {
             const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
-            attn_online_@S@(sc.sb + r * BC, n, BC, &m[r], &l[r], 0);
+            KERNEL_FN_online(sc.sb + r * BC, n, &m[r], &l[r]);
           }
         }
         for (int64_t r = 0; r < rows; r++) m[r] += log(l[r]);
       }
       for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 2: the gradients */
         const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-        attn_mm_@S@(rows, D, BC, sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
-        attn_mm_@S@(rows, DV, BC, sc.gb, DVP, sc.vT + j0, LT, sc.pb, BC, 0);
+        attn_mm_@S@(rows, D, CW_@S@(cols), sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
+        attn_mm_@S@(rows, DV, CW_@S@(cols), sc.gb, DVP, sc.vT + j0, LT, sc.pb, BC, 0);
         for (int64_t r = 0; r < rows; r++) {
           @T@ *sr = sc.sb + r * BC, *dr = sc.pb + r * BC;
           const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
-          const @T@ lse = m[r], d0 = di[r];
-          #pragma omp simd
-          for (int64_t c = 0; c < n; c++) {
-            const @T@ p = exp(sr[c] - lse);
-            sr[c] = p;
-            dr[c] = p * (dr[c] - d0);
+          const attn_vec_@S@ lse = m[r] - (attn_vec_@S@){0}, d0 = di[r] - (attn_vec_@S@){0};
+          for (int64_t c = 0; c < n; c += W) {  /* whole vectors: lanes past n are zeroed below */
+            const attn_vec_@S@ p = KERNEL_FN_exp_@S@(LD_@S@(sr + c) - lse);
+            ST_@S@(sr + c, p);
+            ST_@S@(dr + c, p * (LD_@S@(dr + c) - d0));
           }
           for (int64_t c = n; c < BC; c++) { sr[c] = 0; dr[c] = 0; }
         }
@@ -430,6 +458,8 @@ def _flash(op: str, body: str, n_in: int, lse: bool = False) -> None:
             "@T@": ctype,
             "@S@": "f32" if dt.itemsize == 4 else "f64",
             "@VB@": str(VECTOR_BYTES),
+            "@PS@": "ps" if dt.itemsize == 4 else "pd",
+            "@F32@": "1" if dt.itemsize == 4 else "0",
             "@W@": str(w),
             "@D@": str(d),
             "@DV@": str(dv),
@@ -441,7 +471,7 @@ def _flash(op: str, body: str, n_in: int, lse: bool = False) -> None:
             "@LSE@": "1" if lse else "0",
             "@SCALE@": f"(({ctype}){float(np.asarray(scale, dt))!r})",
         }
-        src = _HELPERS + body
+        src = VEC + EXP + _HELPERS + body
         for key, val in subs.items():
             src = src.replace(key, val)
         return src

@@ -62,3 +62,26 @@ static inline KERNEL_FN_v KERNEL_FN_hsum8(const KERNEL_FN_v *a) {
 #endif
 }
 """
+
+# after VEC: a vector exp (tiled_linear_logprobs' log-sum-exp, the attention kernels' softmax)
+EXP = r"""
+typedef int32_t KERNEL_FN_vi __attribute__((vector_size(32)));
+/* exp(d) in 8 float lanes: d = n ln2 + r (n by the 1.5 * 2^23 rounding trick, ln2 in two parts so
+   r is exact to float's rounding), exp(r) by its Taylor series to r^7 (|r| <= ln2 / 2: the next term
+   is below 3e-9 of the sum), times 2^n put into the exponent bits. d below -87 (where 2^n leaves
+   float's range, -inf included) gives 0, above 88 (past float's largest, +inf included) inf; NaN
+   stays NaN. */
+static inline KERNEL_FN_v KERNEL_FN_exp(KERNEL_FN_v d) {
+  const KERNEL_FN_v big = KERNEL_FN_splat(12582912.0f), one = KERNEL_FN_splat(1.0f);
+  const KERNEL_FN_v t = d * KERNEL_FN_splat(1.44269504088896341f) + big, n = t - big;
+  const KERNEL_FN_v r = (d - n * KERNEL_FN_splat(0.693359375f)) - n * KERNEL_FN_splat(-2.12194440e-4f);
+  KERNEL_FN_v p = KERNEL_FN_splat(1.0f / 5040);
+  p = p * r + KERNEL_FN_splat(1.0f / 720), p = p * r + KERNEL_FN_splat(1.0f / 120);
+  p = p * r + KERNEL_FN_splat(1.0f / 24), p = p * r + KERNEL_FN_splat(1.0f / 6);
+  p = p * r + KERNEL_FN_splat(0.5f), p = p * r + one, p = p * r + one;
+  const KERNEL_FN_vi e = (((KERNEL_FN_vi)t - (KERNEL_FN_vi)big) + 127) << 23;
+  const KERNEL_FN_vi low = d < KERNEL_FN_splat(-87.0f), high = d > KERNEL_FN_splat(88.0f);
+  const KERNEL_FN_vi out = (KERNEL_FN_vi)(p * (KERNEL_FN_v)e) & ~(low | high);
+  return (KERNEL_FN_v)(out | ((KERNEL_FN_vi)KERNEL_FN_splat(INFINITY) & high));
+}
+"""
