@@ -22,20 +22,10 @@ difference between the conversation rendered up to each assistant message with a
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from functools import lru_cache
-from typing import Any, ClassVar
-
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from typing import Any
 
 # meta-llama/Llama-2-7b-chat-hf's tokenizer_config.json "chat_template": an optional system message
 # folded into the first user turn; <s>[INST] user [/INST] assistant </s> per turn.
@@ -198,6 +188,8 @@ class ChatTemplate:
         track: bool = False,
     ) -> tuple[str, list[tuple[int, int]]]:
         """(text, the character spans of its ``{% generation %}`` blocks when ``track``)."""
+        from . import jinja_env
+
         template = _compile(self.source)
         context = {
             "messages": _checked(messages),
@@ -211,11 +203,11 @@ class ChatTemplate:
             if not track:
                 return template.render(**context), []
             blocks: list[str] = []
-            with _tracking(blocks) as spans:
+            with jinja_env.tracking(blocks) as spans:
                 for block in template.generate(**context):
                     blocks.append(block)
             return "".join(blocks), spans
-        except jinja2.TemplateError as e:  # raise_exception, undefined names, sandbox violations
+        except jinja_env.jinja2.TemplateError as e:  # raise_exception, undefined names, sandbox violations
             raise ChatTemplateError(_one_line(f"chat template: {e.message or type(e).__name__}")) from None
         except Exception as e:  # a template is code from the model author: any error in it is its error
             raise ChatTemplateError(_one_line(f"chat template: {type(e).__name__}: {e}")) from None
@@ -285,89 +277,12 @@ def _one_line(message: str) -> str:
     return " ".join(message.split())
 
 
-# ---- the Jinja environment (transformers' chat_template_utils._cached_compile_jinja_template) -------
-_SPANS: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar("chat_spans", default=None)
+def _compile(source: str) -> Any:
+    """The compiled template (jinja2 loads with the first one: a server answering completions never
+    renders one)."""
+    from . import jinja_env
 
-
-class _Generation(jinja2.ext.Extension):
-    """``{% generation %} ... {% endgeneration %}``: renders its body, and while :func:`_tracking`
-    is active records the body's character span in the output."""
-
-    tags: ClassVar[set[str]] = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_span", []), [], [], body).set_lineno(lineno)
-
-    def _span(self, caller: Any) -> str:
-        text = caller()
-        tracked = _SPANS.get()
-        if tracked is not None:
-            blocks, spans = tracked
-            start = sum(map(len, blocks))
-            spans.append((start, start + len(text)))
-        return text
-
-
-@contextmanager
-def _tracking(blocks: list[str]) -> Iterator[list[tuple[int, int]]]:
-    spans: list[tuple[int, int]] = []
-    token = _SPANS.set((blocks, spans))
     try:
-        yield spans
-    finally:
-        _SPANS.reset(token)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    # Jinja's own tojson escapes HTML characters; templates expect plain JSON
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """``namespace(...)`` that refuses underscore names (no reaching CPython internals)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's signature trick: namespace(self=...) works
-        self, attrs = args[0], dict(*args[1:], **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a namespace cannot store the underscore name {name!r}")
-
-
-def _dict(*args: Any, **kwargs: Any) -> dict[Any, Any]:
-    return dict(*args, **kwargs)
-
-
-@lru_cache(maxsize=64)
-def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals.update(
-        raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace, dict=_dict
-    )
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
+        return jinja_env.compile_template(source)
+    except jinja_env.jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(_one_line(f"chat template: line {e.lineno}: {e.message}")) from None

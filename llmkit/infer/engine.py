@@ -184,7 +184,10 @@ class Engine:
         from llmkit.framework import jit
 
         config = config or EngineConfig()
-        sm = jit.load(path, compiler=config.compiler)
+        # the score program (echo, prompt_logprobs) is parsed at its first use: most servers never
+        # run it (not deferred where its weights are unpacked or its pool retyped with the others')
+        lazy = ("score",) if runs_native(config.compiler) and config.kv_dtype is None else ()
+        sm = jit.load(path, compiler=config.compiler, lazy=lazy)
         spec, tokenizer = _check_static(sm)
         spec = cls._kv_spec(config, spec)
         if spec.kv_dtype:
@@ -515,14 +518,15 @@ def _check_static(sm: Any) -> tuple[ModelSpec, Tokenizer]:
         )
     pool = list(spec.pool_shape(0))
     # score is optional: files exported before it existed serve everything but echo
-    for name in ("prefill", "decode", *(["score"] if "score" in sm.programs else [])):
-        fn = sm.programs.get(name)
-        if fn is None or not fn.input_specs or not fn.output_specs:
+    entries = sm.manifest["programs"]  # (load_model checked each loaded function against its entry)
+    for name in ("prefill", "decode", *(["score"] if "score" in entries else [])):
+        fn = entries.get(name)
+        if fn is None or not fn["inputs"] or not fn["outputs"]:
             raise FormatError(
                 f"{where}: programs: no {name!r} program of the engine's signature; write the file with "
                 "llmkit export"
             )
-        got, logits = fn.input_specs[-1], fn.output_specs[0]
+        got, logits = fn["inputs"][-1], fn["outputs"][0]
         shape = list(got["shape"])
         if (
             len(shape) != len(pool)

@@ -24,7 +24,6 @@ from .programs import (
     BLOCK_SIZE,
     DECODE_TILE,
     PREFILL_TILE,
-    PROGRAMS,
     EngineProgram,
     ModelSpec,
     trace_programs,
@@ -176,14 +175,16 @@ class ModelRunner:
     @classmethod
     def from_static(cls, static_model: Any, num_blocks: int, spec: ModelSpec | None = None) -> ModelRunner:
         """Programs of a static model file (``jit.load``); needs no model code. ``spec``: the file's,
-        or with another KV dtype (the programs retyped: ``retype_pool``)."""
+        or with another KV dtype (the programs retyped: ``retype_pool``). The score program is bound
+        at its first use (``jit.load`` may have deferred parsing it until then)."""
         spec = spec or ModelSpec.from_dict(static_model.metadata["engine"])
 
-        def bind(fn) -> ProgramFn:
+        def bind(name: str) -> ProgramFn:
+            fn = static_model.program(name)
             return lambda arrays: tuple(fn(*arrays))
 
-        fns = {name: bind(static_model.programs[name]) for name in PROGRAMS if name in static_model.programs}
-        return cls(fns["prefill"], fns["decode"], spec, num_blocks, fns.get("score"))
+        score = (lambda: bind("score")) if "score" in static_model.manifest["programs"] else None
+        return cls(bind("prefill"), bind("decode"), spec, num_blocks, score, lazy_score=True)
 
     @property
     def can_score(self) -> bool:

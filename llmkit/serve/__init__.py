@@ -11,3 +11,5 @@
 
 Importing this package imports nothing: the server process must never load ``llmkit.models``.
 """
+
+MAX_REQUEST_BYTES = 4 << 20  # a request body's default limit (about a million tokens of text)

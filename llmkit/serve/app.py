@@ -36,9 +36,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from . import MAX_REQUEST_BYTES
 from .metrics import CONTENT_TYPE
 from .protocol import (
-    MAX_REQUEST_BYTES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,

@@ -24,7 +24,6 @@ from llmkit.infer.sampling import PromptLogprobs
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
-MAX_REQUEST_BYTES = 4 << 20  # a request body's default limit (about a million tokens of text)
 
 
 class APIError(Exception):

@@ -14,12 +14,13 @@ import os
 import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from llmkit.framework.blas import set_blas_threads
 from llmkit.framework.compiler.build import spin_between_kernels
 from llmkit.infer import Engine, EngineConfig, EngineThread, SamplingParams
 
-from .protocol import MAX_REQUEST_BYTES
+from . import MAX_REQUEST_BYTES
 
 log = logging.getLogger("llmkit.serve")
 
@@ -116,9 +117,9 @@ def memory_bytes(text: str) -> int | None:
     return n if n > 0 else None
 
 
-def load_engine(a: argparse.Namespace) -> Engine:
-    """The engine ``llmkit serve`` runs for these arguments, warmed up (``benchmarks/serve_load.py
-    --engine-only`` drives the same one without HTTP)."""
+def load_engine(a: argparse.Namespace, warm: bool = True) -> Engine:
+    """The engine ``llmkit serve`` runs for these arguments, warmed up unless not ``warm``
+    (``benchmarks/serve_load.py --engine-only`` drives the same one without HTTP)."""
     set_blas_threads(a.blas_threads)
     spin_between_kernels()  # inference only: kernel threads wait for the next kernel spinning
     config = EngineConfig(
@@ -133,27 +134,34 @@ def load_engine(a: argparse.Namespace) -> Engine:
     engine = Engine.from_static(a.model, config)
     if a.served_model_name:
         engine.model_name = a.served_model_name
-    # Warm up: plan the programs and touch the pool before the first client waits for it (the
-    # score program too: the first echo request would otherwise load and plan it, most of a second)
+    if warm:
+        warm_up(engine)
+    return engine
+
+
+def warm_up(engine: Engine) -> None:
+    """Plan the prefill and decode programs and touch the pool before the first client waits for it
+    (the score program is parsed and planned by the first echo request: most servers never run it)."""
     engine.generate(
         [[engine.tokenizer.bos_id]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     )
-    if engine.runner.can_score:
-        engine.generate([[engine.tokenizer.bos_id] * 2], SamplingParams(max_tokens=0, prompt_logprobs=0))
     engine.reset_prefix_cache()
-    return engine
 
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
-    import uvicorn
-
-    from .app import build_app
-    from .serving import Serving
-
     t0 = time.perf_counter()
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = load_engine(a)
+    engine = load_engine(a, warm=False)
+    # The warm-up's kernels run (without the GIL) while this thread imports the HTTP stack.
+    with ThreadPoolExecutor(1, thread_name_prefix="llmkit-warm-up") as pool:
+        warming = pool.submit(warm_up, engine)
+        import uvicorn
+
+        from .app import build_app
+        from .serving import Serving
+
+        warming.result()
     runner = EngineThread(engine).start()
     app = build_app(
         Serving(runner, max_queue=a.max_queue),

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from llmkit.cli import main as cli_main
+from llmkit.serve import MAX_REQUEST_BYTES
 from llmkit.serve.app import build_app
-from llmkit.serve.protocol import MAX_REQUEST_BYTES
 from llmkit.serve.serving import Serving
 
 from .conftest import API_KEY

@@ -18,6 +18,7 @@ version up to its own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -283,6 +284,13 @@ class StaticModel:
     ) -> None:
         self.path, self.manifest, self.programs, self.weights = path, manifest, programs, weights
         self.metadata = manifest.get("metadata", {})
+        self._deferred: dict[str, Callable[[], LoadedFunction]] = {}  # load_model's lazy programs
+
+    def program(self, name: str) -> LoadedFunction:
+        """``programs[name]``, loaded now if ``jit.load`` deferred it (KeyError: no such program)."""
+        if name not in self.programs:
+            self.programs[name] = self._deferred.pop(name)()
+        return self.programs[name]
 
     def file(self, name: str) -> bytes:
         """An extra file shipped in the model directory (its bytes checked against the manifest)."""
@@ -309,7 +317,11 @@ class StaticModel:
 
 
 def load_model(
-    path: str | os.PathLike[str], compiler: str | None = None, device: str = "cpu", verify: bool = False
+    path: str | os.PathLike[str],
+    compiler: str | None = None,
+    device: str = "cpu",
+    verify: bool = False,
+    lazy: Sequence[str] = (),
 ) -> StaticModel:
     """Read a static model directory written by ``jit.save``, trusting nothing in it.
 
@@ -320,7 +332,9 @@ def load_model(
     record of that check: ``files.has_sha256``; ``verify=True`` reads every byte again); the
     weights are memory-mapped, not read; each program's function must take exactly the
     listed inputs and weights, with the listed shapes and dtypes. Anything else is a
-    :class:`FormatError` naming the file and the field.
+    :class:`FormatError` naming the file and the field. The programs named in ``lazy`` are parsed
+    and checked at their first ``model.program(name)`` instead (a server that may never run one
+    does not wait for it at start).
     """
     path = Path(path)
     recover(path)  # a save that a crash interrupted
@@ -368,9 +382,13 @@ def load_model(
     except SafetensorsError as e:
         raise FormatError(f"{path}: weights unreadable: {e}") from None
     programs = {
-        pname: _load_program(path, pname, entry, weights, wfile, compiler) for pname, entry in entries.items()
+        pname: functools.partial(_load_program, path, pname, entry, weights, wfile, compiler)
+        for pname, entry in entries.items()
     }
-    return StaticModel(path, manifest, programs, weights)
+    sm = StaticModel(path, manifest, {}, weights)
+    sm._deferred = {p: programs[p] for p in lazy if p in programs}
+    sm.programs.update((p, load()) for p, load in programs.items() if p not in sm._deferred)
+    return sm
 
 
 def _load_program(
