@@ -86,8 +86,16 @@ USER_DEFINED = 4  # SentencePiece.Type
 
 def user_defined_ids(model_proto: bytes) -> list[int]:
     """Ids of a model's user-defined pieces (sentencepiece's Python API cannot tell them)."""
+    # a piece whose type field (3) is 4 holds the bytes 0x18 0x04: only those are parsed (a tenth of
+    # a second of a server's start for a 32000-piece model otherwise)
+    if b"\x18\x04" not in model_proto:
+        return []
     pieces = proto_fields(model_proto).get(1, [])
-    return [i for i, p in enumerate(pieces) if proto_fields(p).get(3, [1])[-1] == USER_DEFINED]
+    return [
+        i
+        for i, p in enumerate(pieces)
+        if b"\x18\x04" in p and proto_fields(p).get(3, [1])[-1] == USER_DEFINED
+    ]
 
 
 def _bpe_merges(sp: spm.SentencePieceProcessor, vocab: dict[str, int]) -> list[tuple[str, str]]:

@@ -356,3 +356,22 @@ def test_a_trained_bpe_tokenizer_is_read_by_transformers(tmp_path: Path) -> None
     plain = [t for t in TEXTS if "<|" not in t]
     assert [tok.decode(tok.encode(t)) for t in plain] == plain  # byte-level: every text comes back
     assert [b"".join(map(tok.token_bytes, tok.encode(t))) for t in plain] == [t.encode() for t in plain]
+
+
+def test_user_defined_pieces_are_found() -> None:
+    """user_defined_ids reads the pieces' types from the proto; the pieces asked for as
+    user_defined_symbols are the reference (sentencepiece's own ids of them)."""
+    import io
+
+    import sentencepiece as spm
+
+    from llmkit.tokenizer_convert import user_defined_ids
+
+    symbols = ["<tool>", "<x\u00e9>", "[[sep]]"]
+    model = io.BytesIO()
+    lines = [line for text in CORPUS * 30 for line in text.split("\n") if line.strip()]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=100, user_defined_symbols=symbols
+    )
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    assert user_defined_ids(model.getvalue()) == sorted(sp.piece_to_id(s) for s in symbols)

@@ -10,6 +10,7 @@
 ``engine``             Engine: from_model (live weights) / from_static (the model file)
 ``background``         EngineThread: steps an engine on a thread (the server's driver)
 ``chat``               chat templates as data (``Tokenizer`` is ``llmkit.tokenizer``'s)
+``jinja_env``          the sandboxed Jinja environment (imported with the first template rendered)
 =====================  ===========================================================================
 
 Nothing here imports ``llmkit.models`` or any HTTP code: the server and RLHF both build on it.

@@ -142,3 +142,29 @@ def test_random_mutations_of_an_exported_manifest_raise_only_format_errors(copie
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         assert len(engine.generate([[engine.tokenizer.bos_id, 50]], params)[0].token_ids) == 1
     assert refused >= 20 and loaded >= 10, (refused, loaded)
+
+
+def test_server_start_defers_what_it_may_never_need(model_file: Path) -> None:
+    """A fresh server process loads neither jinja2 (with the first chat template rendered) nor,
+    where the programs run compiled, the score program (parsed by the first echo, which works)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from llmkit.framework.jit import model_file as mf
+loaded = []
+load = mf._load_program
+mf._load_program = lambda path, name, *a: loaded.append(name) or load(path, name, *a)
+import llmkit.serve.app
+from llmkit.infer import SamplingParams
+from llmkit.infer.programs import runs_native
+from llmkit.serve.server import load_engine, parse_args
+engine = load_engine(parse_args([{str(model_file)!r}]))
+assert "jinja2" not in sys.modules, "jinja2 was imported at start"
+assert loaded == ["prefill", "decode"] + ([] if runs_native(None) else ["score"]), loaded
+echo = engine.generate([[1, 5, 7]], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
+assert loaded[-1] == "score" and len(echo.prompt_logprobs) == 3, (loaded, echo)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
