@@ -18,7 +18,6 @@ version up to its own.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -284,12 +283,12 @@ class StaticModel:
     ) -> None:
         self.path, self.manifest, self.programs, self.weights = path, manifest, programs, weights
         self.metadata = manifest.get("metadata", {})
-        self._deferred: dict[str, Callable[[], LoadedFunction]] = {}  # load_model's lazy programs
+        self._load: Callable[[str], LoadedFunction] | None = None  # load_model's, for its lazy programs
 
     def program(self, name: str) -> LoadedFunction:
         """``programs[name]``, loaded now if ``jit.load`` deferred it (KeyError: no such program)."""
-        if name not in self.programs:
-            self.programs[name] = self._deferred.pop(name)()
+        if name not in self.programs and self._load is not None and name in self.manifest["programs"]:
+            self.programs[name] = self._load(name)
         return self.programs[name]
 
     def file(self, name: str) -> bytes:
@@ -381,14 +380,13 @@ def load_model(
         weights = {k: t._data for k, t in load(path / wfile, device=device).items()}
     except SafetensorsError as e:
         raise FormatError(f"{path}: weights unreadable: {e}") from None
-    programs = {
-        pname: functools.partial(_load_program, path, pname, entry, weights, wfile, compiler)
-        for pname, entry in entries.items()
-    }
-    sm = StaticModel(path, manifest, {}, weights)
-    sm._deferred = {p: programs[p] for p in lazy if p in programs}
-    sm.programs.update((p, load()) for p, load in programs.items() if p not in sm._deferred)
-    return sm
+
+    def load_program(pname: str) -> LoadedFunction:
+        return _load_program(path, pname, entries[pname], weights, wfile, compiler)
+
+    model = StaticModel(path, manifest, {p: load_program(p) for p in entries if p not in lazy}, weights)
+    model._load = load_program
+    return model
 
 
 def _load_program(
