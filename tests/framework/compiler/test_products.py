@@ -48,6 +48,29 @@ def test_products_run_in_row_blocks_with_the_float64_values(rows):
     assert len(calls) == (2 if rows == 300 else 0)  # 7 rows: too small a product, one BLAS call
 
 
+def test_long_mode_splits_only_the_long_reductions(monkeypatch):
+    """``LLMKIT_SPLIT_GEMMS=long``: the weight gradient (a sum over 1100 tokens) in row blocks, the
+    forward (a sum over 256 features) one BLAS call as it is; both the float64 values."""
+    monkeypatch.setattr(products, "mode", "long")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1100, 256)).astype(np.float32)
+    w = lf.Parameter(rng.standard_normal((200, 256)).astype(np.float32))
+
+    def step(x):
+        y = O.linear(x, w)
+        return y, lf.grad((y * y).sum(), [w])[0]
+
+    run = jit.to_static(step, input_spec=[jit.InputSpec(["N", 256])], compiler="cinn")
+    calls = []
+    real = products.matmul_rows
+    monkeypatch.setattr(products, "matmul_rows", lambda a, *r: calls.append(a.shape) or real(a, *r))
+    y, gw = run(lf.tensor(x))
+    x64, w64 = x.astype(np.float64), w.numpy().astype(np.float64)
+    np.testing.assert_allclose(y.numpy(), x64 @ w64.T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(gw.numpy(), 2 * (x64 @ w64.T).T @ x64, rtol=1e-5, atol=5e-2)
+    assert calls == [(200, 1100)]  # the weight gradient's rows: [out_features, tokens] @ [tokens, in]
+
+
 def test_a_compiled_step_s_bits_do_not_depend_on_the_row_blocks_schedule(monkeypatch):
     """A stopped and resumed run equals the whole one only if a step's bits never follow the load:
     the forward and weight gradient under three forced schedules of their row blocks, bit for bit."""

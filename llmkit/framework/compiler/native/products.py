@@ -12,7 +12,11 @@ depend on the machine's load; they differ from OpenBLAS's whole-product call by 
 Only a product of two matrices (a batch of rows times a matrix: the linears and their gradients)
 large enough to pay for the hand-off takes this path; the others keep the reference kernel.
 Off by default (``LLMKIT_SPLIT_GEMMS=1`` turns it on): on a quiet 2-core host OpenBLAS's own two
-threads are as fast or faster (0.94-0.98x with row products); under load they win 1.8x. Which
+threads are as fast or faster (0.94-0.98x with row products); under load they win 1.8x.
+``LLMKIT_SPLIT_GEMMS=long`` takes this path only for products with a long reduction (``LONG_K``: a
+weight gradient sums over every token of the batch; so do the LM head's): OpenBLAS's two threads
+meet once per block of the reduction, so these are the products they stall on most (at load 15,
+``benchmarks/gemm_table.py``: ``[2048, 256].T @ [2048, 256]`` 50x its one-thread CPU time). Which
 thread computes a block, and when, never changes its bits (``tests/framework/test_blas.py`` forces
 other schedules); OpenBLAS is held on one thread while any row product runs, counted across Python
 threads, so overlapping callers (simulated ranks) never leave the process on one thread.
@@ -30,7 +34,9 @@ from ...blas import matmul_rows
 from ...ir import Operation
 from ..build import CPUS
 
-enabled = os.environ.get("LLMKIT_SPLIT_GEMMS", "0") == "1"
+mode = os.environ.get("LLMKIT_SPLIT_GEMMS", "0")  # "0": off, "1": every product, "long": long reductions
+enabled = mode in ("1", "long")
+LONG_K = 1024  # "long": a shorter reduction keeps OpenBLAS's own threads
 MIN_FLOPS = 1 << 24  # below: one BLAS call as it is (the hand-off costs tens of microseconds)
 ROWS = 64  # a block's rows at the least (a multiple of the BLAS kernels' row tiles)
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -44,6 +50,7 @@ class RowProducts:
 
     def __init__(self, spec: Any, tx: bool, ty: bool) -> None:
         self.spec, self.tx, self.ty = spec, tx, ty
+        self.min_k = LONG_K if mode == "long" else 0  # the mode when the program was compiled
 
     def __call__(self, xp: Any, x: Any, y: Any, **attrs: Any) -> Any:
         if xp is not np or x.dtype != y.dtype or x.dtype not in _DTYPES or y.ndim != 2:
@@ -52,7 +59,7 @@ class RowProducts:
         b = y.T if self.ty else y
         m, k = a.shape
         n = b.shape[1]
-        if 2 * m * k * n < MIN_FLOPS or m < 2 * ROWS:
+        if 2 * m * k * n < MIN_FLOPS or m < 2 * ROWS or k < self.min_k:
             return self.spec.kernel(xp, x, y, **attrs)
         out = np.empty((m, n), x.dtype)
         blocks = max(2 * CPUS, m // 1024)  # a few per thread, so a late one leaves nothing undone
