@@ -125,6 +125,12 @@ QUANT_INT = r"""
 #define KERNEL_FN_TV __attribute__((target("avx2,fma,avxvnni")))
 #define KERNEL_FN_T5 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 #endif
+#ifndef KERNEL_FN_MR2
+#define KERNEL_FN_MR2 3
+#endif
+#ifndef KERNEL_FN_NV
+#define KERNEL_FN_NV 2
+#endif
 #define KERNEL_FN_NR 16 /* output columns per panel: the lanes of one AVX-512 vector, two AVX2 ones */
 
 /* One call. Weights go through panels of NR output columns: dword p of a panel (p = gi * GW + t: a
@@ -633,6 +639,104 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_mk2q4(
   }
 }
 
+/* AVX2, 4 bits, 3 rows or more: nv vectors of 8 outputs (v0, v0 + 1: a whole panel, or half of it)
+   against mb rows, so that everything a group needs stays in the 16 registers: per word, the nibbles
+   are unpacked once for the mb rows and each row's activations broadcast once for the nv vectors;
+   per row, vpmaddubsw's pair sums add up in int16 over 4 words as above, one vpmaddwd, then the
+   correction and the group's multiply-add, as every path does. gw: the group's words (a constant 4
+   for groups of 32) */
+KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4blk(
+    const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
+    int64_t n0, int64_t nn, const int v0, const int nv, const int64_t gw) {
+  __m256 f[KERNEL_FN_MR2][2];
+  for (int r = 0; r < mb; r++)
+    for (int v = 0; v < nv; v++) f[r][v] = _mm256_setzero_ps();
+  const __m256i lo4 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
+  const int64_t KX = j->KX, G = j->G;
+  const int8_t *x0 = j->xq + m0 * KX;
+  const uint8_t *w = pw + 32 * v0;
+  for (int64_t gi = 0; gi < G; gi++, w += gw * 64, x0 += gw * 8) {
+    __m256i a[KERNEL_FN_MR2][2];
+    for (int64_t t0 = 0; t0 < gw; t0 += 4) {
+      const int64_t t1 = gw - t0 < 4 ? gw : t0 + 4;
+      __m256i h[KERNEL_FN_MR2][2];
+      for (int64_t t = t0; t < t1; t++) {
+        __m256i lo[2], hi[2];
+        for (int v = 0; v < nv; v++) {
+          const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + t * 64 + 32 * v));
+          lo[v] = _mm256_and_si256(wv, lo4);
+          hi[v] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), lo4);
+        }
+        for (int r = 0; r < mb; r++) {
+          const int8_t *x = x0 + r * KX + 8 * t;
+          const __m256i xl = _mm256_set1_epi32(*(const int32_t *)x), xh = _mm256_set1_epi32(*(const int32_t *)(x + 4));
+          for (int v = 0; v < nv; v++) {
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], xl), _mm256_maddubs_epi16(hi[v], xh));
+            h[r][v] = t == t0 ? p : _mm256_add_epi16(h[r][v], p);
+            __asm__("" : "+x"(h[r][v])); /* the sum so far in a register: GCC would otherwise reassociate
+                                            the 8 products of every row and spill them all */
+          }
+        }
+      }
+      for (int r = 0; r < mb; r++)
+        for (int v = 0; v < nv; v++) {
+          const __m256i s = _mm256_madd_epi16(h[r][v], one);
+          a[r][v] = t0 == 0 ? s : _mm256_add_epi32(a[r][v], s);
+        }
+    }
+    const int32_t *xs = j->xs + m0 * G + gi;
+    for (int v = 0; v < nv; v++) {
+      const __m256 sv = _mm256_loadu_ps(ps + gi * 16 + 8 * (v0 + v));
+      for (int r = 0; r < mb; r++) {
+        const __m256i c =
+            j->z ? _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16 + 8 * (v0 + v))),
+                                      _mm256_set1_epi32(xs[r * G]))
+                 : _mm256_set1_epi32(-(int32_t)j->off * xs[r * G]);
+        f[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(c, a[r][v])),
+                                  _mm256_mul_ps(_mm256_set1_ps(j->xd[(m0 + r) * G + gi]), sv), f[r][v]);
+      }
+    }
+  }
+  for (int v = 0; v < nv; v++) {
+    const int64_t cols = nn - 8 * (v0 + v) < 8 ? nn - 8 * (v0 + v) : 8;
+    for (int r = 0; r < mb; r++) {
+      float o[8];
+      _mm256_storeu_ps(o, f[r][v]);
+      memcpy(j->y + (m0 + r) * j->N + n0 + 8 * (v0 + v), o, (size_t)cols * sizeof(float));
+    }
+  }
+}
+
+/* the AVX2 4-bit kernel of mb rows: one or two rows as one panel (decode: the weights streamed once),
+   more half a panel at a time */
+KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4mb(
+    const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
+    int64_t n0, int64_t nn) {
+#if KERNEL_FN_NV == 2
+  if (nn > 8) {
+    if (j->GW == 4) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 0, 2, 4);
+    else KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 0, 2, j->GW);
+    return;
+  }
+#endif
+  for (int v = 0; v < 2 && 8 * v < nn; v++) {
+    if (j->GW == 4) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, v, 1, 4);
+    else KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, v, 1, j->GW);
+  }
+}
+
+KERNEL_FN_T2 static void KERNEL_FN_q4_avx2(const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps,
+                                           const int32_t *pz, int64_t m0, int64_t mb, int64_t n0, int64_t nn) {
+  switch (mb) {
+    case 6: KERNEL_FN_q4mb(j, pw, ps, pz, m0, 6, n0, nn); break;
+    case 5: KERNEL_FN_q4mb(j, pw, ps, pz, m0, 5, n0, nn); break;
+    case 4: KERNEL_FN_q4mb(j, pw, ps, pz, m0, 4, n0, nn); break;
+    case 3: KERNEL_FN_q4mb(j, pw, ps, pz, m0, 3, n0, nn); break;
+    case 2: KERNEL_FN_mk2q4(j, pw, ps, pz, m0, 2, n0, nn, 4); break;
+    default: KERNEL_FN_mk2q4(j, pw, ps, pz, m0, 1, n0, nn, 4); break;
+  }
+}
+
 #define KERNEL_FN_MK256(NAME, TGT, DOT, Q4)                                                             \
   TGT static inline __attribute__((always_inline)) void NAME##_mk(                                     \
       const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0,      \
@@ -751,11 +855,13 @@ static void KERNEL_FN_ipanel(const KERNEL_FN_ijob *j, int64_t c, int64_t worker)
 #endif
   else
     KERNEL_FN_pack_meta(j, n0, nn, ps, pz);
-  for (int64_t m = 0; m < j->M; m += j->mr) {
-    const int64_t mb = j->M - m < j->mr ? j->M - m : j->mr;
+  const int64_t mr = j->isa == 1 && j->bits == 4 ? KERNEL_FN_MR2 : j->mr;
+  for (int64_t m = 0; m < j->M; m += mr) {
+    const int64_t mb = j->M - m < mr ? j->M - m : mr;
 #ifdef KERNEL_FN_X86
     if (j->isa == 3) KERNEL_FN_panel_512(j, pw, ps, pz, m, mb, n0, nn);
     else if (j->isa == 2) KERNEL_FN_panel_avxvnni(j, pw, ps, pz, m, mb, n0, nn);
+    else if (j->isa == 1 && j->bits == 4) KERNEL_FN_q4_avx2(j, pw, ps, pz, m, mb, n0, nn);
     else if (j->isa == 1) KERNEL_FN_panel_avx2(j, pw, ps, pz, m, mb, n0, nn);
     else
 #endif
