@@ -11,12 +11,12 @@ output's group with the row's codes (``idot``) and no lanes are ever summed acro
 then, groups in order, ``y = fma((float)idot, d * scale, y)``. That one sequence per (row, output)
 is what every path, block of rows and thread computes: the paths give the same bits, and a row's
 result never depends on the rows beside it (the engine's batch invariance). The kernel is blocked
-as a GEMM: a panel (in L1) against 8 rows at a time (AVX-512; 4 otherwise), both cores taking runs
-of consecutive panels from the thread pool (``compiler/par.py``; a run is one stream of memory), so
-one kernel serves decode and prefill. A panel's scales are transposed into its lanes in registers
-(16 x 16 or 8 x 8 at a time; a strided scalar copy had cost more than the products). Decode (one
-row) reads every weight once from memory: as it reads a group it prefetches the codes 4 KiB on and
-a line of the scales two panels on.
+as a GEMM: a panel (in L1) against 8 rows at a time (AVX-512; 3 with AVX2 and 4 bits; else 4), both
+cores taking runs of consecutive panels from the thread pool (``compiler/par.py``; a run is one
+stream of memory), so one kernel serves decode and prefill. A panel's scales are transposed into its
+lanes in registers (16 x 16 or 8 x 8 at a time; a strided scalar copy had cost more than the
+products). Decode (one row) reads every weight once from memory: as it reads a group it prefetches
+the codes 4 KiB on and a line of the scales two panels on.
 
 The dot products use the widest integer instructions the CPU has, chosen when the kernel runs
 (``__builtin_cpu_supports``), never from the build machine's ``-march``: AVX-512 VNNI
@@ -125,12 +125,7 @@ QUANT_INT = r"""
 #define KERNEL_FN_TV __attribute__((target("avx2,fma,avxvnni")))
 #define KERNEL_FN_T5 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 #endif
-#ifndef KERNEL_FN_MR2
-#define KERNEL_FN_MR2 3
-#endif
-#ifndef KERNEL_FN_NV
-#define KERNEL_FN_NV 2
-#endif
+#define KERNEL_FN_MR2 3 /* rows per block of the AVX2 4-bit kernel (what its 16 registers hold) */
 #define KERNEL_FN_NR 16 /* output columns per panel: the lanes of one AVX-512 vector, two AVX2 ones */
 
 /* One call. Weights go through panels of NR output columns: dword p of a panel (p = gi * GW + t: a
@@ -639,22 +634,22 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_mk2q4(
   }
 }
 
-/* AVX2, 4 bits, 3 rows or more: nv vectors of 8 outputs (v0, v0 + 1: a whole panel, or half of it)
-   against mb rows, so that everything a group needs stays in the 16 registers: per word, the nibbles
-   are unpacked once for the mb rows and each row's activations broadcast once for the nv vectors;
-   per row, vpmaddubsw's pair sums add up in int16 over 4 words as above, one vpmaddwd, then the
-   correction and the group's multiply-add, as every path does. gw: the group's words (a constant 4
-   for groups of 32) */
+/* AVX2, 4 bits, 3 rows (mb, a constant): the panel's nv vectors of 8 outputs (1: a last panel of 8
+   or fewer) against mb rows, every value of a group in the 16 registers (a whole panel against 4 rows
+   took 24, and spilled): per word, the nibbles unpacked once for the rows and each row's activations
+   broadcast once for the vectors; per row, vpmaddubsw's pair sums add up in int16 over 4 words as
+   above, one vpmaddwd, then the correction and the group's multiply-add, as on every path. gw: the
+   group's words (a constant 4 for groups of 32) */
 KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4blk(
     const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
-    int64_t n0, int64_t nn, const int v0, const int nv, const int64_t gw) {
+    int64_t n0, int64_t nn, const int nv, const int64_t gw) {
   __m256 f[KERNEL_FN_MR2][2];
   for (int r = 0; r < mb; r++)
     for (int v = 0; v < nv; v++) f[r][v] = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
   const int64_t KX = j->KX, G = j->G;
   const int8_t *x0 = j->xq + m0 * KX;
-  const uint8_t *w = pw + 32 * v0;
+  const uint8_t *w = pw;
   for (int64_t gi = 0; gi < G; gi++, w += gw * 64, x0 += gw * 8) {
     __m256i a[KERNEL_FN_MR2][2];
     for (int64_t t0 = 0; t0 < gw; t0 += 4) {
@@ -669,9 +664,11 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4blk(
         }
         for (int r = 0; r < mb; r++) {
           const int8_t *x = x0 + r * KX + 8 * t;
-          const __m256i xl = _mm256_set1_epi32(*(const int32_t *)x), xh = _mm256_set1_epi32(*(const int32_t *)(x + 4));
+          const __m256i xl = _mm256_set1_epi32(*(const int32_t *)x);
+          const __m256i xh = _mm256_set1_epi32(*(const int32_t *)(x + 4));
           for (int v = 0; v < nv; v++) {
-            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], xl), _mm256_maddubs_epi16(hi[v], xh));
+            const __m256i p =
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], xl), _mm256_maddubs_epi16(hi[v], xh));
             h[r][v] = t == t0 ? p : _mm256_add_epi16(h[r][v], p);
             __asm__("" : "+x"(h[r][v])); /* the sum so far in a register: GCC would otherwise reassociate
                                             the 8 products of every row and spill them all */
@@ -686,10 +683,10 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4blk(
     }
     const int32_t *xs = j->xs + m0 * G + gi;
     for (int v = 0; v < nv; v++) {
-      const __m256 sv = _mm256_loadu_ps(ps + gi * 16 + 8 * (v0 + v));
+      const __m256 sv = _mm256_loadu_ps(ps + gi * 16 + 8 * v);
       for (int r = 0; r < mb; r++) {
         const __m256i c =
-            j->z ? _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16 + 8 * (v0 + v))),
+            j->z ? _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16 + 8 * v)),
                                       _mm256_set1_epi32(xs[r * G]))
                  : _mm256_set1_epi32(-(int32_t)j->off * xs[r * G]);
         f[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(c, a[r][v])),
@@ -698,43 +695,25 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4blk(
     }
   }
   for (int v = 0; v < nv; v++) {
-    const int64_t cols = nn - 8 * (v0 + v) < 8 ? nn - 8 * (v0 + v) : 8;
+    const int64_t cols = nn - 8 * v < 8 ? nn - 8 * v : 8;
     for (int r = 0; r < mb; r++) {
       float o[8];
       _mm256_storeu_ps(o, f[r][v]);
-      memcpy(j->y + (m0 + r) * j->N + n0 + 8 * (v0 + v), o, (size_t)cols * sizeof(float));
+      memcpy(j->y + (m0 + r) * j->N + n0 + 8 * v, o, (size_t)cols * sizeof(float));
     }
   }
 }
 
-/* the AVX2 4-bit kernel of mb rows: one or two rows as one panel (decode: the weights streamed once),
-   more half a panel at a time */
-KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4mb(
-    const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
-    int64_t n0, int64_t nn) {
-#if KERNEL_FN_NV == 2
-  if (nn > 8) {
-    if (j->GW == 4) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 0, 2, 4);
-    else KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 0, 2, j->GW);
-    return;
-  }
-#endif
-  for (int v = 0; v < 2 && 8 * v < nn; v++) {
-    if (j->GW == 4) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, v, 1, 4);
-    else KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, v, 1, j->GW);
-  }
-}
-
+/* the AVX2 4-bit kernel of mb rows: one or two as above (decode: the weights streamed, prefetched),
+   3 (KERNEL_FN_MR2) by KERNEL_FN_q4blk */
 KERNEL_FN_T2 static void KERNEL_FN_q4_avx2(const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps,
-                                           const int32_t *pz, int64_t m0, int64_t mb, int64_t n0, int64_t nn) {
-  switch (mb) {
-    case 6: KERNEL_FN_q4mb(j, pw, ps, pz, m0, 6, n0, nn); break;
-    case 5: KERNEL_FN_q4mb(j, pw, ps, pz, m0, 5, n0, nn); break;
-    case 4: KERNEL_FN_q4mb(j, pw, ps, pz, m0, 4, n0, nn); break;
-    case 3: KERNEL_FN_q4mb(j, pw, ps, pz, m0, 3, n0, nn); break;
-    case 2: KERNEL_FN_mk2q4(j, pw, ps, pz, m0, 2, n0, nn, 4); break;
-    default: KERNEL_FN_mk2q4(j, pw, ps, pz, m0, 1, n0, nn, 4); break;
-  }
+                                           const int32_t *pz, int64_t m0, int64_t mb, int64_t n0,
+                                           int64_t nn) {
+  if (mb == 1) KERNEL_FN_mk2q4(j, pw, ps, pz, m0, 1, n0, nn, 4);
+  else if (mb == 2) KERNEL_FN_mk2q4(j, pw, ps, pz, m0, 2, n0, nn, 4);
+  else if (nn <= 8) KERNEL_FN_q4blk(j, pw, ps, pz, m0, 3, n0, nn, 1, j->GW); /* one vector's outputs */
+  else if (j->GW == 4) KERNEL_FN_q4blk(j, pw, ps, pz, m0, 3, n0, nn, 2, 4);
+  else KERNEL_FN_q4blk(j, pw, ps, pz, m0, 3, n0, nn, 2, j->GW);
 }
 
 #define KERNEL_FN_MK256(NAME, TGT, DOT, Q4)                                                             \
@@ -855,9 +834,8 @@ static void KERNEL_FN_ipanel(const KERNEL_FN_ijob *j, int64_t c, int64_t worker)
 #endif
   else
     KERNEL_FN_pack_meta(j, n0, nn, ps, pz);
-  const int64_t mr = j->isa == 1 && j->bits == 4 ? KERNEL_FN_MR2 : j->mr;
-  for (int64_t m = 0; m < j->M; m += mr) {
-    const int64_t mb = j->M - m < mr ? j->M - m : mr;
+  for (int64_t m = 0; m < j->M; m += j->mr) {
+    const int64_t mb = j->M - m < j->mr ? j->M - m : j->mr;
 #ifdef KERNEL_FN_X86
     if (j->isa == 3) KERNEL_FN_panel_512(j, pw, ps, pz, m, mb, n0, nn);
     else if (j->isa == 2) KERNEL_FN_panel_avxvnni(j, pw, ps, pz, m, mb, n0, nn);
@@ -889,7 +867,8 @@ static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t
                       has_z ? (const uint8_t *)bufs[3] : NULL, (float *)bufs[3 + has_z], NULL, NULL, NULL,
                       NULL,
                       M, K, N, G, g, gb, GW, XB, G * GW * XB, bits == 8 ? K : K / 2, bits, isa,
-                      0, 0, 0, isa == 3 ? 8 : 4, 1, packed != 0, 1, packed == 2, 0};
+                      0, 0, 0, isa == 3 ? 8 : isa == 1 && bits == 4 ? KERNEL_FN_MR2 : 4, 1, packed != 0, 1,
+                      packed == 2, 0};
   if (G == 0 || M == 0 || N == 0) {
     for (int64_t i = 0; i < M * N; i++) j.y[i] = 0.0f;
     return;
