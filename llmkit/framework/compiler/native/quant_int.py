@@ -125,7 +125,6 @@ QUANT_INT = r"""
 #define KERNEL_FN_TV __attribute__((target("avx2,fma,avxvnni")))
 #define KERNEL_FN_T5 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 #endif
-#define KERNEL_FN_MR2 3 /* rows per block of the AVX2 4-bit kernel (what its 16 registers hold) */
 #define KERNEL_FN_NR 16 /* output columns per panel: the lanes of one AVX-512 vector, two AVX2 ones */
 
 /* One call. Weights go through panels of NR output columns: dword p of a panel (p = gi * GW + t: a
@@ -634,16 +633,16 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_mk2q4(
   }
 }
 
-/* AVX2, 4 bits, 3 rows (mb, a constant): the panel's nv vectors of 8 outputs (1: a last panel of 8
-   or fewer) against mb rows, every value of a group in the 16 registers (a whole panel against 4 rows
-   took 24, and spilled): per word, the nibbles unpacked once for the rows and each row's activations
-   broadcast once for the vectors; per row, vpmaddubsw's pair sums add up in int16 over 4 words as
-   above, one vpmaddwd, then the correction and the group's multiply-add, as on every path. gw: the
-   group's words (a constant 4 for groups of 32) */
+/* AVX2, 4 bits, 2 or 3 rows (mb, a constant): the panel's nv vectors of 8 outputs (1: a last panel
+   of 8 or fewer) against mb rows, every value of a group in the 16 registers (a panel against 4 rows
+   took 24, and spilled; so j.mr is 3): per word, the nibbles unpacked once for the rows and each
+   row's activations broadcast once for the vectors; per row, vpmaddubsw's pair sums add up in int16
+   over 4 words as above, one vpmaddwd, then the correction and the group's multiply-add, as on every
+   path. gw: the group's words (a constant 4 for groups of 32) */
 KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4blk(
     const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
     int64_t n0, int64_t nn, const int nv, const int64_t gw) {
-  __m256 f[KERNEL_FN_MR2][2];
+  __m256 f[4][2];
   for (int r = 0; r < mb; r++)
     for (int v = 0; v < nv; v++) f[r][v] = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
@@ -651,10 +650,10 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4blk(
   const int8_t *x0 = j->xq + m0 * KX;
   const uint8_t *w = pw;
   for (int64_t gi = 0; gi < G; gi++, w += gw * 64, x0 += gw * 8) {
-    __m256i a[KERNEL_FN_MR2][2];
+    __m256i a[4][2];
     for (int64_t t0 = 0; t0 < gw; t0 += 4) {
       const int64_t t1 = gw - t0 < 4 ? gw : t0 + 4;
-      __m256i h[KERNEL_FN_MR2][2];
+      __m256i h[4][2];
       for (int64_t t = t0; t < t1; t++) {
         __m256i lo[2], hi[2];
         for (int v = 0; v < nv; v++) {
@@ -704,16 +703,15 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4blk(
   }
 }
 
-/* the AVX2 4-bit kernel of mb rows: one or two as above (decode: the weights streamed, prefetched),
-   3 (KERNEL_FN_MR2) by KERNEL_FN_q4blk */
-KERNEL_FN_T2 static void KERNEL_FN_q4_avx2(const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps,
-                                           const int32_t *pz, int64_t m0, int64_t mb, int64_t n0,
-                                           int64_t nn) {
-  if (mb == 1) KERNEL_FN_mk2q4(j, pw, ps, pz, m0, 1, n0, nn, 4);
-  else if (mb == 2) KERNEL_FN_mk2q4(j, pw, ps, pz, m0, 2, n0, nn, 4);
-  else if (nn <= 8) KERNEL_FN_q4blk(j, pw, ps, pz, m0, 3, n0, nn, 1, j->GW); /* one vector's outputs */
-  else if (j->GW == 4) KERNEL_FN_q4blk(j, pw, ps, pz, m0, 3, n0, nn, 2, 4);
-  else KERNEL_FN_q4blk(j, pw, ps, pz, m0, 3, n0, nn, 2, j->GW);
+/* the AVX2 4-bit kernel of mb rows (a constant): one as above (decode: the weights streamed,
+   prefetched), more by KERNEL_FN_q4blk */
+KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4_avx2(
+    const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
+    int64_t n0, int64_t nn, const int bits) {
+  if (mb == 1) KERNEL_FN_mk2q4(j, pw, ps, pz, m0, 1, n0, nn, bits);
+  else if (nn <= 8) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 1, j->GW); /* one vector's outputs */
+  else if (j->GW == 4) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 2, 4);
+  else KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 2, j->GW);
 }
 
 #define KERNEL_FN_MK256(NAME, TGT, DOT, Q4)                                                             \
@@ -780,7 +778,7 @@ KERNEL_FN_T2 static void KERNEL_FN_q4_avx2(const KERNEL_FN_ijob *j, const uint8_
       default: NAME##_mk(j, pw, ps, pz, m0, 1, n0, nn, 8); break;                                     \
     }                                                                                                 \
   }
-KERNEL_FN_MK256(KERNEL_FN_panel_avx2, KERNEL_FN_T2, KERNEL_FN_DOT_AVX2, KERNEL_FN_mk2q4)
+KERNEL_FN_MK256(KERNEL_FN_panel_avx2, KERNEL_FN_T2, KERNEL_FN_DOT_AVX2, KERNEL_FN_q4_avx2)
 KERNEL_FN_MK256(KERNEL_FN_panel_avxvnni, KERNEL_FN_TV, KERNEL_FN_DOT_VNNI, KERNEL_FN_panel_avxvnni_mk)
 #endif
 
@@ -839,7 +837,6 @@ static void KERNEL_FN_ipanel(const KERNEL_FN_ijob *j, int64_t c, int64_t worker)
 #ifdef KERNEL_FN_X86
     if (j->isa == 3) KERNEL_FN_panel_512(j, pw, ps, pz, m, mb, n0, nn);
     else if (j->isa == 2) KERNEL_FN_panel_avxvnni(j, pw, ps, pz, m, mb, n0, nn);
-    else if (j->isa == 1 && j->bits == 4) KERNEL_FN_q4_avx2(j, pw, ps, pz, m, mb, n0, nn);
     else if (j->isa == 1) KERNEL_FN_panel_avx2(j, pw, ps, pz, m, mb, n0, nn);
     else
 #endif
@@ -867,7 +864,7 @@ static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t
                       has_z ? (const uint8_t *)bufs[3] : NULL, (float *)bufs[3 + has_z], NULL, NULL, NULL,
                       NULL,
                       M, K, N, G, g, gb, GW, XB, G * GW * XB, bits == 8 ? K : K / 2, bits, isa,
-                      0, 0, 0, isa == 3 ? 8 : isa == 1 && bits == 4 ? KERNEL_FN_MR2 : 4, 1, packed != 0, 1,
+                      0, 0, 0, isa == 3 ? 8 : isa == 1 && bits == 4 ? 3 : 4, 1, packed != 0, 1,
                       packed == 2, 0};
   if (G == 0 || M == 0 || N == 0) {
     for (int64_t i = 0; i < M * N; i++) j.y[i] = 0.0f;
