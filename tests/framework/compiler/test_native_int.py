@@ -41,6 +41,7 @@ CASES = [
     (4, 5, 144, 48, True),
     (4, 3, 98, -1, True),
     (4, 16, 64, 32, False),
+    (4, 28, 64, 32, False),  # a last panel of 12 outputs: a vector and a part
     (4, 7, 200, -1, True),  # a 128-column unit, then 64, then 8 columns in C
     (4, 5, 320, 160, False),  # per group: a unit of 128, then 32
 ]
@@ -94,7 +95,7 @@ def reference(x, qz, scales, col):
     return y, (groups + 12) * 2.0**-24 * bound
 
 
-@pytest.mark.parametrize("m", [1, 6, 13, 33])
+@pytest.mark.parametrize("m", [1, 8, 13, 33])  # AVX2 4 bits: blocks of 3 rows, then 2 or 1
 @pytest.mark.parametrize("bits,out,n_in,group,asym", CASES)
 def test_every_path_matches_float64_and_rows_are_independent_bitwise(
     op, isa, m, bits, out, n_in, group, asym

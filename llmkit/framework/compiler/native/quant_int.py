@@ -11,12 +11,12 @@ output's group with the row's codes (``idot``) and no lanes are ever summed acro
 then, groups in order, ``y = fma((float)idot, d * scale, y)``. That one sequence per (row, output)
 is what every path, block of rows and thread computes: the paths give the same bits, and a row's
 result never depends on the rows beside it (the engine's batch invariance). The kernel is blocked
-as a GEMM: a panel (in L1) against 8 rows at a time (AVX-512; 4 otherwise), both cores taking runs
-of consecutive panels from the thread pool (``compiler/par.py``; a run is one stream of memory), so
-one kernel serves decode and prefill. A panel's scales are transposed into its lanes in registers
-(16 x 16 or 8 x 8 at a time; a strided scalar copy had cost more than the products). Decode (one
-row) reads every weight once from memory: as it reads a group it prefetches the codes 4 KiB on and
-a line of the scales two panels on.
+as a GEMM: a panel (in L1) against 8 rows at a time (AVX-512; 3 with AVX2 and 4 bits; else 4), both
+cores taking runs of consecutive panels from the thread pool (``compiler/par.py``; a run is one
+stream of memory), so one kernel serves decode and prefill. A panel's scales are transposed into its
+lanes in registers (16 x 16 or 8 x 8 at a time; a strided scalar copy had cost more than the
+products). Decode (one row) reads every weight once from memory: as it reads a group it prefetches
+the codes 4 KiB on and a line of the scales two panels on.
 
 The dot products use the widest integer instructions the CPU has, chosen when the kernel runs
 (``__builtin_cpu_supports``), never from the build machine's ``-march``: AVX-512 VNNI
@@ -633,6 +633,87 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_mk2q4(
   }
 }
 
+/* AVX2, 4 bits, 2 or 3 rows (mb, a constant): the panel's nv vectors of 8 outputs (1: a last panel
+   of 8 or fewer) against mb rows, every value of a group in the 16 registers (a panel against 4 rows
+   took 24, and spilled; so j.mr is 3): per word, the nibbles unpacked once for the rows and each
+   row's activations broadcast once for the vectors; per row, vpmaddubsw's pair sums add up in int16
+   over 4 words as above, one vpmaddwd, then the correction and the group's multiply-add, as on every
+   path. gw: the group's words (a constant 4 for groups of 32) */
+KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4blk(
+    const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
+    int64_t n0, int64_t nn, const int nv, const int64_t gw) {
+  __m256 f[4][2];
+  for (int r = 0; r < mb; r++)
+    for (int v = 0; v < nv; v++) f[r][v] = _mm256_setzero_ps();
+  const __m256i lo4 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
+  const int64_t KX = j->KX, G = j->G;
+  const int8_t *x0 = j->xq + m0 * KX;
+  const uint8_t *w = pw;
+  for (int64_t gi = 0; gi < G; gi++, w += gw * 64, x0 += gw * 8) {
+    __m256i a[4][2];
+    for (int64_t t0 = 0; t0 < gw; t0 += 4) {
+      const int64_t t1 = gw - t0 < 4 ? gw : t0 + 4;
+      __m256i h[4][2];
+      for (int64_t t = t0; t < t1; t++) {
+        __m256i lo[2], hi[2];
+        for (int v = 0; v < nv; v++) {
+          const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + t * 64 + 32 * v));
+          lo[v] = _mm256_and_si256(wv, lo4);
+          hi[v] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), lo4);
+        }
+        for (int r = 0; r < mb; r++) {
+          const int8_t *x = x0 + r * KX + 8 * t;
+          const __m256i xl = _mm256_set1_epi32(*(const int32_t *)x);
+          const __m256i xh = _mm256_set1_epi32(*(const int32_t *)(x + 4));
+          for (int v = 0; v < nv; v++) {
+            const __m256i p =
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], xl), _mm256_maddubs_epi16(hi[v], xh));
+            h[r][v] = t == t0 ? p : _mm256_add_epi16(h[r][v], p);
+            __asm__("" : "+x"(h[r][v])); /* the sum so far in a register: GCC would otherwise reassociate
+                                            the 8 products of every row and spill them all */
+          }
+        }
+      }
+      for (int r = 0; r < mb; r++)
+        for (int v = 0; v < nv; v++) {
+          const __m256i s = _mm256_madd_epi16(h[r][v], one);
+          a[r][v] = t0 == 0 ? s : _mm256_add_epi32(a[r][v], s);
+        }
+    }
+    const int32_t *xs = j->xs + m0 * G + gi;
+    for (int v = 0; v < nv; v++) {
+      const __m256 sv = _mm256_loadu_ps(ps + gi * 16 + 8 * v);
+      for (int r = 0; r < mb; r++) {
+        const __m256i c =
+            j->z ? _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16 + 8 * v)),
+                                      _mm256_set1_epi32(xs[r * G]))
+                 : _mm256_set1_epi32(-(int32_t)j->off * xs[r * G]);
+        f[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(c, a[r][v])),
+                                  _mm256_mul_ps(_mm256_set1_ps(j->xd[(m0 + r) * G + gi]), sv), f[r][v]);
+      }
+    }
+  }
+  for (int v = 0; v < nv; v++) {
+    const int64_t cols = nn - 8 * v < 8 ? nn - 8 * v : 8;
+    for (int r = 0; r < mb; r++) {
+      float o[8];
+      _mm256_storeu_ps(o, f[r][v]);
+      memcpy(j->y + (m0 + r) * j->N + n0 + 8 * v, o, (size_t)cols * sizeof(float));
+    }
+  }
+}
+
+/* the AVX2 4-bit kernel of mb rows (a constant): one as above (decode: the weights streamed,
+   prefetched), more by KERNEL_FN_q4blk */
+KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4_avx2(
+    const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
+    int64_t n0, int64_t nn, const int bits) {
+  if (mb == 1) KERNEL_FN_mk2q4(j, pw, ps, pz, m0, 1, n0, nn, bits);
+  else if (nn <= 8) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 1, j->GW); /* one vector's outputs */
+  else if (j->GW == 4) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 2, 4);
+  else KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 2, j->GW);
+}
+
 #define KERNEL_FN_MK256(NAME, TGT, DOT, Q4)                                                             \
   TGT static inline __attribute__((always_inline)) void NAME##_mk(                                     \
       const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0,      \
@@ -697,7 +778,7 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_mk2q4(
       default: NAME##_mk(j, pw, ps, pz, m0, 1, n0, nn, 8); break;                                     \
     }                                                                                                 \
   }
-KERNEL_FN_MK256(KERNEL_FN_panel_avx2, KERNEL_FN_T2, KERNEL_FN_DOT_AVX2, KERNEL_FN_mk2q4)
+KERNEL_FN_MK256(KERNEL_FN_panel_avx2, KERNEL_FN_T2, KERNEL_FN_DOT_AVX2, KERNEL_FN_q4_avx2)
 KERNEL_FN_MK256(KERNEL_FN_panel_avxvnni, KERNEL_FN_TV, KERNEL_FN_DOT_VNNI, KERNEL_FN_panel_avxvnni_mk)
 #endif
 
@@ -783,7 +864,8 @@ static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t
                       has_z ? (const uint8_t *)bufs[3] : NULL, (float *)bufs[3 + has_z], NULL, NULL, NULL,
                       NULL,
                       M, K, N, G, g, gb, GW, XB, G * GW * XB, bits == 8 ? K : K / 2, bits, isa,
-                      0, 0, 0, isa == 3 ? 8 : 4, 1, packed != 0, 1, packed == 2, 0};
+                      0, 0, 0, isa == 3 ? 8 : isa == 1 && bits == 4 ? 3 : 4, 1, packed != 0, 1,
+                      packed == 2, 0};
   if (G == 0 || M == 0 || N == 0) {
     for (int64_t i = 0; i < M * N; i++) j.y[i] = 0.0f;
     return;
