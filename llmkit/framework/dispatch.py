@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import backend as B
-from .opspec import REQUIRED, OpError, OpSpec, describe, get
+from .opspec import REQUIRED, OpError, OpSpec, describe, get, table
 from .tape import Node, grad_mode
 from .tensor import Tensor, register_value_error
 
@@ -102,6 +102,8 @@ def register_eager_native(kernel: Callable[[OpSpec, list, dict], Callable[..., A
     like the reference kernel, or None); the compiler registers it (``compiler/native/run.py``)."""
     global _native
     _native = kernel
+    for spec in table().values():  # host calls choose their kernel afresh
+        spec.eager.clear()
 
 
 class EagerWorld(World):
@@ -153,9 +155,7 @@ def run_arrays(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) 
             if len(seen) >= _VALIDATED_MAX:
                 seen.clear()
             seen.add(key)
-    kernel = spec.kernel
-    if spec.native is not None and _native is not None and xp is np:
-        kernel = _native(spec, arrays, attrs) or kernel
+    kernel = _kernel_of(spec, xp, arrays, attrs)
     table = profile_table
     t0 = time.perf_counter() if table is not None else 0.0
     try:
@@ -163,14 +163,40 @@ def run_arrays(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) 
     except OpError:
         raise
     except Exception as e:
-        shown = ", ".join(describe(a) for a in arrays)
-        raise OpError(f"{spec.name}: kernel failed on ({shown}): {e}") from e
+        raise _kernel_error(spec, arrays, e) from e
     if table is not None:
         record(table, f"llm.{spec.name}", time.perf_counter() - t0, spec.kind, arrays, attrs, out)
-    # numpy reductions and 0-d arithmetic return numpy scalars; payloads are always arrays.
+    return out if type(out) is np.ndarray else _as_payloads(spec, xp, out)
+
+
+def _kernel_of(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) -> Callable[..., Any]:
+    if spec.native is not None and _native is not None and xp is np:
+        return _native(spec, arrays, attrs) or spec.kernel
+    return spec.kernel
+
+
+def _kernel_error(spec: OpSpec, arrays: list[Any], e: Exception) -> OpError:
+    return OpError(f"{spec.name}: kernel failed on ({', '.join(describe(a) for a in arrays)}): {e}")
+
+
+def _as_payloads(spec: OpSpec, xp: Any, out: Any) -> Any:
+    """numpy reductions and 0-d arithmetic return numpy scalars; payloads are always arrays."""
     if spec.multi_output:
         return tuple(o if type(o) is np.ndarray else xp.asarray(o) for o in out)
-    return out if type(out) is np.ndarray else xp.asarray(out)
+    return xp.asarray(out)
+
+
+def _eager_entry(spec: OpSpec, arrays: list[Any], attrs: dict[str, Any], key: Any) -> tuple:
+    """(bound attributes, kernel) of a host call with these arrays and attributes as given,
+    validated by ``infer_meta``; kept under ``key`` (None: an unhashable attribute, kept nowhere)."""
+    bound = spec.bind(attrs) if attrs or spec.attrs else attrs
+    spec.infer_meta(*arrays, **bound)
+    entry = (bound, _kernel_of(spec, np, arrays, bound))
+    if key is not None:
+        if len(spec.eager) >= _VALIDATED_MAX:
+            spec.eager.clear()
+        spec.eager[key] = entry
+    return entry
 
 
 _VALIDATED_MAX = 4096  # signatures remembered per op (inference sees many sequence lengths)
@@ -235,9 +261,11 @@ def _scalar_dtype(spec: OpSpec, value: Any, ref: Any) -> np.dtype:
 
 def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
     """Apply an op to tensors (or Python scalars / arrays, lifted to constants) and return Tensors."""
-    spec = op if type(op) is OpSpec else get(op)  # type: ignore[arg-type]
-    if attrs or spec.attrs:
-        attrs = spec.bind(attrs)
+    return _apply(op if type(op) is OpSpec else get(op), inputs, attrs)  # type: ignore[arg-type]
+
+
+def _apply(spec: OpSpec, inputs: tuple, attrs: dict[str, Any]) -> Any:
+    """``apply`` with the inputs and attributes as given (not bound yet)."""
     n = len(inputs)
     while n > spec.min_inputs and inputs[n - 1] is None:  # omitted trailing optional inputs
         n -= 1
@@ -269,10 +297,36 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
                     p if type(p) is np.ndarray else np.asarray(p, dtype=_scalar_dtype(spec, p, ref))
                     for p in payloads
                 ]
-            out = run_arrays(spec, np, payloads, attrs)
+            if profile_table is not None:
+                attrs = spec.bind(attrs) if attrs or spec.attrs else attrs
+                out = run_arrays(spec, np, payloads, attrs)
+            else:  # one lookup per (input shapes and dtypes, attributes as given): bound and validated
+                if n == 1:
+                    a = payloads[0]
+                    key: Any = (a.shape, a.dtype, *attrs.items())
+                elif n == 2:
+                    a, b = payloads
+                    key = (a.shape, a.dtype, b.shape, b.dtype, *attrs.items())
+                else:
+                    key = (*[(p.shape, p.dtype) for p in payloads], *attrs.items())
+                try:
+                    entry = spec.eager.get(key)
+                except TypeError:  # an unhashable attribute
+                    entry = key = None
+                attrs, kernel = entry or _eager_entry(spec, payloads, attrs, key)
+                try:
+                    out = kernel(np, *payloads, **attrs)
+                except OpError:
+                    raise
+                except Exception as e:
+                    raise _kernel_error(spec, payloads, e) from e
+                if type(out) is not np.ndarray:
+                    out = _as_payloads(spec, np, out)
             if grad or spec.multi_output:
                 return _record(spec, inputs, out, attrs, payloads if lifted else None)
             return _wrap(out)  # no input requires grad: nothing to record
+    if attrs or spec.attrs:
+        attrs = spec.bind(attrs)
     return _apply_general(spec, inputs, attrs)
 
 
@@ -376,7 +430,7 @@ def _make_public(spec: OpSpec) -> Callable[..., Any]:
     def fn(*args: Any, **kw: Any) -> Any:
         n = len(args)
         if n == n_in and not variadic:  # the common call: the inputs, attributes by keyword
-            return apply(spec, *args, **kw)
+            return _apply(spec, args, kw)
         if n > n_in:
             extra = args[n_in:]
             if len(extra) > len(attr_names):
@@ -397,8 +451,8 @@ def _make_public(spec: OpSpec) -> Callable[..., Any]:
             xs = inputs[0]
             if xs is None or not isinstance(xs, (list, tuple)):
                 raise OpError(f"{spec.name}: expects a list of tensors as its first argument")
-            return apply(spec, *xs, **kw)
-        return apply(spec, *inputs, **kw)
+            return _apply(spec, tuple(xs), kw)
+        return _apply(spec, tuple(inputs), kw)
 
     params = []
     if spec.variadic:

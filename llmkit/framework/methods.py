@@ -13,7 +13,7 @@ from typing import Any
 
 from . import backend as B
 from .autograd import backward
-from .dispatch import O, apply, public
+from .dispatch import O, _apply, apply, public
 from .indexing import getitem
 from .opspec import Kind, Trait, get, table
 from .tensor import Tensor
@@ -42,7 +42,7 @@ class _Written:
 
     def reshape(self, *shape: Any) -> Tensor:
         """``x.reshape(2, -1)`` or ``x.reshape((2, -1))``."""
-        return O.reshape(self, shape=_shape_args(shape))
+        return _apply(_VIEWS["reshape"], (self,), {"shape": _shape_args(shape)})
 
     view = reshape
 
@@ -54,7 +54,12 @@ class _Written:
             full = list(range(self.ndim))
             full[i], full[j] = full[j], full[i]
             p = tuple(full)
-        return O.transpose(self, perm=p)
+        return _apply(_VIEWS["transpose"], (self,), {"perm": p})
+
+    @property
+    def T(self) -> Tensor:
+        """All axes reversed (numpy's ``.T``)."""
+        return _apply(_VIEWS["transpose"], (self,), {"perm": tuple(range(len(self._data.shape) - 1, -1, -1))})
 
     def permute(self, *perm: Any) -> Tensor:
         return O.transpose(self, perm=_shape_args(perm))
@@ -97,12 +102,14 @@ _OPERATORS = {
     "__or__": ("logical_or", False),
 }
 _UNARY = {"__neg__": "neg", "__abs__": "abs", "__invert__": "logical_not"}
+_VIEWS: dict = {}  # the specs the written view methods apply (found by install)
 
 
 def install() -> None:
     """Install the written methods, the operators, and a method per op whose first input is a
     tensor (unless Tensor has that name already, or the op is ``internal`` or communication:
     ``dist.reshard`` moves data between ranks)."""
+    _VIEWS.update(reshape=get("reshape"), transpose=get("transpose"))
     for name, fn in vars(_Written).items():
         if not name.startswith("__") or name == "__getitem__":
             setattr(Tensor, name, fn)

@@ -176,19 +176,22 @@ def _ce_kernel(xp, logits, labels, ignore_index=-100, label_smoothing=0.0, reduc
     m = logits.max(axis=-1, keepdims=True)
     e = logits - m
     xp.exp(e, out=e)
-    lse = xp.log(e.sum(axis=-1, keepdims=True)) + m
-    picked = xp.take_along_axis(logits, safe[..., None], axis=-1)
-    nll = (lse - picked)[..., 0]
+    lse = e.sum(axis=-1, keepdims=True)
+    xp.log(lse, out=lse)
+    lse += m
+    rows = logits.reshape(-1, logits.shape[-1])  # each row's label's logit
+    picked = rows[xp.arange(rows.shape[0]), safe.reshape(-1)].reshape(labels.shape)
+    nll = lse[..., 0] - picked
     if label_smoothing:
         smooth = lse[..., 0] - xp.mean(logits, axis=-1)
         nll = (1.0 - label_smoothing) * nll + label_smoothing * smooth
     nll = xp.where(valid, nll, 0).astype(logits.dtype, copy=False)
     if reduction == "none":
         return nll.astype(dtype, copy=False)
-    total = xp.sum(nll, dtype=logits.dtype)
+    total = nll.sum(dtype=logits.dtype)
     if reduction == "sum":
         return total.astype(dtype)
-    return (total / xp.asarray(xp.sum(valid), dtype=logits.dtype)).astype(dtype)
+    return (total / xp.asarray(xp.count_nonzero(valid), dtype=logits.dtype)).astype(dtype)
 
 
 def _ce_parts(logits, labels, ignore_index, label_smoothing):
