@@ -23,8 +23,15 @@ _PLANS: dict = {}  # (an index of ints, slices, None and ..., the shape) -> its 
 
 def getitem(x: Tensor, index: Any) -> Tensor:
     idx = index if type(index) is tuple else (index,)
-    if all(type(i) in _PLAIN for i in idx):  # no tensor: the ops depend on the shape alone
-        key = (tuple((i.start, i.stop, i.step) if type(i) is slice else i for i in idx), x.shape)
+    if type(index) is int or all(
+        type(i) in _PLAIN for i in idx
+    ):  # no tensor: the ops depend on the shape alone
+        key = (
+            index
+            if type(index) is int
+            else tuple((i.start, i.stop, i.step) if type(i) is slice else i for i in idx),
+            x.shape,
+        )
         plan = _PLANS.get(key)
         if plan is None:
             if len(_PLANS) >= 4096:

@@ -13,7 +13,7 @@ from typing import Any
 
 from . import backend as B
 from .autograd import backward
-from .dispatch import O, _apply, apply, public
+from .dispatch import O, _apply, public
 from .indexing import getitem
 from .opspec import Kind, Trait, get, table
 from .tensor import Tensor
@@ -116,13 +116,13 @@ def install() -> None:
 
     def binary(spec, reflected):
         if reflected:
-            return lambda self, other: apply(spec, other, self)
-        return lambda self, other: apply(spec, self, other)
+            return lambda self, other: _apply(spec, (other, self), {})
+        return lambda self, other: _apply(spec, (self, other), {})
 
     for dunder, (name, reflected) in _OPERATORS.items():
         setattr(Tensor, dunder, binary(get(name), reflected))
     for dunder, name in _UNARY.items():
-        setattr(Tensor, dunder, (lambda spec: lambda self: apply(spec, self))(get(name)))
+        setattr(Tensor, dunder, (lambda spec: lambda self: _apply(spec, (self,), {}))(get(name)))
     for name, spec in table().items():
         if (
             not spec.inputs

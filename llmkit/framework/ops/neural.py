@@ -172,7 +172,9 @@ def _ce_meta(logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="
 def _ce_kernel(xp, logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
     dtype, logits = logits.dtype, logits.astype(B.accumulation_dtype(logits.dtype), copy=False)
     valid = labels != ignore_index
-    safe = xp.where(valid, labels, 0)
+    count = int(xp.count_nonzero(valid))
+    every = count == valid.size  # no label ignored: the two where()s below keep everything
+    safe = labels if every else xp.where(valid, labels, 0)
     m = logits.max(axis=-1, keepdims=True)
     e = logits - m
     xp.exp(e, out=e)
@@ -185,13 +187,13 @@ def _ce_kernel(xp, logits, labels, ignore_index=-100, label_smoothing=0.0, reduc
     if label_smoothing:
         smooth = lse[..., 0] - xp.mean(logits, axis=-1)
         nll = (1.0 - label_smoothing) * nll + label_smoothing * smooth
-    nll = xp.where(valid, nll, 0).astype(logits.dtype, copy=False)
+    nll = (nll if every else xp.where(valid, nll, 0)).astype(logits.dtype, copy=False)
     if reduction == "none":
         return nll.astype(dtype, copy=False)
     total = nll.sum(dtype=logits.dtype)
     if reduction == "sum":
         return total.astype(dtype)
-    return (total / xp.asarray(xp.count_nonzero(valid), dtype=logits.dtype)).astype(dtype)
+    return (total / xp.asarray(count, dtype=logits.dtype)).astype(dtype)
 
 
 def _ce_parts(logits, labels, ignore_index, label_smoothing):
