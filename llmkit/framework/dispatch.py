@@ -330,6 +330,16 @@ def _apply(spec: OpSpec, inputs: tuple, attrs: dict[str, Any]) -> Any:
     return _apply_general(spec, inputs, attrs)
 
 
+def host_array(x: Tensor) -> np.ndarray | None:
+    """x's host array where a view of it needs no op record: no gradient to track, outside any
+    trace or profile (None otherwise); views (``.T``, ``x[1]``) then are numpy's own, and the op
+    runs only for an error or a gradient."""
+    d = x._data
+    if type(d) is np.ndarray and not (x.requires_grad and grad_mode.enabled) and profile_table is None:
+        return None if _local.stack else d
+    return None
+
+
 def _apply_general(spec: OpSpec, inputs: tuple, attrs: dict[str, Any]) -> Any:
     """``apply`` with scalars to lift, tensors of other worlds, or an ambient world."""
     world: World | None = None

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import backend as B
-from .dispatch import O, _apply
+from .dispatch import O, _apply, host_array
 from .ops.views import END
 from .opspec import get
 from .tensor import Tensor
@@ -37,6 +37,14 @@ def getitem(x: Tensor, index: Any) -> Tensor:
             if len(_PLANS) >= 4096:
                 _PLANS.clear()
             plan = _PLANS[key] = _plan(x, idx)[0]
+        a = host_array(x)  # a valid index (it has a plan): numpy's basic indexing makes the same view
+        if a is not None:
+            try:
+                v = a[index]
+            except TypeError:  # slice bounds that are no ints (the plan makes them ints)
+                v = None
+            if type(v) is np.ndarray:
+                return Tensor._wrap(v)
     else:
         plan, gather, squeeze = _plan(x, idx)
         if gather is not None:

@@ -13,10 +13,12 @@ from typing import Any
 
 from . import backend as B
 from .autograd import backward
-from .dispatch import O, _apply, public
+from .dispatch import O, _apply, host_array, public
 from .indexing import getitem
 from .opspec import Kind, Trait, get, table
 from .tensor import Tensor
+
+_wrap = Tensor._wrap
 
 
 def _shape_args(args: tuple) -> tuple:
@@ -42,7 +44,14 @@ class _Written:
 
     def reshape(self, *shape: Any) -> Tensor:
         """``x.reshape(2, -1)`` or ``x.reshape((2, -1))``."""
-        return _apply(_VIEWS["reshape"], (self,), {"shape": _shape_args(shape)})
+        shape = _shape_args(shape)
+        a = host_array(self)
+        if a is not None:
+            try:
+                return _wrap(a.reshape(shape))
+            except (TypeError, ValueError):  # the op's own error
+                pass
+        return _apply(_VIEWS["reshape"], (self,), {"shape": shape})
 
     view = reshape
 
@@ -59,6 +68,9 @@ class _Written:
     @property
     def T(self) -> Tensor:
         """All axes reversed (numpy's ``.T``)."""
+        a = host_array(self)
+        if a is not None:
+            return _wrap(a.T)
         return _apply(_VIEWS["transpose"], (self,), {"perm": tuple(range(len(self._data.shape) - 1, -1, -1))})
 
     def permute(self, *perm: Any) -> Tensor:
