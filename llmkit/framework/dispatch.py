@@ -121,41 +121,41 @@ class EagerWorld(World):
                 break
         if xp is not np:  # an op on the GPU: host arrays among its inputs move there
             arrays = [xp.asarray(a) if type(a) is np.ndarray else a for a in arrays]
-        return run_arrays(spec, xp, arrays, attrs)
+        return run_arrays(spec, xp, arrays, attrs)[0]
 
     def constant(self, value: Any, dtype: np.dtype, like: Any = None) -> Any:
         xp = B.xp_of(like) if like is not None else B.xp_for(B.get_device())
         return xp.asarray(value, dtype=dtype)
 
 
-def run_arrays(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) -> Any:
-    """An eager op on arrays of ``xp``: validated by its ``infer_meta`` (one clear error naming the
-    op and the shapes), which runs once per op for each combination of input shapes, dtypes and
-    attributes it accepted (it reads nothing else); then on host arrays its C kernel where one
-    applies, else its reference kernel."""
+def run_arrays(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) -> tuple[Any, dict]:
+    """An eager op on arrays of ``xp``, and its bound attributes. One dict lookup per combination of
+    input shapes, dtypes and attributes as given finds them bound, validated by ``infer_meta`` (one
+    clear error naming the op and the shapes; it reads nothing else) and the kernel: the C kernel
+    where one applies (it runs the reference kernel off the host), else the reference kernel."""
     n = len(arrays)
-    if n == 2:
-        a, b = arrays
-        key: Any = (a.shape, a.dtype, b.shape, b.dtype)
-    elif n == 1:
+    if n == 1:
         a = arrays[0]
-        key = (a.shape, a.dtype)
+        key: Any = (a.shape, a.dtype, *attrs.items())
+    elif n == 2:
+        a, b = arrays
+        key = (a.shape, a.dtype, b.shape, b.dtype, *attrs.items())
     else:
-        key = tuple([(a.shape, a.dtype) for a in arrays])
-    if attrs:
-        key = (key, *attrs.items())
-    seen = spec.validated
+        key = (*[(a.shape, a.dtype) for a in arrays], *attrs.items())
     try:
-        known = key in seen
-    except TypeError:  # an unhashable attribute: validate every call
-        known, key = False, None
-    if not known:
-        spec.infer_meta(*arrays, **attrs)
+        entry = spec.eager.get(key)
+    except TypeError:  # an unhashable attribute: bound and validated at every call
+        entry = key = None
+    if entry is None:
+        bound = spec.bind(attrs) if attrs or spec.attrs else attrs
+        spec.infer_meta(*arrays, **bound)
+        native = _native(spec, arrays, bound) if spec.native is not None and _native is not None else None
+        entry = (bound, native or spec.kernel)
         if key is not None:
-            if len(seen) >= _VALIDATED_MAX:
-                seen.clear()
-            seen.add(key)
-    kernel = _kernel_of(spec, xp, arrays, attrs)
+            if len(spec.eager) >= _VALIDATED_MAX:
+                spec.eager.clear()
+            spec.eager[key] = entry
+    attrs, kernel = entry
     table = profile_table
     t0 = time.perf_counter() if table is not None else 0.0
     try:
@@ -163,40 +163,16 @@ def run_arrays(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) 
     except OpError:
         raise
     except Exception as e:
-        raise _kernel_error(spec, arrays, e) from e
+        shown = ", ".join(describe(a) for a in arrays)
+        raise OpError(f"{spec.name}: kernel failed on ({shown}): {e}") from e
     if table is not None:
         record(table, f"llm.{spec.name}", time.perf_counter() - t0, spec.kind, arrays, attrs, out)
-    return out if type(out) is np.ndarray else _as_payloads(spec, xp, out)
-
-
-def _kernel_of(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) -> Callable[..., Any]:
-    if spec.native is not None and _native is not None and xp is np:
-        return _native(spec, arrays, attrs) or spec.kernel
-    return spec.kernel
-
-
-def _kernel_error(spec: OpSpec, arrays: list[Any], e: Exception) -> OpError:
-    return OpError(f"{spec.name}: kernel failed on ({', '.join(describe(a) for a in arrays)}): {e}")
-
-
-def _as_payloads(spec: OpSpec, xp: Any, out: Any) -> Any:
-    """numpy reductions and 0-d arithmetic return numpy scalars; payloads are always arrays."""
+    if type(out) is np.ndarray:
+        return out, attrs
+    # numpy reductions and 0-d arithmetic return numpy scalars; payloads are always arrays.
     if spec.multi_output:
-        return tuple(o if type(o) is np.ndarray else xp.asarray(o) for o in out)
-    return xp.asarray(out)
-
-
-def _eager_entry(spec: OpSpec, arrays: list[Any], attrs: dict[str, Any], key: Any) -> tuple:
-    """(bound attributes, kernel) of a host call with these arrays and attributes as given,
-    validated by ``infer_meta``; kept under ``key`` (None: an unhashable attribute, kept nowhere)."""
-    bound = spec.bind(attrs) if attrs or spec.attrs else attrs
-    spec.infer_meta(*arrays, **bound)
-    entry = (bound, _kernel_of(spec, np, arrays, bound))
-    if key is not None:
-        if len(spec.eager) >= _VALIDATED_MAX:
-            spec.eager.clear()
-        spec.eager[key] = entry
-    return entry
+        return tuple(o if type(o) is np.ndarray else xp.asarray(o) for o in out), attrs
+    return xp.asarray(out), attrs
 
 
 _VALIDATED_MAX = 4096  # signatures remembered per op (inference sees many sequence lengths)
@@ -297,31 +273,7 @@ def _apply(spec: OpSpec, inputs: tuple, attrs: dict[str, Any]) -> Any:
                     p if type(p) is np.ndarray else np.asarray(p, dtype=_scalar_dtype(spec, p, ref))
                     for p in payloads
                 ]
-            if profile_table is not None:
-                attrs = spec.bind(attrs) if attrs or spec.attrs else attrs
-                out = run_arrays(spec, np, payloads, attrs)
-            else:  # one lookup per (input shapes and dtypes, attributes as given): bound and validated
-                if n == 1:
-                    a = payloads[0]
-                    key: Any = (a.shape, a.dtype, *attrs.items())
-                elif n == 2:
-                    a, b = payloads
-                    key = (a.shape, a.dtype, b.shape, b.dtype, *attrs.items())
-                else:
-                    key = (*[(p.shape, p.dtype) for p in payloads], *attrs.items())
-                try:
-                    entry = spec.eager.get(key)
-                except TypeError:  # an unhashable attribute
-                    entry = key = None
-                attrs, kernel = entry or _eager_entry(spec, payloads, attrs, key)
-                try:
-                    out = kernel(np, *payloads, **attrs)
-                except OpError:
-                    raise
-                except Exception as e:
-                    raise _kernel_error(spec, payloads, e) from e
-                if type(out) is not np.ndarray:
-                    out = _as_payloads(spec, np, out)
+            out, attrs = run_arrays(spec, np, payloads, attrs)
             if grad or spec.multi_output:
                 return _record(spec, inputs, out, attrs, payloads if lifted else None)
             return _wrap(out)  # no input requires grad: nothing to record
@@ -335,9 +287,8 @@ def host_array(x: Tensor) -> np.ndarray | None:
     trace or profile (None otherwise); views (``.T``, ``x[1]``) then are numpy's own, and the op
     runs only for an error or a gradient."""
     d = x._data
-    if type(d) is np.ndarray and not (x.requires_grad and grad_mode.enabled) and profile_table is None:
-        return None if _local.stack else d
-    return None
+    ok = type(d) is np.ndarray and not (x.requires_grad and grad_mode.enabled) and profile_table is None
+    return d if ok and not _local.stack else None
 
 
 def _apply_general(spec: OpSpec, inputs: tuple, attrs: dict[str, Any]) -> Any:

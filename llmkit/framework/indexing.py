@@ -12,68 +12,22 @@ from typing import Any
 import numpy as np
 
 from . import backend as B
-from .dispatch import O, _apply, host_array
+from .dispatch import O, host_array
 from .ops.views import END
-from .opspec import get
 from .tensor import Tensor
 
 _PLAIN = (int, slice, type(None), type(Ellipsis))
-_PLANS: dict = {}  # (an index of ints, slices, None and ..., the shape) -> its ops: (spec, attrs)
+_VALID: set = set()  # (index of ints, slices, None and ..., shape) that the ops below accepted
 
 
 def getitem(x: Tensor, index: Any) -> Tensor:
-    idx = index if type(index) is tuple else (index,)
-    if type(index) is int or all(
-        type(i) in _PLAIN for i in idx
-    ):  # no tensor: the ops depend on the shape alone
-        key = (
-            index
-            if type(index) is int
-            else tuple((i.start, i.stop, i.step) if type(i) is slice else i for i in idx),
-            x.shape,
-        )
-        plan = _PLANS.get(key)
-        if plan is None:
-            if len(_PLANS) >= 4096:
-                _PLANS.clear()
-            plan = _PLANS[key] = _plan(x, idx)[0]
-        a = host_array(x)  # a valid index (it has a plan): numpy's basic indexing makes the same view
-        if a is not None:
-            try:
-                v = a[index]
-            except TypeError:  # slice bounds that are no ints (the plan makes them ints)
-                v = None
-            if type(v) is np.ndarray:
-                return Tensor._wrap(v)
-    else:
-        plan, gather, squeeze = _plan(x, idx)
-        if gather is not None:
-            return _gather(x, plan, gather, squeeze)
-    for spec, attrs in plan:
-        x = _apply(spec, (x,), attrs)
-    return x
-
-
-def _gather(x: Tensor, plan: list, gather: tuple, squeeze: list) -> Tensor:
-    """``x[idx]`` with a tensor index: the plan's slice, the gather, the squeeze, the unsqueeze."""
-    steps = {spec.name: (spec, attrs) for spec, attrs in plan}
-    if "slice" in steps:
-        x = _apply(steps["slice"][0], (x,), steps["slice"][1])
-    gdim, t = gather
-    x = O.index_select(x, O.reshape(t, [-1]) if t.ndim != 1 else t, axis=gdim)
-    if t.ndim != 1:
-        shape = list(x.shape)
-        x = O.reshape(x, shape[:gdim] + list(t.shape) + shape[gdim + 1 :])
-        squeeze = [d + t.ndim - 1 if d > gdim else d for d in squeeze]
-    if squeeze:
-        x = O.squeeze(x, axis=squeeze)
-    return _apply(steps["unsqueeze"][0], (x,), steps["unsqueeze"][1]) if "unsqueeze" in steps else x
-
-
-def _plan(x: Tensor, idx: tuple) -> tuple[list, Any, list]:
-    """The ops of ``x[idx]`` as (spec, attributes): slice, squeeze, unsqueeze (a tensor index: the
-    ops around its gather, which the caller makes; returned with its (axis, tensor) and the
-    axes to squeeze)."""
+    idx = index if isinstance(index, tuple) else (index,)
+    key = None
+    a = host_array(x)  # no gradient: a valid plain index is numpy's basic indexing (the same view)
+    if a is not None and all(type(i) in _PLAIN for i in idx):
+        key = (tuple((i.start, i.stop, i.step) if type(i) is slice else i for i in idx), a.shape)
+        if key in _VALID:
+            return Tensor._wrap(np.asarray(a[index]))  # (a scalar for an int per axis: made 0-d)
     n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
     if sum(1 for i in idx if i is Ellipsis) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")
@@ -134,16 +88,23 @@ def _plan(x: Tensor, idx: tuple) -> tuple[list, Any, list]:
             raise IndexError(f"unsupported index {i!r}")
         dim += 1
 
-    plan = []
+    out = x
     if axes:
-        plan.append(
-            (
-                get("slice"),
-                {"axes": tuple(axes), "starts": tuple(starts), "ends": tuple(ends), "steps": tuple(steps)},
-            )
-        )
-    if squeeze and gather is None:
-        plan.append((get("squeeze"), {"axis": tuple(squeeze)}))
+        out = O.slice(out, axes=tuple(axes), starts=tuple(starts), ends=tuple(ends), steps=tuple(steps))
+    if gather is not None:
+        gdim, t = gather
+        out = O.index_select(out, O.reshape(t, [-1]) if t.ndim != 1 else t, axis=gdim)
+        if t.ndim != 1:
+            shape = list(out.shape)
+            out = O.reshape(out, shape[:gdim] + list(t.shape) + shape[gdim + 1 :])
+            squeeze = [d + t.ndim - 1 if d > gdim else d for d in squeeze]
+    if squeeze:
+        out = O.squeeze(out, axis=tuple(squeeze))
     if new_axes:
-        plan.append((get("unsqueeze"), {"axis": tuple(new_axes)}))
-    return plan, gather, squeeze
+        out = O.unsqueeze(out, axis=tuple(new_axes))
+    bounds = [b for i in idx if type(i) is slice for b in (i.start, i.stop, i.step) if b is not None]
+    if key is not None and all(type(b) is int for b in bounds):  # (numpy refuses what int() took)
+        if len(_VALID) >= 4096:
+            _VALID.clear()
+        _VALID.add(key)
+    return out

@@ -18,8 +18,6 @@ from .indexing import getitem
 from .opspec import Kind, Trait, get, table
 from .tensor import Tensor
 
-_wrap = Tensor._wrap
-
 
 def _shape_args(args: tuple) -> tuple:
     if len(args) == 1 and isinstance(args[0], (list, tuple)):
@@ -48,10 +46,10 @@ class _Written:
         a = host_array(self)
         if a is not None:
             try:
-                return _wrap(a.reshape(shape))
+                return Tensor._wrap(a.reshape(shape))
             except (TypeError, ValueError):  # the op's own error
                 pass
-        return _apply(_VIEWS["reshape"], (self,), {"shape": shape})
+        return O.reshape(self, shape=shape)
 
     view = reshape
 
@@ -63,15 +61,15 @@ class _Written:
             full = list(range(self.ndim))
             full[i], full[j] = full[j], full[i]
             p = tuple(full)
-        return _apply(_VIEWS["transpose"], (self,), {"perm": p})
+        return O.transpose(self, perm=p)
 
     @property
     def T(self) -> Tensor:
         """All axes reversed (numpy's ``.T``)."""
         a = host_array(self)
         if a is not None:
-            return _wrap(a.T)
-        return _apply(_VIEWS["transpose"], (self,), {"perm": tuple(range(len(self._data.shape) - 1, -1, -1))})
+            return Tensor._wrap(a.T)
+        return O.transpose(self, perm=tuple(range(self.ndim - 1, -1, -1)))
 
     def permute(self, *perm: Any) -> Tensor:
         return O.transpose(self, perm=_shape_args(perm))
@@ -114,14 +112,12 @@ _OPERATORS = {
     "__or__": ("logical_or", False),
 }
 _UNARY = {"__neg__": "neg", "__abs__": "abs", "__invert__": "logical_not"}
-_VIEWS: dict = {}  # the specs the written view methods apply (found by install)
 
 
 def install() -> None:
     """Install the written methods, the operators, and a method per op whose first input is a
     tensor (unless Tensor has that name already, or the op is ``internal`` or communication:
     ``dist.reshard`` moves data between ranks)."""
-    _VIEWS.update(reshape=get("reshape"), transpose=get("transpose"))
     for name, fn in vars(_Written).items():
         if not name.startswith("__") or name == "__getitem__":
             setattr(Tensor, name, fn)

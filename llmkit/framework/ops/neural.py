@@ -193,7 +193,7 @@ def _ce_kernel(xp, logits, labels, ignore_index=-100, label_smoothing=0.0, reduc
     total = nll.sum(dtype=logits.dtype)
     if reduction == "sum":
         return total.astype(dtype)
-    return (total / xp.asarray(count, dtype=logits.dtype)).astype(dtype)
+    return (total / logits.dtype.type(count)).astype(dtype)
 
 
 def _ce_parts(logits, labels, ignore_index, label_smoothing):

@@ -10,7 +10,6 @@ linear, so Partial values pass through (``linear`` below).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -308,7 +307,6 @@ def _slice_meta(x, axes, starts, ends, steps=None):
     return Meta(shape, x.dtype)
 
 
-@functools.lru_cache(maxsize=4096)
 def _slices(ndim, axes, starts, ends, steps):
     idx = [slice(None)] * ndim
     for a, s, e, st in zip(axes, starts, ends, steps or (1,) * len(axes)):
