@@ -134,14 +134,16 @@ def run_arrays(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) 
     clear error naming the op and the shapes; it reads nothing else) and the kernel: the C kernel
     where one applies (it runs the reference kernel off the host), else the reference kernel."""
     n = len(arrays)
-    if n == 1:
-        a = arrays[0]
-        key: Any = (a.shape, a.dtype, *attrs.items())
-    elif n == 2:
+    if n == 2:
         a, b = arrays
-        key = (a.shape, a.dtype, b.shape, b.dtype, *attrs.items())
+        key: Any = (a.shape, a.dtype, b.shape, b.dtype)
+    elif n == 1:
+        a = arrays[0]
+        key = (a.shape, a.dtype)
     else:
-        key = (*[(a.shape, a.dtype) for a in arrays], *attrs.items())
+        key = tuple([(a.shape, a.dtype) for a in arrays])
+    if attrs:
+        key = (key, *attrs.items())
     try:
         entry = spec.eager.get(key)
     except TypeError:  # an unhashable attribute: bound and validated at every call
