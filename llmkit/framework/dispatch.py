@@ -142,8 +142,8 @@ def run_arrays(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) 
         key = (a.shape, a.dtype)
     else:
         key = tuple([(a.shape, a.dtype) for a in arrays])
-    if attrs:
-        key = (key, *attrs.items())
+    if attrs:  # (with the values' types: True == 1, but an int attribute refuses True)
+        key = (key, *attrs.items(), *map(type, attrs.values()))
     try:
         entry = spec.eager.get(key)
     except TypeError:  # an unhashable attribute: bound and validated at every call
