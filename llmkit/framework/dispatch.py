@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import backend as B
-from .opspec import REQUIRED, OpError, OpSpec, describe, get
+from .opspec import REQUIRED, OpError, OpSpec, describe, get, table
 from .tape import Node, grad_mode
 from .tensor import Tensor, register_value_error
 
@@ -102,6 +102,8 @@ def register_eager_native(kernel: Callable[[OpSpec, list, dict], Callable[..., A
     like the reference kernel, or None); the compiler registers it (``compiler/native/run.py``)."""
     global _native
     _native = kernel
+    for spec in table().values():  # host calls choose their kernel afresh
+        spec.eager.clear()
 
 
 class EagerWorld(World):
@@ -119,18 +121,18 @@ class EagerWorld(World):
                 break
         if xp is not np:  # an op on the GPU: host arrays among its inputs move there
             arrays = [xp.asarray(a) if type(a) is np.ndarray else a for a in arrays]
-        return run_arrays(spec, xp, arrays, attrs)
+        return run_arrays(spec, xp, arrays, attrs)[0]
 
     def constant(self, value: Any, dtype: np.dtype, like: Any = None) -> Any:
         xp = B.xp_of(like) if like is not None else B.xp_for(B.get_device())
         return xp.asarray(value, dtype=dtype)
 
 
-def run_arrays(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) -> Any:
-    """An eager op on arrays of ``xp``: validated by its ``infer_meta`` (one clear error naming the
-    op and the shapes), which runs once per op for each combination of input shapes, dtypes and
-    attributes it accepted (it reads nothing else); then on host arrays its C kernel where one
-    applies, else its reference kernel."""
+def run_arrays(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) -> tuple[Any, dict]:
+    """An eager op on arrays of ``xp``, and its bound attributes. One dict lookup per combination of
+    input shapes, dtypes and attributes as given finds them bound, validated by ``infer_meta`` (one
+    clear error naming the op and the shapes; it reads nothing else) and the kernel: the C kernel
+    where one applies (it runs the reference kernel off the host), else the reference kernel."""
     n = len(arrays)
     if n == 2:
         a, b = arrays
@@ -140,22 +142,22 @@ def run_arrays(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) 
         key = (a.shape, a.dtype)
     else:
         key = tuple([(a.shape, a.dtype) for a in arrays])
-    if attrs:
-        key = (key, *attrs.items())
-    seen = spec.validated
+    if attrs:  # (with the values' types: True == 1, but an int attribute refuses True)
+        key = (key, *attrs.items(), *map(type, attrs.values()))
     try:
-        known = key in seen
-    except TypeError:  # an unhashable attribute: validate every call
-        known, key = False, None
-    if not known:
-        spec.infer_meta(*arrays, **attrs)
+        entry = spec.eager.get(key)
+    except TypeError:  # an unhashable attribute: bound and validated at every call
+        entry = key = None
+    if entry is None:
+        bound = spec.bind(attrs) if attrs or spec.attrs else attrs
+        spec.infer_meta(*arrays, **bound)
+        native = _native(spec, arrays, bound) if spec.native is not None and _native is not None else None
+        entry = (bound, native or spec.kernel)
         if key is not None:
-            if len(seen) >= _VALIDATED_MAX:
-                seen.clear()
-            seen.add(key)
-    kernel = spec.kernel
-    if spec.native is not None and _native is not None and xp is np:
-        kernel = _native(spec, arrays, attrs) or kernel
+            if len(spec.eager) >= _VALIDATED_MAX:
+                spec.eager.clear()
+            spec.eager[key] = entry
+    attrs, kernel = entry
     table = profile_table
     t0 = time.perf_counter() if table is not None else 0.0
     try:
@@ -167,10 +169,12 @@ def run_arrays(spec: OpSpec, xp: Any, arrays: list[Any], attrs: dict[str, Any]) 
         raise OpError(f"{spec.name}: kernel failed on ({shown}): {e}") from e
     if table is not None:
         record(table, f"llm.{spec.name}", time.perf_counter() - t0, spec.kind, arrays, attrs, out)
+    if type(out) is np.ndarray:
+        return out, attrs
     # numpy reductions and 0-d arithmetic return numpy scalars; payloads are always arrays.
     if spec.multi_output:
-        return tuple(o if type(o) is np.ndarray else xp.asarray(o) for o in out)
-    return out if type(out) is np.ndarray else xp.asarray(out)
+        return tuple(o if type(o) is np.ndarray else xp.asarray(o) for o in out), attrs
+    return xp.asarray(out), attrs
 
 
 _VALIDATED_MAX = 4096  # signatures remembered per op (inference sees many sequence lengths)
@@ -235,9 +239,11 @@ def _scalar_dtype(spec: OpSpec, value: Any, ref: Any) -> np.dtype:
 
 def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
     """Apply an op to tensors (or Python scalars / arrays, lifted to constants) and return Tensors."""
-    spec = op if type(op) is OpSpec else get(op)  # type: ignore[arg-type]
-    if attrs or spec.attrs:
-        attrs = spec.bind(attrs)
+    return _apply(op if type(op) is OpSpec else get(op), inputs, attrs)  # type: ignore[arg-type]
+
+
+def _apply(spec: OpSpec, inputs: tuple, attrs: dict[str, Any]) -> Any:
+    """``apply`` with the inputs and attributes as given (not bound yet)."""
     n = len(inputs)
     while n > spec.min_inputs and inputs[n - 1] is None:  # omitted trailing optional inputs
         n -= 1
@@ -269,11 +275,22 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
                     p if type(p) is np.ndarray else np.asarray(p, dtype=_scalar_dtype(spec, p, ref))
                     for p in payloads
                 ]
-            out = run_arrays(spec, np, payloads, attrs)
+            out, attrs = run_arrays(spec, np, payloads, attrs)
             if grad or spec.multi_output:
                 return _record(spec, inputs, out, attrs, payloads if lifted else None)
             return _wrap(out)  # no input requires grad: nothing to record
+    if attrs or spec.attrs:
+        attrs = spec.bind(attrs)
     return _apply_general(spec, inputs, attrs)
+
+
+def host_array(x: Tensor) -> np.ndarray | None:
+    """x's host array where a view of it needs no op record: no gradient to track, outside any
+    trace or profile (None otherwise); views (``.T``, ``x[1]``) then are numpy's own, and the op
+    runs only for an error or a gradient."""
+    d = x._data
+    ok = type(d) is np.ndarray and not (x.requires_grad and grad_mode.enabled) and profile_table is None
+    return d if ok and not _local.stack else None
 
 
 def _apply_general(spec: OpSpec, inputs: tuple, attrs: dict[str, Any]) -> Any:
@@ -376,7 +393,7 @@ def _make_public(spec: OpSpec) -> Callable[..., Any]:
     def fn(*args: Any, **kw: Any) -> Any:
         n = len(args)
         if n == n_in and not variadic:  # the common call: the inputs, attributes by keyword
-            return apply(spec, *args, **kw)
+            return _apply(spec, args, kw)
         if n > n_in:
             extra = args[n_in:]
             if len(extra) > len(attr_names):
@@ -397,8 +414,8 @@ def _make_public(spec: OpSpec) -> Callable[..., Any]:
             xs = inputs[0]
             if xs is None or not isinstance(xs, (list, tuple)):
                 raise OpError(f"{spec.name}: expects a list of tensors as its first argument")
-            return apply(spec, *xs, **kw)
-        return apply(spec, *inputs, **kw)
+            return _apply(spec, tuple(xs), kw)
+        return _apply(spec, tuple(inputs), kw)
 
     params = []
     if spec.variadic:

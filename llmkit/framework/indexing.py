@@ -12,13 +12,22 @@ from typing import Any
 import numpy as np
 
 from . import backend as B
-from .dispatch import O
+from .dispatch import O, host_array
 from .ops.views import END
 from .tensor import Tensor
+
+_PLAIN = (int, slice, type(None), type(Ellipsis))
+_VALID: set = set()  # (index of ints, slices, None and ..., shape) that the ops below accepted
 
 
 def getitem(x: Tensor, index: Any) -> Tensor:
     idx = index if isinstance(index, tuple) else (index,)
+    key = None
+    a = host_array(x)  # no gradient: a valid plain index is numpy's basic indexing (the same view)
+    if a is not None and all(type(i) in _PLAIN for i in idx):
+        key = (tuple((i.start, i.stop, i.step) if type(i) is slice else i for i in idx), a.shape)
+        if key in _VALID:
+            return Tensor._wrap(np.asarray(a[index]))  # (a scalar for an int per axis: made 0-d)
     n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
     if sum(1 for i in idx if i is Ellipsis) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")
@@ -81,7 +90,7 @@ def getitem(x: Tensor, index: Any) -> Tensor:
 
     out = x
     if axes:
-        out = O.slice(out, axes=axes, starts=starts, ends=ends, steps=steps)
+        out = O.slice(out, axes=tuple(axes), starts=tuple(starts), ends=tuple(ends), steps=tuple(steps))
     if gather is not None:
         gdim, t = gather
         out = O.index_select(out, O.reshape(t, [-1]) if t.ndim != 1 else t, axis=gdim)
@@ -90,7 +99,12 @@ def getitem(x: Tensor, index: Any) -> Tensor:
             out = O.reshape(out, shape[:gdim] + list(t.shape) + shape[gdim + 1 :])
             squeeze = [d + t.ndim - 1 if d > gdim else d for d in squeeze]
     if squeeze:
-        out = O.squeeze(out, axis=squeeze)
+        out = O.squeeze(out, axis=tuple(squeeze))
     if new_axes:
-        out = O.unsqueeze(out, axis=new_axes)
+        out = O.unsqueeze(out, axis=tuple(new_axes))
+    bounds = [b for i in idx if type(i) is slice for b in (i.start, i.stop, i.step) if b is not None]
+    if key is not None and all(type(b) is int for b in bounds):  # (numpy refuses what int() took)
+        if len(_VALID) >= 4096:
+            _VALID.clear()
+        _VALID.add(key)
     return out

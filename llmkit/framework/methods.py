@@ -13,7 +13,7 @@ from typing import Any
 
 from . import backend as B
 from .autograd import backward
-from .dispatch import O, apply, public
+from .dispatch import O, _apply, host_array, public
 from .indexing import getitem
 from .opspec import Kind, Trait, get, table
 from .tensor import Tensor
@@ -42,7 +42,14 @@ class _Written:
 
     def reshape(self, *shape: Any) -> Tensor:
         """``x.reshape(2, -1)`` or ``x.reshape((2, -1))``."""
-        return O.reshape(self, shape=_shape_args(shape))
+        shape = _shape_args(shape)
+        a = host_array(self)
+        if a is not None:
+            try:
+                return Tensor._wrap(a.reshape(shape))
+            except (TypeError, ValueError):  # the op's own error
+                pass
+        return O.reshape(self, shape=shape)
 
     view = reshape
 
@@ -55,6 +62,14 @@ class _Written:
             full[i], full[j] = full[j], full[i]
             p = tuple(full)
         return O.transpose(self, perm=p)
+
+    @property
+    def T(self) -> Tensor:
+        """All axes reversed (numpy's ``.T``)."""
+        a = host_array(self)
+        if a is not None:
+            return Tensor._wrap(a.T)
+        return O.transpose(self, perm=tuple(range(self.ndim - 1, -1, -1)))
 
     def permute(self, *perm: Any) -> Tensor:
         return O.transpose(self, perm=_shape_args(perm))
@@ -109,13 +124,13 @@ def install() -> None:
 
     def binary(spec, reflected):
         if reflected:
-            return lambda self, other: apply(spec, other, self)
-        return lambda self, other: apply(spec, self, other)
+            return lambda self, other: _apply(spec, (other, self), {})
+        return lambda self, other: _apply(spec, (self, other), {})
 
     for dunder, (name, reflected) in _OPERATORS.items():
         setattr(Tensor, dunder, binary(get(name), reflected))
     for dunder, name in _UNARY.items():
-        setattr(Tensor, dunder, (lambda spec: lambda self: apply(spec, self))(get(name)))
+        setattr(Tensor, dunder, (lambda spec: lambda self: _apply(spec, (self,), {}))(get(name)))
     for name, spec in table().items():
         if (
             not spec.inputs

@@ -350,7 +350,7 @@ class OpSpec:
         self.variadic = bool(self.inputs) and self.inputs[0].startswith("*")
         self.min_inputs = sum(1 for n in self.inputs if not n.endswith("?") and not n.startswith("*"))
         self.max_inputs = None if self.variadic else len(self.inputs)
-        self.validated: set = set()  # eager calls' (shapes, dtypes, attributes) infer_meta accepted
+        self.eager: dict = {}  # eager calls' (shapes, dtypes, attributes as given) -> (bound attrs, kernel)
 
     @property
     def differentiable(self) -> bool:

@@ -3,7 +3,7 @@
 A Tensor holds a payload (``_data``): a numpy/cupy array in eager mode, a tracer value inside
 ``to_static``, a sharded value under auto-parallel. Every computation goes through
 ``dispatch.apply``, which picks the world from the payload. The methods that compute (operators,
-one per op of the table, ``reshape(2, 3)``, ``x[i]``, ``backward``) are installed by
+one per op of the table, ``reshape(2, 3)``, ``.T``, ``x[i]``, ``backward``) are installed by
 ``methods.py``, which sits above the op table; this module imports nothing above the backend.
 """
 
@@ -111,11 +111,6 @@ class Tensor:
     @property
     def is_leaf(self) -> bool:
         return self._node is None
-
-    @property
-    def T(self) -> Tensor:
-        """All axes reversed (numpy's ``.T``)."""
-        return self.transpose(tuple(range(self.ndim - 1, -1, -1)))
 
     @property
     def mT(self) -> Tensor:

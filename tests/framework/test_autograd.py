@@ -189,3 +189,31 @@ def test_a_validated_signature_does_not_hide_errors_of_others():
         with pytest.raises(lf.ops.OpError, match="softmax: axis 1 is out of range"):
             lf.ops.softmax(x, axis=1)
         np.testing.assert_allclose(lf.ops.softmax(x, axis=0).numpy(), 1 / 3, rtol=1e-6)
+
+
+def test_cached_calls_and_views_still_check_and_record():
+    """A repeat call (cached: attributes as given, index and shape) still rejects what differs, and
+    the no-gradient views (x[i], .T, reshape) equal numpy's while with a gradient they record."""
+    m = np.arange(12.0, dtype=np.float32).reshape(3, 4)
+    x = lf.tensor(m)
+    for _ in range(2):
+        np.testing.assert_array_equal(x[1].numpy(), m[1])
+        np.testing.assert_array_equal(x[1:, None, ::2].numpy(), m[1:, None, ::2])
+        np.testing.assert_array_equal(x.T.numpy(), m.T)
+        np.testing.assert_array_equal(x.reshape(2, -1).numpy(), m.reshape(2, -1))
+        assert x[1, 2].shape == ()
+        with pytest.raises(IndexError, match="index 3 is out of bounds for axis 0 with size 3"):
+            x[3]
+        with pytest.raises(IndexError, match="slice steps must be positive"):
+            x[::-1]
+        with pytest.raises(lf.ops.OpError, match=r"reshape: cannot reshape \[3, 4\] float32 into \[5, -1\]"):
+            x.reshape(5, -1)
+        with pytest.raises(lf.ops.OpError, match="sum: attribute 'keepdim' expects a bool"):
+            lf.ops.sum(x, axis=0, keepdim=1)
+        assert lf.ops.sum(x, axis=0, keepdim=True).shape == (1, 4)
+    w = lf.tensor(m, requires_grad=True)
+    (w[1] * 3.0 + w.T.sum(axis=1) + w.reshape(12)[:4].sum()).sum().backward()
+    want = np.ones((3, 4))  # each element once in .T's row sums
+    want[1] += 3.0
+    want[0] += 4.0  # reshape(12)[:4] is row 0, its sum added to 4 entries
+    np.testing.assert_array_equal(w.grad.numpy(), want)

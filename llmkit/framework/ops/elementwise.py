@@ -168,7 +168,12 @@ unary("erf", _erf_kernel, lambda g, out, x: (g * O.exp(-(x * x)) * _TWO_OVER_SQR
 
 
 def _silu_kernel(xp, x):
-    return (x * (0.5 * xp.tanh(0.5 * x) + 0.5)).astype(x.dtype, copy=False)  # python floats lift bfloat16
+    s = xp.asarray(xp.multiply(x, 0.5))  # x * (0.5 * tanh(0.5 * x) + 0.5), in place from here (0-d: an array)
+    xp.tanh(s, out=s)
+    s *= 0.5
+    s += 0.5
+    s *= x
+    return s.astype(x.dtype, copy=False)  # python floats lift bfloat16
 
 
 def _silu_vjp(g, out, x):

@@ -172,23 +172,28 @@ def _ce_meta(logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="
 def _ce_kernel(xp, logits, labels, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
     dtype, logits = logits.dtype, logits.astype(B.accumulation_dtype(logits.dtype), copy=False)
     valid = labels != ignore_index
-    safe = xp.where(valid, labels, 0)
+    count = int(xp.count_nonzero(valid))
+    every = count == valid.size  # no label ignored: the two where()s below keep everything
+    safe = labels if every else xp.where(valid, labels, 0)
     m = logits.max(axis=-1, keepdims=True)
     e = logits - m
     xp.exp(e, out=e)
-    lse = xp.log(e.sum(axis=-1, keepdims=True)) + m
-    picked = xp.take_along_axis(logits, safe[..., None], axis=-1)
-    nll = (lse - picked)[..., 0]
+    lse = e.sum(axis=-1, keepdims=True)
+    xp.log(lse, out=lse)
+    lse += m
+    rows = logits.reshape(-1, logits.shape[-1])  # each row's label's logit
+    picked = rows[xp.arange(rows.shape[0]), safe.reshape(-1)].reshape(labels.shape)
+    nll = lse[..., 0] - picked
     if label_smoothing:
         smooth = lse[..., 0] - xp.mean(logits, axis=-1)
         nll = (1.0 - label_smoothing) * nll + label_smoothing * smooth
-    nll = xp.where(valid, nll, 0).astype(logits.dtype, copy=False)
+    nll = (nll if every else xp.where(valid, nll, 0)).astype(logits.dtype, copy=False)
     if reduction == "none":
         return nll.astype(dtype, copy=False)
-    total = xp.sum(nll, dtype=logits.dtype)
+    total = nll.sum(dtype=logits.dtype)
     if reduction == "sum":
         return total.astype(dtype)
-    return (total / xp.asarray(xp.sum(valid), dtype=logits.dtype)).astype(dtype)
+    return (total / logits.dtype.type(count)).astype(dtype)
 
 
 def _ce_parts(logits, labels, ignore_index, label_smoothing):

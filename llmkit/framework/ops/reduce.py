@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from math import prod
 
+import numpy as np
+
 from .. import backend as B
 from .. import symbolic as sym
 from ..dispatch import O
@@ -79,8 +81,13 @@ def _accumulating(name):
     arrays) run in the accumulation dtype, cast back to x's."""
 
     def kernel(xp, x, axis=None, keepdim=False):
-        acc = B.accumulation_dtype(x.dtype)
-        return getattr(x, name)(axis=axis, keepdims=keepdim, dtype=acc).astype(x.dtype, copy=False)
+        acc = x.dtype if x.dtype.itemsize >= 4 else B.accumulation_dtype(x.dtype)
+        if xp is not np:
+            return getattr(x, name)(axis=axis, keepdims=keepdim, dtype=acc).astype(x.dtype, copy=False)
+        s = np.add.reduce(x, axis, acc, None, keepdim)  # x.sum's own call, less its Python wrapper
+        if name == "mean":  # and x.mean's division: by the count as an np.intp
+            s = s / np.intp(x.size if axis is None else prod([x.shape[a] for a in axis]))
+        return s.astype(x.dtype, copy=False)
 
     return kernel
 

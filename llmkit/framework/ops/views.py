@@ -155,7 +155,7 @@ defop(
     Kind.MOVEMENT,
     attrs=[attr("perm", A.INTS)],
     infer_meta=_transpose_meta,
-    kernel=lambda xp, x, perm: xp.transpose(x, perm),
+    kernel=lambda xp, x, perm: x.transpose(perm),
     vjp=lambda g, out, x, perm: (O.transpose(g, tuple(int(i) for i in np.argsort(perm))),),
     index_map=_transpose_index,
     spmd=_moving(lambda ctx: ([((p,), (j,)) for j, p in enumerate(ctx.attrs["perm"])], 1, None)),
@@ -225,7 +225,7 @@ defop(
     Kind.MOVEMENT,
     attrs=[attr("axis", A.AXES, None)],
     infer_meta=_squeeze_meta,
-    kernel=lambda xp, x, axis=None: xp.reshape(x, _squeeze_meta(x, axis).shape),
+    kernel=lambda xp, x, axis=None: x.squeeze(axis),  # axes infer_meta checked
     vjp=lambda g, out, x, axis: (O.reshape(g, x.shape),),
     index_map=_view_index,
     traits={"same_type_noop"},
