@@ -48,18 +48,25 @@ def test_products_run_in_row_blocks_with_the_float64_values(rows):
     assert len(calls) == (2 if rows == 300 else 0)  # 7 rows: too small a product, one BLAS call
 
 
-def test_long_mode_splits_only_the_long_reductions(monkeypatch):
-    """``LLMKIT_SPLIT_GEMMS=long``: the weight gradient (a sum over 1100 tokens) in row blocks, the
-    forward (a sum over 256 features) one BLAS call as it is; both the float64 values."""
-    monkeypatch.setattr(products, "mode", "long")
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((1100, 256)).astype(np.float32)
-    w = lf.Parameter(rng.standard_normal((200, 256)).astype(np.float32))
+def _linear_and_weight_grad(seed: int, tokens: int, out: int):
+    """A ``[tokens, 256]`` input, a ``[out, 256]`` weight, and a step: the linear's output and the
+    weight's gradient of ``sum(y * y)``."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, 256)).astype(np.float32)
+    w = lf.Parameter(rng.standard_normal((out, 256)).astype(np.float32))
 
     def step(x):
         y = O.linear(x, w)
         return y, lf.grad((y * y).sum(), [w])[0]
 
+    return x, w, step
+
+
+def test_long_mode_splits_only_the_long_reductions(monkeypatch):
+    """``LLMKIT_SPLIT_GEMMS=long``: the weight gradient (a sum over 1100 tokens) in row blocks, the
+    forward (a sum over 256 features) one BLAS call as it is; both the float64 values."""
+    monkeypatch.setattr(products, "mode", "long")
+    x, w, step = _linear_and_weight_grad(1, 1100, 200)
     run = jit.to_static(step, input_spec=[jit.InputSpec(["N", 256])], compiler="cinn")
     calls = []
     real = products.matmul_rows
@@ -78,14 +85,7 @@ def test_a_compiled_step_s_bits_do_not_depend_on_the_row_blocks_schedule(monkeyp
 
     from llmkit.framework import blas
 
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((520, 256)).astype(np.float32)
-    w = lf.Parameter(rng.standard_normal((136, 256)).astype(np.float32))
-
-    def step(x):
-        y = O.linear(x, w)
-        return y, lf.grad((y * y).sum(), [w])[0]
-
+    x, _w, step = _linear_and_weight_grad(3, 520, 136)
     run = jit.to_static(step, input_spec=[jit.InputSpec([520, 256])], compiler="cinn")
     delay = np.random.default_rng(4)
     hooks = {
