@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import shlex
 import signal
@@ -52,7 +53,7 @@ from pathlib import Path
 
 from _common import emit, emit_paired_ratio, load_average, machine
 from serve_load import _loop_factory, client_prompts, free_port, launch, start
-from vs_llamacpp import GGUF_NAMES, VARIANTS, build_files, set_threads
+from vs_llamacpp import VARIANTS, build_files, set_threads
 
 MODEL = "bench"  # the name both servers answer to (llama-server serves whatever is asked)
 
@@ -91,6 +92,10 @@ def start_servers(files: dict[str, tuple[Path, Path]], a: argparse.Namespace, lo
         proc, cold = start(static, port, n, extra)
         servers.append(Server(v, "llmkit", proc, port, cold))
         if a.llama_server:
+            if gguf is None:
+                raise SystemExit(
+                    f"{v}: no GGUF (llama.cpp's Python bindings make it: use a Python with llama_cpp)"
+                )
             port = free_port()
             cmd = [a.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                    "-t", str(a.threads), "-tb", str(a.threads), "-np", str(n), "-cb",
@@ -155,7 +160,7 @@ def measure(servers: list[Server], a: argparse.Namespace, info: dict) -> None:
                 idle.append(sum(used) - used[i])
         loads.append(load_average())
     for i, s in enumerate(servers):
-        extra = dict(info, gguf=GGUF_NAMES[s.variant], load_1min=loads)
+        extra = dict(info, gguf=VARIANTS[s.variant].gguf, load_1min=loads)
         emit("vs_llamaserver", f"{s.variant}_cold_start_s_{s.side}", s.cold, "s", **extra)
         for c in a.concurrency:
             emit("vs_llamaserver", f"{s.variant}_c{c}_{s.side}", statistics.median(tps[(c, i)]), "tokens/s",
@@ -170,7 +175,7 @@ def measure(servers: list[Server], a: argparse.Namespace, info: dict) -> None:
     for v in dict.fromkeys(s.variant for s in servers):
         if (v, "llama-server") in index:
             mine, theirs = index[(v, "llmkit")], index[(v, "llama-server")]
-            names = dict(gguf=GGUF_NAMES[v], load_1min=loads)
+            names = dict(gguf=VARIANTS[v].gguf, load_1min=loads)
             for c in a.concurrency:
                 emit_paired_ratio("vs_llamaserver", f"{v}_c{c}_ratio", tps[(c, mine)], tps[(c, theirs)],
                                   note="llmkit / llama-server output tokens/s", **names)  # fmt: skip
@@ -211,7 +216,8 @@ def main() -> None:
     info = dict(threads=a.threads, act_bits=a.act_bits, prompt_len=a.prompt_len, new_tokens=a.new_tokens)
     info.update(machine())
     emit("vs_llamaserver", "load_average_1min", load_average(), "load", llama_server=a.llama_server, **info)
-    files = build_files(Path(a.work), a.variants, a.act_bits)
+    peer = importlib.util.find_spec("llama_cpp") is not None  # it makes the Q4_K_M file
+    files = build_files(Path(a.work), a.variants, a.act_bits, peer, a.threads)
     with tempfile.TemporaryDirectory() as logs:
         servers = start_servers(files, a, Path(logs))
         try:
