@@ -319,7 +319,7 @@ def alone(a: argparse.Namespace) -> None:
     """One variant's steps only, in this process (``--alone torch`` / ``--alone static``, started by
     --torch-tuned): prints its tokens/s."""
     keep_freed_memory()
-    cfg = load_config(a.config)
+    cfg = load_config(a.config, a.set)
     llama = model_config(cfg)
     b, s = cfg.train.batch_size, cfg.train.seq_len
     rng = np.random.default_rng(0)
@@ -340,7 +340,8 @@ def alone(a: argparse.Namespace) -> None:
 def own_process(a: argparse.Namespace, which: str) -> float:
     """Tokens/s of one variant alone in a process of its own."""
     cmd = [sys.executable, sys.argv[0], "--alone", which, "--config", a.config, "--steps", str(a.steps)]
-    cmd += ["--warmup", str(a.warmup), "--compiler", a.compiler]
+    cmd += ["--warmup", str(a.warmup), "--compiler", a.compiler, "--torch-model", a.torch_model]
+    cmd += ["--set", *a.set] if a.set else []  # the same model as the same-run figures
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return float(out.strip().splitlines()[-1])
 
