@@ -324,7 +324,7 @@ def alone(a: argparse.Namespace) -> None:
     b, s = cfg.train.batch_size, cfg.train.seq_len
     rng = np.random.default_rng(0)
     if a.alone == "torch":
-        step = torch_step_fn(llama, cfg.optim.lr)
+        step = torch_step_fn(llama, cfg.optim.lr, model_kind=a.torch_model)
     else:
         step = static_step_fn(llama, cfg.optim.lr, a.compiler)
     times = []
