@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import backend as B
-from .dispatch import O, host_array
+from .dispatch import _VALIDATED_MAX, O, host_array
 from .ops.views import END
 from .tensor import Tensor
 
@@ -104,7 +104,7 @@ def getitem(x: Tensor, index: Any) -> Tensor:
         out = O.unsqueeze(out, axis=tuple(new_axes))
     bounds = [b for i in idx if type(i) is slice for b in (i.start, i.stop, i.step) if b is not None]
     if key is not None and all(type(b) is int for b in bounds):  # (numpy refuses what int() took)
-        if len(_VALID) >= 4096:
+        if len(_VALID) >= _VALIDATED_MAX:  # bounded as the ops' own signature caches
             _VALID.clear()
         _VALID.add(key)
     return out
