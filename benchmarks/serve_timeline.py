@@ -11,9 +11,10 @@ per figure:
 
 - ``c<c>_tokens_per_s``; ``c<c>_engine_busy``: the fraction of the level's wall time inside steps
   (1.0: the engine never waited for the HTTP side);
-- ``c<c>_decode_step_ms``, ``c<c>_replay_ms`` and ``c<c>_engine_python_ms``: a decode step, its C
-  replay, and the rest of the step (the engine thread's Python: scheduling, binding, sampling,
-  detokenization, callbacks), medians;
+- ``c<c>_decode_step_ms``, ``c<c>_replay_ms`` and ``c<c>_engine_python_ms``: a step that decodes,
+  its decode replay, and the step outside C replays (a prefill chunk's replay in the same step
+  left out too: the engine thread's Python, scheduling, binding, sampling, detokenization,
+  callbacks), medians;
 - ``c<c>_step_end_to_write_ms`` (the hand-off to the event loop and the SSE formatting) and
   ``c<c>_write_to_receipt_ms`` (the socket and the client's parsing), medians;
 - ``c<c>_cpu_ms_per_token_<thread>``: CPU per output token of the event loop thread (``loop``),
@@ -151,13 +152,15 @@ def figures(rec: dict, reqs: list[tuple], cpu_client: float, tokens: int, c: int
     steps = [s for s in rec["step"] if lo <= s[0] <= hi]
     engine_tid = str(steps[0][3])
     decodes = [d for d in rec["decode"] if lo <= d[0] <= hi]
-    replays = [r for r in rec["replay"] if any(d[0] <= r[0] <= d[1] for d in decodes)]
+    replays = [r for r in rec["replay"] if lo <= r[0] <= hi]
     starts = [r[0] for r in replays]
-    python, decode_steps = [], []
-    for d in decodes:  # the step around each decode, less the replays inside it
+    python, decode_steps, replay = [], [], []
+    for d in decodes:  # the step around each decode, less the replays inside it (prefill's too)
         step = steps[bisect.bisect_right([s[0] for s in steps], d[0]) - 1]
         i = bisect.bisect_left(starts, d[0])
-        inside = sum(b - a for a, b in replays[i : bisect.bisect_right(starts, d[1])])
+        replay.append(sum(b - a for a, b in replays[i : bisect.bisect_right(starts, d[1])]) * 1e3)
+        i = bisect.bisect_left(starts, step[0])
+        inside = sum(b - a for a, b in replays[i : bisect.bisect_right(starts, step[1])])
         python.append((step[1] - step[0] - inside) * 1e3)
         decode_steps.append((step[1] - step[0]) * 1e3)
     writes = [w for w in rec["write"] if lo <= w <= hi + 1]
@@ -170,7 +173,6 @@ def figures(rec: dict, reqs: list[tuple], cpu_client: float, tokens: int, c: int
     put = dict(info, concurrency=c, load_1min=load_average())
     emit("serve_timeline", f"c{c}_tokens_per_s", tokens / wall, "tokens/s", **put)
     emit("serve_timeline", f"c{c}_engine_busy", sum(b - a for a, b, *_ in steps) / wall, "fraction", **put)
-    replay = [(b - a) * 1e3 for a, b in replays]
     for name, xs in (("decode_step", decode_steps), ("replay", replay), ("engine_python", python),
                      ("step_end_to_write", after), ("write_to_receipt", receipt)):  # fmt: skip
         emit("serve_timeline", f"c{c}_{name}_ms", med(xs), "ms", mean=round(statistics.mean(xs), 3), **put)
