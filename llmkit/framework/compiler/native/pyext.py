@@ -39,14 +39,15 @@ SOURCE = r"""
 #include <numpy/arrayobject.h>
 #include <numpy/ufuncobject.h>
 #include <math.h>
+#include <string.h>
 
 static PyTypeObject *tensor_type;
 static Py_ssize_t off_data, off_rg, off_grad, off_node, off_idx, off_name;
-static PyObject *np_mod, *local_obj, *globals_dict, *op_error, *ref_softmax, *ref_silu, *zero;
-static PyObject *s_stack, *s_eager, *s_multi, *s_profile, *s_axis;
+static PyObject *np_mod, *local_obj, *globals_dict, *op_error, *ref[3], *zero;
+static PyObject *s_stack, *s_eager, *s_multi, *s_profile;
 typedef void (*loop_t)(char **, npy_intp const *, npy_intp const *, void *);
-static loop_t exp_loop[2], tanh_loop[2];
-static void *exp_data[2], *tanh_data[2];
+static loop_t exp_loop[2], tanh_loop[2], log_loop[2];
+static void *exp_data[2], *tanh_data[2], *log_data[2];
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -86,23 +87,24 @@ static void run_loop(loop_t f, void *data, char *p, npy_intp n, npy_intp item) {
 
 static PyObject *init(PyObject *self, PyObject *args) {
   PyObject *t;
-  if (!PyArg_ParseTuple(args, "OOOOOOO", &t, &np_mod, &local_obj, &globals_dict, &op_error, &ref_softmax,
-                        &ref_silu))
+  if (!PyArg_ParseTuple(args, "OOOOOOOO", &t, &np_mod, &local_obj, &globals_dict, &op_error, ref, ref + 1,
+                        ref + 2))
     return NULL;
   Py_INCREF(t); Py_INCREF(np_mod); Py_INCREF(local_obj); Py_INCREF(globals_dict); Py_INCREF(op_error);
-  Py_INCREF(ref_softmax); Py_INCREF(ref_silu);
+  Py_INCREF(ref[0]); Py_INCREF(ref[1]); Py_INCREF(ref[2]);
   tensor_type = (PyTypeObject *)t;
   if (member_offset(t, "_data", &off_data) || member_offset(t, "requires_grad", &off_rg) ||
       member_offset(t, "grad", &off_grad) || member_offset(t, "_node", &off_node) ||
       member_offset(t, "_out_idx", &off_idx) || member_offset(t, "name", &off_name))
     return NULL;
-  if (ufunc_loops("exp", exp_loop, exp_data) || ufunc_loops("tanh", tanh_loop, tanh_data)) return NULL;
+  if (ufunc_loops("exp", exp_loop, exp_data) || ufunc_loops("tanh", tanh_loop, tanh_data) ||
+      ufunc_loops("log", log_loop, log_data))
+    return NULL;
   zero = PyLong_FromLong(0);
   s_stack = PyUnicode_InternFromString("stack");
   s_eager = PyUnicode_InternFromString("eager");
   s_multi = PyUnicode_InternFromString("multi_output");
   s_profile = PyUnicode_InternFromString("profile_table");
-  s_axis = PyUnicode_InternFromString("axis");
   Py_RETURN_NONE;
 }
 
@@ -275,6 +277,7 @@ static PyObject *apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
       if (!isfinite(m)) return 0;                                                            \
       for (npy_intp j = 0; j < cols; j++) e[r * cols + j] = xr[j] - m;                       \
     }                                                                                        \
+    if (!f) return 1; /* x - max only (cross_entropy) */                                     \
     run_loop(f, d, (char *)e, rows * cols, sizeof(T));                                       \
     for (npy_intp r = 0; r < rows; r++) {                                                    \
       T *er = e + r * cols, s = (T)0 + pairwise_##T(er, cols);                               \
@@ -295,60 +298,138 @@ static PyObject *apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
       s[i] = t * x[i];                                                                       \
     }                                                                                        \
     return 1;                                                                                \
+  }                                                                                          \
+  /* cross_entropy without label smoothing: nll[r] = log(0 + pairwise(exp(x - m))) + m - x[label]; \
+     0 where ignored (the reference's where), the total 0 + pairwise(nll). The label count, or -1: \
+     a label out of range, a NaN, +inf or an all -inf row (the reference decides). */        \
+  static npy_intp ce_##T(const T *x, const int64_t *lab, npy_intp rows, npy_intp cols, int64_t ignore, \
+                         T *nll, T *e, T *lse, T *total) {                                   \
+    npy_intp count = 0;                                                                      \
+    for (npy_intp r = 0; r < rows; r++) {                                                    \
+      if (lab[r] != ignore && (lab[r] < 0 || lab[r] >= cols)) return -1;                     \
+      count += lab[r] != ignore;                                                             \
+    }                                                                                        \
+    if (!softmax_##T(x, e, rows, cols, NULL, NULL)) return -1;                               \
+    run_loop(exp_loop[sizeof(T) == 8], exp_data[sizeof(T) == 8], (char *)e, rows * cols, sizeof(T)); \
+    for (npy_intp r = 0; r < rows; r++) lse[r] = (T)0 + pairwise_##T(e + r * cols, cols);   \
+    run_loop(log_loop[sizeof(T) == 8], log_data[sizeof(T) == 8], (char *)lse, rows, sizeof(T)); \
+    for (npy_intp r = 0; r < rows; r++) {                                                    \
+      const T *xr = x + r * cols;                                                            \
+      T m = xr[0];                                                                           \
+      for (npy_intp j = 0; j < cols; j++) m = xr[j] > m ? xr[j] : m;                         \
+      T l = lse[r] + m;                                                                      \
+      nll[r] = lab[r] == ignore ? (T)0 : l - xr[lab[r]];                                     \
+    }                                                                                        \
+    *total = (T)0 + pairwise_##T(nll, rows);                                                 \
+    return count;                                                                            \
   }
 PAIRWISE(float)
 PAIRWISE(double)
 
+/* A twin's arguments by name (positional first, then keywords); 0: a call it leaves to the reference. */
+static int parse(PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames, const char *const *names, int n,
+                 PyObject **out) {
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  if (nargs > n || nargs < 2) return 0;
+  for (int i = 0; i < n; i++) out[i] = i < nargs ? args[i] : NULL;
+  for (Py_ssize_t k = 0; k < nk; k++) {
+    int i = (int)nargs;
+    while (i < n && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, k), names[i])) i++;
+    if (i == n || out[i]) return 0;
+    out[i] = args[nargs + k];
+  }
+  return 1;
+}
+
 /* x when a twin handles it: the host numpy module, a C-contiguous native float32/float64 array. */
-static PyArrayObject *twin_input(PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs < 2 || args[0] != np_mod || Py_TYPE(args[1]) != &PyArray_Type) return NULL;
-  PyArrayObject *x = (PyArrayObject *)args[1];
+static PyArrayObject *twin_input(PyObject *xp, PyObject *a, int type) {
+  if (xp != np_mod || Py_TYPE(a) != &PyArray_Type) return NULL;
+  PyArrayObject *x = (PyArrayObject *)a;
   int t = PyArray_TYPE(x);
-  if ((t != NPY_FLOAT && t != NPY_DOUBLE) || !PyArray_ISCARRAY_RO(x) || !PyArray_ISNOTSWAPPED(x) ||
-      PyArray_NDIM(x) < 1 || PyArray_SIZE(x) == 0)
+  if ((type ? t != type : t != NPY_FLOAT && t != NPY_DOUBLE) || !PyArray_ISCARRAY_RO(x) ||
+      !PyArray_ISNOTSWAPPED(x) || PyArray_NDIM(x) < 1 || PyArray_SIZE(x) == 0)
     return NULL;
   return x;
 }
 
+#define F32(x) (PyArray_TYPE(x) == NPY_FLOAT)
+#define NEW(x, nd) (PyArrayObject *)PyArray_SimpleNew(nd, PyArray_DIMS(x), PyArray_TYPE(x))
+
 static PyObject *softmax(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames) {
-  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-  PyArrayObject *x = twin_input(args, nargs);
-  PyObject *axis = NULL;
-  long a = -1;
-  if (nargs == 3 && !nk) axis = args[2];
-  else if (nargs == 2 && nk == 1 && !PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, 0), s_axis)) axis = args[2];
-  else if (nargs != 2 || nk) x = NULL;
-  if (axis && PyLong_CheckExact(axis)) a = PyLong_AsLong(axis);
-  if (PyErr_Occurred() || (axis && !PyLong_CheckExact(axis))) { PyErr_Clear(); x = NULL; }
-  if (x) {
-    int nd = PyArray_NDIM(x);
-    npy_intp cols = PyArray_DIM(x, nd - 1), rows = PyArray_SIZE(x) / cols;
-    if (a == -1 || a == nd - 1) {
-      PyArrayObject *e = (PyArrayObject *)PyArray_SimpleNew(nd, PyArray_DIMS(x), PyArray_TYPE(x));
-      if (!e) return NULL;
-      int ok = PyArray_TYPE(x) == NPY_FLOAT
-        ? softmax_float(PyArray_DATA(x), PyArray_DATA(e), rows, cols, exp_loop[0], exp_data[0])
-        : softmax_double(PyArray_DATA(x), PyArray_DATA(e), rows, cols, exp_loop[1], exp_data[1]);
-      if (ok) return (PyObject *)e;
-      Py_DECREF(e);
-    }
+  static const char *const names[] = {"xp", "x", "axis"};
+  PyObject *a[3];
+  PyArrayObject *x = parse(args, nargsf, kwnames, names, 3, a) ? twin_input(a[0], a[1], 0) : NULL;
+  long axis = !x || !a[2] ? -1 : PyLong_CheckExact(a[2]) ? PyLong_AsLong(a[2]) : -1000;
+  if (PyErr_Occurred()) PyErr_Clear();
+  if (x && (axis == -1 || axis == PyArray_NDIM(x) - 1)) {
+    npy_intp cols = PyArray_DIM(x, PyArray_NDIM(x) - 1), rows = PyArray_SIZE(x) / cols;
+    PyArrayObject *e = NEW(x, PyArray_NDIM(x));
+    if (!e) return NULL;
+    if (F32(x) ? softmax_float(PyArray_DATA(x), PyArray_DATA(e), rows, cols, exp_loop[0], exp_data[0])
+               : softmax_double(PyArray_DATA(x), PyArray_DATA(e), rows, cols, exp_loop[1], exp_data[1]))
+      return (PyObject *)e;
+    Py_DECREF(e);
   }
-  return PyObject_Vectorcall(ref_softmax, args, nargsf, kwnames);
+  return PyObject_Vectorcall(ref[0], args, nargsf, kwnames);
 }
 
 static PyObject *silu(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames) {
-  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-  PyArrayObject *x = nargs == 2 && !kwnames ? twin_input(args, nargs) : NULL;
+  static const char *const names[] = {"xp", "x"};
+  PyObject *a[2];
+  PyArrayObject *x = parse(args, nargsf, kwnames, names, 2, a) ? twin_input(a[0], a[1], 0) : NULL;
   if (x) {
-    PyArrayObject *s = (PyArrayObject *)PyArray_SimpleNew(PyArray_NDIM(x), PyArray_DIMS(x), PyArray_TYPE(x));
+    PyArrayObject *s = NEW(x, PyArray_NDIM(x));
     if (!s) return NULL;
-    int ok = PyArray_TYPE(x) == NPY_FLOAT
-      ? silu_float(PyArray_DATA(x), PyArray_DATA(s), PyArray_SIZE(x), tanh_loop[0], tanh_data[0])
-      : silu_double(PyArray_DATA(x), PyArray_DATA(s), PyArray_SIZE(x), tanh_loop[1], tanh_data[1]);
-    if (ok) return (PyObject *)s;
+    if (F32(x) ? silu_float(PyArray_DATA(x), PyArray_DATA(s), PyArray_SIZE(x), tanh_loop[0], tanh_data[0])
+               : silu_double(PyArray_DATA(x), PyArray_DATA(s), PyArray_SIZE(x), tanh_loop[1], tanh_data[1]))
+      return (PyObject *)s;
     Py_DECREF(s);
   }
-  return PyObject_Vectorcall(ref_silu, args, nargsf, kwnames);
+  return PyObject_Vectorcall(ref[1], args, nargsf, kwnames);
+}
+
+static PyObject *cross_entropy(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames) {
+  static const char *const names[] = {"xp", "logits", "labels", "ignore_index", "label_smoothing",
+                                      "reduction"};
+  PyObject *a[6], *out = NULL;
+  PyArrayObject *x = parse(args, nargsf, kwnames, names, 6, a) ? twin_input(a[0], a[1], 0) : NULL;
+  PyArrayObject *lab = x && a[2] ? twin_input(a[0], a[2], NPY_INT64) : NULL;
+  int nd = x ? PyArray_NDIM(x) : 0, red = -1;  /* 0 none, 1 sum, 2 mean */
+  long long ignore = -100;
+  if (lab && a[3]) ignore = PyLong_CheckExact(a[3]) ? PyLong_AsLongLong(a[3]) : (lab = NULL, 0);
+  if (lab && a[4] && PyObject_IsTrue(a[4])) lab = NULL;  /* label smoothing: the reference */
+  if (PyErr_Occurred()) { PyErr_Clear(); lab = NULL; }
+  static const char *const reductions[] = {"none", "sum", "mean"};
+  for (int r = 0; r < 3 && lab; r++)
+    if (!a[5] || (PyUnicode_Check(a[5]) && !PyUnicode_CompareWithASCIIString(a[5], reductions[r])))
+      red = a[5] ? r : 2;
+  if (lab && red >= 0 && nd >= 2 && PyArray_NDIM(lab) == nd - 1 &&
+      !memcmp(PyArray_DIMS(lab), PyArray_DIMS(x), (nd - 1) * sizeof(npy_intp))) {
+    npy_intp cols = PyArray_DIM(x, nd - 1), rows = PyArray_SIZE(x) / cols, item = PyArray_ITEMSIZE(x);
+    PyArrayObject *nll = red ? NULL : NEW(x, nd - 1);
+    char *buf = PyMem_Malloc((rows * cols + 2 * rows + 1) * item);
+    if (!buf || (!red && !nll)) { Py_XDECREF(nll); PyMem_Free(buf); return PyErr_NoMemory(); }
+    char *n = nll ? PyArray_DATA(nll) : buf + rows * cols * item, *lse = buf + (rows * cols + rows) * item;
+    char *tot = lse + rows * item;
+    npy_intp count = F32(x)
+      ? ce_float(PyArray_DATA(x), PyArray_DATA(lab), rows, cols, ignore, (float *)n, (float *)buf,
+                 (float *)lse, (float *)tot)
+      : ce_double(PyArray_DATA(x), PyArray_DATA(lab), rows, cols, ignore, (double *)n, (double *)buf,
+                  (double *)lse, (double *)tot);
+    if (count > 0 || (count == 0 && red < 2)) {
+      if (!red) out = (PyObject *)nll, nll = NULL;
+      else if ((out = PyArray_SimpleNew(0, NULL, PyArray_TYPE(x)))) {  /* a numpy scalar, as numpy's */
+        void *o = PyArray_DATA((PyArrayObject *)out);
+        if (F32(x)) *(float *)o = red == 1 ? *(float *)tot : *(float *)tot / (float)count;
+        else *(double *)o = red == 1 ? *(double *)tot : *(double *)tot / (double)count;
+        out = PyArray_Return((PyArrayObject *)out);
+      }
+    }
+    Py_XDECREF(nll);
+    PyMem_Free(buf);
+    if (out || PyErr_Occurred()) return out;
+  }
+  return PyObject_Vectorcall(ref[2], args, nargsf, kwnames);
 }
 
 static PyMethodDef methods[] = {
@@ -356,6 +437,7 @@ static PyMethodDef methods[] = {
   {"apply", (PyCFunction)(void (*)(void))apply, METH_FASTCALL, "apply(spec, inputs, attrs) -> Tensor | None"},
   {"softmax", (PyCFunction)(void (*)(void))softmax, METH_FASTCALL | METH_KEYWORDS, "softmax's kernel"},
   {"silu", (PyCFunction)(void (*)(void))silu, METH_FASTCALL | METH_KEYWORDS, "silu's kernel"},
+  {"cross_entropy", (PyCFunction)(void (*)(void))cross_entropy, METH_FASTCALL | METH_KEYWORDS, "its kernel"},
   {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_llmkit_eager", NULL, -1, methods};
@@ -366,7 +448,7 @@ PyMODINIT_FUNC PyInit__llmkit_eager(void) {
 }
 """
 
-TWINS = ("softmax", "silu")  # ops whose reference kernel has an exact C twin above
+TWINS = ("softmax", "silu", "cross_entropy")  # ops whose reference kernel has an exact C twin above
 reference: dict[str, Any] = {}  # op name -> its reference kernel (the twin's fallback)
 
 
