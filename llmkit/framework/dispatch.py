@@ -109,13 +109,13 @@ def register_eager_native(kernel: Callable[[OpSpec, list, dict], Callable[..., A
 _fast_apply: Callable[[OpSpec, tuple, dict], Any] | None = None
 
 
-def register_eager_fast(fast: Callable[[OpSpec, tuple, dict], Any] | None) -> None:
+def register_eager_fast(fast: Callable[[OpSpec, tuple, dict], Any], wrap: Callable[[Any], Tensor]) -> None:
     """``_apply``'s common case in C (``compiler/native/pyext.py``): ``fast(spec, inputs, attrs)``
-    gives the result Tensor of a call ``run_arrays`` has cached, or None (the Python path)."""
-    global _fast_apply
-    _fast_apply = fast
-    for spec in table().values():  # kernels may have changed with it
-        spec.eager.clear()
+    gives the result Tensor of a call ``run_arrays`` has cached, or None (the Python path);
+    ``wrap``: ``Tensor._wrap`` in C. (Registered before any op runs: no cached entry to clear.)"""
+    global _fast_apply, _wrap
+    _fast_apply, _wrap = fast, wrap
+    Tensor._wrap = wrap  # type: ignore[method-assign]
 
 
 class EagerWorld(World):

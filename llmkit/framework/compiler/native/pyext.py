@@ -178,6 +178,11 @@ static PyObject *wrap(PyObject *data) {  /* Tensor._wrap(data); steals data */
   return t;
 }
 
+static PyObject *wrap_data(PyObject *self, PyObject *data) {
+  Py_INCREF(data);
+  return wrap(data);
+}
+
 /* apply(spec, inputs, attrs): the Tensor, or None (the Python path runs the op). */
 static PyObject *apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 3 || !PyTuple_CheckExact(args[1]) || !PyDict_CheckExact(args[2])) Py_RETURN_NONE;
@@ -434,6 +439,7 @@ static PyObject *cross_entropy(PyObject *self, PyObject *const *args, Py_ssize_t
 
 static PyMethodDef methods[] = {
   {"init", init, METH_VARARGS, "init(Tensor, numpy, _local, globals, OpError, *twins)"},
+  {"wrap", wrap_data, METH_O, "Tensor._wrap(data)"},
   {"apply", (PyCFunction)(void (*)(void))apply, METH_FASTCALL, "apply(spec, inputs, attrs) -> Tensor | None"},
   {"softmax", (PyCFunction)(void (*)(void))softmax, METH_FASTCALL | METH_KEYWORDS, "softmax's kernel"},
   {"silu", (PyCFunction)(void (*)(void))silu, METH_FASTCALL | METH_KEYWORDS, "silu's kernel"},
@@ -485,4 +491,4 @@ def install() -> None:
     if ext is not None:
         for name in TWINS:
             get(name).kernel = getattr(ext, name)
-        dispatch.register_eager_fast(ext.apply)
+        dispatch.register_eager_fast(ext.apply, ext.wrap)
