@@ -106,6 +106,18 @@ def register_eager_native(kernel: Callable[[OpSpec, list, dict], Callable[..., A
         spec.eager.clear()
 
 
+_fast_apply: Callable[[OpSpec, tuple, dict], Any] | None = None
+
+
+def register_eager_fast(fast: Callable[[OpSpec, tuple, dict], Any], wrap: Callable[[Any], Tensor]) -> None:
+    """``_apply``'s common case in C (``compiler/native/pyext.py``): ``fast(spec, inputs, attrs)``
+    gives the result Tensor of a call ``run_arrays`` has cached, or None (the Python path);
+    ``wrap``: ``Tensor._wrap`` in C. (Registered before any op runs: no cached entry to clear.)"""
+    global _fast_apply, _wrap
+    _fast_apply, _wrap = fast, wrap
+    Tensor._wrap = wrap  # type: ignore[method-assign]
+
+
 class EagerWorld(World):
     """Runs the op's kernel on numpy/cupy arrays right away: its C kernel (``OpSpec.native``) on
     host arrays where one applies and the compiler is loaded, as compiled programs do, else the
@@ -244,6 +256,8 @@ def apply(op: OpSpec | str, *inputs: Any, **attrs: Any) -> Any:
 
 def _apply(spec: OpSpec, inputs: tuple, attrs: dict[str, Any]) -> Any:
     """``apply`` with the inputs and attributes as given (not bound yet)."""
+    if _fast_apply is not None and (out := _fast_apply(spec, inputs, attrs)) is not None:
+        return out
     n = len(inputs)
     while n > spec.min_inputs and inputs[n - 1] is None:  # omitted trailing optional inputs
         n -= 1

@@ -18,6 +18,8 @@ kernels is replayed in one C call; their threads come from the pool in ``par.py`
 ``quant_int``   ``quant_linear`` with int8 activations: integer dot products, the ISA picked at run time
 ``gather``      ``index_select``, ``index_add``: embedding rows and their gradient
 ``attention``   flash attention forward and backward (``scaled_dot_product_attention*``)
+``pyext``       the eager fast path: a CPython extension (dispatch's cached calls, ``Tensor._wrap``,
+                exact C twins of the softmax, silu and cross_entropy reference kernels)
 ==============  ==============================================================================
 
 A new kernel: a module here with its C source (one function with the compiler's kernel signature,

@@ -41,7 +41,7 @@ from ...ir import Operation
 from ...opspec import Kind, Meta, Native, OpError, OpSpec, Trait
 from .. import build
 from ..build import CPUS
-from . import products
+from . import products, pyext
 
 log = logging.getLogger("llmkit.native")
 
@@ -485,3 +485,4 @@ def kernel_of(op: Operation) -> Any:
 
 register_native(kernel_of, Replays)
 register_eager_native(eager_kernel)
+pyext.install()
