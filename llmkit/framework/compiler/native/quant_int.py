@@ -573,19 +573,25 @@ KERNEL_FN_T2 static inline __m256i KERNEL_FN_dot_avx2(__m256i acc, __m256i w, __
    in chains of their own (kept in registers and in order: GCC would otherwise reassociate them and
    spill), then one vpmaddwd takes them to int32; the same integer product as every path. Each word
    asks for the line 4 KiB on as it is read (KERNEL_FN_ahead's stream, without its loop). */
-KERNEL_FN_T2 static void KERNEL_FN_q4row(const KERNEL_FN_ijob *j, const uint8_t *w, const float *ps,
-                                         const int32_t *pz, int64_t m0, int64_t n0, int64_t nn) {
+KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4row(
+    const KERNEL_FN_ijob *j, const uint8_t *w, const float *ps, const int32_t *pz, int64_t m0, int64_t n0,
+    int64_t nn, const int64_t GW) {
   __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
-  const int64_t GW = j->GW, G = j->G, ahead = j->packed ? 4096 : 0;
+  const int64_t G = j->G, ahead = j->packed ? 4096 : 0, sb = j->hs ? 2 : 4, off = -j->off;
   const int8_t *x = j->xq + m0 * j->KX;
+  const float *xd = j->xd + m0 * G;
+  const int32_t *xs = j->xs + m0 * G;
+  /* the scales two panels on, a group's part as its words are read (KERNEL_FN_ahead's) */
+  const char *sa = (const char *)j->s + (n0 + 2 * KERNEL_FN_NR) * G * sb;
+  if (!ahead || n0 + 3 * KERNEL_FN_NR > j->N) sa = 0;
   for (int64_t gi = 0; gi < G; gi++) {
-    KERNEL_FN_ahead(j, w, 0, n0, gi);
-    const int32_t xs = j->xs[m0 * G + gi];
-    __m256i a0 = _mm256_set1_epi32(-(int32_t)j->off * xs), a1 = a0;
+    if (sa) _mm_prefetch(sa + gi * KERNEL_FN_NR * sb, _MM_HINT_T0);
+    __m256i a0 = _mm256_set1_epi32((int32_t)off * xs[gi]), a1 = a0;
     if (j->z) {
-      a0 = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16)), _mm256_set1_epi32(xs));
-      a1 = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16 + 8)), _mm256_set1_epi32(xs));
+      const __m256i xv = _mm256_set1_epi32(xs[gi]);
+      a0 = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16)), xv);
+      a1 = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16 + 8)), xv);
     }
     for (int64_t t0 = 0; t0 < GW; t0 += 4) {
       __m256i h0 = _mm256_setzero_si256(), h1 = h0, k0 = h0, k1 = h0;
@@ -615,7 +621,7 @@ KERNEL_FN_T2 static void KERNEL_FN_q4row(const KERNEL_FN_ijob *j, const uint8_t 
       a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_add_epi16(h0, k0), one));
       a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_add_epi16(h1, k1), one));
     }
-    const __m256 d = _mm256_set1_ps(j->xd[m0 * G + gi]);
+    const __m256 d = _mm256_set1_ps(xd[gi]);
     f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_mul_ps(d, _mm256_loadu_ps(ps + gi * 16)), f0);
     f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_mul_ps(d, _mm256_loadu_ps(ps + gi * 16 + 8)), f1);
   }
@@ -701,7 +707,8 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4_avx2
     const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
     int64_t n0, int64_t nn, const int bits) {
   (void)bits;
-  if (mb == 1) KERNEL_FN_q4row(j, pw, ps, pz, m0, n0, nn);
+  if (mb == 1 && j->GW == 4) KERNEL_FN_q4row(j, pw, ps, pz, m0, n0, nn, 4); /* groups of 32 */
+  else if (mb == 1) KERNEL_FN_q4row(j, pw, ps, pz, m0, n0, nn, j->GW);
   else if (nn <= 8) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 1, j->GW); /* one vector's outputs */
   else if (j->GW == 4) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 2, 4);
   else KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 2, j->GW);
