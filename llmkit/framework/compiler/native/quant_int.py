@@ -13,10 +13,11 @@ is what every path, block of rows and thread computes: the paths give the same b
 result never depends on the rows beside it (the engine's batch invariance). The kernel is blocked
 as a GEMM: a panel (in L1) against 8 rows at a time (AVX-512; 3 with AVX2 and 4 bits; else 4), both
 cores taking runs of consecutive panels from the thread pool (``compiler/par.py``; a run is one
-stream of memory), so one kernel serves decode and prefill. A panel's scales are transposed into its
-lanes in registers (16 x 16 or 8 x 8 at a time; a strided scalar copy had cost more than the
-products). Decode (one row) reads every weight once from memory: as it reads a group it prefetches
-the codes 4 KiB on and a line of the scales two panels on.
+stream of memory: about 8 a thread, for a single row one, its first 4 KiB asked for at once), so one
+kernel serves decode and prefill. A panel's scales are transposed into its lanes in registers
+(16 x 16 or 8 x 8 at a time; a strided scalar copy had cost more than the products). Decode (one
+row) reads every weight once from memory: as it reads a group it prefetches the codes 4 KiB on and a
+line of the scales two panels on.
 
 The dot products use the widest integer instructions the CPU has, chosen when the kernel runs
 (``__builtin_cpu_supports``), never from the build machine's ``-march``: AVX-512 VNNI
