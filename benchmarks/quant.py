@@ -16,9 +16,10 @@ format the lm_head can take (int8 per channel; int4 in groups of 32, 64, 128 and
 weight-only and with int8 activations, against float32's ``tiled_linear`` kernel, one call at a
 time, interleaved.
 
-``--kernels``: the int8-activation kernel alone on the model's shapes (``kernels``), and float16
+``--kernels``: the int8-activation kernel alone on the model's shapes (``kernels``), float16
 against float32 scales of the same panels (``packed=2`` / ``packed=1``) in decode passes through
-the 134M model's 84 linears, weights streamed from memory (``decode_pass_*``, ``scale_passes``).
+the 134M model's 84 linears, weights streamed from memory (``decode_pass_*``, ``scale_passes``), and
+those passes and the float32 lm_head against a plain read of the same bytes (``stream_pass``).
 
 The bound of each variant: a decode step reads every weight once (of the embedding table one row
 per sequence), ``weight_MB`` per step, so ``GB_per_s`` = weight bytes / median step time is the
@@ -339,6 +340,85 @@ def scale_passes(rounds: int, info: dict) -> None:
                           load_1min=load(), note=note)  # fmt: skip
 
 
+STREAM = r"""
+#include <immintrin.h>
+typedef struct { const uint8_t *p; int64_t n, chunk, sum[2]; } KERNEL_FN_s;
+static void KERNEL_FN_part(void *a, int64_t c, int64_t w) { /* 32 bytes a load, summed (kept) */
+  KERNEL_FN_s *s = (KERNEL_FN_s *)a;
+  const int64_t e = (c + 1) * s->chunk < s->n ? (c + 1) * s->chunk : s->n;
+  __m256i acc = _mm256_setzero_si256();
+  for (int64_t i = c * s->chunk; i + 32 <= e; i += 32)
+    acc = _mm256_add_epi8(acc, _mm256_loadu_si256((const __m256i *)(s->p + i)));
+  s->sum[w > 0] += _mm256_extract_epi64(acc, 0);
+}
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) { /* bytes [n], sum [1] */
+  KERNEL_FN_s s = {(const uint8_t *)bufs[0], sizes[0], (sizes[0] + 2 * nthreads - 1) / nthreads / 2, {0, 0}};
+  llmkit_par_for((s.n + s.chunk - 1) / s.chunk, nthreads, KERNEL_FN_part, &s);
+  *(int64_t *)bufs[1] = s.sum[0] + s.sum[1];
+}
+"""
+
+
+def stream_pass(rounds: int, info: dict) -> None:
+    """How near the int4 g32 kernel (``packed=2``) comes to memory speed in decode: one row through the
+    134M model's 84 decoder linears (about 48 MB, more than the caches hold) against a plain read of
+    the same bytes in the same 84 calls (each matrix's bytes in a buffer of its own, both threads on
+    it), and the lm_head's float32 [32000, 768] against a read of its 98 MB. C calls alone (ctypes,
+    no op dispatch), passes alternated; ``stream_fraction`` = read time / kernel time, per round."""
+    import ctypes
+
+    from llmkit.framework.compiler.native import build_c
+    from llmkit.framework.compiler.native.quant_int import f16c_code, int_isa_code
+    from llmkit.framework.compiler.native.run import CPUS
+    from llmkit.framework.ops.paged import pack_panels
+    from llmkit.framework.ops.quant import half_scales, pack_qweight
+    from llmkit.framework.opspec import table
+
+    rng, keep, st = np.random.default_rng(0), [], np.zeros(8, np.int64)
+    ql, tl = (build_c(table()[n].native.source) for n in ("quant_linear", "tiled_linear"))
+    rd = build_c(STREAM)
+
+    def call(fn, arrays, sizes):
+        keep.append(arrays)
+        ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+        ints = (ctypes.c_int64 * len(sizes))(*sizes)
+        return lambda: fn(ptrs, ints, CPUS)
+
+    def read(nbytes):
+        return call(rd, (rng.integers(0, 256, nbytes, dtype=np.uint8), st), [nbytes])
+
+    kernel, stream, nbytes = [], [], 0
+    for n, k in ([(768, 768)] * 4 + [(2048, 768)] * 2 + [(768, 2048)]) * 12:
+        p = pack_qweight(rng.integers(0, 256, (n, k // 2), dtype=np.uint8), 4, 32)
+        h = half_scales(rng.uniform(1e-3, 1e-2, (n, k // 32)).astype(np.float16).astype(np.float32))
+        x, y = rng.standard_normal((1, k)).astype(np.float32), np.empty((1, n), np.float32)
+        kernel.append(call(ql, (x, p, h, y, st), [1, k, n, 4, 32, 0, 8, int_isa_code(), 2, f16c_code()]))
+        stream.append(read(p.nbytes + h.nbytes))
+        nbytes += p.nbytes + h.nbytes
+    w = pack_panels(rng.standard_normal((768, 32000)).astype(np.float32))  # the engine's panels
+    x, y = rng.standard_normal((1, 768)).astype(np.float32), np.empty((1, 32000), np.float32)
+    passes = {
+        "decode_linears_int4_g32": (kernel, stream, nbytes),
+        "lm_head_float32": ([call(tl, (x, w, y, st), [1, 768, 32000, 0, 2])], [read(w.nbytes)], w.nbytes),
+    }
+    for name, (fk, fs, nb) in passes.items():
+        times: dict[str, list[float]] = {"kernel": [], "read": []}
+        for r in range(rounds * 10 + 1):
+            for side in ("kernel", "read") if r % 2 else ("read", "kernel"):
+                t = time.perf_counter()
+                for f in fk if side == "kernel" else fs:
+                    f()
+                if r:  # the first round warms up
+                    times[side].append(time.perf_counter() - t)
+        for side, ts in times.items():
+            t = float(np.median(ts))
+            emit("quant", f"{name}_{side}_GB_per_s", nb / t / 1e9, "GB/s", MB=round(nb / 1e6, 1),
+                 ms=round(t * 1e3, 3), load_1min=load(), **info)  # fmt: skip
+        note = "read time / kernel time of the same bytes, same round"
+        emit_paired_ratio("quant", f"{name}_stream_fraction", times["read"], times["kernel"],
+                          load_1min=load(), note=note)  # fmt: skip
+
+
 def accuracy(model_dir: Path, samples: int) -> None:
     from llmkit.models.llama import LlamaTokenizer
     from llmkit.quant.cli import calibration_ids, resolve_model_dir
@@ -404,6 +484,7 @@ def main() -> None:
     if a.kernels:
         kernels(a.rounds, [*a.batches, 512], info)
         scale_passes(a.rounds, info)
+        stream_pass(a.rounds, info)
     if not a.skip_head:
         head(a.rounds, a.batches, info)
     if not a.skip_speed:

@@ -287,6 +287,22 @@ def test_float16_scales_match_float64_and_give_the_float32_scales_bits(
     assert np.all(np.abs(ref - want) <= tol + 1e-30)
 
 
+@pytest.mark.parametrize("bits,asym", [(4, False), (4, True), (8, False)])
+def test_one_row_split_over_the_threads_matches_float64_and_the_same_row_in_a_batch(op, isa, bits, asym):
+    """A decode row with work for every thread (each takes one run of panels): 300 outputs (a last
+    panel of 12), 520 inputs (16 groups of 32, then 8 columns), the engine's panels and float16
+    scales: the formula, and the bits of that row computed in a batch of 33."""
+    rng = np.random.default_rng(31)
+    qz, w, col = half_weights(rng, bits, 300, 520, 32, asym)
+    x = rng.standard_normal((33, 520)).astype(np.float32)
+    attrs = {"bits": bits, "group_size": 32, "act_bits": 8}
+    packed, half = pack_qweight(w[0], bits, 32), half_scales(w[1])
+    y = op(np, x[5:6], packed, half, *w[2:], packed=2, **attrs)
+    want, tol = reference(x[5:6], qz, w[1], col)
+    assert np.all(np.abs(y - want) <= tol + 1e-30), np.abs(y - want).max()
+    assert np.array_equal(y, op(np, x, packed, half, *w[2:], packed=2, **attrs)[5:6])
+
+
 def test_float16_scales_are_stored_panel_by_panel_in_lane_order():
     """``half_scales``' layout, written out: for each panel of 16 outputs (the last of what is left),
     group by group, the scale of each of its outputs."""

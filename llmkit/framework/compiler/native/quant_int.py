@@ -13,10 +13,11 @@ is what every path, block of rows and thread computes: the paths give the same b
 result never depends on the rows beside it (the engine's batch invariance). The kernel is blocked
 as a GEMM: a panel (in L1) against 8 rows at a time (AVX-512; 3 with AVX2 and 4 bits; else 4), both
 cores taking runs of consecutive panels from the thread pool (``compiler/par.py``; a run is one
-stream of memory), so one kernel serves decode and prefill. A panel's scales are transposed into its
-lanes in registers (16 x 16 or 8 x 8 at a time; a strided scalar copy had cost more than the
-products). Decode (one row) reads every weight once from memory: as it reads a group it prefetches
-the codes 4 KiB on and a line of the scales two panels on.
+stream of memory: about 8 a thread, for a single row one, its first 4 KiB asked for at once), so one
+kernel serves decode and prefill. A panel's scales are transposed into its lanes in registers
+(16 x 16 or 8 x 8 at a time; a strided scalar copy had cost more than the products). Decode (one
+row) reads every weight once from memory: as it reads a group it prefetches the codes 4 KiB on and a
+line of the scales two panels on.
 
 The dot products use the widest integer instructions the CPU has, chosen when the kernel runs
 (``__builtin_cpu_supports``), never from the build machine's ``-march``: AVX-512 VNNI
@@ -568,69 +569,67 @@ KERNEL_FN_T2 static inline __m256i KERNEL_FN_dot_avx2(__m256i acc, __m256i w, __
 #define KERNEL_FN_DOT_AVX2(acc, w, x, bits) KERNEL_FN_dot_avx2(acc, w, x, bits)
 #define KERNEL_FN_DOT_VNNI(acc, w, x, bits) _mm256_dpbusd_avx_epi32(acc, w, x)
 
-/* AVX2, 4 bits: vpmaddubsw's pair sums (|.| <= 2 * 15 * 127 = 3810) add up in int16 over 4 words of
-   a group (8 of them, |.| <= 30480 < 2^15: exact), then one vpmaddwd takes them to int32; the same
-   integer product as every path, in a fifth fewer instructions than a vpmaddwd per vpmaddubsw */
-KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_mk2q4(
-    const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
-    int64_t n0, int64_t nn, const int bits) {
-  (void)bits;
-  __m256 f[4][2];
-  for (int r = 0; r < mb; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
+/* AVX2, 4 bits, one row (decode): vpmaddubsw's pair sums (|.| <= 2 * 15 * 127 = 3810) add up in
+   int16 over 4 words of a group (8 of them, |.| <= 30480 < 2^15: exact), the low and the high nibbles
+   in chains of their own (kept in registers and in order: GCC would otherwise reassociate them and
+   spill), then one vpmaddwd takes them to int32; the same integer product as every path. Each word
+   asks for the line 4 KiB on as it is read (KERNEL_FN_ahead's stream, without its loop). */
+KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4row(
+    const KERNEL_FN_ijob *j, const uint8_t *w, const float *ps, const int32_t *pz, int64_t m0, int64_t n0,
+    int64_t nn, const int64_t GW) {
+  __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
-  const int64_t GW = j->GW, KX = j->KX, G = j->G;
+  const int64_t G = j->G, ahead = j->packed ? 4096 : 0, sb = j->hs ? 2 : 4, off = -j->off;
+  const int8_t *x = j->xq + m0 * j->KX;
+  const float *xd = j->xd + m0 * G;
+  const int32_t *xs = j->xs + m0 * G;
+  /* the scales two panels on, a group's part as its words are read (KERNEL_FN_ahead's) */
+  const char *sa = (const char *)j->s + (n0 + 2 * KERNEL_FN_NR) * G * sb;
+  if (!ahead || n0 + 3 * KERNEL_FN_NR > j->N) sa = 0;
   for (int64_t gi = 0; gi < G; gi++) {
-    __m256i a[4][2];
-    const int8_t *xr = j->xq + m0 * KX + gi * GW * 8;
-    const int32_t *xs = j->xs + m0 * G + gi;
-    for (int r = 0; r < mb; r++)
-      for (int v = 0; v < 2; v++)
-        a[r][v] = j->z ? _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16 + 8 * v)),
-                                            _mm256_set1_epi32(xs[r * G]))
-                       : _mm256_set1_epi32(-(int32_t)j->off * xs[r * G]);
-    const uint8_t *w = pw + gi * GW * 64;
-    if (mb == 1) KERNEL_FN_ahead(j, w, GW, n0, gi);
+    if (sa) _mm_prefetch(sa + gi * KERNEL_FN_NR * sb, _MM_HINT_T0);
+    __m256i a0 = _mm256_set1_epi32((int32_t)off * xs[gi]), a1 = a0;
+    if (j->z) {
+      const __m256i xv = _mm256_set1_epi32(xs[gi]);
+      a0 = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16)), xv);
+      a1 = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16 + 8)), xv);
+    }
     for (int64_t t0 = 0; t0 < GW; t0 += 4) {
-      __m256i h[4][2];
-      for (int r = 0; r < mb; r++) h[r][0] = h[r][1] = _mm256_setzero_si256();
-#define KERNEL_FN_Q4STEP(t)                                                                           \
-  for (int v = 0; v < 2; v++) {                                                                       \
-    const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (t) * 64 + 32 * v));                  \
-    const __m256i lo = _mm256_and_si256(wv, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), lo4); \
-    for (int r = 0; r < mb; r++) {                                                                    \
-      const int8_t *x = xr + r * KX + 8 * (t);                                                        \
-      h[r][v] = _mm256_add_epi16(h[r][v], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*(const int32_t *)x))); \
-      h[r][v] = _mm256_add_epi16(h[r][v],                                                             \
-                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*(const int32_t *)(x + 4)))); \
-    }                                                                                                 \
-  }
-      if (mb <= 2 && GW - t0 >= 4) {
-        KERNEL_FN_Q4STEP(t0)
-        KERNEL_FN_Q4STEP(t0 + 1)
-        KERNEL_FN_Q4STEP(t0 + 2)
-        KERNEL_FN_Q4STEP(t0 + 3)
+      __m256i h0 = _mm256_setzero_si256(), h1 = h0, k0 = h0, k1 = h0;
+#define KERNEL_FN_ROW4                                                                                \
+  do {                                                                                                \
+    const __m256i xl = _mm256_set1_epi32(*(const int32_t *)x);                                        \
+    const __m256i xh = _mm256_set1_epi32(*(const int32_t *)(x + 4));                                  \
+    const __m256i w0 = _mm256_loadu_si256((const __m256i *)w);                                        \
+    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32));                                 \
+    if (ahead) _mm_prefetch((const char *)w + ahead, _MM_HINT_T0);                                    \
+    h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(_mm256_and_si256(w0, lo4), xl));                   \
+    k0 = _mm256_add_epi16(k0, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w0, 4), lo4), xh)); \
+    h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(_mm256_and_si256(w1, lo4), xl));                   \
+    k1 = _mm256_add_epi16(k1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w1, 4), lo4), xh)); \
+    __asm__("" : "+x"(h0), "+x"(h1), "+x"(k0), "+x"(k1));                                            \
+    w += 64, x += 8;                                                                                  \
+  } while (0)
+      if (GW - t0 >= 4) {
+        KERNEL_FN_ROW4;
+        KERNEL_FN_ROW4;
+        KERNEL_FN_ROW4;
+        KERNEL_FN_ROW4;
       } else {
-        const int64_t t1 = GW - t0 < 4 ? GW : t0 + 4;
-#pragma GCC unroll 1
-        for (int64_t t = t0; t < t1; t++) KERNEL_FN_Q4STEP(t)
+        for (int64_t t = t0; t < GW; t++) KERNEL_FN_ROW4;
       }
-#undef KERNEL_FN_Q4STEP
-      for (int r = 0; r < mb; r++)
-        for (int v = 0; v < 2; v++) a[r][v] = _mm256_add_epi32(a[r][v], _mm256_madd_epi16(h[r][v], one));
+#undef KERNEL_FN_ROW4
+      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_add_epi16(h0, k0), one));
+      a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_add_epi16(h1, k1), one));
     }
-    for (int v = 0; v < 2; v++) {
-      const __m256 sv = _mm256_loadu_ps(ps + gi * 16 + 8 * v);
-      for (int r = 0; r < mb; r++)
-        f[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][v]),
-                                  _mm256_mul_ps(_mm256_set1_ps(j->xd[(m0 + r) * G + gi]), sv), f[r][v]);
-    }
+    const __m256 d = _mm256_set1_ps(xd[gi]);
+    f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_mul_ps(d, _mm256_loadu_ps(ps + gi * 16)), f0);
+    f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_mul_ps(d, _mm256_loadu_ps(ps + gi * 16 + 8)), f1);
   }
-  for (int r = 0; r < mb; r++) {
-    float o[16];
-    _mm256_storeu_ps(o, f[r][0]);
-    _mm256_storeu_ps(o + 8, f[r][1]);
-    memcpy(j->y + (m0 + r) * j->N + n0, o, (size_t)nn * sizeof(float));
-  }
+  float o[16];
+  _mm256_storeu_ps(o, f0);
+  _mm256_storeu_ps(o + 8, f1);
+  memcpy(j->y + m0 * j->N + n0, o, (size_t)nn * sizeof(float));
 }
 
 /* AVX2, 4 bits, 2 or 3 rows (mb, a constant): the panel's nv vectors of 8 outputs (1: a last panel
@@ -708,7 +707,9 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4blk(
 KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4_avx2(
     const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
     int64_t n0, int64_t nn, const int bits) {
-  if (mb == 1) KERNEL_FN_mk2q4(j, pw, ps, pz, m0, 1, n0, nn, bits);
+  (void)bits;
+  if (mb == 1 && j->GW == 4) KERNEL_FN_q4row(j, pw, ps, pz, m0, n0, nn, 4); /* groups of 32 */
+  else if (mb == 1) KERNEL_FN_q4row(j, pw, ps, pz, m0, n0, nn, j->GW);
   else if (nn <= 8) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 1, j->GW); /* one vector's outputs */
   else if (j->GW == 4) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 2, 4);
   else KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 2, j->GW);
@@ -849,6 +850,13 @@ static void KERNEL_FN_ipanel(const KERNEL_FN_ijob *j, int64_t c, int64_t worker)
 static void KERNEL_FN_ipanels(void *arg, int64_t c, int64_t worker) {
   const KERNEL_FN_ijob *j = (const KERNEL_FN_ijob *)arg;
   const int64_t panels = (j->N + KERNEL_FN_NR - 1) / KERNEL_FN_NR, p1 = (c + 1) * j->pc;
+#ifdef KERNEL_FN_X86
+  if (j->M == 1 && j->packed) { /* the first 4 KiB of the claim's stream asked for at once */
+    const int64_t pb = j->G * j->GW * 4 * KERNEL_FN_NR, n = ((p1 < panels ? p1 : panels) - c * j->pc) * pb;
+    const char *at = (const char *)j->q + c * j->pc * pb;
+    for (int64_t b = 0; b < 4096 && b < n; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+  }
+#endif
   for (int64_t p = c * j->pc; p < p1 && p < panels; p++) KERNEL_FN_ipanel(j, p, worker);
 }
 
@@ -890,7 +898,8 @@ static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t
     status[0] = 3;
   } else {
     llmkit_par_for((M + 7) / 8, M * K < (1 << 15) ? 1 : nthreads, KERNEL_FN_quantize_rows, &j);
-    j.pc = nt > 1 && panels > 8 * nt ? panels / (8 * nt) : 1; /* about 8 claims a thread */
+    /* one row: a claim a thread (each one stream of memory, ahead of its prefetches); else about 8 */
+    j.pc = M == 1 ? (panels + nt - 1) / nt : nt > 1 && panels > 8 * nt ? panels / (8 * nt) : 1;
     llmkit_par_for((panels + j.pc - 1) / j.pc, nt, KERNEL_FN_ipanels, &j);
   }
   free(j.xq);
