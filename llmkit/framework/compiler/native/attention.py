@@ -166,32 +166,47 @@ static inline attn_vec_@S@ KERNEL_FN_exp_@S@(attn_vec_@S@ x) {
 #endif
 }
 
-/* One online-softmax step of a score row s[0..BC), its first n keys visible: the running max *m and
-   sum *l take them in, and s becomes exp(s - m_new) (0 past n). Returns the factor earlier partial
-   sums must be scaled by. */
-static inline @T@ KERNEL_FN_online(@T@ *restrict s, int64_t n, @T@ *m, @T@ *l) {
-  for (int64_t c = n; c < @BC@; c++) s[c] = -INFINITY;
-  @T@ mx = -INFINITY;
-  #pragma omp simd reduction(max:mx)
-  for (int64_t c = 0; c < @BC@; c++) mx = s[c] > mx ? s[c] : mx;
-  const @T@ mnew = mx > *m ? mx : *m;
-  if (mnew == -INFINITY) {  /* nothing visible yet */
-    memset(s, 0, sizeof(@T@) * @BC@);
-    return 1;
+/* One online-softmax step of a tile's score rows s[r][BC] (r < rows, query i0 + r meets keys j0 ..
+   j0 + cols): each row's running max m[r] and sums lv[r] (W lanes, added up at the end) take in
+   its visible keys, s becomes exp(s - m_new) (0 past them, to whole vectors of cols), and alpha[r]
+   is what the row's earlier partial sums must be scaled by. In phases over all rows, so that the
+   rows' dependency chains overlap; exp(-inf) is 0, so a row that has seen nothing yet gets 0s. */
+static inline void KERNEL_FN_online(@T@ *restrict s, int64_t rows, int causal, int64_t i0, int64_t off,
+                                    int64_t j0, int64_t cols, @T@ *restrict m, attn_vec_@S@ *restrict lv,
+                                    @T@ *restrict alpha) {
+  @T@ mn[@BR@], ms[@BR@] = {0};  /* the new max; the same, 0 where it is still -inf */
+  for (int64_t r = 0; r < rows; r++) {
+    @T@ *restrict sr = s + r * @BC@;
+    @T@ mx = m[r];
+    const int64_t n = attn_visible(causal, i0 + r, off, j0, cols), nw = CW_@S@(n);
+    for (int64_t c = n; c < nw; c++) sr[c] = -INFINITY;
+    #pragma omp simd reduction(max:mx)
+    for (int64_t c = 0; c < nw; c++) mx = sr[c] > mx ? sr[c] : mx;
+    mn[r] = mx;
+    ms[r] = mx == -INFINITY ? 0 : mx;
   }
-  const attn_vec_@S@ mv = mnew - (attn_vec_@S@){0};
-  attn_vec_@S@ acc = {0};
-  for (int64_t c = 0; c < @BC@; c += @W@) {
-    const attn_vec_@S@ e = KERNEL_FN_exp_@S@(LD_@S@(s + c) - mv);
-    ST_@S@(s + c, e);
-    acc += e;
+  for (int64_t r = 0; r < rows; r += @W@) ST_@S@(alpha + r, KERNEL_FN_exp_@S@(LD_@S@(m + r) - LD_@S@(ms + r)));
+  for (int64_t r = 0; r < rows; r++) {
+    @T@ *restrict sr = s + r * @BC@;
+    const int64_t nw = CW_@S@(attn_visible(causal, i0 + r, off, j0, cols));
+    const attn_vec_@S@ mv = ms[r] - (attn_vec_@S@){0};
+    attn_vec_@S@ acc = lv[r] * (alpha[r] - (attn_vec_@S@){0});
+    for (int64_t c = 0; c < nw; c += @W@) {
+      const attn_vec_@S@ e = KERNEL_FN_exp_@S@(LD_@S@(sr + c) - mv);
+      ST_@S@(sr + c, e);
+      acc += e;
+    }
+    for (int64_t c = nw; c < CW_@S@(cols); c += @W@) ST_@S@(sr + c, (attn_vec_@S@){0});
+    lv[r] = acc;
+    m[r] = mn[r];
   }
+}
+
+/* the lanes of v added up */
+static inline @T@ KERNEL_FN_lanes_@S@(attn_vec_@S@ v) {
   @T@ sum = 0;
-  for (int i = 0; i < @W@; i++) sum += acc[i];
-  const @T@ alpha = exp(*m - mnew);
-  *l = *l * alpha + sum;
-  *m = mnew;
-  return alpha;
+  for (int i = 0; i < @W@; i++) sum += v[i];
+  return sum;
 }
 """
 
@@ -269,7 +284,8 @@ _FORWARD = dict(
 """,
     task=r"""
   const int64_t tiles = (S + BR - 1) / BR;
-  @T@ m[BR], l[BR];
+  @T@ m[BR], alpha[BR];
+  attn_vec_@S@ lv[BR];
   const int64_t part = task % parts, b = task / parts / HK, hk = task / parts % HK;
   int64_t kmax = T;  /* keys the part's last tile sees */
   if (causal) {
@@ -287,24 +303,21 @@ _FORWARD = dict(
       int64_t kend = T;
       if (causal) kend = i0 + rows + OFF < 0 ? 0 : i0 + rows + OFF < T ? i0 + rows + OFF : T;
       attn_rows_@S@(sc.qb, DP, q + b * qs[0] + h * qs[1], i0, rows, D, qs[2], qs[3], scale);
-      for (int64_t r = 0; r < rows; r++) { m[r] = -INFINITY; l[r] = 0; }
+      for (int64_t r = 0; r < BR; r++) { m[r] = -INFINITY; lv[r] = (attn_vec_@S@){0}; }
       memset(sc.acc, 0, sizeof(@T@) * BR * DVP);
       for (int64_t j0 = 0; j0 < kend; j0 += BC) {
         const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
         attn_mm_@S@(rows, D, CW_@S@(cols), sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
-        for (int64_t r = 0; r < rows; r++) {
-          const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
-          const @T@ alpha = KERNEL_FN_online(sc.sb + r * BC, n, &m[r], &l[r]);
-          if (alpha != 1)
-            for (int64_t d = 0; d < DVP; d++) sc.acc[r * DVP + d] *= alpha;
-        }
+        KERNEL_FN_online(sc.sb, rows, causal, i0, OFF, j0, cols, m, lv, alpha);
+        for (int64_t r = 0; r < rows; r++)
+          for (int64_t d = 0; d < DVP; d++) sc.acc[r * DVP + d] *= alpha[r];
         attn_mm_@S@(rows, cols, DVP, sc.sb, BC, sc.vr + j0 * DVP, DVP, sc.acc, DVP, 1);
       }
-      for (int64_t r = 0; r < rows; r++)
-        for (int64_t d = 0; d < DV; d++) oh[(i0 + r) * os[2] + d * os[3]] = sc.acc[r * DVP + d] / l[r];
-      if (@LSE@)
-        for (int64_t r = 0; r < rows; r++)
-          lse[b * ls[0] + h * ls[1] + (i0 + r) * ls[2]] = m[r] + log(l[r]);
+      for (int64_t r = 0; r < rows; r++) {
+        const @T@ l = KERNEL_FN_lanes_@S@(lv[r]);
+        for (int64_t d = 0; d < DV; d++) oh[(i0 + r) * os[2] + d * os[3]] = sc.acc[r * DVP + d] / l;
+        if (@LSE@) lse[b * ls[0] + h * ls[1] + (i0 + r) * ls[2]] = m[r] + log(l);
+      }
     }
   }
 """,
@@ -341,7 +354,8 @@ _BACKWARD = dict(
     tasks="NB * HK",
     parts="",
     task=r"""
-  @T@ m[BR], l[BR], di[BR];
+  @T@ m[BR], di[BR], alpha[BR];
+  attn_vec_@S@ lv[BR];
   const int64_t b = task / HK, hk = task % HK;
   const @T@ *kh = k + b * ks[0] + hk * ks[1], *vh = v + b * vs[0] + hk * vs[1];
   attn_cols_@S@(sc.kT, LT, kh, T, D, ks[2], ks[3]);
@@ -360,8 +374,8 @@ _BACKWARD = dict(
         @T@ sum = 0;  /* rowsum(g * out) = sum_j P_j (g v^T)_j */
         for (int64_t d = 0; d < DV; d++) sum += sc.gb[r * DVP + d] * oh[(i0 + r) * os[2] + d * os[3]];
         di[r] = sum;
-        m[r] = -INFINITY; l[r] = 0;
       }
+      for (int64_t r = 0; r < BR; r++) { m[r] = -INFINITY; lv[r] = (attn_vec_@S@){0}; }
       memset(sc.dqb, 0, sizeof(@T@) * BR * DP);
       int64_t kend = T;
       if (causal) kend = i0 + rows + OFF < 0 ? 0 : i0 + rows + OFF < T ? i0 + rows + OFF : T;
@@ -371,12 +385,9 @@ _BACKWARD = dict(
         for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 1: each row's log-sum-exp */
           const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
           attn_mm_@S@(rows, D, CW_@S@(cols), sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
-          for (int64_t r = 0; r < rows; r++) {
-            const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
-            KERNEL_FN_online(sc.sb + r * BC, n, &m[r], &l[r]);
-          }
+          KERNEL_FN_online(sc.sb, rows, causal, i0, OFF, j0, cols, m, lv, alpha);
         }
-        for (int64_t r = 0; r < rows; r++) m[r] += log(l[r]);
+        for (int64_t r = 0; r < rows; r++) m[r] += log(KERNEL_FN_lanes_@S@(lv[r]));
       }
       for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 2: the gradients */
         const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
