@@ -49,6 +49,7 @@ _HELPERS = r"""
 #include <string.h>
 typedef @T@ attn_vec_@S@ __attribute__((vector_size(@VB@)));
 typedef @T@ attn_uvec_@S@ __attribute__((vector_size(@VB@), aligned(sizeof(@T@))));
+typedef @I@ attn_ivec_@S@ __attribute__((vector_size(@VB@)));
 #define LD_@S@(p) (*(const attn_uvec_@S@ *)(p))
 #define ST_@S@(p, x) (*(attn_uvec_@S@ *)(p) = (x))
 
@@ -168,35 +169,41 @@ static inline attn_vec_@S@ KERNEL_FN_exp_@S@(attn_vec_@S@ x) {
 
 /* One online-softmax step of a tile's score rows s[r][BC] (r < rows, query i0 + r meets keys j0 ..
    j0 + cols): each row's running max m[r] and sums lv[r] (W lanes, added up at the end) take in
-   its visible keys, s becomes exp(s - m_new) (0 past them, to whole vectors of cols), and alpha[r]
-   is what the row's earlier partial sums must be scaled by. In phases over all rows, so that the
-   rows' dependency chains overlap; exp(-inf) is 0, so a row that has seen nothing yet gets 0s. */
+   its visible keys, s becomes exp(s - m_new) over whole vectors of cols (0 past the visible keys:
+   they are set to -inf by a lane mask, no branch per row), and alpha[r] is what the row's earlier
+   partial sums must be scaled by. In phases over all rows, so that the rows' dependency chains
+   overlap; exp(-inf) is 0, so a row that has seen nothing yet gets 0s. */
 static inline void KERNEL_FN_online(@T@ *restrict s, int64_t rows, int causal, int64_t i0, int64_t off,
                                     int64_t j0, int64_t cols, @T@ *restrict m, attn_vec_@S@ *restrict lv,
                                     @T@ *restrict alpha) {
+  const int64_t cw = CW_@S@(cols);
+  const int masked = cols < cw || attn_visible(causal, i0, off, j0, cols) < cols;
+  const attn_ivec_@S@ lane = @IOTA@;
+  const attn_vec_@S@ ninf = -INFINITY - (attn_vec_@S@){0};
   @T@ mn[@BR@], ms[@BR@] = {0};  /* the new max; the same, 0 where it is still -inf */
   for (int64_t r = 0; r < rows; r++) {
     @T@ *restrict sr = s + r * @BC@;
+    const attn_ivec_@S@ n = (@I@)attn_visible(causal, i0 + r, off, j0, cols) - (attn_ivec_@S@){0};
+    for (int64_t c = 0; masked && c < cw; c += @W@) {
+      const attn_ivec_@S@ keep = lane + (@I@)c < n;
+      ST_@S@(sr + c, (attn_vec_@S@)(((attn_ivec_@S@)LD_@S@(sr + c) & keep) | ((attn_ivec_@S@)ninf & ~keep)));
+    }
     @T@ mx = m[r];
-    const int64_t n = attn_visible(causal, i0 + r, off, j0, cols), nw = CW_@S@(n);
-    for (int64_t c = n; c < nw; c++) sr[c] = -INFINITY;
     #pragma omp simd reduction(max:mx)
-    for (int64_t c = 0; c < nw; c++) mx = sr[c] > mx ? sr[c] : mx;
+    for (int64_t c = 0; c < cw; c++) mx = sr[c] > mx ? sr[c] : mx;
     mn[r] = mx;
     ms[r] = mx == -INFINITY ? 0 : mx;
   }
   for (int64_t r = 0; r < rows; r += @W@) ST_@S@(alpha + r, KERNEL_FN_exp_@S@(LD_@S@(m + r) - LD_@S@(ms + r)));
   for (int64_t r = 0; r < rows; r++) {
     @T@ *restrict sr = s + r * @BC@;
-    const int64_t nw = CW_@S@(attn_visible(causal, i0 + r, off, j0, cols));
     const attn_vec_@S@ mv = ms[r] - (attn_vec_@S@){0};
     attn_vec_@S@ acc = lv[r] * (alpha[r] - (attn_vec_@S@){0});
-    for (int64_t c = 0; c < nw; c += @W@) {
+    for (int64_t c = 0; c < cw; c += @W@) {
       const attn_vec_@S@ e = KERNEL_FN_exp_@S@(LD_@S@(sr + c) - mv);
       ST_@S@(sr + c, e);
       acc += e;
     }
-    for (int64_t c = nw; c < CW_@S@(cols); c += @W@) ST_@S@(sr + c, (attn_vec_@S@){0});
     lv[r] = acc;
     m[r] = mn[r];
   }
@@ -467,6 +474,8 @@ def _flash(op: str, body: str, n_in: int, lse: bool = False) -> None:
         subs = {
             "@PARAMS@": _PARAMS,
             "@T@": ctype,
+            "@I@": "int32_t" if dt.itemsize == 4 else "int64_t",
+            "@IOTA@": "{" + ", ".join(map(str, range(w))) + "}",
             "@S@": "f32" if dt.itemsize == 4 else "f64",
             "@VB@": str(VECTOR_BYTES),
             "@PS@": "ps" if dt.itemsize == 4 else "pd",
