@@ -33,6 +33,7 @@ are constants of the C), so ``source`` is a function of the op's types and attri
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -41,6 +42,10 @@ from .simd import EXP, VEC
 
 BR, BC = 32, 64  # query rows and keys per tile: the score tile (8 KiB in float32) stays in L1
 VECTOR_BYTES = 32  # AVX2 / NEON x2; wider machines still vectorize each half
+# simd.EXP with its 7 Horner steps fused (one rounding each where the CPU has FMA): a quarter fewer
+# instructions; the polynomial is the same (tiled_linear_logprobs keeps simd.EXP as it is)
+_EXP = re.sub(r"p = p \* r \+ ([^,;]+)", r"p = KERNEL_FN_mac(\1, p, r)", EXP)
+assert _EXP.count("KERNEL_FN_mac") == 7, "simd.EXP's Horner steps changed form"
 
 _HELPERS = r"""
 #ifndef LLMKIT_ATTENTION_@S@
@@ -491,7 +496,7 @@ def _flash(op: str, body: str, n_in: int, lse: bool = False) -> None:
             "@LSE@": "1" if lse else "0",
             "@SCALE@": f"(({ctype}){float(np.asarray(scale, dt))!r})",
         }
-        src = VEC + EXP + _HELPERS + body
+        src = VEC + _EXP + _HELPERS + body
         for key, val in subs.items():
             src = src.replace(key, val)
         return src
