@@ -361,6 +361,7 @@ _BACKWARD = dict(
         ("dvr", "TP * DVP"),  # dv rows
         ("qb", "BR * DP"),  # the tile's queries times scale
         ("gb", "BR * DVP"),  # their output gradients
+        ("ob", "BR * DVP"),  # their outputs
         ("dqb", "BR * DP"),  # their dq (before the scale)
         ("sb", "BR * BC"),  # scores, then P
         ("pb", "BR * BC"),  # g v^T, then dS
@@ -384,10 +385,11 @@ _BACKWARD = dict(
       const int64_t rows = S - i0 < BR ? S - i0 : BR;
       attn_rows_@S@(sc.qb, DP, q + b * qs[0] + h * qs[1], i0, rows, D, qs[2], qs[3], scale);
       attn_rows_@S@(sc.gb, DVP, gh, i0, rows, DV, gs[2], gs[3], 1);
-      for (int64_t r = 0; r < rows; r++) {
-        @T@ sum = 0;  /* rowsum(g * out) = sum_j P_j (g v^T)_j */
-        for (int64_t d = 0; d < DV; d++) sum += sc.gb[r * DVP + d] * oh[(i0 + r) * os[2] + d * os[3]];
-        di[r] = sum;
+      attn_rows_@S@(sc.ob, DVP, oh, i0, rows, DV, os[2], os[3], 1);
+      for (int64_t r = 0; r < rows; r++) {  /* rowsum(g * out) = sum_j P_j (g v^T)_j */
+        attn_vec_@S@ sum = {0};
+        for (int64_t d = 0; d < DVP; d += W) sum += LD_@S@(sc.gb + r * DVP + d) * LD_@S@(sc.ob + r * DVP + d);
+        di[r] = KERNEL_FN_lanes_@S@(sum);
       }
       for (int64_t r = 0; r < BR; r++) { m[r] = -INFINITY; lv[r] = (attn_vec_@S@){0}; }
       memset(sc.dqb, 0, sizeof(@T@) * BR * DP);
