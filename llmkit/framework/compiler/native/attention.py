@@ -147,10 +147,28 @@ static void attn_rows_@S@(@T@ *restrict dst, int64_t ld, const @T@ *restrict src
 }
 
 /* the same rows transposed: dst[c][ld], column r; 8 rows at a time (their cache lines stay in L1
-   while each column's 8 take them in) */
+   while each column's 8 take them in), 8 x 8 blocks through AVX2's shuffles where it has them */
 static void attn_cols_@S@(@T@ *restrict dst, int64_t ld, const @T@ *restrict src, int64_t n,
                           int64_t cols, int64_t rs, int64_t cs) {
-  for (int64_t r0 = 0; r0 < n; r0 += 8)
+  int64_t r0 = 0;
+#if defined(__AVX2__) && defined(__FMA__) && @F32@
+  for (; cs == 1 && cols % 8 == 0 && r0 + 8 <= n; r0 += 8)
+    for (int64_t c0 = 0; c0 < cols; c0 += 8) {
+      __m256 a[8], t[8];
+      for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(src + (r0 + i) * rs + c0);
+      for (int i = 0; i < 8; i += 2)
+        t[i] = _mm256_unpacklo_ps(a[i], a[i + 1]), t[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
+      for (int i = 0; i < 8; i += 4)
+        for (int j = 0; j < 2; j++)
+          a[i + 2 * j] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], 0x44),
+          a[i + 2 * j + 1] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], 0xEE);
+      for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + (c0 + i) * ld + r0, _mm256_permute2f128_ps(a[i], a[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (c0 + i + 4) * ld + r0, _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
+      }
+    }
+#endif
+  for (; r0 < n; r0 += 8)
     for (int64_t c = 0; c < cols; c++)
       for (int64_t r = r0; r < (n - r0 < 8 ? n : r0 + 8); r++) dst[c * ld + r] = src[r * rs + c * cs];
 }
