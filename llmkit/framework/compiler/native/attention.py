@@ -173,6 +173,12 @@ static void attn_cols_@S@(@T@ *restrict dst, int64_t ld, const @T@ *restrict src
       for (int64_t r = r0; r < (n - r0 < 8 ? n : r0 + 8); r++) dst[c * ld + r] = src[r * rs + c * cs];
 }
 
+/* a tile's rows 6 at a time (the micro-kernel's row tile): rows [g0, g0 + gm), the last seeing the
+   tile's first nv keys, so that a causal diagonal tile's products skip most of its masked part */
+#define ATTN_GROUPS(rows, i0, j0, cols)                                                           \
+  for (int64_t g0 = 0, gm, nv; g0 < (rows); g0 += 6)                                              \
+    if (gm = (rows) - g0 < 6 ? (rows) - g0 : 6, nv = attn_visible(causal, (i0) + g0 + gm - 1, OFF, (j0), (cols)), 1)
+
 /* keys of a score row its query may see: all n, or those up to the causal diagonal */
 static inline int64_t attn_visible(int causal, int64_t row, int64_t off, int64_t j0, int64_t n) {
   if (!causal) return n;
@@ -339,11 +345,13 @@ _FORWARD = dict(
       memset(sc.acc, 0, sizeof(@T@) * BR * DVP);
       for (int64_t j0 = 0; j0 < kend; j0 += BC) {
         const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-        attn_mm_@S@(rows, D, CW_@S@(cols), sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
+        ATTN_GROUPS(rows, i0, j0, cols)
+          attn_mm_@S@(gm, D, CW_@S@(nv), sc.qb + g0 * DP, DP, sc.kT + j0, LT, sc.sb + g0 * BC, BC, 0);
         KERNEL_FN_online(sc.sb, rows, causal, i0, OFF, j0, cols, m, lv, alpha);
         for (int64_t r = 0; r < rows; r++)
           for (int64_t d = 0; d < DVP; d++) sc.acc[r * DVP + d] *= alpha[r];
-        attn_mm_@S@(rows, cols, DVP, sc.sb, BC, sc.vr + j0 * DVP, DVP, sc.acc, DVP, 1);
+        ATTN_GROUPS(rows, i0, j0, cols)
+          attn_mm_@S@(gm, nv, DVP, sc.sb + g0 * BC, BC, sc.vr + j0 * DVP, DVP, sc.acc + g0 * DVP, DVP, 1);
       }
       for (int64_t r = 0; r < rows; r++) {
         const @T@ l = KERNEL_FN_lanes_@S@(lv[r]);
@@ -418,15 +426,18 @@ _BACKWARD = dict(
       } else {
         for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 1: each row's log-sum-exp */
           const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-          attn_mm_@S@(rows, D, CW_@S@(cols), sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
+          ATTN_GROUPS(rows, i0, j0, cols)
+            attn_mm_@S@(gm, D, CW_@S@(nv), sc.qb + g0 * DP, DP, sc.kT + j0, LT, sc.sb + g0 * BC, BC, 0);
           KERNEL_FN_online(sc.sb, rows, causal, i0, OFF, j0, cols, m, lv, alpha);
         }
         for (int64_t r = 0; r < rows; r++) m[r] += log(KERNEL_FN_lanes_@S@(lv[r]));
       }
       for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 2: the gradients */
         const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-        attn_mm_@S@(rows, D, CW_@S@(cols), sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
-        attn_mm_@S@(rows, DV, CW_@S@(cols), sc.gb, DVP, sc.vT + j0, LT, sc.pb, BC, 0);
+        ATTN_GROUPS(rows, i0, j0, cols) {
+          attn_mm_@S@(gm, D, CW_@S@(nv), sc.qb + g0 * DP, DP, sc.kT + j0, LT, sc.sb + g0 * BC, BC, 0);
+          attn_mm_@S@(gm, DV, CW_@S@(nv), sc.gb + g0 * DVP, DVP, sc.vT + j0, LT, sc.pb + g0 * BC, BC, 0);
+        }
         for (int64_t r = 0; r < rows; r++) {
           @T@ *sr = sc.sb + r * BC, *dr = sc.pb + r * BC;
           const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
@@ -438,9 +449,14 @@ _BACKWARD = dict(
           }
           for (int64_t c = n; c < BC; c++) { sr[c] = 0; dr[c] = 0; }
         }
-        attn_mmt_@S@(cols, rows, DVP, sc.sb, BC, sc.gb, DVP, sc.dvr + j0 * DVP, DVP, 1);
-        attn_mmt_@S@(cols, rows, DP, sc.pb, BC, sc.qb, DP, sc.dkr + j0 * DP, DP, 1);
-        attn_mm_@S@(rows, cols, DP, sc.pb, BC, sc.kr + j0 * DP, DP, sc.dqb, DP, 1);
+        for (int64_t c0 = 0; c0 < cols; c0 += 6) {  /* keys 6 at a time, from the first row that sees them */
+          const int64_t cm = cols - c0 < 6 ? cols - c0 : 6, f = causal ? j0 + c0 - i0 - OFF : 0;
+          const int64_t r1 = f < 0 ? 0 : f < rows ? f : rows, k1 = j0 + c0;
+          attn_mmt_@S@(cm, rows - r1, DVP, sc.sb + r1 * BC + c0, BC, sc.gb + r1 * DVP, DVP, sc.dvr + k1 * DVP, DVP, 1);
+          attn_mmt_@S@(cm, rows - r1, DP, sc.pb + r1 * BC + c0, BC, sc.qb + r1 * DP, DP, sc.dkr + k1 * DP, DP, 1);
+        }
+        ATTN_GROUPS(rows, i0, j0, cols)
+          attn_mm_@S@(gm, nv, DP, sc.pb + g0 * BC, BC, sc.kr + j0 * DP, DP, sc.dqb + g0 * DP, DP, 1);
       }
       @T@ *dqh = dq + b * dqs[0] + h * dqs[1];
       for (int64_t r = 0; r < rows; r++)
