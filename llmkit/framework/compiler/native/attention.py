@@ -177,7 +177,8 @@ static void attn_cols_@S@(@T@ *restrict dst, int64_t ld, const @T@ *restrict src
    tile's first nv keys, so that a causal diagonal tile's products skip most of its masked part */
 #define ATTN_GROUPS(rows, i0, j0, cols)                                                           \
   for (int64_t g0 = 0, gm, nv; g0 < (rows); g0 += 6)                                              \
-    if (gm = (rows) - g0 < 6 ? (rows) - g0 : 6, nv = attn_visible(causal, (i0) + g0 + gm - 1, OFF, (j0), (cols)), 1)
+    if (gm = (rows) - g0 < 6 ? (rows) - g0 : 6,                                                    \
+        nv = attn_visible(causal, (i0) + g0 + gm - 1, OFF, (j0), (cols)), 1)
 
 /* keys of a score row its query may see: all n, or those up to the causal diagonal */
 static inline int64_t attn_visible(int causal, int64_t row, int64_t off, int64_t j0, int64_t n) {
@@ -225,7 +226,8 @@ static inline void KERNEL_FN_online(@T@ *restrict s, int64_t rows, int causal, i
     mn[r] = mx;
     ms[r] = mx == -INFINITY ? 0 : mx;
   }
-  for (int64_t r = 0; r < rows; r += @W@) ST_@S@(alpha + r, KERNEL_FN_exp_@S@(LD_@S@(m + r) - LD_@S@(ms + r)));
+  for (int64_t r = 0; r < rows; r += @W@)
+    ST_@S@(alpha + r, KERNEL_FN_exp_@S@(LD_@S@(m + r) - LD_@S@(ms + r)));
   for (int64_t r = 0; r < rows; r++) {
     @T@ *restrict sr = s + r * @BC@;
     const attn_vec_@S@ mv = ms[r] - (attn_vec_@S@){0};
@@ -451,9 +453,9 @@ _BACKWARD = dict(
         }
         for (int64_t c0 = 0; c0 < cols; c0 += 6) {  /* keys 6 at a time, from the first row that sees them */
           const int64_t cm = cols - c0 < 6 ? cols - c0 : 6, f = causal ? j0 + c0 - i0 - OFF : 0;
-          const int64_t r1 = f < 0 ? 0 : f < rows ? f : rows, k1 = j0 + c0;
-          attn_mmt_@S@(cm, rows - r1, DVP, sc.sb + r1 * BC + c0, BC, sc.gb + r1 * DVP, DVP, sc.dvr + k1 * DVP, DVP, 1);
-          attn_mmt_@S@(cm, rows - r1, DP, sc.pb + r1 * BC + c0, BC, sc.qb + r1 * DP, DP, sc.dkr + k1 * DP, DP, 1);
+          const int64_t r1 = f < 0 ? 0 : f < rows ? f : rows, k1 = j0 + c0, o1 = r1 * BC + c0;
+          attn_mmt_@S@(cm, rows - r1, DVP, sc.sb + o1, BC, sc.gb + r1 * DVP, DVP, sc.dvr + k1 * DVP, DVP, 1);
+          attn_mmt_@S@(cm, rows - r1, DP, sc.pb + o1, BC, sc.qb + r1 * DP, DP, sc.dkr + k1 * DP, DP, 1);
         }
         ATTN_GROUPS(rows, i0, j0, cols)
           attn_mm_@S@(gm, nv, DP, sc.pb + g0 * BC, BC, sc.kr + j0 * DP, DP, sc.dqb + g0 * DP, DP, 1);
