@@ -8,8 +8,11 @@ kernels never materialize it: a tile of ``BR`` query rows meets ``BC`` keys at a
 
 - forward: scores ``S = (q * scale) k^T`` for the tile, an online softmax (running row max ``m``
   and sum ``l``; earlier partial outputs rescaled by ``exp(m_old - m_new)``), then ``acc += P v``;
-  ``out = acc / l``. Key tiles wholly above the causal diagonal are never visited, and inside a
-  tile each row stops at its last visible key. One task per (batch, kv head, query tile).
+  ``out = acc / l``. Key tiles wholly above the causal diagonal are never visited; in a diagonal
+  tile the products go 6 rows at a time over the keys the group's last row sees, and masked keys
+  are -inf by a lane mask. The softmax runs in phases over all the tile's rows (their dependency
+  chains overlap; alpha a vector of rows; sums kept in vector lanes). One task per (batch, kv
+  head, set of query tiles).
 - backward: one task per (batch, kv head), so its ``dk``/``dv`` rows and the ``dq`` rows of its
   query heads are its own (no atomics). Per query tile: the rows' log-sum-exp (a first pass over
   the keys), then per key tile ``P = exp(S - lse)``, ``dS = P * (g v^T - rowsum(g * out))``,
@@ -20,7 +23,8 @@ accumulators, fused multiply-adds where the CPU has FMA, GCC/Clang vector extens
 its left operand transposed); score tiles are computed over whole vectors of their visible keys
 only. Rows are padded to whole vectors in the kernel's own scratch buffers, so any head dim works;
 q, k, v, g and out are read through their strides (the model's transposed views are not copied
-first). exp is ``simd.EXP``'s polynomial in float32 (libm's in float64), a vector at a time.
+first; k and v go through 8 x 8 register transposes where AVX2 has them). exp is ``simd.EXP``'s
+polynomial in float32 with its Horner steps fused (libm's in float64), a vector at a time.
 Numerics: sums run in a different order than BLAS and the reference softmax (float32 within
 ~1e-6 relative); NaN in a row spreads through that row as in the reference.
 
