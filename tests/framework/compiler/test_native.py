@@ -253,7 +253,8 @@ def test_paged_attention_decode_matches_float64(d, bs, hq, hk):
 @pytest.mark.parametrize("dt", [np.float32, np.float64])
 @pytest.mark.parametrize(
     "b,hq,hk,s,t,d,dv,causal",
-    [(1, 4, 2, 77, 77, 5, 12, True), (2, 3, 1, 40, 150, 5, 12, True), (1, 2, 2, 33, 70, 5, 12, False)],
+    [(1, 4, 2, 77, 77, 5, 12, True), (2, 3, 1, 40, 150, 5, 12, True), (1, 2, 2, 33, 70, 5, 12, False)]
+    + [(2, 4, 2, 70, 90, 16, 24, True)],  # head dims of whole vectors: k and v transposed 8 x 8 at a time
 )
 def test_flash_attention_over_many_tiles_matches_float64(dt, b, hq, hk, s, t, d, dv, causal):
     """The flash kernels (forward with its log-sum-exp, backward with and without it) over several

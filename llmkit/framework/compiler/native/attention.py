@@ -8,8 +8,11 @@ kernels never materialize it: a tile of ``BR`` query rows meets ``BC`` keys at a
 
 - forward: scores ``S = (q * scale) k^T`` for the tile, an online softmax (running row max ``m``
   and sum ``l``; earlier partial outputs rescaled by ``exp(m_old - m_new)``), then ``acc += P v``;
-  ``out = acc / l``. Key tiles wholly above the causal diagonal are never visited, and inside a
-  tile each row stops at its last visible key. One task per (batch, kv head, query tile).
+  ``out = acc / l``. Key tiles wholly above the causal diagonal are never visited; in a diagonal
+  tile the products go 6 rows at a time over the keys the group's last row sees, and masked keys
+  are -inf by a lane mask. The softmax runs in phases over all the tile's rows (their dependency
+  chains overlap; alpha a vector of rows; sums kept in vector lanes). One task per (batch, kv
+  head, set of query tiles).
 - backward: one task per (batch, kv head), so its ``dk``/``dv`` rows and the ``dq`` rows of its
   query heads are its own (no atomics). Per query tile: the rows' log-sum-exp (a first pass over
   the keys), then per key tile ``P = exp(S - lse)``, ``dS = P * (g v^T - rowsum(g * out))``,
@@ -20,7 +23,8 @@ accumulators, fused multiply-adds where the CPU has FMA, GCC/Clang vector extens
 its left operand transposed); score tiles are computed over whole vectors of their visible keys
 only. Rows are padded to whole vectors in the kernel's own scratch buffers, so any head dim works;
 q, k, v, g and out are read through their strides (the model's transposed views are not copied
-first). exp is ``simd.EXP``'s polynomial in float32 (libm's in float64), a vector at a time.
+first; k and v go through 8 x 8 register transposes where AVX2 has them). exp is ``simd.EXP``'s
+polynomial in float32 with its Horner steps fused (libm's in float64), a vector at a time.
 Numerics: sums run in a different order than BLAS and the reference softmax (float32 within
 ~1e-6 relative); NaN in a row spreads through that row as in the reference.
 
@@ -33,6 +37,7 @@ are constants of the C), so ``source`` is a function of the op's types and attri
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -41,6 +46,10 @@ from .simd import EXP, VEC
 
 BR, BC = 32, 64  # query rows and keys per tile: the score tile (8 KiB in float32) stays in L1
 VECTOR_BYTES = 32  # AVX2 / NEON x2; wider machines still vectorize each half
+# simd.EXP with its 7 Horner steps fused (one rounding each where the CPU has FMA): a quarter fewer
+# instructions; the polynomial is the same (tiled_linear_logprobs keeps simd.EXP as it is)
+_EXP = re.sub(r"p = p \* r \+ ([^,;]+)", r"p = KERNEL_FN_mac(\1, p, r)", EXP)
+assert _EXP.count("KERNEL_FN_mac") == 7, "simd.EXP's Horner steps changed form"
 
 _HELPERS = r"""
 #ifndef LLMKIT_ATTENTION_@S@
@@ -49,6 +58,7 @@ _HELPERS = r"""
 #include <string.h>
 typedef @T@ attn_vec_@S@ __attribute__((vector_size(@VB@)));
 typedef @T@ attn_uvec_@S@ __attribute__((vector_size(@VB@), aligned(sizeof(@T@))));
+typedef @I@ attn_ivec_@S@ __attribute__((vector_size(@VB@)));
 #define LD_@S@(p) (*(const attn_uvec_@S@ *)(p))
 #define ST_@S@(p, x) (*(attn_uvec_@S@ *)(p) = (x))
 
@@ -140,12 +150,39 @@ static void attn_rows_@S@(@T@ *restrict dst, int64_t ld, const @T@ *restrict src
     for (int64_t c = 0; c < cols; c++) dst[r * ld + c] = src[(r0 + r) * rs + c * cs] * scale;
 }
 
-/* the same rows transposed: dst[c][ld], column r */
+/* the same rows transposed: dst[c][ld], column r; 8 rows at a time (their cache lines stay in L1
+   while each column's 8 take them in), 8 x 8 blocks through AVX2's shuffles where it has them */
 static void attn_cols_@S@(@T@ *restrict dst, int64_t ld, const @T@ *restrict src, int64_t n,
                           int64_t cols, int64_t rs, int64_t cs) {
-  for (int64_t r = 0; r < n; r++)
-    for (int64_t c = 0; c < cols; c++) dst[c * ld + r] = src[r * rs + c * cs];
+  int64_t r0 = 0;
+#if defined(__AVX2__) && defined(__FMA__) && @F32@
+  for (; cs == 1 && cols % 8 == 0 && r0 + 8 <= n; r0 += 8)
+    for (int64_t c0 = 0; c0 < cols; c0 += 8) {
+      __m256 a[8], t[8];
+      for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(src + (r0 + i) * rs + c0);
+      for (int i = 0; i < 8; i += 2)
+        t[i] = _mm256_unpacklo_ps(a[i], a[i + 1]), t[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
+      for (int i = 0; i < 8; i += 4)
+        for (int j = 0; j < 2; j++)
+          a[i + 2 * j] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], 0x44),
+          a[i + 2 * j + 1] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], 0xEE);
+      for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + (c0 + i) * ld + r0, _mm256_permute2f128_ps(a[i], a[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (c0 + i + 4) * ld + r0, _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
+      }
+    }
+#endif
+  for (; r0 < n; r0 += 8)
+    for (int64_t c = 0; c < cols; c++)
+      for (int64_t r = r0; r < (n - r0 < 8 ? n : r0 + 8); r++) dst[c * ld + r] = src[r * rs + c * cs];
 }
+
+/* a tile's rows 6 at a time (the micro-kernel's row tile): rows [g0, g0 + gm), the last seeing the
+   tile's first nv keys, so that a causal diagonal tile's products skip most of its masked part */
+#define ATTN_GROUPS(rows, i0, j0, cols)                                                           \
+  for (int64_t g0 = 0, gm, nv; g0 < (rows); g0 += 6)                                              \
+    if (gm = (rows) - g0 < 6 ? (rows) - g0 : 6,                                                    \
+        nv = attn_visible(causal, (i0) + g0 + gm - 1, OFF, (j0), (cols)), 1)
 
 /* keys of a score row its query may see: all n, or those up to the causal diagonal */
 static inline int64_t attn_visible(int causal, int64_t row, int64_t off, int64_t j0, int64_t n) {
@@ -166,32 +203,54 @@ static inline attn_vec_@S@ KERNEL_FN_exp_@S@(attn_vec_@S@ x) {
 #endif
 }
 
-/* One online-softmax step of a score row s[0..BC), its first n keys visible: the running max *m and
-   sum *l take them in, and s becomes exp(s - m_new) (0 past n). Returns the factor earlier partial
-   sums must be scaled by. */
-static inline @T@ KERNEL_FN_online(@T@ *restrict s, int64_t n, @T@ *m, @T@ *l) {
-  for (int64_t c = n; c < @BC@; c++) s[c] = -INFINITY;
-  @T@ mx = -INFINITY;
-  #pragma omp simd reduction(max:mx)
-  for (int64_t c = 0; c < @BC@; c++) mx = s[c] > mx ? s[c] : mx;
-  const @T@ mnew = mx > *m ? mx : *m;
-  if (mnew == -INFINITY) {  /* nothing visible yet */
-    memset(s, 0, sizeof(@T@) * @BC@);
-    return 1;
+/* One online-softmax step of a tile's score rows s[r][BC] (r < rows, query i0 + r meets keys j0 ..
+   j0 + cols): each row's running max m[r] and sums lv[r] (W lanes, added up at the end) take in
+   its visible keys, s becomes exp(s - m_new) over whole vectors of cols (0 past the visible keys:
+   they are set to -inf by a lane mask, no branch per row), and alpha[r] is what the row's earlier
+   partial sums must be scaled by. In phases over all rows, so that the rows' dependency chains
+   overlap; exp(-inf) is 0, so a row that has seen nothing yet gets 0s. */
+static inline void KERNEL_FN_online(@T@ *restrict s, int64_t rows, int causal, int64_t i0, int64_t off,
+                                    int64_t j0, int64_t cols, @T@ *restrict m, attn_vec_@S@ *restrict lv,
+                                    @T@ *restrict alpha) {
+  const int64_t cw = CW_@S@(cols);
+  const int masked = cols < cw || attn_visible(causal, i0, off, j0, cols) < cols;
+  const attn_ivec_@S@ lane = @IOTA@;
+  const attn_vec_@S@ ninf = -INFINITY - (attn_vec_@S@){0};
+  @T@ mn[@BR@], ms[@BR@] = {0};  /* the new max; the same, 0 where it is still -inf */
+  for (int64_t r = 0; r < rows; r++) {
+    @T@ *restrict sr = s + r * @BC@;
+    const attn_ivec_@S@ n = (@I@)attn_visible(causal, i0 + r, off, j0, cols) - (attn_ivec_@S@){0};
+    for (int64_t c = 0; masked && c < cw; c += @W@) {
+      const attn_ivec_@S@ keep = lane + (@I@)c < n;
+      ST_@S@(sr + c, (attn_vec_@S@)(((attn_ivec_@S@)LD_@S@(sr + c) & keep) | ((attn_ivec_@S@)ninf & ~keep)));
+    }
+    @T@ mx = m[r];
+    #pragma omp simd reduction(max:mx)
+    for (int64_t c = 0; c < cw; c++) mx = sr[c] > mx ? sr[c] : mx;
+    mn[r] = mx;
+    ms[r] = mx == -INFINITY ? 0 : mx;
   }
-  const attn_vec_@S@ mv = mnew - (attn_vec_@S@){0};
-  attn_vec_@S@ acc = {0};
-  for (int64_t c = 0; c < @BC@; c += @W@) {
-    const attn_vec_@S@ e = KERNEL_FN_exp_@S@(LD_@S@(s + c) - mv);
-    ST_@S@(s + c, e);
-    acc += e;
+  for (int64_t r = 0; r < rows; r += @W@)
+    ST_@S@(alpha + r, KERNEL_FN_exp_@S@(LD_@S@(m + r) - LD_@S@(ms + r)));
+  for (int64_t r = 0; r < rows; r++) {
+    @T@ *restrict sr = s + r * @BC@;
+    const attn_vec_@S@ mv = ms[r] - (attn_vec_@S@){0};
+    attn_vec_@S@ acc = lv[r] * (alpha[r] - (attn_vec_@S@){0});
+    for (int64_t c = 0; c < cw; c += @W@) {
+      const attn_vec_@S@ e = KERNEL_FN_exp_@S@(LD_@S@(sr + c) - mv);
+      ST_@S@(sr + c, e);
+      acc += e;
+    }
+    lv[r] = acc;
+    m[r] = mn[r];
   }
+}
+
+/* the lanes of v added up */
+static inline @T@ KERNEL_FN_lanes_@S@(attn_vec_@S@ v) {
   @T@ sum = 0;
-  for (int i = 0; i < @W@; i++) sum += acc[i];
-  const @T@ alpha = exp(*m - mnew);
-  *l = *l * alpha + sum;
-  *m = mnew;
-  return alpha;
+  for (int i = 0; i < @W@; i++) sum += v[i];
+  return sum;
 }
 """
 
@@ -269,7 +328,8 @@ _FORWARD = dict(
 """,
     task=r"""
   const int64_t tiles = (S + BR - 1) / BR;
-  @T@ m[BR], l[BR];
+  @T@ m[BR], alpha[BR];
+  attn_vec_@S@ lv[BR];
   const int64_t part = task % parts, b = task / parts / HK, hk = task / parts % HK;
   int64_t kmax = T;  /* keys the part's last tile sees */
   if (causal) {
@@ -287,24 +347,23 @@ _FORWARD = dict(
       int64_t kend = T;
       if (causal) kend = i0 + rows + OFF < 0 ? 0 : i0 + rows + OFF < T ? i0 + rows + OFF : T;
       attn_rows_@S@(sc.qb, DP, q + b * qs[0] + h * qs[1], i0, rows, D, qs[2], qs[3], scale);
-      for (int64_t r = 0; r < rows; r++) { m[r] = -INFINITY; l[r] = 0; }
+      for (int64_t r = 0; r < BR; r++) { m[r] = -INFINITY; lv[r] = (attn_vec_@S@){0}; }
       memset(sc.acc, 0, sizeof(@T@) * BR * DVP);
       for (int64_t j0 = 0; j0 < kend; j0 += BC) {
         const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-        attn_mm_@S@(rows, D, CW_@S@(cols), sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
-        for (int64_t r = 0; r < rows; r++) {
-          const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
-          const @T@ alpha = KERNEL_FN_online(sc.sb + r * BC, n, &m[r], &l[r]);
-          if (alpha != 1)
-            for (int64_t d = 0; d < DVP; d++) sc.acc[r * DVP + d] *= alpha;
-        }
-        attn_mm_@S@(rows, cols, DVP, sc.sb, BC, sc.vr + j0 * DVP, DVP, sc.acc, DVP, 1);
-      }
-      for (int64_t r = 0; r < rows; r++)
-        for (int64_t d = 0; d < DV; d++) oh[(i0 + r) * os[2] + d * os[3]] = sc.acc[r * DVP + d] / l[r];
-      if (@LSE@)
+        ATTN_GROUPS(rows, i0, j0, cols)
+          attn_mm_@S@(gm, D, CW_@S@(nv), sc.qb + g0 * DP, DP, sc.kT + j0, LT, sc.sb + g0 * BC, BC, 0);
+        KERNEL_FN_online(sc.sb, rows, causal, i0, OFF, j0, cols, m, lv, alpha);
         for (int64_t r = 0; r < rows; r++)
-          lse[b * ls[0] + h * ls[1] + (i0 + r) * ls[2]] = m[r] + log(l[r]);
+          for (int64_t d = 0; d < DVP; d++) sc.acc[r * DVP + d] *= alpha[r];
+        ATTN_GROUPS(rows, i0, j0, cols)
+          attn_mm_@S@(gm, nv, DVP, sc.sb + g0 * BC, BC, sc.vr + j0 * DVP, DVP, sc.acc + g0 * DVP, DVP, 1);
+      }
+      for (int64_t r = 0; r < rows; r++) {
+        const @T@ l = KERNEL_FN_lanes_@S@(lv[r]);
+        for (int64_t d = 0; d < DV; d++) oh[(i0 + r) * os[2] + d * os[3]] = sc.acc[r * DVP + d] / l;
+        if (@LSE@) lse[b * ls[0] + h * ls[1] + (i0 + r) * ls[2]] = m[r] + log(l);
+      }
     }
   }
 """,
@@ -334,6 +393,7 @@ _BACKWARD = dict(
         ("dvr", "TP * DVP"),  # dv rows
         ("qb", "BR * DP"),  # the tile's queries times scale
         ("gb", "BR * DVP"),  # their output gradients
+        ("ob", "BR * DVP"),  # their outputs
         ("dqb", "BR * DP"),  # their dq (before the scale)
         ("sb", "BR * BC"),  # scores, then P
         ("pb", "BR * BC"),  # g v^T, then dS
@@ -341,7 +401,8 @@ _BACKWARD = dict(
     tasks="NB * HK",
     parts="",
     task=r"""
-  @T@ m[BR], l[BR], di[BR];
+  @T@ m[BR], di[BR], alpha[BR];
+  attn_vec_@S@ lv[BR];
   const int64_t b = task / HK, hk = task % HK;
   const @T@ *kh = k + b * ks[0] + hk * ks[1], *vh = v + b * vs[0] + hk * vs[1];
   attn_cols_@S@(sc.kT, LT, kh, T, D, ks[2], ks[3]);
@@ -356,12 +417,13 @@ _BACKWARD = dict(
       const int64_t rows = S - i0 < BR ? S - i0 : BR;
       attn_rows_@S@(sc.qb, DP, q + b * qs[0] + h * qs[1], i0, rows, D, qs[2], qs[3], scale);
       attn_rows_@S@(sc.gb, DVP, gh, i0, rows, DV, gs[2], gs[3], 1);
-      for (int64_t r = 0; r < rows; r++) {
-        @T@ sum = 0;  /* rowsum(g * out) = sum_j P_j (g v^T)_j */
-        for (int64_t d = 0; d < DV; d++) sum += sc.gb[r * DVP + d] * oh[(i0 + r) * os[2] + d * os[3]];
-        di[r] = sum;
-        m[r] = -INFINITY; l[r] = 0;
+      attn_rows_@S@(sc.ob, DVP, oh, i0, rows, DV, os[2], os[3], 1);
+      for (int64_t r = 0; r < rows; r++) {  /* rowsum(g * out) = sum_j P_j (g v^T)_j */
+        attn_vec_@S@ sum = {0};
+        for (int64_t d = 0; d < DVP; d += W) sum += LD_@S@(sc.gb + r * DVP + d) * LD_@S@(sc.ob + r * DVP + d);
+        di[r] = KERNEL_FN_lanes_@S@(sum);
       }
+      for (int64_t r = 0; r < BR; r++) { m[r] = -INFINITY; lv[r] = (attn_vec_@S@){0}; }
       memset(sc.dqb, 0, sizeof(@T@) * BR * DP);
       int64_t kend = T;
       if (causal) kend = i0 + rows + OFF < 0 ? 0 : i0 + rows + OFF < T ? i0 + rows + OFF : T;
@@ -370,18 +432,18 @@ _BACKWARD = dict(
       } else {
         for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 1: each row's log-sum-exp */
           const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-          attn_mm_@S@(rows, D, CW_@S@(cols), sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
-          for (int64_t r = 0; r < rows; r++) {
-            const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
-            KERNEL_FN_online(sc.sb + r * BC, n, &m[r], &l[r]);
-          }
+          ATTN_GROUPS(rows, i0, j0, cols)
+            attn_mm_@S@(gm, D, CW_@S@(nv), sc.qb + g0 * DP, DP, sc.kT + j0, LT, sc.sb + g0 * BC, BC, 0);
+          KERNEL_FN_online(sc.sb, rows, causal, i0, OFF, j0, cols, m, lv, alpha);
         }
-        for (int64_t r = 0; r < rows; r++) m[r] += log(l[r]);
+        for (int64_t r = 0; r < rows; r++) m[r] += log(KERNEL_FN_lanes_@S@(lv[r]));
       }
       for (int64_t j0 = 0; j0 < kend; j0 += BC) {  /* pass 2: the gradients */
         const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
-        attn_mm_@S@(rows, D, CW_@S@(cols), sc.qb, DP, sc.kT + j0, LT, sc.sb, BC, 0);
-        attn_mm_@S@(rows, DV, CW_@S@(cols), sc.gb, DVP, sc.vT + j0, LT, sc.pb, BC, 0);
+        ATTN_GROUPS(rows, i0, j0, cols) {
+          attn_mm_@S@(gm, D, CW_@S@(nv), sc.qb + g0 * DP, DP, sc.kT + j0, LT, sc.sb + g0 * BC, BC, 0);
+          attn_mm_@S@(gm, DV, CW_@S@(nv), sc.gb + g0 * DVP, DVP, sc.vT + j0, LT, sc.pb + g0 * BC, BC, 0);
+        }
         for (int64_t r = 0; r < rows; r++) {
           @T@ *sr = sc.sb + r * BC, *dr = sc.pb + r * BC;
           const int64_t n = attn_visible(causal, i0 + r, OFF, j0, cols);
@@ -393,9 +455,14 @@ _BACKWARD = dict(
           }
           for (int64_t c = n; c < BC; c++) { sr[c] = 0; dr[c] = 0; }
         }
-        attn_mmt_@S@(cols, rows, DVP, sc.sb, BC, sc.gb, DVP, sc.dvr + j0 * DVP, DVP, 1);
-        attn_mmt_@S@(cols, rows, DP, sc.pb, BC, sc.qb, DP, sc.dkr + j0 * DP, DP, 1);
-        attn_mm_@S@(rows, cols, DP, sc.pb, BC, sc.kr + j0 * DP, DP, sc.dqb, DP, 1);
+        for (int64_t c0 = 0; c0 < cols; c0 += 6) {  /* keys 6 at a time, from the first row that sees them */
+          const int64_t cm = cols - c0 < 6 ? cols - c0 : 6, f = causal ? j0 + c0 - i0 - OFF : 0;
+          const int64_t r1 = f < 0 ? 0 : f < rows ? f : rows, k1 = j0 + c0, o1 = r1 * BC + c0;
+          attn_mmt_@S@(cm, rows - r1, DVP, sc.sb + o1, BC, sc.gb + r1 * DVP, DVP, sc.dvr + k1 * DVP, DVP, 1);
+          attn_mmt_@S@(cm, rows - r1, DP, sc.pb + o1, BC, sc.qb + r1 * DP, DP, sc.dkr + k1 * DP, DP, 1);
+        }
+        ATTN_GROUPS(rows, i0, j0, cols)
+          attn_mm_@S@(gm, nv, DP, sc.pb + g0 * BC, BC, sc.kr + j0 * DP, DP, sc.dqb + g0 * DP, DP, 1);
       }
       @T@ *dqh = dq + b * dqs[0] + h * dqs[1];
       for (int64_t r = 0; r < rows; r++)
@@ -456,6 +523,8 @@ def _flash(op: str, body: str, n_in: int, lse: bool = False) -> None:
         subs = {
             "@PARAMS@": _PARAMS,
             "@T@": ctype,
+            "@I@": "int32_t" if dt.itemsize == 4 else "int64_t",
+            "@IOTA@": "{" + ", ".join(map(str, range(w))) + "}",
             "@S@": "f32" if dt.itemsize == 4 else "f64",
             "@VB@": str(VECTOR_BYTES),
             "@PS@": "ps" if dt.itemsize == 4 else "pd",
@@ -471,7 +540,7 @@ def _flash(op: str, body: str, n_in: int, lse: bool = False) -> None:
             "@LSE@": "1" if lse else "0",
             "@SCALE@": f"(({ctype}){float(np.asarray(scale, dt))!r})",
         }
-        src = VEC + EXP + _HELPERS + body
+        src = VEC + _EXP + _HELPERS + body
         for key, val in subs.items():
             src = src.replace(key, val)
         return src
