@@ -438,10 +438,10 @@ class Tokenizer:
         out: dict[str, bytes] = {}
         if self.model_proto is not None:
             out[MODEL_FILE] = self.model_proto
-        if self._json_file is not None:
-            out[JSON_FILE] = self._json_file
-        else:
-            out[JSON_FILE] = to_tokenizer_json(self.model_proto, self.add_bos_token, self.add_eos_token)
+        # a tokenizer.json read is kept as it came; a sentencepiece model's is made from it
+        out[JSON_FILE] = self._json_file or to_tokenizer_json(
+            self.model_proto, self.add_bos_token, self.add_eos_token
+        )
         config: dict[str, Any] = {}
         if self.kind == "sentencepiece" and self._json_file is None:
             # our tokenizer.json, used as it is (a model class could rebuild its normalizer)
@@ -478,13 +478,11 @@ class Tokenizer:
         directory.mkdir(parents=True, exist_ok=True)
         files = self.files()
         for name in sorted(files, key=lambda n: n == SPECIAL_MAP_FILE):
-            data = files[name]
             if name == GENERATION_FILE:
                 write_generation_config(directory, None, self._generation_eos, None)
             else:
-                atomic_write(directory / name, data)
-        stale = [TEMPLATE_FILE] + ([MODEL_FILE] if self.model_proto is None else [])
-        for name in stale:
+                atomic_write(directory / name, files[name])
+        for name in [TEMPLATE_FILE] + ([MODEL_FILE] if self.model_proto is None else []):  # stale files
             (directory / name).unlink(missing_ok=True)
         return directory / (MODEL_FILE if self.model_proto is not None else JSON_FILE)
 

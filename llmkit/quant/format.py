@@ -19,6 +19,7 @@ the one they fit.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -71,16 +72,7 @@ class QuantConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The ``quantization_config`` entry of config.json."""
-        return {
-            "quant_method": QUANT_METHOD,
-            "bits": self.bits,
-            "group_size": self.group_size,
-            "sym": self.sym,
-            "method": self.method,
-            "scale_dtype": self.scale_dtype,
-            "act_bits": self.act_bits,
-            "version": FORMAT_VERSION,
-        }
+        return {"quant_method": QUANT_METHOD, **dataclasses.asdict(self), "version": FORMAT_VERSION}
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> QuantConfig:
@@ -92,9 +84,7 @@ class QuantConfig:
                 f"quantization_config: version {version!r} is newer than this llmkit reads "
                 f"(1 .. {FORMAT_VERSION}): upgrade llmkit"
             )
-        return cls(
-            **{k: d[k] for k in ("bits", "group_size", "sym", "method", "scale_dtype", "act_bits") if k in d}
-        )
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else math.ceil(in_features / self.group_size)

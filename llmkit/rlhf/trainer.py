@@ -68,9 +68,8 @@ def _grpo(d: StepData, r: Any) -> tuple[np.ndarray, None]:
 def _rloo(d: StepData, r: Any) -> tuple[np.ndarray, None]:
     # the KL in the reward, as a sequence total of k1 (TRL's RLOO)
     seq_kl = ((d.logp - d.ref_logp) * d.tokens.mask).sum(axis=1)
-    return _per_token(
-        algorithms.rloo_advantages(d.rewards - r.kl_coef * seq_kl, d.group), d.tokens.mask
-    ), None
+    advantages = algorithms.rloo_advantages(d.rewards - r.kl_coef * seq_kl, d.group)
+    return _per_token(advantages, d.tokens.mask), None
 
 
 def _ppo(d: StepData, r: Any) -> tuple[np.ndarray, np.ndarray]:

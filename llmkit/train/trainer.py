@@ -372,9 +372,7 @@ class Trainer(Loop):
         tps = steps * t.grad_accum * t.batch_size * t.seq_len / seconds if seconds > 0 else 0.0
         return {
             "step": self.step,
-            "loss": row["loss"],
-            "lr": row["lr"],
-            "grad_norm": row["grad_norm"],
+            **{k: row[k] for k in ("loss", "lr", "grad_norm")},
             "tokens_per_s": tps,
             "mfu": tps * self.flops_per_token / self.peak_flops,
             "tokens": self.tokens_seen,

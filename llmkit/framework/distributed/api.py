@@ -124,9 +124,7 @@ def unshard(t: Tensor) -> Tensor:
         src = x.mesh.ranks[0]
         moves = [(src, r, full.shards.get(src), x.shape, x.dtype) for r in outside]
         got = comm.send_recv(moves, what=f"unshard from {x.mesh!r}")
-    if hosted:
-        return Tensor(full.shards[hosted[0]])
-    return Tensor(got[(x.mesh.ranks[0], comm.rank)])
+    return Tensor(full.shards[hosted[0]] if hosted else got[(x.mesh.ranks[0], comm.rank)])
 
 
 def local_shards(t: Tensor) -> dict[int, Tensor]:

@@ -62,7 +62,7 @@ def _timeout_from_env() -> float:
 def fold(op: str, arrays: Sequence[Any]) -> Any:
     """Reduce ``arrays`` in order (the one summation order every backend's sim path uses)."""
     acc = arrays[0].copy()
-    xp = _xp(acc)
+    xp = B.xp_of(acc)
     for a in arrays[1:]:
         if op in ("sum", "avg"):
             acc += a
@@ -73,18 +73,14 @@ def fold(op: str, arrays: Sequence[Any]) -> Any:
     return acc
 
 
-def _xp(a: Any) -> Any:
-    return B.xp_of(a)
-
-
 def split(x: Any, axis: int, sizes: Sequence[int]) -> list[Any]:
     """``x`` cut along ``axis`` into consecutive pieces of ``sizes``."""
     bounds = np.cumsum(sizes)[:-1].tolist()
-    return list(_xp(x).split(x, bounds, axis=axis)) if len(sizes) > 1 else [x]
+    return list(B.xp_of(x).split(x, bounds, axis=axis)) if len(sizes) > 1 else [x]
 
 
 def concat(parts: Sequence[Any], axis: int) -> Any:
-    return _xp(parts[0]).concatenate(parts, axis=axis) if len(parts) > 1 else parts[0].copy()
+    return B.xp_of(parts[0]).concatenate(parts, axis=axis) if len(parts) > 1 else parts[0].copy()
 
 
 # The collectives as functions of every member's input ({rank: x} in group order) -> {rank: y}:
@@ -110,6 +106,12 @@ def _reduce_scatter(xs: Shards, group, axis: int, sizes, op: str) -> Shards:
 def _all_to_all(xs: Shards, group, split_axis: int, split_sizes, concat_axis: int) -> Shards:
     parts = {r: split(xs[r], split_axis, split_sizes) for r in group}
     return {r: concat([parts[s][i] for s in group], concat_axis) for i, r in enumerate(group)}
+
+
+def _count(counters: dict[tuple, int], key: tuple) -> int:
+    """The next number of ``key``'s counter (0, 1, 2...)."""
+    n = counters[key] = counters.get(key, -1) + 1
+    return n
 
 
 def _resized(shape: Sequence[int], *changes: tuple[int, int]) -> tuple[int, ...]:
@@ -255,10 +257,7 @@ class SimBackend(Backend):
         return [r] if r in ranks else []
 
     def _seq(self, key: tuple) -> int:
-        seqs = self._local.__dict__.setdefault("seq", {})
-        n = seqs.get(key, 0)
-        seqs[key] = n + 1
-        return n
+        return _count(self._local.__dict__.setdefault("seq", {}), key)
 
     def _collective(self, group: tuple, xs: Shards, fn: Callable[[Shards], Shards], what: str) -> Shards:
         if len(xs) == len(group):
@@ -384,8 +383,7 @@ def run_ranks(ranks: Sequence[int], fn: Callable[[int], Any]) -> dict[int, Any]:
     for t in threads:
         t.join()
     if errors:
-        first = min(errors)
-        raise errors[first]
+        raise errors[min(errors)]
     return results
 
 
@@ -463,9 +461,7 @@ class MpiBackend(Backend):
         return c
 
     def _tag(self, key: tuple) -> int:
-        n = self._tags.get(key, 0)
-        self._tags[key] = n + 1
-        return n % 10000
+        return _count(self._tags, key) % 10000
 
     @staticmethod
     def _front(x: Any, axis: int) -> np.ndarray:
@@ -545,10 +541,7 @@ class MpiBackend(Backend):
         return buf
 
     def send_recv(self, moves, what="send/recv"):
-        out = {}
-        reqs = []
-        keep = []
-        peers = set()
+        out, reqs, keep, peers = {}, [], [], set()
         for src, dst, x, shape, dtype in moves:
             tag = self._tag(("p", src, dst))
             if src == self._rank and dst == self._rank:
@@ -660,14 +653,9 @@ class NcclBackend(MpiBackend):
             time.sleep(1e-4)
 
     def _dtype(self, x: Any) -> int:
-        n = self.nccl
-        return {
-            "float32": n.NCCL_FLOAT32,
-            "float64": n.NCCL_FLOAT64,
-            "float16": n.NCCL_FLOAT16,
-            "int64": n.NCCL_INT64,
-            "int32": n.NCCL_INT32,
-        }[x.dtype.name]
+        if x.dtype.name not in ("float32", "float64", "float16", "int64", "int32"):
+            raise KeyError(x.dtype.name)
+        return getattr(self.nccl, f"NCCL_{x.dtype.name.upper()}")
 
     @_own_rank
     def all_reduce(self, group, r, x, op="sum", what="all_reduce"):

@@ -229,9 +229,7 @@ class Replicas:
         return tuple(Tensor(a) for a in read(slice(i * batch_size // n, (i + 1) * batch_size // n)))
 
     def _avg(self, a: np.ndarray, what: str) -> np.ndarray:
-        if len(self.group) == 1:
-            return a
-        return all_reduce(self.group, self.rank, a, "avg", what)
+        return a if len(self.group) == 1 else all_reduce(self.group, self.rank, a, "avg", what)
 
     def loss(self, t: Tensor) -> float:
         return float(self._avg(np.asarray(t._data), "pipeline loss over dp"))
@@ -274,11 +272,10 @@ class Pipeline:
             raise PipelineError(f"the mesh {mesh!r} has no 'pp' dim")
         pp = mesh.size("pp")
         sched = make_schedule(schedule, pp, micro_batches, virtual_stages)
-        n = len(parts.blocks)
         if stages is None:
             ranges = balance([b.cost for b in parts.blocks], sched.stages, parts.first.cost, parts.last.cost)
         else:
-            ranges = parse_stages(stages, n, sched.stages)
+            ranges = parse_stages(stages, len(parts.blocks), sched.stages)
         return cls(parts, mesh, sched, ranges)
 
     def pieces(self, stage: int) -> list[Piece]:

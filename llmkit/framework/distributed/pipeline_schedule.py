@@ -242,20 +242,17 @@ def fthenb(pp: int, m: int, v: int) -> list[list[Job]]:
     return [[Job("F", r, i) for i in range(m)] + [Job("B", r, i) for i in range(m)] for r in range(pp)]
 
 
-def alternate(warmup: int, total: int, f: Callable[[int], Job], b: Callable[[int], Job]) -> list[Job]:
+def alternate(warmup: int, total: int, job: Callable[[str, int], Job]) -> list[Job]:
     """``warmup`` forwards, then a forward and a backward in turn, then the backwards left: the
-    shape of every 1F1B rank (``f(k)``, ``b(k)``: a rank's k-th forward and backward)."""
-    jobs = [f(k) for k in range(warmup)]
+    shape of every 1F1B rank (``job("F", k)``, ``job("B", k)``: a rank's k-th forward and backward)."""
+    jobs = [job("F", k) for k in range(warmup)]
     for k in range(total - warmup):
-        jobs += [f(warmup + k), b(k)]
-    return jobs + [b(k) for k in range(total - warmup, total)]
+        jobs += [job("F", warmup + k), job("B", k)]
+    return jobs + [job("B", k) for k in range(total - warmup, total)]
 
 
 def one_f_one_b(pp: int, m: int, v: int) -> list[list[Job]]:
-    return [
-        alternate(min(pp - r - 1, m), m, lambda i, r=r: Job("F", r, i), lambda i, r=r: Job("B", r, i))
-        for r in range(pp)
-    ]
+    return [alternate(min(pp - r - 1, m), m, lambda kind, i, r=r: Job(kind, r, i)) for r in range(pp)]
 
 
 def interleaved(pp: int, m: int, v: int) -> list[list[Job]]:
@@ -273,15 +270,8 @@ def interleaved(pp: int, m: int, v: int) -> list[list[Job]]:
             chunk = v - 1 - chunk
         return Job(kind, chunk * pp + r, (k // (pp * v)) * pp + k % pp)
 
-    return [
-        alternate(
-            min((pp - r - 1) * 2 + (v - 1) * pp, total),
-            total,
-            lambda k, r=r: job("F", r, k),
-            lambda k, r=r: job("B", r, k),
-        )
-        for r in range(pp)
-    ]
+    warmup = [min((pp - r - 1) * 2 + (v - 1) * pp, total) for r in range(pp)]
+    return [alternate(warmup[r], total, lambda kind, k, r=r: job(kind, r, k)) for r in range(pp)]
 
 
 def zero_bubble(pp: int, m: int, v: int, costs: Costs = UNIT_SPLIT) -> list[list[Job]]:
@@ -365,8 +355,7 @@ def make_schedule(name: str, pp: int, micro_batches: int, virtual: int = 1) -> S
             raise ScheduleError(f"{name}: {what} must be a positive integer, got {n!r}")
     if virtual > 1 and name != "interleaved":
         raise ScheduleError(f"{name}: virtual_stages > 1 needs the interleaved schedule")
-    s = Schedule(
-        name, pp, micro_batches, virtual, tuple(tuple(js) for js in build(pp, micro_batches, virtual))
-    )
+    jobs = tuple(tuple(js) for js in build(pp, micro_batches, virtual))
+    s = Schedule(name, pp, micro_batches, virtual, jobs)
     s.check()
     return s

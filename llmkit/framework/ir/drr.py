@@ -71,9 +71,7 @@ class Match:
     __slots__ = ("attrs", "ops", "values")
 
     def __init__(self, values: dict[str, Value], attrs: dict[str, Any], ops: list[Operation]) -> None:
-        self.values = values
-        self.attrs = attrs
-        self.ops = ops
+        self.values, self.attrs, self.ops = values, attrs, ops
 
     def __getitem__(self, name: str) -> Value:
         return self.values[name]

@@ -16,9 +16,7 @@ class ParseError(IRError):
         if source_line is not None:
             msg += f"\n    {source_line}\n    {' ' * max(column - 1, 0)}^"
         super().__init__(msg)
-        self.line = line
-        self.column = column
-        self.reason = reason
+        self.line, self.column, self.reason = line, column, reason
 
 
 class VerifyError(IRError):
@@ -31,6 +29,4 @@ class VerifyError(IRError):
 
     def __init__(self, reason: str, op: object = None, location: tuple[int, int] | None = None) -> None:
         super().__init__(f"{location[0]}:{location[1]}: {reason}" if location else reason)
-        self.op = op
-        self.location = location
-        self.reason = reason
+        self.op, self.location, self.reason = op, location, reason

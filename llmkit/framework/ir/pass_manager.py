@@ -44,17 +44,16 @@ class Pass:
         """``name{opt = value, ...}`` (the options that differ from the defaults)."""
         if not dataclasses.is_dataclass(self):
             return self.name
-        opts = []
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            default = (
-                f.default
-                if f.default is not dataclasses.MISSING
-                else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-            )  # type: ignore[misc]
-            if v != default:
-                opts.append(f"{f.name} = {v!r}")
+        fields = dataclasses.fields(self)
+        opts = [
+            f"{f.name} = {getattr(self, f.name)!r}" for f in fields if getattr(self, f.name) != _default(f)
+        ]
         return self.name + ("{" + ", ".join(opts) + "}" if opts else "")
+
+
+def _default(f: dataclasses.Field) -> Any:
+    """A pass option's default (MISSING when it has none)."""
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 _PASSES: dict[str, type[Pass]] = {}
@@ -94,7 +93,7 @@ def make_pass(name: str, **options: Any) -> Pass:
             raise IRError(
                 f"pass {name!r} has no option {k!r} (options: {', '.join(sorted(fields)) or 'none'})"
             )
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = _default(f)
         if default not in (None, dataclasses.MISSING) and not _same_kind(v, default):
             raise IRError(f"pass {name!r}: option {k!r} must be of type {type(default).__name__}, got {v!r}")
     return cls(**options)
@@ -143,35 +142,29 @@ class PassManager:
         """``"canonicalize,cse,fold-constants{max_elements = 64}"``: option values use the PIR
         attribute syntax (numbers, true/false, strings, lists, ``{k = v}`` dicts)."""
         pm = PassManager()
-        parser = TextParser(text)
-        while parser.kind() != "eof":
+        tp = TextParser(text)
+        while tp.kind() != "eof":
             if pm.passes:
-                parser.expect(",", "between passes")
+                tp.expect(",", "between passes")
             name: list[str] = []
-            end = parser.offsets[parser.i]
+            end = tp.offsets[tp.i]
             # a name is adjacent tokens ("fold", "-", "constants"); whitespace ends it
-            while (parser.kind() in ("ident", "int") or parser.peek() == "-") and parser.offsets[
-                parser.i
-            ] == end:
-                name.append(parser.texts[parser.i])
+            while tp.offsets[tp.i] == end and (tp.kind() in ("ident", "int") or tp.peek() == "-"):
+                name.append(tp.texts[tp.i])
                 end += len(name[-1])
-                parser.i += 1
+                tp.i += 1
             if not name:
-                parser.fail(f"expected a pass name, got {parser.got()}")
+                tp.fail(f"expected a pass name, got {tp.got()}")
             options: dict[str, Any] = {}
-            if parser.peek() == "{":
-                options = {k: a.value for k, a in parser.attr_dict().items()}
+            if tp.peek() == "{":
+                options = {k: a.value for k, a in tp.attr_dict().items()}
             pm.passes.append(make_pass("".join(name), **options))
         return pm
 
     def run(self, program: Program) -> Program:
         """Run every pass in order on ``program`` (in place); returns it."""
         self.timings = []
-        if self.verify:
-            try:
-                program.verify()
-            except VerifyError as e:
-                raise VerifyError(f"before the pipeline: {e}", e.op, e.location) from None
+        self._verify(program, "before the pipeline")
         for i, p in enumerate(self.passes):
             start = time.perf_counter()
             with paused_gc():
@@ -180,14 +173,17 @@ class PassManager:
             self.timings.append((p.describe(), seconds))
             if self.dump:
                 self._dump(i, p, program, seconds)
-            if self.verify:
-                try:
-                    program.verify()
-                except VerifyError as e:
-                    raise VerifyError(f"after pass {p.describe()!r}: {e}", e.op, e.location) from None
+            self._verify(program, f"after pass {p.describe()!r}")
         if self.timing:
             print(self.report(), file=sys.stderr)
         return program
+
+    def _verify(self, program: Program, when: str) -> None:
+        if self.verify:
+            try:
+                program.verify()
+            except VerifyError as e:
+                raise VerifyError(f"{when}: {e}", e.op, e.location) from None
 
     def report(self) -> str:
         """The per-pass times of the last run, as a small table."""

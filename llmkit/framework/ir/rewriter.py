@@ -200,11 +200,7 @@ class _Worklist(Listener):
 
 
 def apply_patterns(
-    root: Any,
-    patterns: Iterable[RewritePattern],
-    *,
-    erase_dead: bool = True,
-    max_rewrites: int | None = None,
+    root: Any, patterns: Iterable[RewritePattern], *, erase_dead: bool = True, max_rewrites: int | None = None
 ) -> int:
     """Apply ``patterns`` to every op under ``root`` (a Program, op or FuncOp) to a fixpoint.
 

@@ -23,8 +23,7 @@ def prepare(program: Program, compiler: str | None, key: str | None = None) -> P
     programs alike, are compiled wherever a C compiler exists. ``key``: the program's text, under
     which the compiled program is cached across processes (``compiler/program_cache.py``).
     """
-    if compiler is None:
-        compiler = default_compiler()
+    compiler = default_compiler() if compiler is None else compiler
     if compiler == "none":
         return program
     if compiler == "cinn":
@@ -40,6 +39,5 @@ def executor_for(program: Program, compiler: str | None, func: str | None = None
     (``Executor(native=True)``, see ``compiler/native/``)."""
     from ..executor import Executor
 
-    if compiler is None:
-        compiler = default_compiler()
+    compiler = default_compiler() if compiler is None else compiler
     return Executor(prepare(program, compiler, key), func, native=compiler == "cinn")

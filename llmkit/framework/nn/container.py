@@ -34,12 +34,11 @@ class Sequential(_InOrder):
 
     def __init__(self, *layers: Layer | Mapping[str, Layer]) -> None:
         super().__init__()
-        if len(layers) == 1 and isinstance(layers[0], Mapping):
-            for name, layer in layers[0].items():
-                self.add_sublayer(name, layer)
-        else:
-            for i, layer in enumerate(layers):
-                self.add_sublayer(str(i), layer)  # type: ignore[arg-type]
+        named = (
+            layers[0].items() if len(layers) == 1 and isinstance(layers[0], Mapping) else enumerate(layers)
+        )
+        for name, layer in named:
+            self.add_sublayer(str(name), layer)  # type: ignore[arg-type]
 
     def forward(self, x: Any) -> Any:
         for layer in self._sublayers.values():

@@ -54,9 +54,7 @@ def _fill(t: Tensor, draw: Callable[[Any, Any], Any]) -> Tensor:
     """Rebind ``t`` to ``draw(generator, xp)`` (a float64 array of t's shape) cast to t's dtype."""
     if getattr(_skipping, "on", False):
         return t
-    device = t.device
-    values = draw(B.generator(device), B.xp_for(device))
-    t.set_value(values.astype(t.dtype))
+    t.set_value(draw(B.generator(t.device), B.xp_for(t.device)).astype(t.dtype))
     return t
 
 

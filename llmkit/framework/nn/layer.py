@@ -43,9 +43,10 @@ class HookHandle:
 
     _ids = itertools.count()
 
-    def __init__(self, hooks: dict[int, Callable[..., Any]]) -> None:
+    def __init__(self, hooks: dict[int, Callable[..., Any]], hook: Callable[..., Any]) -> None:
         self._hooks = hooks
         self.id = next(HookHandle._ids)
+        hooks[self.id] = hook
 
     def remove(self) -> None:
         self._hooks.pop(self.id, None)
@@ -107,15 +108,11 @@ class Layer:
 
     def register_forward_pre_hook(self, hook: ForwardPreHook) -> HookHandle:
         """``hook(layer, args)`` runs before forward; returning non-None replaces the positional args."""
-        handle = HookHandle(self._forward_pre_hooks)
-        self._forward_pre_hooks[handle.id] = hook
-        return handle
+        return HookHandle(self._forward_pre_hooks, hook)
 
     def register_forward_hook(self, hook: ForwardHook) -> HookHandle:
         """``hook(layer, args, output)`` runs after forward; returning non-None replaces the output."""
-        handle = HookHandle(self._forward_hooks)
-        self._forward_hooks[handle.id] = hook
-        return handle
+        return HookHandle(self._forward_hooks, hook)
 
     # ---- registration ------------------------------------------------------------------------
     def _registry(self) -> dict[str, Any]:
