@@ -255,6 +255,7 @@ def build(low: Lowered, name: str, strategy: str = "rows", tile: int = 0) -> L.K
     k.work = _work(low)  # type: ignore[attr-defined]
     # an epilogue writing over the matmul product it reads: those two pointers alias
     k.aliased = {low.inputs[-1].buf, low.outputs[low.inplace][0]} if low.inplace is not None else set()  # type: ignore[attr-defined]
+    k.body = merge_pieces(k.body)
     mark_streams(k)
     return k
 
@@ -286,13 +287,15 @@ def mark_streams(k: L.Kernel) -> None:
             vector = loop.kind in ("vector", "parallel_vector")
             inner = {s.name for s in loop.body if isinstance(s, (L.Let, L.Decl))}
             plain = vector and not any(isinstance(s, (L.Accum, L.Loop)) for s in loop.body)
+            bufs = [s.buf for s in loop.body if isinstance(s, L.Store)]  # one store per buffer streams
             trip = L.add(loop.extent, L.mul(loop.start, -1))
             short = isinstance(trip, L.Affine) and trip.is_const and isinstance(trip.const, int)
             for s in loop.body:
                 if isinstance(s, L.Store):
                     ix = s.index
                     few = short and trip.const * dtypes[s.buf].itemsize < MIN_STREAM_RUN  # type: ignore[union-attr]
-                    ok = plain and not few and isinstance(ix, L.Affine) and ix.coef(loop.var) == 1
+                    ok = plain and not few and bufs.count(s.buf) == 1 and isinstance(ix, L.Affine)
+                    ok = ok and ix.coef(loop.var) == 1
                     ok = ok and not any(v in inner for v, _ in ix.terms)  # type: ignore[union-attr]
                     stores.setdefault(s.buf, []).append((s, ok))
             if plain:
@@ -531,3 +534,57 @@ def _build_cols(low: Lowered, tile: int) -> list:
     count = L.mul(L.as_index(sym.product(a.extent for a in others)), ntiles_e) if others else ntiles_e
     b.loop(root, "o", count, "parallel", tile_body)
     return root.stmts
+
+
+def merge_pieces(body: list) -> list:
+    """Adjacent vector loops as long as each other (the pieces of a split concat) as one loop, the
+    later ones shifted onto the first's range, so values they share are computed once (SwiGLU's
+    backward: the gate's sigmoid). Only loops of lets and stores that read no buffer they write."""
+    out: list = []
+    for s in body:
+        if isinstance(s, L.Loop):
+            s.body = merge_pieces(s.body)
+            prev = out[-1] if out and isinstance(out[-1], L.Loop) else None
+            shift = L.add(s.start, L.mul(prev.start, -1)) if prev else None
+            trips = prev and L.add(s.extent, L.mul(s.start, -1)) == L.add(prev.extent, L.mul(prev.start, -1))
+            plain = trips and {prev.kind, s.kind} == {"vector"} and prev.var == s.var and shift.is_const
+            stmts = prev.body + s.body if plain else []
+            loads: set[str] = set()
+            for x in stmts:
+                _loaded(x.value, loads) if isinstance(x, (L.Let, L.Store)) else loads.add("")
+            if plain and "" not in loads and not loads & {x.buf for x in stmts if isinstance(x, L.Store)}:
+                _shift_into(prev, s, shift.const)
+                continue
+        out.append(s)
+    return out
+
+
+def _shift_into(dst: L.Loop, src: L.Loop, shift: sym.Dim) -> None:
+    """Append ``src``'s body to ``dst``'s with its variable shifted by ``shift``, reusing dst's lets."""
+    seen = {x.value: L.Ref(x.name, x.value.dtype) for x in dst.body if isinstance(x, L.Let)}
+    names: dict[str, L.Expr] = {}
+
+    def move(e: L.Expr, a: str, b: str, by: sym.Dim) -> L.Expr:  # a -> b + by, in two steps: each once
+        def fn(x: L.Expr) -> L.Expr | None:
+            if isinstance(x, L.Ref):
+                return names.get(x.name)
+            if not isinstance(x, L.Affine) or not x.coef(a):
+                return None
+            terms = tuple(sorted((b if v == a else v, c) for v, c in x.terms))
+            return L.Affine(terms, sym.add(x.const, sym.mul(by, x.coef(a))))
+
+        return L.substitute(e, fn)
+
+    def fix(e: L.Expr) -> L.Expr:
+        return move(move(e, src.var, "~", 0), "~", src.var, shift)
+
+    for x in src.body:
+        if isinstance(x, L.Store):
+            dst.body.append(L.Store(x.buf, fix(x.index), fix(x.value)))
+            continue
+        v = fix(x.value)
+        if v in seen:
+            names[x.name] = seen[v]
+        else:
+            seen[v] = L.Ref(x.name, v.dtype)
+            dst.body.append(L.Let(x.name, v))
