@@ -241,9 +241,32 @@ def _simplified(low: Lowered) -> Lowered:
     )
 
 
+def _picks(low: Lowered) -> Lowered:
+    """A sum over the one reduced axis ``i`` of ``x * (t == i)``, ``t`` not depending on ``i`` (cross
+    entropy's one-hot pick), as ``x`` at ``i = t`` (0 if out of range): a load instead of a pass over
+    the row, as the op's reference kernel picks (a NaN or inf elsewhere in the row stays there)."""
+    red, sub, keep = [a for a in low.axes if a.reduced], {}, []
+    call = lambda e, tpl: e.args if isinstance(e, L.Call) and e.template == tpl else ()
+    for r in low.reductions:
+        i, pick = red[0].var if len(red) == 1 else "", None
+        for x, h in itertools.permutations(call(r.body, "({0}*{1})") if r.reducer == "sum" else (), 2):
+            for t, v in itertools.permutations(call((*call(h, "(({ctype}){0})"), None)[0], "({0}=={1})"), 2):
+                pick = (x, t, h.args[0]) if v == L.var(i) and i not in L.free_vars(t) else pick
+        if pick and all(r.acc not in o.deps for o in low.reductions):
+            (x, t, eq), c = pick, L.clamp(pick[1], red[0].extent)
+
+            ok = L.Call(eq.template, (t, c), eq.dtype)
+            sub[L.Ref(r.acc, r.dtype)] = L.Select(ok, _put(x, i, c), L.Const(0, r.dtype))
+        else:
+            keep.append(r)
+    fix = lambda e: L.substitute(e, sub.get)
+    stores = [Output(o.buf, o.index, fix(o.value), o.full) for o in low.stores]
+    return replace(low, stores=stores, reductions=[replace(r, body=fix(r.body)) for r in keep])
+
+
 def build(low: Lowered, name: str, strategy: str = "rows", tile: int = 0) -> L.Kernel:
     """The loop-IR kernel of ``low`` (coalesced first) under a strategy (see the module docstring)."""
-    low = _simplified(coalesce(_simplified(low)))  # clamps that cannot bind would block merging
+    low = _simplified(coalesce(_simplified(_picks(low))))  # clamps that cannot bind would block merging
     if strategy == "cols":
         body = _build_cols(low, tile)
     else:
@@ -543,18 +566,17 @@ def merge_pieces(body: list) -> list:
     out: list = []
     for s in body:
         if isinstance(s, L.Loop):
-            s.body = merge_pieces(s.body)
-            prev = out[-1] if out and isinstance(out[-1], L.Loop) else None
-            shift = L.add(s.start, L.mul(prev.start, -1)) if prev else None
-            trips = prev and L.add(s.extent, L.mul(s.start, -1)) == L.add(prev.extent, L.mul(prev.start, -1))
-            plain = trips and {prev.kind, s.kind} == {"vector"} and prev.var == s.var and shift.is_const
-            stmts = prev.body + s.body if plain else []
-            loads: set[str] = set()
-            for x in stmts:
-                _loaded(x.value, loads) if isinstance(x, (L.Let, L.Store)) else loads.add("")
-            if plain and "" not in loads and not loads & {x.buf for x in stmts if isinstance(x, L.Store)}:
-                _shift_into(prev, s, shift.const)
-                continue
+            s.body, prev = merge_pieces(s.body), out[-1] if out and isinstance(out[-1], L.Loop) else None
+            trip = L.add(s.extent, L.mul(s.start, -1))
+            if prev and {prev.kind, s.kind} == {"vector"} and prev.var == s.var:
+                stmts, loads = prev.body + s.body, set()
+                for x in stmts:
+                    _loaded(x.value, loads) if isinstance(x, (L.Let, L.Store)) else loads.add("")
+                shift = L.add(s.start, L.mul(prev.start, -1))
+                plain = "" not in loads and not loads & {x.buf for x in stmts if isinstance(x, L.Store)}
+                if plain and shift.is_const and trip == L.add(prev.extent, L.mul(prev.start, -1)):
+                    _shift_into(prev, s, shift.const)
+                    continue
         out.append(s)
     return out
 
@@ -564,27 +586,25 @@ def _shift_into(dst: L.Loop, src: L.Loop, shift: sym.Dim) -> None:
     seen = {x.value: L.Ref(x.name, x.value.dtype) for x in dst.body if isinstance(x, L.Let)}
     names: dict[str, L.Expr] = {}
 
-    def move(e: L.Expr, a: str, b: str, by: sym.Dim) -> L.Expr:  # a -> b + by, in two steps: each once
-        def fn(x: L.Expr) -> L.Expr | None:
-            if isinstance(x, L.Ref):
-                return names.get(x.name)
-            if not isinstance(x, L.Affine) or not x.coef(a):
-                return None
-            terms = tuple(sorted((b if v == a else v, c) for v, c in x.terms))
-            return L.Affine(terms, sym.add(x.const, sym.mul(by, x.coef(a))))
-
-        return L.substitute(e, fn)
-
-    def fix(e: L.Expr) -> L.Expr:
-        return move(move(e, src.var, "~", 0), "~", src.var, shift)
-
+    ren = lambda y: names.get(y.name) if isinstance(y, L.Ref) else None
+    at = L.add(L.var(src.var), L.as_index(shift))
     for x in src.body:
+        fix = [L.substitute(_put(_put(e, src.var, L.var("~")), "~", at), ren) for e in _stmt_exprs(x)]
         if isinstance(x, L.Store):
-            dst.body.append(L.Store(x.buf, fix(x.index), fix(x.value)))
-            continue
-        v = fix(x.value)
-        if v in seen:
-            names[x.name] = seen[v]
+            dst.body.append(L.Store(x.buf, *fix))
+        elif fix[0] in seen:
+            names[x.name] = seen[fix[0]]
         else:
-            seen[v] = L.Ref(x.name, v.dtype)
-            dst.body.append(L.Let(x.name, v))
+            dst.body.append(L.Let(x.name, fix[0]))
+            seen[fix[0]] = L.Ref(x.name, fix[0].dtype)
+
+
+def _put(e: L.Expr, i: str, value: L.Expr) -> L.Expr:
+    """``e`` with the loop variable ``i`` replaced by ``value`` (in which ``i`` does not occur)."""
+
+    def fn(x: L.Expr) -> L.Expr | None:
+        if not isinstance(x, L.Affine) or not x.coef(i):
+            return None
+        return L.add(L.Affine(tuple(v for v in x.terms if v[0] != i), x.const), L.mul(value, x.coef(i)))
+
+    return L.substitute(e, fn)
