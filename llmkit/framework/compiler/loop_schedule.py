@@ -20,6 +20,10 @@ Each expression is bound to a local (``Let``) at the outermost loop where everyt
 defined: loop-invariant work (an AdamW step's bias corrections, a row's ``rsqrt``) is hoisted,
 and values shared by several uses are computed once.
 
+Two rewrites on the way: a sum of ``x * (t == i)`` over the reduced axis is a pick of ``x`` at
+``t`` (:func:`_picks`: cross entropy reads the label's logit, not the row), and the equal pieces of
+a split concat become one loop (:func:`merge_pieces`: SwiGLU's backward computes its sigmoid once).
+
 Last, :func:`mark_streams` marks the stores that may bypass the caches (an output written once,
 contiguously, never read back) and, in a row loop, the next row's inputs to prefetch meanwhile.
 """
@@ -254,7 +258,6 @@ def _picks(low: Lowered) -> Lowered:
                 pick = (x, t, h.args[0]) if v == L.var(i) and i not in L.free_vars(t) else pick
         if pick and all(r.acc not in o.deps for o in low.reductions):
             (x, t, eq), c = pick, L.clamp(pick[1], red[0].extent)
-
             ok = L.Call(eq.template, (t, c), eq.dtype)
             sub[L.Ref(r.acc, r.dtype)] = L.Select(ok, _put(x, i, c), L.Const(0, r.dtype))
         else:
@@ -569,11 +572,11 @@ def merge_pieces(body: list) -> list:
             s.body, prev = merge_pieces(s.body), out[-1] if out and isinstance(out[-1], L.Loop) else None
             trip = L.add(s.extent, L.mul(s.start, -1))
             if prev and {prev.kind, s.kind} == {"vector"} and prev.var == s.var:
-                stmts, loads = prev.body + s.body, set()
-                for x in stmts:
-                    _loaded(x.value, loads) if isinstance(x, (L.Let, L.Store)) else loads.add("")
+                stmts = prev.body + s.body
+                loads = {ld.buf for x in stmts for e in _stmt_exprs(x) for ld in _load_nodes(e)}
                 shift = L.add(s.start, L.mul(prev.start, -1))
-                plain = "" not in loads and not loads & {x.buf for x in stmts if isinstance(x, L.Store)}
+                plain = all(isinstance(x, (L.Let, L.Store)) for x in stmts)
+                plain = plain and not loads & {x.buf for x in stmts if isinstance(x, L.Store)}
                 if plain and shift.is_const and trip == L.add(prev.extent, L.mul(prev.start, -1)):
                     _shift_into(prev, s, shift.const)
                     continue
