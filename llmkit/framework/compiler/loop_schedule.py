@@ -565,7 +565,8 @@ def _build_cols(low: Lowered, tile: int) -> list:
 def merge_pieces(body: list) -> list:
     """Adjacent vector loops as long as each other (the pieces of a split concat) as one loop, the
     later ones shifted onto the first's range, so values they share are computed once (SwiGLU's
-    backward: the gate's sigmoid). Only loops of lets and stores that read no buffer they write."""
+    backward: the gate's sigmoid). Only loops of lets and stores that read no buffer they write,
+    of 64 iterations or more (shorter ones measured as fast apart: rotary's halves)."""
     out: list = []
     for s in body:
         if isinstance(s, L.Loop):
@@ -577,7 +578,13 @@ def merge_pieces(body: list) -> list:
                 shift = L.add(s.start, L.mul(prev.start, -1))
                 plain = all(isinstance(x, (L.Let, L.Store)) for x in stmts)
                 plain = plain and not loads & {x.buf for x in stmts if isinstance(x, L.Store)}
-                if plain and shift.is_const and trip == L.add(prev.extent, L.mul(prev.start, -1)):
+                short = isinstance(getattr(trip, "const", None), int) and trip.const < 64
+                if (
+                    plain
+                    and not short
+                    and shift.is_const
+                    and trip == L.add(prev.extent, L.mul(prev.start, -1))
+                ):
                     _shift_into(prev, s, shift.const)
                     continue
         out.append(s)
