@@ -20,6 +20,10 @@ Each expression is bound to a local (``Let``) at the outermost loop where everyt
 defined: loop-invariant work (an AdamW step's bias corrections, a row's ``rsqrt``) is hoisted,
 and values shared by several uses are computed once.
 
+Two rewrites on the way: a sum of ``x * (t == i)`` over the reduced axis is a pick of ``x`` at
+``t`` (:func:`_picks`: cross entropy reads the label's logit, not the row), and the equal pieces of
+a split concat become one loop (:func:`merge_pieces`: SwiGLU's backward computes its sigmoid once).
+
 Last, :func:`mark_streams` marks the stores that may bypass the caches (an output written once,
 contiguously, never read back) and, in a row loop, the next row's inputs to prefetch meanwhile.
 """
@@ -241,9 +245,31 @@ def _simplified(low: Lowered) -> Lowered:
     )
 
 
+def _picks(low: Lowered) -> Lowered:
+    """A sum over the one reduced axis ``i`` of ``x * (t == i)``, ``t`` not depending on ``i`` (cross
+    entropy's one-hot pick), as ``x`` at ``i = t`` (0 if out of range): a load instead of a pass over
+    the row, as the op's reference kernel picks (a NaN or inf elsewhere in the row stays there)."""
+    red, sub, keep = [a for a in low.axes if a.reduced], {}, []
+    call = lambda e, tpl: e.args if isinstance(e, L.Call) and e.template == tpl else ()
+    for r in low.reductions:
+        i, pick = red[0].var if len(red) == 1 else "", None
+        for x, h in itertools.permutations(call(r.body, "({0}*{1})") if r.reducer == "sum" else (), 2):
+            for t, v in itertools.permutations(call((*call(h, "(({ctype}){0})"), None)[0], "({0}=={1})"), 2):
+                pick = (x, t, h.args[0]) if v == L.var(i) and i not in L.free_vars(t) else pick
+        if pick and all(r.acc not in o.deps for o in low.reductions):
+            (x, t, eq), c = pick, L.clamp(pick[1], red[0].extent)
+            ok = L.Call(eq.template, (t, c), eq.dtype)
+            sub[L.Ref(r.acc, r.dtype)] = L.Select(ok, _put(x, i, c), L.Const(0, r.dtype))
+        else:
+            keep.append(r)
+    fix = lambda e: L.substitute(e, sub.get)
+    stores = [Output(o.buf, o.index, fix(o.value), o.full) for o in low.stores]
+    return replace(low, stores=stores, reductions=[replace(r, body=fix(r.body)) for r in keep])
+
+
 def build(low: Lowered, name: str, strategy: str = "rows", tile: int = 0) -> L.Kernel:
     """The loop-IR kernel of ``low`` (coalesced first) under a strategy (see the module docstring)."""
-    low = _simplified(coalesce(_simplified(low)))  # clamps that cannot bind would block merging
+    low = _simplified(coalesce(_simplified(_picks(low))))  # clamps that cannot bind would block merging
     if strategy == "cols":
         body = _build_cols(low, tile)
     else:
@@ -255,6 +281,7 @@ def build(low: Lowered, name: str, strategy: str = "rows", tile: int = 0) -> L.K
     k.work = _work(low)  # type: ignore[attr-defined]
     # an epilogue writing over the matmul product it reads: those two pointers alias
     k.aliased = {low.inputs[-1].buf, low.outputs[low.inplace][0]} if low.inplace is not None else set()  # type: ignore[attr-defined]
+    k.body = merge_pieces(k.body)
     mark_streams(k)
     return k
 
@@ -286,13 +313,15 @@ def mark_streams(k: L.Kernel) -> None:
             vector = loop.kind in ("vector", "parallel_vector")
             inner = {s.name for s in loop.body if isinstance(s, (L.Let, L.Decl))}
             plain = vector and not any(isinstance(s, (L.Accum, L.Loop)) for s in loop.body)
+            bufs = [s.buf for s in loop.body if isinstance(s, L.Store)]  # one store per buffer streams
             trip = L.add(loop.extent, L.mul(loop.start, -1))
             short = isinstance(trip, L.Affine) and trip.is_const and isinstance(trip.const, int)
             for s in loop.body:
                 if isinstance(s, L.Store):
                     ix = s.index
                     few = short and trip.const * dtypes[s.buf].itemsize < MIN_STREAM_RUN  # type: ignore[union-attr]
-                    ok = plain and not few and isinstance(ix, L.Affine) and ix.coef(loop.var) == 1
+                    ok = plain and not few and bufs.count(s.buf) == 1 and isinstance(ix, L.Affine)
+                    ok = ok and ix.coef(loop.var) == 1
                     ok = ok and not any(v in inner for v, _ in ix.terms)  # type: ignore[union-attr]
                     stores.setdefault(s.buf, []).append((s, ok))
             if plain:
@@ -531,3 +560,61 @@ def _build_cols(low: Lowered, tile: int) -> list:
     count = L.mul(L.as_index(sym.product(a.extent for a in others)), ntiles_e) if others else ntiles_e
     b.loop(root, "o", count, "parallel", tile_body)
     return root.stmts
+
+
+def merge_pieces(body: list) -> list:
+    """Adjacent vector loops as long as each other (the pieces of a split concat) as one loop, the
+    later ones shifted onto the first's range, so values they share are computed once (SwiGLU's
+    backward: the gate's sigmoid). Only loops of lets and stores that read no buffer they write,
+    of 64 iterations or more (shorter ones measured as fast apart: rotary's halves)."""
+    out: list = []
+    for s in body:
+        if isinstance(s, L.Loop):
+            s.body, prev = merge_pieces(s.body), out[-1] if out and isinstance(out[-1], L.Loop) else None
+            trip = L.add(s.extent, L.mul(s.start, -1))
+            if prev and {prev.kind, s.kind} == {"vector"} and prev.var == s.var:
+                stmts = prev.body + s.body
+                loads = {ld.buf for x in stmts for e in _stmt_exprs(x) for ld in _load_nodes(e)}
+                shift = L.add(s.start, L.mul(prev.start, -1))
+                plain = all(isinstance(x, (L.Let, L.Store)) for x in stmts)
+                plain = plain and not loads & {x.buf for x in stmts if isinstance(x, L.Store)}
+                short = isinstance(getattr(trip, "const", None), int) and trip.const < 64
+                if (
+                    plain
+                    and not short
+                    and shift.is_const
+                    and trip == L.add(prev.extent, L.mul(prev.start, -1))
+                ):
+                    _shift_into(prev, s, shift.const)
+                    continue
+        out.append(s)
+    return out
+
+
+def _shift_into(dst: L.Loop, src: L.Loop, shift: sym.Dim) -> None:
+    """Append ``src``'s body to ``dst``'s with its variable shifted by ``shift``, reusing dst's lets."""
+    seen = {x.value: L.Ref(x.name, x.value.dtype) for x in dst.body if isinstance(x, L.Let)}
+    names: dict[str, L.Expr] = {}
+
+    ren = lambda y: names.get(y.name) if isinstance(y, L.Ref) else None
+    at = L.add(L.var(src.var), L.as_index(shift))
+    for x in src.body:
+        fix = [L.substitute(_put(_put(e, src.var, L.var("~")), "~", at), ren) for e in _stmt_exprs(x)]
+        if isinstance(x, L.Store):
+            dst.body.append(L.Store(x.buf, *fix))
+        elif fix[0] in seen:
+            names[x.name] = seen[fix[0]]
+        else:
+            dst.body.append(L.Let(x.name, fix[0]))
+            seen[fix[0]] = L.Ref(x.name, fix[0].dtype)
+
+
+def _put(e: L.Expr, i: str, value: L.Expr) -> L.Expr:
+    """``e`` with the loop variable ``i`` replaced by ``value`` (in which ``i`` does not occur)."""
+
+    def fn(x: L.Expr) -> L.Expr | None:
+        if not isinstance(x, L.Affine) or not x.coef(i):
+            return None
+        return L.add(L.Affine(tuple(v for v in x.terms if v[0] != i), x.const), L.mul(value, x.coef(i)))
+
+    return L.substitute(e, fn)
