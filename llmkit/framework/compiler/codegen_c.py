@@ -366,13 +366,14 @@ class CRenderer:
         self.runs = {}
         if s.prefetch and self.par_var:  # the next row's inputs, into L2, while this row streams out
             step = {ld.buf: 64 // ld.dtype.itemsize for ld in s.prefetch}
-            lines.append(f"{pad}  if ({self.par_var} + 1 < hi)")
+            lines.append(f"{pad}  if ({self.par_var} + 1 < hi) {{")
             for ld in s.prefetch:
                 ix = self.expr(_rename(ld.index, v, f"{v}_at"))
                 lines.append(
                     f"{pad}    for (int64_t pf = 0; pf < {v}_n; pf += {step[ld.buf]}) "
                     f"__builtin_prefetch(&{ld.buf}[{ix} + pf], 0, 2);"
                 )
+            lines.append(f"{pad}  }}")
         for b in bufs:
             lines.append(f"{pad}  llmkit_stream(&{b}[{at[b]}], run_{b}, {v}_n * (int64_t)sizeof(*{b}));")
         lines.append(f"{pad}  {v}_at += {v}_n;")
