@@ -80,13 +80,13 @@ class DecodeBatch:
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)
+    tables: list[Sequence[int]] = field(default_factory=list)
 
     def add(self, token: int, position: int, table: Sequence[int], block_size: int) -> None:
         self.input_ids.append(int(token))
         self.positions.append(position)
         self.slots.append(table[position // block_size] * block_size + position % block_size)
-        self.tables.append(list(table))
+        self.tables.append(table)  # read (copied) by the decode call that follows
 
 
 def _i64(x: Any) -> np.ndarray:
