@@ -156,10 +156,10 @@ class Executor:
         ]
         self._liveness()
         self._replays = _replays(self) if native and _replays is not None else None
-        # bind's memo (replayed executors, whose plans hold their inputs anyway): the last call's
-        # inputs, and the binding of each checked shape of the symbolic arguments
+        # bind's memo (replayed executors): the binding of each checked shape of the symbolic
+        # arguments, and the inputs of the last replay (which holds them anyway)
         self._sym_args = [i for i, (_, static) in enumerate(self._arg_checks) if static is None]
-        self._seen: list[Any] = []
+        self._seen: list[Any] = [None] * len(self.arg_types)
         self._envs: dict[tuple, dict[str, int]] = {}
 
     # ---- planning ------------------------------------------------------------------------------
@@ -264,14 +264,13 @@ class Executor:
             raise ExecutionError(f"@{self.name} takes {len(self.arg_types)} inputs, got {len(inputs)}")
         key = tuple([inputs[i].shape for i in self._sym_args])
         env = self._envs.get(key)
-        if env is not None:  # these shapes bound before: check only the inputs not passed last time
+        if env is not None:  # these shapes bound before: check only the inputs not replayed last time
             checks, seen = self._arg_checks, self._seen
             if all(
                 x.dtype == checks[i][0].dtype and checks[i][1] in (None, x.shape)
                 for i, x in enumerate(inputs)
                 if x is not seen[i]
             ):
-                self._seen = list(inputs)
                 return dict(env)
         env = {}
         for i, ((t, static), x) in enumerate(zip(self._arg_checks, inputs)):
@@ -279,7 +278,7 @@ class Executor:
                 self._bad_input(i, x, env)
         if self._replays is not None:
             self._envs = self._envs if len(self._envs) < 64 else {}
-            self._envs[key], self._seen = dict(env), list(inputs)
+            self._envs[key] = dict(env)
         return env
 
     @staticmethod
@@ -303,6 +302,7 @@ class Executor:
         if self._replays is not None and D.profile_table is None:
             outs = self._replays.run(env, inputs)
             if outs is not None:
+                self._seen = list(inputs)
                 return outs
         xp = np
         for x in inputs:
