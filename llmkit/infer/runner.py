@@ -80,13 +80,13 @@ class DecodeBatch:
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)
+    tables: list[Sequence[int]] = field(default_factory=list)
 
     def add(self, token: int, position: int, table: Sequence[int], block_size: int) -> None:
         self.input_ids.append(int(token))
         self.positions.append(position)
         self.slots.append(table[position // block_size] * block_size + position % block_size)
-        self.tables.append(list(table))
+        self.tables.append(table)  # read (copied) by the decode call that follows
 
 
 def _i64(x: Any) -> np.ndarray:
@@ -127,6 +127,7 @@ class ModelRunner:
         self.pool = np.zeros(spec.pool_shape(num_blocks), B.dtype(spec.pool_dtype))
         self._weight_cache: dict[int, tuple[Any, Any]] = {}  # live models: derived weight copies
         self._live: list[EngineProgram] = []  # live models: the programs reading them
+        self._decode_in = [np.zeros((0, 0), np.int64)] * 5  # decode's token arrays (see decode)
 
     def weights_changed(self) -> None:
         """Drop copies derived from the weights (relaid layouts); they are rebuilt at the next step."""
@@ -220,13 +221,14 @@ class ModelRunner:
 
     def decode(self, batch: DecodeBatch) -> np.ndarray:
         """Logits [B, V]."""
-        arrays = [
-            _i64(batch.input_ids)[:, None],
-            _i64(batch.positions)[:, None],
-            _i64(batch.slots),
-            _tables(batch.tables),
-            _i64(batch.positions) + 1,
-            self.pool,
-        ]
-        logits, self.pool = self._decode(arrays)
+        shape = (len(batch.tables), max(map(len, batch.tables)))
+        if self._decode_in[3].shape != shape:  # the same arrays every step, written in place: the
+            n = shape[0]  # program finds them bound and its replay pointing at them already
+            self._decode_in = [np.zeros(s, np.int64) for s in ((n, 1), (n, 1), n, shape, n)]
+        ids, positions, slots, tables, kv_len = arrays = self._decode_in
+        ids[:, 0], positions[:, 0], slots[:] = batch.input_ids, batch.positions, batch.slots
+        for row, t in zip(tables, batch.tables):
+            row[: len(t)], row[len(t) :] = t, 0
+        np.add(positions[:, 0], 1, out=kv_len)
+        logits, self.pool = self._decode([*arrays, self.pool])
         return B.to_numpy(logits)

@@ -216,7 +216,7 @@ class Sampler:
     def __call__(self, logits: np.ndarray) -> TokenChoice:
         p = self.params
         z = self.penalize(logits)
-        token = int(np.argmax(z)) if p.greedy else int(self.rng.choice(z.shape[0], p=probabilities(z, p)))
+        token = int(z.argmax()) if p.greedy else int(self.rng.choice(z.shape[0], p=probabilities(z, p)))
         choice = TokenChoice(token)
         if p.logprobs is not None:
             processed = p.logprobs_mode == "processed"

@@ -293,6 +293,27 @@ def test_executor_rejects_bad_inputs():
         ex.run([np.zeros((2, 5), np.float32)])
 
 
+def test_executor_checks_new_inputs_after_a_bound_call():
+    """bind reuses the binding of shapes it checked before and skips inputs passed last time: a new
+    input with those shapes is still checked (dtype, static shape), with the same error."""
+    spec = [jit.InputSpec(["B", 4], "float32"), jit.InputSpec([4], "float32")]
+    f = jit.to_static(lambda x, w: x + w, input_spec=spec)
+    x, w = np.ones((2, 4), np.float32), np.arange(4, dtype=np.float32)
+    f(lf.tensor(x), lf.tensor(w))
+    ex = f._last.executor
+    assert ex.bind([x, w]) == {"B": 2} and ex.bind([x, w]) == {"B": 2}  # the second from the memo
+    np.testing.assert_array_equal(ex.run([x, w])[0], x + w)
+    w[:] = 7  # written in place: the same array, its new values
+    np.testing.assert_array_equal(ex.run([x, w])[0], x + 7)
+    with pytest.raises(
+        ExecutionError, match=r"input %arg1 must be f32\[4\], got shape \[5\] float32 \(B=2\)"
+    ):
+        ex.run([x, np.zeros(5, np.float32)])
+    with pytest.raises(ExecutionError, match=r"input %arg0 must be f32\[B, 4\], got shape \[2, 4\] float64"):
+        ex.run([np.ones((2, 4)), w])
+    assert ex.bind([np.ones((3, 4), np.float32), w]) == {"B": 3}
+
+
 def test_profile_lists_op_types(tmp_path):
     code = (
         "import numpy as np, llmkit.framework as lf\nfrom llmkit.framework import jit\n"
