@@ -477,7 +477,7 @@ class EngineProgram:
         """
         arrays = [t._data for t in self.concrete.captures]
         last = cache.get((id(self), ""))  # the last call's (arrays, result): weights seldom change
-        if last is not None and all(map(operator.is_, arrays, last[0])):
+        if last is not None and len(last[0]) == len(arrays) and all(map(operator.is_, arrays, last[0])):
             return last[1]
         out = []
         for i, t in enumerate(self.concrete.captures):

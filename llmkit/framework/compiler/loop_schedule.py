@@ -250,9 +250,10 @@ def _picks(low: Lowered) -> Lowered:
     entropy's one-hot pick), as ``x`` at ``i = t`` (0 if out of range): a load instead of a pass over
     the row, as the op's reference kernel picks (a NaN or inf elsewhere in the row stays there)."""
     red, sub, keep = [a for a in low.axes if a.reduced], {}, []
+    i = red[0].var if len(red) == 1 else ""  # (no var is named "": nothing picks then)
     call = lambda e, tpl: e.args if isinstance(e, L.Call) and e.template == tpl else ()
     for r in low.reductions:
-        i, pick = red[0].var if len(red) == 1 else "", None
+        pick = None
         for x, h in itertools.permutations(call(r.body, "({0}*{1})") if r.reducer == "sum" else (), 2):
             for t, v in itertools.permutations(call((*call(h, "(({ctype}){0})"), None)[0], "({0}=={1})"), 2):
                 pick = (x, t, h.args[0]) if v == L.var(i) and i not in L.free_vars(t) else pick
