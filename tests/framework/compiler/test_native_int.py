@@ -95,7 +95,7 @@ def reference(x, qz, scales, col):
     return y, (groups + 12) * 2.0**-24 * bound
 
 
-@pytest.mark.parametrize("m", [1, 8, 13, 33])  # AVX2 4 bits: blocks of 3 rows, then 2 or 1
+@pytest.mark.parametrize("m", [1, 8, 14, 15, 33])  # AVX2 4 bits: blocks of 4 rows, then 2, 3 or 1
 @pytest.mark.parametrize("bits,out,n_in,group,asym", CASES)
 def test_every_path_matches_float64_and_rows_are_independent_bitwise(
     op, isa, m, bits, out, n_in, group, asym

@@ -11,7 +11,7 @@ output's group with the row's codes (``idot``) and no lanes are ever summed acro
 then, groups in order, ``y = fma((float)idot, d * scale, y)``. That one sequence per (row, output)
 is what every path, block of rows and thread computes: the paths give the same bits, and a row's
 result never depends on the rows beside it (the engine's batch invariance). The kernel is blocked
-as a GEMM: a panel (in L1) against 8 rows at a time (AVX-512; 3 with AVX2 and 4 bits; else 4), both
+as a GEMM: a panel (in L1) against 8 rows at a time (AVX-512; else 4), both
 cores taking runs of consecutive panels from the thread pool (``compiler/par.py``; a run is one
 stream of memory: about 8 a thread, for a single row one, its first 4 KiB asked for at once), so one
 kernel serves decode and prefill. A panel's scales are transposed into its lanes in registers
@@ -239,9 +239,10 @@ KERNEL_FN_T2 static void KERNEL_FN_quantize_avx2(const float *xm, int64_t w, int
   __m256 mv = _mm256_setzero_ps();
   for (int64_t t = 0; t < w8; t += 8) /* max(|x|, m): a NaN |x| leaves m, as fmaxf does */
     mv = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xm + t), absm), mv);
-  float m8[8], amax = 0.0f;
-  _mm256_storeu_ps(m8, mv);
-  for (int i = 0; i < 8; i++) amax = fmaxf(amax, m8[i]);
+  /* the lanes' maximum (none NaN, none below +0: fmaxf's, without a call per lane) */
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
   for (int64_t t = w8; t < w; t++) amax = fmaxf(amax, fabsf(xm[t]));
   const float d = amax / 127.0f;
   int32_t sum = 0;
@@ -632,73 +633,109 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4row(
   memcpy(j->y + m0 * j->N + n0, o, (size_t)nn * sizeof(float));
 }
 
-/* AVX2, 4 bits, 2 or 3 rows (mb, a constant): the panel's nv vectors of 8 outputs (1: a last panel
-   of 8 or fewer) against mb rows, every value of a group in the 16 registers (a panel against 4 rows
-   took 24, and spilled; so j.mr is 3): per word, the nibbles unpacked once for the rows and each
-   row's activations broadcast once for the vectors; per row, vpmaddubsw's pair sums add up in int16
-   over 4 words as above, one vpmaddwd, then the correction and the group's multiply-add, as on every
-   path. gw: the group's words (a constant 4 for groups of 32) */
+/* one word of a panel (64 bytes at w) against mb rows (activations at x, rows KX bytes apart): the
+   nibbles unpacked once, each row's activations broadcast once; vpmaddubsw's pair sums start (first)
+   or add to the rows' int16 chains h */
+KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4word(
+    const uint8_t *w, const int8_t *x, int64_t KX, const int mb, const int nv, __m256i h[4][2],
+    const int first) {
+  const __m256i lo4 = _mm256_set1_epi8(15);
+  __m256i lo[2], hi[2];
+  for (int v = 0; v < nv; v++) {
+    const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * v));
+    lo[v] = _mm256_and_si256(wv, lo4);
+    hi[v] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), lo4);
+  }
+  for (int r = 0; r < mb; r++) {
+    const __m256i xl = _mm256_set1_epi32(*(const int32_t *)(x + r * KX));
+    for (int v = 0; v < nv; v++) {
+      const __m256i p = _mm256_maddubs_epi16(lo[v], xl);
+      h[r][v] = first ? p : _mm256_add_epi16(h[r][v], p);
+      __asm__("" : "+x"(h[r][v])); /* the sum so far in a register: GCC would otherwise reassociate the
+                                      8 products of every row and spill them all */
+    }
+    const __m256i xh = _mm256_set1_epi32(*(const int32_t *)(x + r * KX + 4));
+    for (int v = 0; v < nv; v++) {
+      h[r][v] = _mm256_add_epi16(h[r][v], _mm256_maddubs_epi16(hi[v], xh));
+      __asm__("" : "+x"(h[r][v]));
+    }
+  }
+}
+
+/* words t0 .. t0 + n - 1 of group gi (n <= 4: one int16 chain a row and vector) against mb rows; the
+   group's int32 sums so far in ab (first: none), and at its last words the correction and the float
+   multiply-add into fb */
+KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4run(
+    const KERNEL_FN_ijob *j, const uint8_t *w, const int8_t *x, const float *ps, const int32_t *pz,
+    int64_t m0, const int mb, const int nv, int64_t gi, const int64_t n, const int first, const int last,
+    float fb[4][16], int32_t ab[4][16]) {
+  const int64_t KX = j->KX, G = j->G;
+  __m256i h[4][2];
+  KERNEL_FN_q4word(w, x, KX, mb, nv, h, 1);
+  if (n == 4) { /* unrolled: the chains stay in registers */
+    KERNEL_FN_q4word(w + 64, x + 8, KX, mb, nv, h, 0);
+    KERNEL_FN_q4word(w + 128, x + 16, KX, mb, nv, h, 0);
+    KERNEL_FN_q4word(w + 192, x + 24, KX, mb, nv, h, 0);
+  } else {
+    for (int64_t t = 1; t < n; t++) KERNEL_FN_q4word(w + t * 64, x + 8 * t, KX, mb, nv, h, 0);
+  }
+  const __m256i one = _mm256_set1_epi16(1);
+  const int32_t *xs = j->xs + m0 * G + gi;
+  for (int r = 0; r < mb; r++) {
+    const __m256i xsv = _mm256_set1_epi32(xs[r * G]);
+    const __m256 d = _mm256_set1_ps(j->xd[(m0 + r) * G + gi]);
+    for (int v = 0; v < nv; v++) {
+      __m256i s = _mm256_madd_epi16(h[r][v], one);
+      if (!first) s = _mm256_add_epi32(s, _mm256_load_si256((const __m256i *)(ab[r] + 8 * v)));
+      if (!last) {
+        _mm256_store_si256((__m256i *)(ab[r] + 8 * v), s);
+        continue;
+      }
+      if (j->z)
+        s = _mm256_add_epi32(
+            s, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16 + 8 * v)), xsv));
+      else /* - off * sum x with off = 8 (a shift: the product from a scalar cost 30% more) */
+        s = _mm256_sub_epi32(s, _mm256_slli_epi32(xsv, 3));
+      _mm256_store_ps(fb[r] + 8 * v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                                     _mm256_mul_ps(d, _mm256_loadu_ps(ps + gi * 16 + 8 * v)),
+                                                     _mm256_load_ps(fb[r] + 8 * v)));
+    }
+  }
+}
+
+/* AVX2, 4 bits, 2 to 4 rows (mb, a constant): the panel's nv vectors of 8 outputs (1: a last panel
+   of 8 or fewer) against mb rows. Per word the nibbles are unpacked once for the rows and each row's
+   activations broadcast once for the vectors; per row vpmaddubsw's pair sums add up in int16 over 4
+   words as above (in registers: 8 chains and the 4 unpacked vectors), one vpmaddwd, then the
+   correction and the group's multiply-add, as on every path. The float sums (and the int32 sums of a
+   group of more than 4 words) wait in memory between groups: they would not fit in the 16 registers
+   beside the chains. gw: the group's words (a constant 4 for groups of 32) */
 KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4blk(
     const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
     int64_t n0, int64_t nn, const int nv, const int64_t gw) {
-  __m256 f[4][2];
+  float fb[4][16] __attribute__((aligned(32)));
+  int32_t ab[4][16] __attribute__((aligned(32)));
   for (int r = 0; r < mb; r++)
-    for (int v = 0; v < nv; v++) f[r][v] = _mm256_setzero_ps();
-  const __m256i lo4 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
-  const int64_t KX = j->KX, G = j->G;
-  const int8_t *x0 = j->xq + m0 * KX;
+    for (int v = 0; v < nv; v++) _mm256_store_ps(fb[r] + 8 * v, _mm256_setzero_ps());
+  const int8_t *x = j->xq + m0 * j->KX;
   const uint8_t *w = pw;
-  for (int64_t gi = 0; gi < G; gi++, w += gw * 64, x0 += gw * 8) {
-    __m256i a[4][2];
-    for (int64_t t0 = 0; t0 < gw; t0 += 4) {
-      const int64_t t1 = gw - t0 < 4 ? gw : t0 + 4;
-      __m256i h[4][2];
-      for (int64_t t = t0; t < t1; t++) {
-        __m256i lo[2], hi[2];
-        for (int v = 0; v < nv; v++) {
-          const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + t * 64 + 32 * v));
-          lo[v] = _mm256_and_si256(wv, lo4);
-          hi[v] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), lo4);
-        }
-        for (int r = 0; r < mb; r++) {
-          const int8_t *x = x0 + r * KX + 8 * t;
-          const __m256i xl = _mm256_set1_epi32(*(const int32_t *)x);
-          const __m256i xh = _mm256_set1_epi32(*(const int32_t *)(x + 4));
-          for (int v = 0; v < nv; v++) {
-            const __m256i p =
-                _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], xl), _mm256_maddubs_epi16(hi[v], xh));
-            h[r][v] = t == t0 ? p : _mm256_add_epi16(h[r][v], p);
-            __asm__("" : "+x"(h[r][v])); /* the sum so far in a register: GCC would otherwise reassociate
-                                            the 8 products of every row and spill them all */
-          }
-        }
-      }
-      for (int r = 0; r < mb; r++)
-        for (int v = 0; v < nv; v++) {
-          const __m256i s = _mm256_madd_epi16(h[r][v], one);
-          a[r][v] = t0 == 0 ? s : _mm256_add_epi32(a[r][v], s);
-        }
+  for (int64_t gi = 0; gi < j->G; gi++, w += gw * 64, x += gw * 8) {
+    if (gw <= 4) {
+      KERNEL_FN_q4run(j, w, x, ps, pz, m0, mb, nv, gi, gw, 1, 1, fb, ab);
+      continue;
     }
-    const int32_t *xs = j->xs + m0 * G + gi;
-    for (int v = 0; v < nv; v++) {
-      const __m256 sv = _mm256_loadu_ps(ps + gi * 16 + 8 * v);
-      for (int r = 0; r < mb; r++) {
-        const __m256i c =
-            j->z ? _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16 + 8 * v)),
-                                      _mm256_set1_epi32(xs[r * G]))
-                 : _mm256_set1_epi32(-(int32_t)j->off * xs[r * G]);
-        f[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(c, a[r][v])),
-                                  _mm256_mul_ps(_mm256_set1_ps(j->xd[(m0 + r) * G + gi]), sv), f[r][v]);
-      }
-    }
+    KERNEL_FN_q4run(j, w, x, ps, pz, m0, mb, nv, gi, 4, 1, 0, fb, ab);
+    int64_t t = 4;
+    for (; t + 4 < gw; t += 4)
+      KERNEL_FN_q4run(j, w + t * 64, x + t * 8, ps, pz, m0, mb, nv, gi, 4, 0, 0, fb, ab);
+    KERNEL_FN_q4run(j, w + t * 64, x + t * 8, ps, pz, m0, mb, nv, gi, gw - t, 0, 1, fb, ab);
   }
-  for (int v = 0; v < nv; v++) {
-    const int64_t cols = nn - 8 * v < 8 ? nn - 8 * v : 8;
-    for (int r = 0; r < mb; r++) {
-      float o[8];
-      _mm256_storeu_ps(o, f[r][v]);
-      memcpy(j->y + (m0 + r) * j->N + n0 + 8 * v, o, (size_t)cols * sizeof(float));
-    }
+  for (int r = 0; r < mb; r++) {
+    float *y = j->y + (m0 + r) * j->N + n0;
+    if (nn == 8 * nv) /* whole vectors: stored as they are (memcpy of a variable size costs more) */
+      for (int v = 0; v < nv; v++) _mm256_storeu_ps(y + 8 * v, _mm256_load_ps(fb[r] + 8 * v));
+    else
+      memcpy(y, fb[r], (size_t)nn * sizeof(float));
   }
 }
 
@@ -872,7 +909,7 @@ static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t
                       has_z ? (const uint8_t *)bufs[3] : NULL, (float *)bufs[3 + has_z], NULL, NULL, NULL,
                       NULL,
                       M, K, N, G, g, gb, GW, XB, G * GW * XB, bits == 8 ? K : K / 2, bits, isa,
-                      0, 0, 0, isa == 3 ? 8 : isa == 1 && bits == 4 ? 3 : 4, 1, packed != 0, 1,
+                      0, 0, 0, isa == 3 ? 8 : 4, 1, packed != 0, 1,
                       packed == 2, 0};
   if (G == 0 || M == 0 || N == 0) {
     for (int64_t i = 0; i < M * N; i++) j.y[i] = 0.0f;
