@@ -633,58 +633,59 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4row(
   memcpy(j->y + m0 * j->N + n0, o, (size_t)nn * sizeof(float));
 }
 
-/* one word of a panel (64 bytes at w) against mb rows (activations at x, rows KX bytes apart): the
-   nibbles unpacked once, each row's activations broadcast once; vpmaddubsw's pair sums start (first)
-   or add to the rows' int16 chains h */
+/* AVX2, 4 bits, 2 to 4 rows (mb, a constant), the panel's two vectors of 8 outputs (lanes past a
+   last panel's outputs are zeros: computed, never stored). One word (64 bytes at w) against the rows
+   (activations at x, rows KX bytes apart): the nibbles unpacked once for the rows, each row's
+   activations broadcast once for both vectors; vpmaddubsw's pair sums start (first) or add to the
+   rows' int16 chains h (8 registers, the unpacked words 4 more: no spills) */
 KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4word(
-    const uint8_t *w, const int8_t *x, int64_t KX, const int mb, const int nv, __m256i h[4][2],
-    const int first) {
+    const uint8_t *w, const int8_t *x, int64_t KX, const int mb, __m256i h[4][2], const int first) {
   const __m256i lo4 = _mm256_set1_epi8(15);
   __m256i lo[2], hi[2];
-  for (int v = 0; v < nv; v++) {
+  for (int v = 0; v < 2; v++) {
     const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * v));
     lo[v] = _mm256_and_si256(wv, lo4);
     hi[v] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), lo4);
   }
   for (int r = 0; r < mb; r++) {
     const __m256i xl = _mm256_set1_epi32(*(const int32_t *)(x + r * KX));
-    for (int v = 0; v < nv; v++) {
+    for (int v = 0; v < 2; v++) {
       const __m256i p = _mm256_maddubs_epi16(lo[v], xl);
       h[r][v] = first ? p : _mm256_add_epi16(h[r][v], p);
       __asm__("" : "+x"(h[r][v])); /* the sum so far in a register: GCC would otherwise reassociate the
                                       8 products of every row and spill them all */
     }
     const __m256i xh = _mm256_set1_epi32(*(const int32_t *)(x + r * KX + 4));
-    for (int v = 0; v < nv; v++) {
+    for (int v = 0; v < 2; v++) {
       h[r][v] = _mm256_add_epi16(h[r][v], _mm256_maddubs_epi16(hi[v], xh));
       __asm__("" : "+x"(h[r][v]));
     }
   }
 }
 
-/* words t0 .. t0 + n - 1 of group gi (n <= 4: one int16 chain a row and vector) against mb rows; the
-   group's int32 sums so far in ab (first: none), and at its last words the correction and the float
-   multiply-add into fb */
+/* words t .. t + n - 1 of group gi (n <= 4: 8 pair sums at most in an int16 chain, as above), then one
+   vpmaddwd a chain; the group's int32 sums so far wait in ab (first: none yet); after its last words
+   the correction and the group's multiply-add into the float sums fb. ab and fb are memory (L1): the
+   16 registers hold the chains. */
 KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4run(
     const KERNEL_FN_ijob *j, const uint8_t *w, const int8_t *x, const float *ps, const int32_t *pz,
-    int64_t m0, const int mb, const int nv, int64_t gi, const int64_t n, const int first, const int last,
-    float fb[4][16], int32_t ab[4][16]) {
+    int64_t m0, const int mb, int64_t gi, const int64_t n, const int first, const int last, float fb[4][16],
+    int32_t ab[4][16]) {
   const int64_t KX = j->KX, G = j->G;
   __m256i h[4][2];
-  KERNEL_FN_q4word(w, x, KX, mb, nv, h, 1);
+  KERNEL_FN_q4word(w, x, KX, mb, h, 1);
   if (n == 4) { /* unrolled: the chains stay in registers */
-    KERNEL_FN_q4word(w + 64, x + 8, KX, mb, nv, h, 0);
-    KERNEL_FN_q4word(w + 128, x + 16, KX, mb, nv, h, 0);
-    KERNEL_FN_q4word(w + 192, x + 24, KX, mb, nv, h, 0);
+    KERNEL_FN_q4word(w + 64, x + 8, KX, mb, h, 0);
+    KERNEL_FN_q4word(w + 128, x + 16, KX, mb, h, 0);
+    KERNEL_FN_q4word(w + 192, x + 24, KX, mb, h, 0);
   } else {
-    for (int64_t t = 1; t < n; t++) KERNEL_FN_q4word(w + t * 64, x + 8 * t, KX, mb, nv, h, 0);
+    for (int64_t t = 1; t < n; t++) KERNEL_FN_q4word(w + t * 64, x + 8 * t, KX, mb, h, 0);
   }
   const __m256i one = _mm256_set1_epi16(1);
-  const int32_t *xs = j->xs + m0 * G + gi;
   for (int r = 0; r < mb; r++) {
-    const __m256i xsv = _mm256_set1_epi32(xs[r * G]);
+    const __m256i xs = _mm256_set1_epi32(j->xs[(m0 + r) * G + gi]);
     const __m256 d = _mm256_set1_ps(j->xd[(m0 + r) * G + gi]);
-    for (int v = 0; v < nv; v++) {
+    for (int v = 0; v < 2; v++) {
       __m256i s = _mm256_madd_epi16(h[r][v], one);
       if (!first) s = _mm256_add_epi32(s, _mm256_load_si256((const __m256i *)(ab[r] + 8 * v)));
       if (!last) {
@@ -693,9 +694,9 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4run(
       }
       if (j->z)
         s = _mm256_add_epi32(
-            s, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16 + 8 * v)), xsv));
-      else /* - off * sum x with off = 8 (a shift: the product from a scalar cost 30% more) */
-        s = _mm256_sub_epi32(s, _mm256_slli_epi32(xsv, 3));
+            s, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pz + gi * 16 + 8 * v)), xs));
+      else /* - off * sum x, off = 8: a shift (the product taken in scalar cost the kernel 30%) */
+        s = _mm256_sub_epi32(s, _mm256_slli_epi32(xs, 3));
       _mm256_store_ps(fb[r] + 8 * v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
                                                      _mm256_mul_ps(d, _mm256_loadu_ps(ps + gi * 16 + 8 * v)),
                                                      _mm256_load_ps(fb[r] + 8 * v)));
@@ -703,39 +704,35 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4run(
   }
 }
 
-/* AVX2, 4 bits, 2 to 4 rows (mb, a constant): the panel's nv vectors of 8 outputs (1: a last panel
-   of 8 or fewer) against mb rows. Per word the nibbles are unpacked once for the rows and each row's
-   activations broadcast once for the vectors; per row vpmaddubsw's pair sums add up in int16 over 4
-   words as above (in registers: 8 chains and the 4 unpacked vectors), one vpmaddwd, then the
-   correction and the group's multiply-add, as on every path. The float sums (and the int32 sums of a
-   group of more than 4 words) wait in memory between groups: they would not fit in the 16 registers
-   beside the chains. gw: the group's words (a constant 4 for groups of 32) */
+/* the panel against rows m0 .. m0 + mb - 1, group by group in runs of 4 words; gw: the group's words
+   (constant 4 for groups of 32, 16 for 128) */
 KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4blk(
     const KERNEL_FN_ijob *j, const uint8_t *pw, const float *ps, const int32_t *pz, int64_t m0, const int mb,
-    int64_t n0, int64_t nn, const int nv, const int64_t gw) {
+    int64_t n0, int64_t nn, const int64_t gw) {
   float fb[4][16] __attribute__((aligned(32)));
   int32_t ab[4][16] __attribute__((aligned(32)));
   for (int r = 0; r < mb; r++)
-    for (int v = 0; v < nv; v++) _mm256_store_ps(fb[r] + 8 * v, _mm256_setzero_ps());
+    for (int v = 0; v < 2; v++) _mm256_store_ps(fb[r] + 8 * v, _mm256_setzero_ps());
   const int8_t *x = j->xq + m0 * j->KX;
   const uint8_t *w = pw;
   for (int64_t gi = 0; gi < j->G; gi++, w += gw * 64, x += gw * 8) {
     if (gw <= 4) {
-      KERNEL_FN_q4run(j, w, x, ps, pz, m0, mb, nv, gi, gw, 1, 1, fb, ab);
+      KERNEL_FN_q4run(j, w, x, ps, pz, m0, mb, gi, gw, 1, 1, fb, ab);
       continue;
     }
-    KERNEL_FN_q4run(j, w, x, ps, pz, m0, mb, nv, gi, 4, 1, 0, fb, ab);
+    KERNEL_FN_q4run(j, w, x, ps, pz, m0, mb, gi, 4, 1, 0, fb, ab);
     int64_t t = 4;
-    for (; t + 4 < gw; t += 4)
-      KERNEL_FN_q4run(j, w + t * 64, x + t * 8, ps, pz, m0, mb, nv, gi, 4, 0, 0, fb, ab);
-    KERNEL_FN_q4run(j, w + t * 64, x + t * 8, ps, pz, m0, mb, nv, gi, gw - t, 0, 1, fb, ab);
+    for (; t + 4 < gw; t += 4) KERNEL_FN_q4run(j, w + t * 64, x + t * 8, ps, pz, m0, mb, gi, 4, 0, 0, fb, ab);
+    KERNEL_FN_q4run(j, w + t * 64, x + t * 8, ps, pz, m0, mb, gi, gw - t, 0, 1, fb, ab);
   }
   for (int r = 0; r < mb; r++) {
     float *y = j->y + (m0 + r) * j->N + n0;
-    if (nn == 8 * nv) /* whole vectors: stored as they are (memcpy of a variable size costs more) */
-      for (int v = 0; v < nv; v++) _mm256_storeu_ps(y + 8 * v, _mm256_load_ps(fb[r] + 8 * v));
-    else
+    if (nn == 16) { /* whole vectors stored as they are (a memcpy of a variable size costs more) */
+      _mm256_storeu_ps(y, _mm256_load_ps(fb[r]));
+      _mm256_storeu_ps(y + 8, _mm256_load_ps(fb[r] + 8));
+    } else {
       memcpy(y, fb[r], (size_t)nn * sizeof(float));
+    }
   }
 }
 
@@ -747,9 +744,9 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4_avx2
   (void)bits;
   if (mb == 1 && j->GW == 4) KERNEL_FN_q4row(j, pw, ps, pz, m0, n0, nn, 4); /* groups of 32 */
   else if (mb == 1) KERNEL_FN_q4row(j, pw, ps, pz, m0, n0, nn, j->GW);
-  else if (nn <= 8) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 1, j->GW); /* one vector's outputs */
-  else if (j->GW == 4) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 2, 4);
-  else KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 2, j->GW);
+  else if (j->GW == 4) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 4);
+  else if (j->GW == 16) KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, 16); /* groups of 128 */
+  else KERNEL_FN_q4blk(j, pw, ps, pz, m0, mb, n0, nn, j->GW);
 }
 
 #define KERNEL_FN_MK256(NAME, TGT, DOT, Q4)                                                             \
