@@ -633,8 +633,8 @@ KERNEL_FN_T2 static inline __attribute__((always_inline)) void KERNEL_FN_q4row(
   memcpy(j->y + m0 * j->N + n0, o, (size_t)nn * sizeof(float));
 }
 
-/* AVX2, 4 bits, 2 to 4 rows (mb, a constant), the panel's two vectors of 8 outputs (lanes past a
-   last panel's outputs are zeros: computed, never stored). One word (64 bytes at w) against the rows
+/* AVX2, 4 bits, 2 to 4 rows (mb, a constant), the panel's two vectors of 8 outputs (the lanes past
+   a last panel's outputs hold zero codes: computed, never stored). One word (64 bytes at w) against the rows
    (activations at x, rows KX bytes apart): the nibbles unpacked once for the rows, each row's
    activations broadcast once for both vectors; vpmaddubsw's pair sums start (first) or add to the
    rows' int16 chains h (8 registers, the unpacked words 4 more: no spills) */
