@@ -545,10 +545,10 @@ def trace_programs(
             top = O.tiled_linear_logprobs(flat, lm_weight(), targets, logit_rows, k=spec.score_top_k,
                                           rows=tiles["score"])  # fmt: skip
             return (*top, cache.pool)
-        every = O.linear(flat, lm_weight())  # (N, V)
+        every = logits(flat)  # (N, V): prefill's head (a quantized one with its int8 activations)
         # (R, V): prefill's bits, picked from every's rows (a tiled linear's row does not depend on
         # the rows beside it: the batch-invariance guarantee), not a second product
-        logits = O.index_select(every, logit_rows)
+        picked = O.index_select(every, logit_rows)
         lse = O.logsumexp(O.cast(every, np.float64), axis=-1, keepdim=True)  # (N, 1), one fused pass
         top, top_ids = O.topk(every, k=spec.score_top_k)  # (N, K): the order of z, on the narrower type
         # z[t] is cast(every[t]) (exact): picked before the cast, so the float64 (N, V) is never
@@ -556,7 +556,7 @@ def trace_programs(
         target = O.gather(every, O.reshape(targets, [-1, 1]), axis=-1)  # (N, 1)
         target_lp = O.reshape(O.cast(target, np.float64) - lse, [-1])  # (N,)
         top_lp = O.cast(top, np.float64) - lse  # (N, K), by the same formula as target_lp
-        return logits, target_lp, top_lp, top_ids, cache.pool
+        return picked, target_lp, top_lp, top_ids, cache.pool
 
     def decode(input_ids, positions, slots, block_tables, kv_len, pool):
         cache = PagedKVCache(pool, slots, block_tables, kv_len)

@@ -112,11 +112,30 @@ def test_engine_is_batch_invariant_and_matches_eager(quantized, compiler):
     assert eng.generate([target], greedy)[0].token_ids == generate(model, [target], max_new_tokens=10)[0]
 
 
+def test_a_scoring_request_beside_a_generation_changes_none_of_its_bits(quantized):
+    """A prefill step with a scoring request runs the score program for every request in it: its
+    quantized lm_head is prefill's (int8 activations), so a generation's first token and logprob are
+    the same beside a scoring request as alone."""
+    model = LlamaForCausalLM.from_pretrained(str(quantized))
+    model.eval()
+    eng = Engine.from_model(model, config=EngineConfig(max_batch=8))
+    rng = np.random.default_rng(5)
+    gen, scored = [rng.integers(3, 4096, n).tolist() for n in (23, 41)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    alone = eng.generate([gen], params)[0]
+    eng.reset_prefix_cache()
+    score = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=5)
+    mixed = eng.generate([gen, scored], [params, score])[0]
+    assert [(x.token_id, x.logprob) for x in mixed.logprobs] == [(x.token_id, x.logprob) for x in alone.logprobs]
+
+
 def test_the_static_file_holds_int8_activation_products(quantized, tmp_path):
     out = tmp_path / "q.llmkit"
     assert cli_main(["export", "--model", str(quantized), "--out", str(out), "--name", "q"]) == 0
     decode = (out / "decode.pir").read_text()
     assert decode.count("act_bits = 8") == 15  # 14 decoder linears and the lm_head
+    # the score program's head is the same product (and the file holds the head once)
+    assert (out / "score.pir").read_text().count("act_bits = 8") == 15
     # compiled programs read the codes as the kernel's panels, packed at export (pack_qweight)
     assert decode.count("packed = 1") == (15 if runs_native(None) else 0)
     sm = jit.load(out, compiler="none")  # without the C kernel: the codes unpacked once, at load
