@@ -126,7 +126,8 @@ def test_a_scoring_request_beside_a_generation_changes_none_of_its_bits(quantize
     eng.reset_prefix_cache()
     score = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=5)
     mixed = eng.generate([gen, scored], [params, score])[0]
-    assert [(x.token_id, x.logprob) for x in mixed.logprobs] == [(x.token_id, x.logprob) for x in alone.logprobs]
+    pairs = [[(x.token_id, x.logprob) for x in c.logprobs] for c in (mixed, alone)]
+    assert pairs[0] == pairs[1]
 
 
 def test_the_static_file_holds_int8_activation_products(quantized, tmp_path):
