@@ -17,7 +17,9 @@ consecutive input columns (column c is in group ``c // group_size``, the last gr
 ``tiled_linear``'s contract: products of exactly ``rows`` rows, so a row's result does not depend
 on the other rows (the engine's batch invariance). With ``act_bits=8`` x is quantized too, to int8
 per row and weight group (:func:`quantize_activations`), and the product is the integer one scaled
-(``compiler/native/quant_int.py`` runs it with integer dot products).
+(``compiler/native/quant_int.py`` runs it with integer dot products). ``quant_linears`` is several
+``quant_linear`` of one x in one op (the engine's q/k/v and gate/up): one kernel call, each output's
+bits those of its own ``quant_linear``.
 
 Neither differentiates the codes or scales (codes are integers, and nothing trains scales);
 ``quant_linear`` with float activations differentiates ``x``: dx = g @ dequantize(qweight, scales,
