@@ -30,10 +30,11 @@ After tracing, passes rewrite them: ``tile-linear`` turns every ``linear`` into
 batch-invariance guarantee (docs/serve.md); ``quantize-linear`` turns those of quantized layers
 (a dequantized weight) into ``quant_linear`` with the same tiles; ``transpose-weights`` makes the
 float weights only those linears read ``[in, out]`` inputs (BLAS's fast layout), or, in compiled
-programs, 16-column panels (the C kernel's), and ``group-quant-linear`` makes the quantized products of
-one input (q/k/v, gate/up) one ``quant_linears`` (one kernel call). The programs capture the model's parameters as inputs
-read at every call, so programs traced from a live model always use its current weights (what RLHF
-rollouts need); :meth:`EngineProgram.capture_arrays` supplies the relaid copies.
+programs, 16-column panels (the C kernel's), and ``group-quant-linear`` makes the quantized products
+of one input (q/k/v, gate/up) one ``quant_linears`` (one kernel call). The programs capture the
+model's parameters as inputs read at every call, so programs traced from a live model always use its
+current weights (what RLHF rollouts need); :meth:`EngineProgram.capture_arrays` supplies the relaid
+copies.
 """
 
 from __future__ import annotations
