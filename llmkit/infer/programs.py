@@ -30,9 +30,11 @@ After tracing, passes rewrite them: ``tile-linear`` turns every ``linear`` into
 batch-invariance guarantee (docs/serve.md); ``quantize-linear`` turns those of quantized layers
 (a dequantized weight) into ``quant_linear`` with the same tiles; ``transpose-weights`` makes the
 float weights only those linears read ``[in, out]`` inputs (BLAS's fast layout), or, in compiled
-programs, 16-column panels (the C kernel's). The programs capture the model's parameters as inputs
-read at every call, so programs traced from a live model always use its current weights (what RLHF
-rollouts need); :meth:`EngineProgram.capture_arrays` supplies the relaid copies.
+programs, 16-column panels (the C kernel's), and ``group-quant-linear`` makes the quantized products
+of one input (q/k/v, gate/up) one ``quant_linears`` (one kernel call). The programs capture the
+model's parameters as inputs read at every call, so programs traced from a live model always use its
+current weights (what RLHF rollouts need); :meth:`EngineProgram.capture_arrays` supplies the relaid
+copies.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from llmkit.framework.ir.rewriter import PatternRewriter, RewritePattern, apply_
 from llmkit.framework.jit.compile import default_compiler
 from llmkit.framework.jit.model_file import trace_specs
 from llmkit.framework.ops.paged import KV_SCALE_BYTES, PANEL, pack_panels
-from llmkit.framework.ops.quant import float_scales, half_scales, pack_qweight, unpack_qweight
+from llmkit.framework.ops.quant import float_scales, half_scales, pack_qweight, unpack_qweight, weight_inputs
 
 O = lf.ops
 
@@ -330,6 +332,42 @@ class FuseSwiGLU(Pass):
         apply_patterns(program, [_FusedSwiGLU()], erase_dead=False)
 
 
+@register_pass
+@dataclass
+class GroupQuantLinear(Pass):
+    """``quant_linear``s of one x with one set of attributes and packed weights (the program's
+    inputs, as ``transpose-weights`` packs them: q/k/v, gate/up) -> one ``quant_linears``: its C
+    kernel quantizes x once and runs all their panels in one parallel loop; each output the same
+    bits. ``unpack_panel_weights`` splits them again."""
+
+    name = "group-quant-linear"
+
+    def apply(self, program: Program) -> None:
+        groups: dict = {}
+        for op in program.function().walk():
+            if op.name == "llm.quant_linear" and op.plain_attrs["packed"]:
+                key = (op.parent, op.operands[0], len(op.operands), *sorted(op.plain_attrs.items()))
+                groups.setdefault(key, []).append(op)
+        rewriter = PatternRewriter()
+        for (_, x, n, *_), ops in ((k, v) for k, v in groups.items() if len(v) > 1):
+            attrs = {**ops[0].plain_attrs, "zeros": n == 4}
+            weights = [w for op in ops for w in op.operands[1:]]
+            new = rewriter.create("llm.quant_linears", [x, *weights], attrs, before=ops[0])
+            for op, y in zip(ops, new.results, strict=True):
+                rewriter.replace_op(op, [y])
+
+
+class _Ungroup(RewritePattern):
+    roots = ("llm.quant_linears",)
+
+    def match_and_rewrite(self, op, rewriter: PatternRewriter) -> None:
+        attrs = dict(op.plain_attrs)
+        x, weights = weight_inputs(op.operands, attrs.pop("zeros"))
+        rewriter.replace_op(
+            op, [rewriter.create("llm.quant_linear", [x, *w], attrs).results[0] for w in weights]
+        )
+
+
 def runs_native(compiler: str | None) -> bool:
     """Whether programs run with ``compiler`` run the ops' C kernels (``tiled_linear`` over panels):
     compiled ("cinn", the default) where a C compiler works."""
@@ -351,6 +389,7 @@ def unpack_panel_weights(functions: Any) -> int:
     once)."""
     done: dict[int, np.ndarray] = {}
     for fn in functions:
+        apply_patterns(fn.program, [_Ungroup()], erase_dead=False)  # the reference kernels, weight by weight
         f = fn.program.function(fn.entry["function"])
         n_in = len(fn.input_specs)
         chosen, codes = set(), {}
@@ -545,10 +584,10 @@ def trace_programs(
             top = O.tiled_linear_logprobs(flat, lm_weight(), targets, logit_rows, k=spec.score_top_k,
                                           rows=tiles["score"])  # fmt: skip
             return (*top, cache.pool)
-        every = O.linear(flat, lm_weight())  # (N, V)
+        every = logits(flat)  # (N, V): prefill's head (a quantized one with its int8 activations)
         # (R, V): prefill's bits, picked from every's rows (a tiled linear's row does not depend on
         # the rows beside it: the batch-invariance guarantee), not a second product
-        logits = O.index_select(every, logit_rows)
+        picked = O.index_select(every, logit_rows)
         lse = O.logsumexp(O.cast(every, np.float64), axis=-1, keepdim=True)  # (N, 1), one fused pass
         top, top_ids = O.topk(every, k=spec.score_top_k)  # (N, K): the order of z, on the narrower type
         # z[t] is cast(every[t]) (exact): picked before the cast, so the float64 (N, V) is never
@@ -556,7 +595,7 @@ def trace_programs(
         target = O.gather(every, O.reshape(targets, [-1, 1]), axis=-1)  # (N, 1)
         target_lp = O.reshape(O.cast(target, np.float64) - lse, [-1])  # (N,)
         top_lp = O.cast(top, np.float64) - lse  # (N, K), by the same formula as target_lp
-        return logits, target_lp, top_lp, top_ids, cache.pool
+        return picked, target_lp, top_lp, top_ids, cache.pool
 
     def decode(input_ids, positions, slots, block_tables, kv_len, pool):
         cache = PagedKVCache(pool, slots, block_tables, kv_len)
@@ -580,6 +619,7 @@ def trace_programs(
             relayout_pass.apply(cp.program)
             layouts = {i - cp.n_args: v for i, v in relayout_pass.layouts.items()}
             FuseSwiGLU().apply(cp.program)
+            GroupQuantLinear().apply(cp.program)
         cp.program.verify()
         out[pname] = EngineProgram(cp, layouts)
     return out, spec

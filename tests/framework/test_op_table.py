@@ -1189,6 +1189,31 @@ case(
     ),
 )
 
+
+def _quants_samples(rng):
+    """Two or three weights of one x (out 3, 2, 4), with and without zeros."""
+    out = []
+    for bits, g, asym, outs in [(8, 4, False, (3, 2)), (4, 4, False, (3, 2, 4)), (4, -1, True, (2, 3))]:
+        x, ins = r(rng, 2, 8), []
+        for o in outs:
+            groups = 1 if g == -1 else -(-8 // g)
+            ins += [_codes(rng, o, 8, bits)[1], pos(rng, o, groups)]
+            ins += [rng.integers(0, 16, (o, groups)).astype(np.uint8)] if asym else []
+        keep = ((0, 1), *((j, ax) for j in range(1, len(ins) + 1) for ax in (0, 1)))
+        out.append(S([x, *ins], {"bits": bits, "group_size": g, "rows": 1, "zeros": asym}, keep=keep))
+    return out
+
+
+def _quants_ref(x, *ws, bits=4, group_size=128, rows=0, zeros=False):
+    k = 3 if zeros else 2
+    return tuple(
+        np.einsum("...i,oi->...o", x, _dequant_ref(*ws[i : i + k], bits=bits, group_size=group_size))
+        for i in range(0, len(ws), k)
+    )
+
+
+case("quant_linears", _quants_samples, _quants_ref)
+
 # ---- the walk -----------------------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ import llmkit.framework as lf
 from llmkit.cli import main as cli_main
 from llmkit.framework import jit, nn
 from llmkit.generate import generate
-from llmkit.infer import Engine, EngineConfig, SamplingParams
+from llmkit.infer import Engine, EngineConfig, SamplingParams, programs
 from llmkit.infer.programs import runs_native, unpack_panel_weights
 from llmkit.models.llama import LlamaConfig, LlamaForCausalLM
 from llmkit.models.llama.checkpoint import CheckpointError
@@ -112,16 +112,39 @@ def test_engine_is_batch_invariant_and_matches_eager(quantized, compiler):
     assert eng.generate([target], greedy)[0].token_ids == generate(model, [target], max_new_tokens=10)[0]
 
 
+def test_a_scoring_request_beside_a_generation_changes_none_of_its_bits(quantized):
+    """A prefill step with a scoring request runs the score program for every request in it: its
+    quantized lm_head is prefill's (int8 activations), so a generation's first token and logprob are
+    the same beside a scoring request as alone."""
+    model = LlamaForCausalLM.from_pretrained(str(quantized))
+    model.eval()
+    eng = Engine.from_model(model, config=EngineConfig(max_batch=8))
+    rng = np.random.default_rng(5)
+    gen, scored = [rng.integers(3, 4096, n).tolist() for n in (23, 41)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    alone = eng.generate([gen], params)[0]
+    eng.reset_prefix_cache()
+    score = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=5)
+    mixed = eng.generate([gen, scored], [params, score])[0]
+    pairs = [[(x.token_id, x.logprob) for x in c.logprobs] for c in (mixed, alone)]
+    assert pairs[0] == pairs[1]
+
+
 def test_the_static_file_holds_int8_activation_products(quantized, tmp_path):
     out = tmp_path / "q.llmkit"
     assert cli_main(["export", "--model", str(quantized), "--out", str(out), "--name", "q"]) == 0
     decode = (out / "decode.pir").read_text()
-    assert decode.count("act_bits = 8") == 15  # 14 decoder linears and the lm_head
-    # compiled programs read the codes as the kernel's panels, packed at export (pack_qweight)
-    assert decode.count("packed = 1") == (15 if runs_native(None) else 0)
+    # 14 decoder linears and the lm_head; compiled programs read the codes as the kernel's panels,
+    # packed at export (pack_qweight), q/k/v and gate/up of a layer in one op each (quant_linears)
+    products = 9 if runs_native(None) else 15
+    assert decode.count("act_bits = 8") == products
+    assert decode.count("packed = 1") == (products if runs_native(None) else 0)
+    # the score program's head is the same product (and the file holds the head once)
+    assert (out / "score.pir").read_text().count("act_bits = 8") == products
     sm = jit.load(out, compiler="none")  # without the C kernel: the codes unpacked once, at load
     assert unpack_panel_weights(sm.programs.values()) >= (15 if runs_native(None) else 0)
-    assert "packed = 1" not in str(sm.programs["decode"].program)
+    unpacked = str(sm.programs["decode"].program)  # and the products weight by weight again
+    assert "packed = 1" not in unpacked and unpacked.count("llm.quant_linear(") == 15
     assert "model_embed_tokens_qweight" in decode
 
 
@@ -145,8 +168,9 @@ def test_float16_scales_are_stored_as_float16_and_old_files_give_the_same_bits(s
     manifest = json.loads((old / "manifest.json").read_text())
     (old / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
     native = runs_native(None)
-    assert (new / "decode.pir").read_text().count("packed = 2") == (15 if native else 0)
-    assert (old / "decode.pir").read_text().count("packed = 1") == (15 if native else 0)
+    # 15 products in 9 ops (q/k/v and gate/up of a layer in one quant_linears each)
+    assert (new / "decode.pir").read_text().count("packed = 2") == (9 if native else 0)
+    assert (old / "decode.pir").read_text().count("packed = 1") == (9 if native else 0)
     if native:
         scales = jit.load(new).weights["model.layers.0.mlp.down_proj.scales.H"]
         want = model.model.layers[0].mlp.down_proj.scales.numpy()  # [out, groups], out % 16 == 0
@@ -164,6 +188,42 @@ def test_float16_scales_are_stored_as_float16_and_old_files_give_the_same_bits(s
         first = [(x.token_id, x.logprob) for x in got[0].logprobs]
         assert all([(x.token_id, x.logprob) for x in g.logprobs] == first for g in got[1:]), compiler
         assert all(g.token_ids == got[0].token_ids for g in got)
+
+
+def test_grouped_products_give_the_bits_of_the_separate_ones(quantized, tmp_path, monkeypatch):
+    """q/k/v and gate/up as one ``quant_linears`` each (``group-quant-linear``; static format version
+    3) against the separate ``quant_linear``s (the pass off, and a version-2 file as llmkit wrote it
+    before): the same tokens and log-probs bit for bit, from the model and from the file, compiled
+    and with the reference kernels, alone and in a batch."""
+    new, old = tmp_path / "new.llmkit", tmp_path / "old.llmkit"
+    model = LlamaForCausalLM.from_pretrained(str(quantized))
+    model.eval()
+    assert cli_main(["export", "--model", str(quantized), "--out", str(new), "--name", "q"]) == 0
+    engines = [Engine.from_model(model, config=EngineConfig(max_batch=4))]
+    with monkeypatch.context() as mp:
+        mp.setattr(programs.GroupQuantLinear, "apply", lambda self, program: None)
+        assert cli_main(["export", "--model", str(quantized), "--out", str(old), "--name", "q"]) == 0
+        engines.append(Engine.from_model(model, config=EngineConfig(max_batch=4)))
+    manifest = json.loads((old / "manifest.json").read_text())
+    (old / "manifest.json").write_text(json.dumps({**manifest, "format_version": 2}))
+    native = runs_native(None)
+    assert (new / "decode.pir").read_text().count("llm.quant_linears(") == (4 if native else 0)  # 2 layers
+    assert "llm.quant_linears(" not in (old / "decode.pir").read_text()
+    engines += [Engine.from_static(path, EngineConfig(max_batch=4)) for path in (new, old)]
+    rng = np.random.default_rng(9)
+    target, *others = [rng.integers(3, 4096, n).tolist() for n in (23, 6, 41)]
+    params = [SEEDED] + [SEEDED.replace(seed=k) for k in range(2)]
+    for compiler in ("cinn", "none"):  # "none": the reference kernels, another arithmetic
+        if compiler == "none":
+            engines = [Engine.from_static(p, EngineConfig(max_batch=4, compiler="none")) for p in (new, old)]
+        got = [
+            g
+            for eng in engines
+            for g in (eng.generate([target], SEEDED)[0], eng.generate([target, *others], params)[0])
+        ]
+        first = [(x.token_id, x.logprob) for x in got[0].logprobs]
+        for i, g in enumerate(got[1:]):
+            assert [(x.token_id, x.logprob) for x in g.logprobs] == first, (compiler, i)
 
 
 def test_old_files_load_as_weight_only_and_newer_ones_are_clear_errors(quantized, tmp_path):

@@ -11,8 +11,9 @@ A directory (``model.llmkit/``)::
 The format is versioned apart from the package (``FORMAT_VERSION``); a loader reads the manifest
 first and never guesses a format from a file name. Loading needs only llmkit.framework: no model
 code. Truncated, corrupted or newer-version files fail with :class:`FormatError`. Versions: 1; 2,
-whose programs may hold ``quant_linear`` with ``packed=2`` (float16 scales). A loader reads every
-version up to its own.
+whose programs may hold ``quant_linear`` with ``packed=2`` (float16 scales); 3, and ``quant_linears``
+(the engine's products of one input, q/k/v and gate/up, in one op). A loader reads every version up
+to its own.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from ..tensor import Tensor
 from .static_function import ConcreteProgram, InputSpec, StaticFunction, to_static
 
 FORMAT = "llmkit.static"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 

@@ -17,7 +17,9 @@ consecutive input columns (column c is in group ``c // group_size``, the last gr
 ``tiled_linear``'s contract: products of exactly ``rows`` rows, so a row's result does not depend
 on the other rows (the engine's batch invariance). With ``act_bits=8`` x is quantized too, to int8
 per row and weight group (:func:`quantize_activations`), and the product is the integer one scaled
-(``compiler/native/quant_int.py`` runs it with integer dot products).
+(``compiler/native/quant_int.py`` runs it with integer dot products). ``quant_linears`` is several
+``quant_linear`` of one x in one op (the engine's q/k/v and gate/up): one kernel call, each output's
+bits those of its own ``quant_linear``.
 
 Neither differentiates the codes or scales (codes are integers, and nothing trains scales);
 ``quant_linear`` with float activations differentiates ``x``: dx = g @ dequantize(qweight, scales,
@@ -109,15 +111,16 @@ def _quant_attrs() -> list:
     ]
 
 
-def _weight_spmd(x: int):
+def _weight_spmd(x: int, group: bool = False):
     """Output features (dim 0 of qweight, scales, zeros at inputs x.., the output's last dim) and,
-    with an ``x`` input (quant_linear), its rows."""
+    with an ``x`` input (quant_linear), its rows; with ``group`` (quant_linears), every output's."""
 
     def strategies(ctx):
         n = len(ctx.metas)
         out_nd = 2 if x == 0 else ctx.metas[0].ndim
-        rows = [((d,) + (None,) * (n - 1), (d,)) for d in range(out_nd - 1)] if x else []
-        feat = ((None,) * x + (0,) * (n - x), (out_nd - 1 if x else 0,))
+        outs = (n - 1) // (3 if ctx.attrs["zeros"] else 2) if group else 1
+        rows = [((d,) + (None,) * (n - 1), (d,) * outs) for d in range(out_nd - 1)] if x else []
+        feat = ((None,) * x + (0,) * (n - x), (out_nd - 1 if x else 0,) * outs)
         return P.dim_map(ctx, [*rows, feat])
 
     return P.Rule(strategies)
@@ -268,15 +271,17 @@ def _ql_kernel(xp, x, qweight, scales, zeros=None, bits=4, group_size=128, rows=
     return _linear_kernel(xp, x, w)
 
 
+_QL_ATTRS = [
+    *_quant_attrs(),
+    attr("rows", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0"),
+    attr("act_bits", A.INT, 0, lambda v: None if v in ACT_BITS else "must be 0 (float) or 8"),
+    attr("packed", A.INT, 0, lambda v: None if v in (0, 1, 2) else "must be 0, 1 or 2"),
+]
+
 engine_op(
     "quant_linear",
     ("x", "qweight", "scales", "zeros?"),
-    [
-        *_quant_attrs(),
-        attr("rows", A.INT, 0, lambda v: None if v >= 0 else "must be >= 0"),
-        attr("act_bits", A.INT, 0, lambda v: None if v in ACT_BITS else "must be 0 (float) or 8"),
-        attr("packed", A.INT, 0, lambda v: None if v in (0, 1, 2) else "must be 0, 1 or 2"),
-    ],
+    _QL_ATTRS,
     _ql_meta,
     _ql_kernel,
     spmd=_weight_spmd(1),
@@ -289,4 +294,37 @@ engine_op(
     "y = sum over groups of (d * scale) * the integer product; 0: x stays float. packed=1 (with "
     "act_bits=8): qweight is pack_qweight's panels; packed=2: and scales float16 (half_scales). "
     "Gradient: x only, g @ dequantize(...), with act_bits=0.",
+)
+
+
+def weight_inputs(xs, zeros: bool = False) -> tuple:
+    """x and each weight's (qweight, scales[, zeros]) among ``quant_linears``' inputs."""
+    k = 3 if zeros else 2
+    if len(xs) < 1 + k or (len(xs) - 1) % k:
+        each = ", zeros" * zeros
+        raise OpError(f"quant_linears: takes x, then (qweight, scales{each}) per weight; got {len(xs)}", *xs)
+    return xs[0], [tuple(xs[i : i + k]) for i in range(1, len(xs), k)]
+
+
+def _per_weight(fn, lead, xs, zeros, attrs):  # quant_linear's meta or kernel, weight by weight
+    x, ws = weight_inputs(xs, zeros)
+    out = []
+    for i, w in enumerate(ws):
+        try:
+            out.append(fn(*lead, x, *w, **attrs))
+        except OpError as e:
+            raise OpError(f"quant_linears: weight {i}: {e}") from None
+    return tuple(out)
+
+
+engine_op(
+    "quant_linears",
+    ("*xs",),
+    [*_QL_ATTRS, attr("zeros", A.BOOL, False)],
+    lambda *xs, zeros=False, **a: _per_weight(_ql_meta, (), xs, zeros, a),
+    lambda xp, *xs, zeros=False, **a: _per_weight(_ql_kernel, (xp,), xs, zeros, a),
+    multi_output=True,
+    spmd=_weight_spmd(1, group=True),
+    doc="quant_linear of several weights of one x (inputs x, then each weight's qweight, scales and, with "
+    "zeros, zeros; attributes shared), one output each, bit for bit: one kernel call (q/k/v; gate/up).",
 )

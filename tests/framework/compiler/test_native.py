@@ -103,6 +103,7 @@ def test_the_engines_ops_declare_it_and_have_their_kernels():
         "paged_attention",
         "paged_kv_write",
         "quant_linear",
+        "quant_linears",
         "tiled_linear",
         "tiled_linear_logprobs",
         "tiled_linear_swiglu",

@@ -335,3 +335,51 @@ def test_f16c_is_switched_off_by_name(monkeypatch):
     monkeypatch.setenv("LLMKIT_F16C", "no")
     with pytest.raises(IsaError, match="LLMKIT_F16C must be auto or off, got 'no'"):
         f16c_code()
+
+
+@pytest.fixture(scope="module")
+def grouped() -> NativeOp:
+    spec = table()["quant_linears"]
+    return NativeOp(spec, build_c(spec.native.source))
+
+
+@pytest.mark.parametrize("m", [1, 33])
+@pytest.mark.parametrize(
+    "bits,group,asym,packed", [(8, -1, False, 1), (8, 32, False, 2), (4, 32, False, 2), (4, 128, True, 1)]
+)
+def test_weights_of_one_x_in_one_call_give_each_weights_own_bits(
+    op, grouped, isa, m, bits, group, asym, packed
+):
+    """``quant_linears``: one x against three weights (200, 37 and 300 outputs: partial last panels,
+    and the threads' runs of panels crossing from one weight into the next) in one call: each
+    output the bits of that weight's own ``quant_linear``, the float64 formula, rows independent;
+    the reference kernel the formula too."""
+    rng = np.random.default_rng(m + bits + group)
+    x = rng.standard_normal((m, 256)).astype(np.float32)
+    attrs = {"bits": bits, "group_size": group, "act_bits": 8, "packed": packed}
+    inputs, alone, want = [x], [], []
+    for out in (200, 37, 300):
+        qz, w, col = half_weights(rng, bits, out, 256, group, asym)
+        stored = [pack_qweight(w[0], bits, group), half_scales(w[1]) if packed == 2 else w[1], *w[2:]]
+        inputs += stored
+        alone.append(op(np, x, *stored, **attrs))
+        want.append(reference(x, qz, w[1], col))
+    ys = grouped(np, *inputs, zeros=asym, **attrs)
+    ref = table()["quant_linears"].kernel(np, *inputs, zeros=asym, **attrs)
+    last = grouped(np, x[-1:], *inputs[1:], zeros=asym, **attrs)
+    for y, y1, (f64, tol), r, row in zip(ys, alone, want, ref, last, strict=True):
+        assert y.shape == y1.shape and np.array_equal(y, y1)
+        assert np.all(np.abs(y - f64) <= tol + 1e-30) and np.all(np.abs(r - f64) <= tol + 1e-30)
+        assert np.array_equal(row, y[-1:])
+
+
+def test_quant_linears_name_what_is_wrong():
+    from llmkit.framework.opspec import OpError
+
+    spec = table()["quant_linears"]
+    _, w, _ = weights(np.random.default_rng(0), 4, 16, 64, 32, False)
+    x = np.zeros((1, 64), np.float32)
+    with pytest.raises(OpError, match=r"takes x, then \(qweight, scales, zeros\) per weight; got 3"):
+        spec.infer_meta(x, *w, bits=4, group_size=32, zeros=True)
+    with pytest.raises(OpError, match=r"weight 1: quant_linear: scales must be \[out, ceil"):
+        spec.infer_meta(x, *w, w[0], w[1][:, :1], bits=4, group_size=32)

@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from ...ops.quant import weight_inputs
 from .attach import native_kernel
 from .quant_int import QUANT_INT, f16c_code, int_isa_code
 from .simd import VEC
@@ -246,7 +247,7 @@ static void KERNEL_FN_float(void **bufs, const int64_t *sizes, int64_t nthreads)
    packed (act_bits 8: qweight in panels; 2: and scales float16), f16c (0: float16 scales widened in C) */
 void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
   if (sizes[6] == 8)
-    KERNEL_FN_int8(bufs, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[7], sizes[8],
+    KERNEL_FN_int8(bufs, 1, sizes + 2, sizes[0], sizes[1], sizes[3], sizes[4], sizes[5], sizes[7], sizes[8],
                    sizes[9], nthreads);
   else
     KERNEL_FN_float(bufs, sizes, nthreads);
@@ -284,6 +285,26 @@ def _applies(x, qweight, scales, zeros=None, bits=4, group_size=128, rows=0, act
 
 
 native_kernel("quant_linear", QUANT_LINEAR, sizes=_sizes, applies=_applies)
+
+
+def _group_sizes(*xs, zeros=False, **attrs):  # quant_linear's of the first weight, W, every weight's N
+    x, ws = weight_inputs(xs, zeros)
+    return [*_sizes(x, *ws[0], **attrs), len(ws), *(w[1].shape[0] for w in ws)]
+
+
+def _group_applies(*xs, zeros=False, **attrs):
+    x, ws = weight_inputs(xs, zeros)
+    return attrs["act_bits"] == 8 and all(_applies(x, *w, **attrs) for w in ws)
+
+
+QUANT_LINEARS_ENTRY = r"""
+/* quant_linears: sizes as quant_linear's (act_bits 8) of its first weight, then W and every weight's N */
+void KERNEL_FN(void **bufs, const int64_t *sizes, int64_t nthreads) {
+  KERNEL_FN_int8(bufs, sizes[10], sizes + 11, sizes[0], sizes[1], sizes[3], sizes[4], sizes[5], sizes[7],
+                 sizes[8], sizes[9], nthreads);
+}
+"""
+native_kernel("quant_linears", QUANT_INT + QUANT_LINEARS_ENTRY, sizes=_group_sizes, applies=_group_applies)
 
 DEQUANTIZE = r"""
 #include <stdint.h>

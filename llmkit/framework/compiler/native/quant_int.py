@@ -146,6 +146,7 @@ typedef struct {
   uint8_t *pbuf;
   int64_t M, K, N, G, g, gb, GW, XB, KX, RB, bits, isa, off, flip, pstride, mr, nt, packed, pc;
   int64_t hs, f16c; /* s holds float16 scales (packed=2); convert them with F16C */
+  int64_t nw; /* weights of one x (quant_linears): this job and the nw - 1 after it */
 } KERNEL_FN_ijob;
 
 /* a float16 number as float32 (exact: every float16 is one), in plain C */
@@ -879,37 +880,51 @@ static void KERNEL_FN_ipanel(const KERNEL_FN_ijob *j, int64_t c, int64_t worker)
   }
 }
 
-/* one claim: panels c * pc .. (c + 1) * pc - 1 (consecutive panels: one stream of memory a thread,
-   which the prefetchers follow better than every other panel) */
+/* one claim: panels c * pc .. (c + 1) * pc - 1, numbered across the weights' jobs (consecutive
+   panels: one stream of memory a thread, which the prefetchers follow better than every other panel) */
 static void KERNEL_FN_ipanels(void *arg, int64_t c, int64_t worker) {
-  const KERNEL_FN_ijob *j = (const KERNEL_FN_ijob *)arg;
-  const int64_t panels = (j->N + KERNEL_FN_NR - 1) / KERNEL_FN_NR, p1 = (c + 1) * j->pc;
+  const KERNEL_FN_ijob *j = (const KERNEL_FN_ijob *)arg, *end = j + j->nw;
+  int64_t p = c * j->pc, left = j->pc;
+  for (; j < end && left > 0; j++) {
+    const int64_t panels = (j->N + KERNEL_FN_NR - 1) / KERNEL_FN_NR;
+    const int64_t p1 = p + left < panels ? p + left : panels;
+    if (p >= panels) { /* the claim starts in a later weight */
+      p -= panels;
+      continue;
+    }
 #ifdef KERNEL_FN_X86
-  if (j->M == 1 && j->packed) { /* the first 4 KiB of the claim's stream asked for at once */
-    const int64_t pb = j->G * j->GW * 4 * KERNEL_FN_NR, n = ((p1 < panels ? p1 : panels) - c * j->pc) * pb;
-    const char *at = (const char *)j->q + c * j->pc * pb;
-    for (int64_t b = 0; b < 4096 && b < n; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
-  }
+    if (j->M == 1 && j->packed) { /* the first 4 KiB of the claim's stream asked for at once */
+      const int64_t pb = j->G * j->GW * 4 * KERNEL_FN_NR, n = (p1 - p) * pb;
+      const char *at = (const char *)j->q + p * pb;
+      for (int64_t b = 0; b < 4096 && b < n; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+    }
 #endif
-  for (int64_t p = c * j->pc; p < p1 && p < panels; p++) KERNEL_FN_ipanel(j, p, worker);
+    left -= p1 - p;
+    for (; p < p1; p++) KERNEL_FN_ipanel(j, p, worker);
+    p = 0;
+  }
 }
 
-/* bufs: x [M, K], qweight ([N, K] int8 | [N, K / 2] uint8, or with `packed` its panels [ceil(N / NR),
-   G * GW * 4 * NR] uint8), scales [N, G] (float32; float16 with packed 2), zeros?, y [M, N], status;
-   g: group columns; f16c: 0 converts float16 scales in plain C even where the CPU has F16C */
-static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t bits, int64_t g,
-                           int64_t has_z, int64_t want, int64_t packed, int64_t f16c, int64_t nthreads) {
-  int64_t *status = (int64_t *)bufs[4 + has_z];
+/* W products of one x: bufs: x [M, K], then each weight's qweight ([N, K] int8 | [N, K / 2] uint8, or
+   with `packed` its panels [ceil(N / NR), G * GW * 4 * NR] uint8), scales [N, G] (float32; float16
+   with packed 2) and zeros?, then each weight's y [M, N] (N = Ns[w]), status; g: group columns; f16c:
+   0 converts float16 scales in plain C even where the CPU has F16C. x is quantized once; the threads
+   claim runs of the weights' panels, each panel computed as the weight's alone would be. */
+static void KERNEL_FN_int8(void **bufs, int64_t W, const int64_t *Ns, int64_t M, int64_t K, int64_t bits,
+                           int64_t g, int64_t has_z, int64_t want, int64_t packed, int64_t f16c,
+                           int64_t nthreads) {
+  int64_t *status = (int64_t *)bufs[1 + W * (3 + has_z)], panels = 0, N = 0;
   const int64_t G = K > 0 ? (K + g - 1) / g : 0, gb = bits == 8 ? g : g / 2, GW = (gb + 3) / 4;
   const int64_t isa = KERNEL_FN_pick(want), XB = bits == 8 ? 4 : 8;
-  KERNEL_FN_ijob j = {(const float *)bufs[0], (const float *)bufs[2], (const uint8_t *)bufs[1],
-                      has_z ? (const uint8_t *)bufs[3] : NULL, (float *)bufs[3 + has_z], NULL, NULL, NULL,
-                      NULL,
-                      M, K, N, G, g, gb, GW, XB, G * GW * XB, bits == 8 ? K : K / 2, bits, isa,
+  KERNEL_FN_ijob js[W > 0 ? W : 1];
+  KERNEL_FN_ijob j = {(const float *)bufs[0], NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                      M, K, 0, G, g, gb, GW, XB, G * GW * XB, bits == 8 ? K : K / 2, bits, isa,
                       0, 0, 0, isa == 3 ? 8 : 4, 1, packed != 0, 1,
-                      packed == 2, 0};
+                      packed == 2, 0, W};
+  for (int64_t w = 0; w < W; w++) N += Ns[w], panels += (Ns[w] + KERNEL_FN_NR - 1) / KERNEL_FN_NR;
   if (G == 0 || M == 0 || N == 0) {
-    for (int64_t i = 0; i < M * N; i++) j.y[i] = 0.0f;
+    for (int64_t w = 0; w < W; w++)
+      memset(bufs[1 + W * (2 + has_z) + w], 0, (size_t)(M * Ns[w]) * sizeof(float));
     return;
   }
 #ifdef KERNEL_FN_X86
@@ -920,7 +935,6 @@ static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t
   j.flip = bits == 8 && isa >= 2; /* vpdpbusd: unsigned codes q + 128, flipped as they are read */
   j.off = bits == 8 ? (j.flip ? 128 : 0) : (has_z ? 0 : 8);
   int64_t nt = M * N * K < (1 << 17) || nthreads < 1 ? 1 : nthreads;
-  const int64_t panels = (N + KERNEL_FN_NR - 1) / KERNEL_FN_NR;
   if (nt > panels) nt = panels;
   j.pstride = (G * GW * 4 * KERNEL_FN_NR + 3 * G * KERNEL_FN_NR * 4 + 63) / 64 * 64;
   const size_t rg = (size_t)M * (size_t)G;
@@ -934,7 +948,13 @@ static void KERNEL_FN_int8(void **bufs, int64_t M, int64_t K, int64_t N, int64_t
     llmkit_par_for((M + 7) / 8, M * K < (1 << 15) ? 1 : nthreads, KERNEL_FN_quantize_rows, &j);
     /* one row: a claim a thread (each one stream of memory, ahead of its prefetches); else about 8 */
     j.pc = M == 1 ? (panels + nt - 1) / nt : nt > 1 && panels > 8 * nt ? panels / (8 * nt) : 1;
-    llmkit_par_for((panels + j.pc - 1) / j.pc, nt, KERNEL_FN_ipanels, &j);
+    for (int64_t w = 0; w < W; w++) { /* the weights' jobs: all but the tensors and N the same */
+      void **t = bufs + 1 + w * (2 + has_z);
+      js[w] = j;
+      js[w].q = (const uint8_t *)t[0], js[w].s = (const float *)t[1], js[w].N = Ns[w];
+      js[w].z = has_z ? (const uint8_t *)t[2] : NULL, js[w].y = (float *)bufs[1 + W * (2 + has_z) + w];
+    }
+    llmkit_par_for((panels + j.pc - 1) / j.pc, nt, KERNEL_FN_ipanels, js);
   }
   free(j.xq);
   free(j.xd);
