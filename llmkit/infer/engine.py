@@ -185,8 +185,9 @@ class Engine:
 
         config = config or EngineConfig()
         # the score program (echo, prompt_logprobs) is parsed at its first use: most servers never
-        # run it (not deferred where its weights are unpacked or its pool retyped with the others')
-        lazy = ("score",) if runs_native(config.compiler) and config.kv_dtype is None else ()
+        # run it (not deferred where its weights are unpacked with the others'; its pool is retyped,
+        # for another KV dtype, when the runner binds it)
+        lazy = ("score",) if runs_native(config.compiler) else ()
         sm = jit.load(path, compiler=config.compiler, lazy=lazy)
         spec, tokenizer = _check_static(sm)
         spec = cls._kv_spec(config, spec)

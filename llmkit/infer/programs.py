@@ -429,9 +429,12 @@ def unpack_panel_weights(functions: Any) -> int:
 
 def retype_pool(functions: Any, spec: ModelSpec) -> None:
     """Loaded programs (``jit.load``'s functions) made to take ``spec``'s KV pool (an int8 one): the
-    pool argument and the pools ``paged_kv_write`` returns change type (the ops' kernels follow)."""
+    pool argument and the pools ``paged_kv_write`` returns change type (the ops' kernels follow);
+    a program whose pool has that type already stays as it is."""
     dtype = np.dtype(B.dtype(spec.pool_dtype))
     for fn in functions:
+        if fn.program.function(fn.entry["function"]).args[len(fn.input_specs) - 1].dtype == dtype:
+            continue
 
         def edit(program: Program, fn: Any = fn) -> None:
             f = program.function(fn.entry["function"])

@@ -26,6 +26,7 @@ from .programs import (
     PREFILL_TILE,
     EngineProgram,
     ModelSpec,
+    retype_pool,
     trace_programs,
 )
 
@@ -178,10 +179,13 @@ class ModelRunner:
         """Programs of a static model file (``jit.load``); needs no model code. ``spec``: the file's,
         or with another KV dtype (the programs retyped: ``retype_pool``). The score program is bound
         at its first use (``jit.load`` may have deferred parsing it until then)."""
-        spec = spec or ModelSpec.from_dict(static_model.metadata["engine"])
+        own = ModelSpec.from_dict(static_model.metadata["engine"])
+        spec = spec or own
 
         def bind(name: str) -> ProgramFn:
             fn = static_model.program(name)
+            if spec.kv_dtype != own.kv_dtype:  # each program as it is bound (score: at its first use)
+                retype_pool([fn], spec)
             return lambda arrays: tuple(fn(*arrays))
 
         score = (lambda: bind("score")) if "score" in static_model.manifest["programs"] else None

@@ -155,5 +155,13 @@ def test_a_static_file_serves_an_int8_cache_as_its_model_does(tmp_path, tok):
     assert [signature(o) for o in served.generate(prompts, SEEDED)] == live
     again = Engine.from_static(path, config)  # the retyped programs as compiled and cached
     assert [signature(o) for o in again.generate(prompts, SEEDED)] == live
+    # the score program, parsed and retyped at its first use, scores as the model's does
+    scored = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=3)
+
+    def scores(engine):
+        outs = engine.generate(prompts, scored)
+        return [[x and (x.token_id, x.logprob, tuple(x.top)) for x in o.prompt_logprobs] for o in outs]
+
+    assert scores(again) == scores(Engine.from_model(model, config=config))
     with pytest.raises(EngineConfigError, match="kv_dtype.*float32.*int8, got 'int4'"):
         Engine.from_static(path, EngineConfig(kv_dtype="int4"))
